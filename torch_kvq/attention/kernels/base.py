@@ -1,0 +1,63 @@
+"""The attention-kernel interface the ``kvq::*`` ops dispatch to.
+
+A kernel plans once per batch (outside the graph) and then serves the ops of the layers it was
+planned for. Which kernel serves a layer, with which query and output dtype, is decided from the
+layer's ``LayerKVSpec`` and the capability table, never from a global cache dtype.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Protocol
+
+import torch
+
+from torch_kvq.spec import FP8_MAX, LayerKVSpec
+
+if TYPE_CHECKING:
+    from torch_kvq.attention.context import ForwardContext
+
+
+class KernelUnsupportedError(RuntimeError):
+    """A kernel was asked to serve a layer (or device) it cannot serve. We never fall back."""
+
+
+class AttentionKernel(Protocol):
+    name: str
+
+    def check_supported(self, spec: LayerKVSpec) -> None:
+        """Raise ``KernelUnsupportedError`` naming the layer and the reason if it cannot serve."""
+
+    def plan(self, ctx: ForwardContext, specs: list[LayerKVSpec]) -> None:
+        """Prepare for the batch in ``ctx.metadata`` (called once per forward context)."""
+
+    def attend(
+        self,
+        ctx: ForwardContext,
+        spec: LayerKVSpec,
+        q: torch.Tensor,
+        kv_cache: torch.Tensor,
+        k_scale: float,
+        v_scale: float,
+        output_scale: float | None,
+    ) -> torch.Tensor:
+        """Paged attention for the batch's new tokens.
+
+        q [T, num_heads, head_size] in ``spec.model_dtype``; kv_cache
+        [pages, 2, page_size, kv_heads, head_size] in the model dtype (scales 1.0) or FP8 (read
+        in place with ``k_scale`` / ``v_scale``). Returns [T, num_heads, head_size] in the model
+        dtype, or float8_e4m3fn scaled by ``1 / output_scale`` when ``output_scale`` is given.
+        """
+
+
+def quantize_fp8(x: torch.Tensor, scale: float) -> torch.Tensor:
+    """Static per-tensor FP8 quantization: ``clamp(x / scale, -448, 448)`` in fp32, cast to e4m3."""
+    return (x.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+
+
+def write_kv(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """Scatter k/v [T, kv_heads, head_size] into ``kv_cache`` at flat ``slot_mapping`` [T] slots."""
+    page_size = kv_cache.shape[2]
+    pages = torch.div(slot_mapping, page_size, rounding_mode="floor")
+    offsets = slot_mapping - pages * page_size
+    kv_cache[pages, 0, offsets] = k
+    kv_cache[pages, 1, offsets] = v

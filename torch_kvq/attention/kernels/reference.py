@@ -1,0 +1,91 @@
+"""The reference kernel: pure torch paged attention, CPU and GPU. The oracle for every test.
+
+GQA, causal masking, sliding window (a query at position p sees keys at p - window < pos <= p),
+logit soft-cap, FP8 caches read in place with k/v scales, optional FP8 output. Math in fp32.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from torch_kvq.attention.kernels.base import quantize_fp8
+from torch_kvq.spec import LayerKVSpec
+
+if TYPE_CHECKING:
+    from torch_kvq.attention.context import ForwardContext
+
+
+def ref_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    q_pos: torch.Tensor,
+    k_pos: torch.Tensor,
+    sm_scale: float,
+    sliding_window: int | None = None,
+    logits_soft_cap: float | None = None,
+) -> torch.Tensor:
+    """Dense attention in fp32.
+
+    q [Tq, QH, D], k / v [L, KH, D], q_pos [Tq], k_pos [L] -> [Tq, QH, D] fp32.
+    """
+    group = q.shape[1] // k.shape[1]
+    k = k.float().repeat_interleave(group, dim=1)
+    v = v.float().repeat_interleave(group, dim=1)
+    logits = torch.einsum("qhd,khd->hqk", q.float(), k) * sm_scale
+    if logits_soft_cap:
+        logits = logits_soft_cap * torch.tanh(logits / logits_soft_cap)
+    mask = k_pos[None, :] <= q_pos[:, None]
+    if sliding_window is not None:
+        mask &= (q_pos[:, None] - k_pos[None, :]) < sliding_window
+    logits = logits.masked_fill(~mask, float("-inf"))
+    return torch.einsum("hqk,khd->qhd", torch.softmax(logits, dim=-1), v)
+
+
+class ReferenceKernel:
+    """Serves every layer on any device; supports FP8 KV and FP8 output."""
+
+    name = "reference"
+
+    def check_supported(self, spec: LayerKVSpec) -> None:
+        return None
+
+    def plan(self, ctx: ForwardContext, specs: list[LayerKVSpec]) -> None:
+        return None
+
+    def attend(
+        self,
+        ctx: ForwardContext,
+        spec: LayerKVSpec,
+        q: torch.Tensor,
+        kv_cache: torch.Tensor,
+        k_scale: float,
+        v_scale: float,
+        output_scale: float | None,
+    ) -> torch.Tensor:
+        md = ctx.metadata
+        out = torch.empty(q.shape, dtype=torch.float32, device=q.device)
+        q_start = page_start = 0
+        for qo_len, kv_len, pages in zip(md.qo_lens, md.kv_lens, md.page_tables):
+            page_ids = md.kv_indices[page_start : page_start + len(pages)].long()
+            ctx_kv = kv_cache[page_ids]  # [n, 2, page, KH, D]; only this sequence's pages
+            k = ctx_kv[:, 0].reshape(-1, *kv_cache.shape[3:])[:kv_len].float() * k_scale
+            v = ctx_kv[:, 1].reshape(-1, *kv_cache.shape[3:])[:kv_len].float() * v_scale
+            k_pos = torch.arange(kv_len, device=q.device)
+            out[q_start : q_start + qo_len] = ref_attention(
+                q[q_start : q_start + qo_len],
+                k,
+                v,
+                k_pos[kv_len - qo_len :],
+                k_pos,
+                spec.sm_scale,
+                spec.sliding_window,
+                spec.logits_soft_cap,
+            )
+            q_start += qo_len
+            page_start += len(pages)
+        if output_scale is not None:
+            return quantize_fp8(out, output_scale)
+        return out.to(q.dtype)

@@ -1,0 +1,71 @@
+"""The ``Attention`` layer: owns its paged KV cache and runs the readable unfused form.
+
+The cache is a buffer, so it flows through the compiled graph as a tensor and the passes can
+rewrite quantize -> write -> dequantize -> attend into the fused form.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import torch
+from torch import nn
+
+from torch_kvq.attention import ops as _ops  # noqa: F401  (registers torch.ops.kvq.*)
+from torch_kvq.attention import registry
+from torch_kvq.spec import FP8_MAX, LayerKVSpec
+
+QuantForm = Literal["op", "torch"]
+
+
+def torch_quantize_fp8(x: torch.Tensor, scale: float) -> torch.Tensor:
+    """The torch-native static FP8 quant expression the passes also match."""
+    return (x / scale).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+
+
+class Attention(nn.Module):
+    """Paged attention for one layer, per its ``LayerKVSpec``.
+
+    forward(q [T, QH, D], k [T, KH, D], v [T, KH, D]) -> [T, QH, D], for the batch in the active
+    forward context. ``quant_form`` picks how k/v quantization is written for FP8 layers: the
+    ``kvq.quantize_fp8`` op or the torch-native expression (both are fused by the passes).
+    """
+
+    def __init__(
+        self,
+        spec: LayerKVSpec,
+        num_pages: int,
+        device: torch.device | str | None = None,
+        quant_form: QuantForm = "op",
+    ) -> None:
+        super().__init__()
+        if quant_form not in ("op", "torch"):
+            raise ValueError(f"quant_form {quant_form!r} unknown; expected 'op' or 'torch'")
+        if isinstance(num_pages, bool) or not isinstance(num_pages, int) or num_pages < 1:
+            raise ValueError(f"num_pages must be a positive int, got {num_pages!r}")
+        self.spec = spec
+        self.layer_name = spec.name
+        self.quant_form = quant_form
+        shape = (num_pages, 2, spec.page_size, spec.num_kv_heads, spec.head_size)
+        self.register_buffer("kv_cache", torch.zeros(shape, dtype=spec.storage_dtype, device=device), persistent=False)
+        registry.register(self)
+
+    def extra_repr(self) -> str:
+        s = self.spec
+        return f"{s.name!r}, mode={s.mode.value}, cache={tuple(self.kv_cache.shape)} {s.storage_dtype}"
+
+    def _quantize(self, x: torch.Tensor, scale: float) -> torch.Tensor:
+        if self.quant_form == "op":
+            return torch.ops.kvq.quantize_fp8(x, scale)
+        return torch_quantize_fp8(x, scale)
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        spec = self.spec
+        if spec.is_quantized:
+            kq = self._quantize(k, spec.k_scale)
+            vq = self._quantize(v, spec.v_scale)
+            torch.ops.kvq.cache_write(kq, vq, self.kv_cache, spec.name)
+            kv = torch.ops.kvq.dequantize_kv_cache(self.kv_cache, spec.k_scale, spec.v_scale, spec.model_dtype)
+            return torch.ops.kvq.paged_attention(q, kv, spec.name)
+        torch.ops.kvq.cache_write(k, v, self.kv_cache, spec.name)
+        return torch.ops.kvq.paged_attention(q, self.kv_cache, spec.name)

@@ -1,0 +1,206 @@
+"""Paged-KV bookkeeping: a page allocator for many sequences and per-batch metadata.
+
+Layout follows FlashInfer: a layer's cache is ``[num_pages, 2, page_size, kv_heads, head_dim]``
+(NHD, K at index 0 and V at 1). Every layer shares the same page table, so one ``BatchMetadata``
+serves all layers of a forward pass.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+
+class OutOfPagesError(RuntimeError):
+    """Raised when a batch needs more KV pages than are free. Nothing was allocated."""
+
+
+@dataclass(frozen=True)
+class BatchMetadata:
+    """One forward pass's batch: sequences in order, each with ``qo_lens[i]`` new tokens.
+
+    Tensors (on the cache device; B sequences, T new tokens, N pages in use):
+        qo_indptr [B+1] int32: new-token offsets per sequence into the flat token axis.
+        kv_indptr [B+1] int32: page offsets per sequence into ``kv_indices``.
+        kv_indices [N] int32: page ids, sequence after sequence.
+        kv_last_page_len [B] int32: tokens in each sequence's last page (1..page_size).
+        seq_lens [B] int32: KV length of each sequence including this step's tokens.
+        slot_mapping [T] int64: flat cache slot (page * page_size + offset) of each new token.
+        positions [T] int64: position of each new token in its sequence.
+    Host copies (``qo_lens``, ``kv_lens``, ``page_tables``) let planning and the reference kernel
+    avoid device syncs.
+    """
+
+    qo_indptr: torch.Tensor
+    kv_indptr: torch.Tensor
+    kv_indices: torch.Tensor
+    kv_last_page_len: torch.Tensor
+    seq_lens: torch.Tensor
+    slot_mapping: torch.Tensor
+    positions: torch.Tensor
+    page_size: int
+    qo_lens: tuple[int, ...]
+    kv_lens: tuple[int, ...]
+    page_tables: tuple[tuple[int, ...], ...]
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.qo_lens)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(self.qo_lens)
+
+    @property
+    def is_decode_only(self) -> bool:
+        return all(n == 1 for n in self.qo_lens)
+
+    @classmethod
+    def build(
+        cls,
+        page_tables: Sequence[Sequence[int]],
+        kv_lens: Sequence[int],
+        qo_lens: Sequence[int],
+        page_size: int,
+        device: torch.device | str = "cpu",
+    ) -> BatchMetadata:
+        """Build metadata from host page tables; checks that they are consistent."""
+        if not (len(page_tables) == len(kv_lens) == len(qo_lens)) or not qo_lens:
+            raise ValueError(
+                f"inconsistent batch: {len(page_tables)} page tables, {len(kv_lens)} kv lengths, "
+                f"{len(qo_lens)} query lengths (expected equal, non-zero counts)"
+            )
+        slots: list[int] = []
+        positions: list[int] = []
+        last: list[int] = []
+        for i, (pages, kv_len, qo_len) in enumerate(zip(page_tables, kv_lens, qo_lens)):
+            if qo_len < 1 or kv_len < qo_len:
+                raise ValueError(
+                    f"sequence {i}: query length {qo_len} and kv length {kv_len} are inconsistent "
+                    "(expected 1 <= query length <= kv length)"
+                )
+            need = -(-kv_len // page_size)
+            if len(pages) != need:
+                raise ValueError(
+                    f"sequence {i}: kv length {kv_len} needs {need} pages of {page_size}, "
+                    f"its page table has {len(pages)}"
+                )
+            for pos in range(kv_len - qo_len, kv_len):
+                slots.append(pages[pos // page_size] * page_size + pos % page_size)
+                positions.append(pos)
+            last.append(kv_len - (need - 1) * page_size)
+        kv_indptr = [0]
+        for pages in page_tables:
+            kv_indptr.append(kv_indptr[-1] + len(pages))
+        qo_indptr = [0]
+        for n in qo_lens:
+            qo_indptr.append(qo_indptr[-1] + n)
+        i32 = dict(dtype=torch.int32, device=device)
+        i64 = dict(dtype=torch.int64, device=device)
+        return cls(
+            qo_indptr=torch.tensor(qo_indptr, **i32),
+            kv_indptr=torch.tensor(kv_indptr, **i32),
+            kv_indices=torch.tensor([p for pages in page_tables for p in pages], **i32),
+            kv_last_page_len=torch.tensor(last, **i32),
+            seq_lens=torch.tensor(list(kv_lens), **i32),
+            slot_mapping=torch.tensor(slots, **i64),
+            positions=torch.tensor(positions, **i64),
+            page_size=page_size,
+            qo_lens=tuple(int(n) for n in qo_lens),
+            kv_lens=tuple(int(n) for n in kv_lens),
+            page_tables=tuple(tuple(int(p) for p in pages) for pages in page_tables),
+        )
+
+
+class PageAllocator:
+    """Hands out KV pages to sequences: append tokens, free a sequence, reuse its pages.
+
+    Page tables are shared by every layer of a model. Allocation is all-or-nothing: a request that
+    does not fit raises ``OutOfPagesError`` and changes nothing.
+    """
+
+    def __init__(self, num_pages: int, page_size: int) -> None:
+        if isinstance(num_pages, bool) or not isinstance(num_pages, int) or num_pages < 1:
+            raise ValueError(f"num_pages must be a positive int, got {num_pages!r}")
+        if isinstance(page_size, bool) or not isinstance(page_size, int) or page_size < 1:
+            raise ValueError(f"page_size must be a positive int, got {page_size!r}")
+        self.num_pages = num_pages
+        self.page_size = page_size
+        self._free: list[int] = list(range(num_pages - 1, -1, -1))  # pop() gives low ids first
+        self._pages: dict[Hashable, list[int]] = {}
+        self._lens: dict[Hashable, int] = {}
+
+    @property
+    def num_free_pages(self) -> int:
+        return len(self._free)
+
+    @property
+    def sequences(self) -> tuple[Hashable, ...]:
+        return tuple(self._pages)
+
+    def seq_len(self, seq_id: Hashable) -> int:
+        return self._lens[self._known(seq_id)]
+
+    def pages(self, seq_id: Hashable) -> tuple[int, ...]:
+        return tuple(self._pages[self._known(seq_id)])
+
+    def _known(self, seq_id: Hashable) -> Hashable:
+        if seq_id not in self._pages:
+            raise KeyError(f"unknown sequence {seq_id!r}; known: {list(self._pages)[:8]}")
+        return seq_id
+
+    def _pages_needed(self, seq_id: Hashable, num_tokens: int) -> int:
+        have = len(self._pages.get(seq_id, ()))
+        total = self._lens.get(seq_id, 0) + num_tokens
+        return max(0, -(-total // self.page_size) - have)
+
+    def append(self, seq_id: Hashable, num_tokens: int) -> None:
+        """Reserve room for ``num_tokens`` more tokens of ``seq_id`` (new ids start at 0)."""
+        self.append_many([(seq_id, num_tokens)])
+
+    def append_many(self, requests: Sequence[tuple[Hashable, int]]) -> None:
+        """Reserve for several sequences at once; all-or-nothing."""
+        ids = [sid for sid, _ in requests]
+        if len(set(ids)) != len(ids):
+            raise ValueError(f"a batch names a sequence twice: {ids}")
+        need = 0
+        for sid, n in requests:
+            if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+                raise ValueError(f"sequence {sid!r}: token count must be a positive int, got {n!r}")
+            need += self._pages_needed(sid, n)
+        if need > len(self._free):
+            raise OutOfPagesError(
+                f"out of KV pages: the batch needs {need} new pages of {self.page_size} tokens, "
+                f"{len(self._free)} of {self.num_pages} are free; free finished sequences or "
+                "allocate a larger cache. Nothing was allocated."
+            )
+        for sid, n in requests:
+            pages = self._pages.setdefault(sid, [])
+            for _ in range(self._pages_needed(sid, n)):
+                pages.append(self._free.pop())
+            self._lens[sid] = self._lens.get(sid, 0) + n
+
+    def free(self, seq_id: Hashable) -> None:
+        """Release a sequence's pages for reuse."""
+        pages = self._pages.pop(self._known(seq_id))
+        del self._lens[seq_id]
+        self._free.extend(reversed(pages))
+
+    def build_batch(
+        self, requests: Sequence[tuple[Hashable, int]], device: torch.device | str = "cpu"
+    ) -> BatchMetadata:
+        """Reserve ``requests`` = [(seq_id, new_tokens), ...] and return the batch's metadata.
+
+        The new tokens of sequence i occupy ``qo_indptr[i]:qo_indptr[i+1]`` of the flat token axis.
+        """
+        self.append_many(requests)
+        ids = [sid for sid, _ in requests]
+        return BatchMetadata.build(
+            page_tables=[self._pages[sid] for sid in ids],
+            kv_lens=[self._lens[sid] for sid in ids],
+            qo_lens=[n for _, n in requests],
+            page_size=self.page_size,
+            device=device,
+        )

@@ -1,0 +1,156 @@
+"""The ``kvq::*`` custom ops, each with a fake implementation.
+
+Unfused (eager, the reference semantics) for an FP8 layer::
+
+    kq = kvq.quantize_fp8(k, k_scale); vq = kvq.quantize_fp8(v, v_scale)
+    kvq.cache_write(kq, vq, kv_cache, layer)                   # mutates kv_cache
+    kv = kvq.dequantize_kv_cache(kv_cache, k_scale, v_scale, dtype)   # whole cache -> bf16
+    out = kvq.paged_attention(q, kv, layer)
+
+Fused (what the passes produce)::
+
+    kvq.quant_cache_write(k, v, kv_cache, k_scale, v_scale, layer)
+    out = kvq.paged_attention_fp8(q, kv_cache, k_scale, v_scale, layer, output_scale)
+
+A skipped layer is ``cache_write`` + ``paged_attention`` on its model-dtype cache. Ops look up
+the batch and kernel in the forward context by layer name; every output shape is static.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from torch_kvq.attention.context import get_forward_context
+from torch_kvq.attention.kernels.base import quantize_fp8 as _quantize_fp8
+from torch_kvq.attention.kernels.base import write_kv
+from torch_kvq.spec import FP8_DTYPE, LayerKVSpec
+
+
+def _check(cond: bool, msg: str) -> None:
+    if not cond:
+        raise ValueError(msg)
+
+
+def _check_kv_args(spec: LayerKVSpec, k: Tensor, v: Tensor, kv_cache: Tensor, dtype: torch.dtype, n: int) -> None:
+    want = (n, spec.num_kv_heads, spec.head_size)
+    for nm, t in (("k", k), ("v", v)):
+        _check(tuple(t.shape) == want, f"layer {spec.name!r}: {nm} has shape {tuple(t.shape)}, expected {want}")
+        _check(t.dtype == dtype, f"layer {spec.name!r}: {nm} has dtype {t.dtype}, expected {dtype}")
+    _check_cache(spec, kv_cache)
+
+
+def _check_cache(spec: LayerKVSpec, kv_cache: Tensor) -> None:
+    want = (2, spec.page_size, spec.num_kv_heads, spec.head_size)
+    _check(
+        kv_cache.dim() == 5 and tuple(kv_cache.shape[1:]) == want,
+        f"layer {spec.name!r}: kv_cache has shape {tuple(kv_cache.shape)}, expected (pages, *{want})",
+    )
+
+
+def _check_q(spec: LayerKVSpec, q: Tensor, n: int) -> None:
+    want = (n, spec.num_heads, spec.head_size)
+    _check(tuple(q.shape) == want, f"layer {spec.name!r}: q has shape {tuple(q.shape)}, expected {want}")
+    _check(q.dtype == spec.model_dtype, f"layer {spec.name!r}: q has dtype {q.dtype}, expected {spec.model_dtype}")
+
+
+@torch.library.custom_op("kvq::quantize_fp8", mutates_args=())
+def quantize_fp8(x: Tensor, scale: float) -> Tensor:
+    """Static per-tensor FP8 (e4m3) quantization; x any shape -> same shape, float8_e4m3fn."""
+    return _quantize_fp8(x, scale)
+
+
+@quantize_fp8.register_fake
+def _(x: Tensor, scale: float) -> Tensor:
+    return torch.empty_like(x, dtype=FP8_DTYPE)
+
+
+@torch.library.custom_op("kvq::dequantize_kv_cache", mutates_args=())
+def dequantize_kv_cache(kv_cache: Tensor, k_scale: float, v_scale: float, out_dtype: torch.dtype) -> Tensor:
+    """Whole-cache dequantization [pages, 2, page, KH, D] fp8 -> ``out_dtype`` (the unfused form)."""
+    _check(kv_cache.dtype == FP8_DTYPE, f"dequantize_kv_cache expects a float8_e4m3fn cache, got {kv_cache.dtype}")
+    scales = torch.tensor([k_scale, v_scale], dtype=torch.float32, device=kv_cache.device)
+    return (kv_cache.float() * scales.view(1, 2, 1, 1, 1)).to(out_dtype)
+
+
+@dequantize_kv_cache.register_fake
+def _(kv_cache: Tensor, k_scale: float, v_scale: float, out_dtype: torch.dtype) -> Tensor:
+    return torch.empty_like(kv_cache, dtype=out_dtype)
+
+
+@torch.library.custom_op("kvq::cache_write", mutates_args=("kv_cache",))
+def cache_write(k: Tensor, v: Tensor, kv_cache: Tensor, layer_name: str) -> None:
+    """Write this batch's k/v [T, KH, D] (already in the cache dtype) into the paged cache."""
+    ctx = get_forward_context()
+    spec = ctx.spec(layer_name)
+    _check_kv_args(spec, k, v, kv_cache, spec.storage_dtype, ctx.metadata.num_tokens)
+    write_kv(kv_cache, k, v, ctx.metadata.slot_mapping)
+
+
+@cache_write.register_fake
+def _(k: Tensor, v: Tensor, kv_cache: Tensor, layer_name: str) -> None:
+    return None
+
+
+@torch.library.custom_op("kvq::quant_cache_write", mutates_args=("kv_cache",))
+def quant_cache_write(k: Tensor, v: Tensor, kv_cache: Tensor, k_scale: float, v_scale: float, layer_name: str) -> None:
+    """Fused: quantize model-dtype k/v [T, KH, D] with static scales and write the FP8 cache."""
+    ctx = get_forward_context()
+    spec = ctx.spec(layer_name)
+    _check(spec.is_quantized, f"layer {layer_name!r} is not quantized (mode {spec.mode.value}); quant_cache_write refused")
+    _check_kv_args(spec, k, v, kv_cache, spec.model_dtype, ctx.metadata.num_tokens)
+    _check(kv_cache.dtype == FP8_DTYPE, f"layer {layer_name!r}: cache dtype {kv_cache.dtype}, expected float8_e4m3fn")
+    write_kv(kv_cache, _quantize_fp8(k, k_scale), _quantize_fp8(v, v_scale), ctx.metadata.slot_mapping)
+
+
+@quant_cache_write.register_fake
+def _(k: Tensor, v: Tensor, kv_cache: Tensor, k_scale: float, v_scale: float, layer_name: str) -> None:
+    return None
+
+
+@torch.library.custom_op("kvq::paged_attention", mutates_args=())
+def paged_attention(q: Tensor, kv_cache: Tensor, layer_name: str) -> Tensor:
+    """Attention over a model-dtype paged cache. q [T, QH, D] -> [T, QH, D] in q's dtype."""
+    ctx = get_forward_context()
+    spec = ctx.spec(layer_name)
+    _check_q(spec, q, ctx.metadata.num_tokens)
+    _check_cache(spec, kv_cache)
+    _check(kv_cache.dtype == q.dtype, f"layer {layer_name!r}: paged_attention needs a {q.dtype} cache, got {kv_cache.dtype}")
+    return ctx.kernel(layer_name).attend(ctx, spec, q, kv_cache, 1.0, 1.0, None)
+
+
+@paged_attention.register_fake
+def _(q: Tensor, kv_cache: Tensor, layer_name: str) -> Tensor:
+    return torch.empty_like(q)
+
+
+@torch.library.custom_op("kvq::paged_attention_fp8", mutates_args=())
+def paged_attention_fp8(
+    q: Tensor,
+    kv_cache: Tensor,
+    k_scale: float,
+    v_scale: float,
+    layer_name: str,
+    output_scale: float | None = None,
+) -> Tensor:
+    """Fused: attention reading the FP8 paged cache in place with k/v scales.
+
+    q [T, QH, D] model dtype -> [T, QH, D] in q's dtype, or float8_e4m3fn (``out / output_scale``)
+    when ``output_scale`` is given.
+    """
+    ctx = get_forward_context()
+    spec = ctx.spec(layer_name)
+    _check(spec.is_quantized, f"layer {layer_name!r} is not quantized (mode {spec.mode.value}); paged_attention_fp8 refused")
+    _check_q(spec, q, ctx.metadata.num_tokens)
+    _check_cache(spec, kv_cache)
+    _check(kv_cache.dtype == FP8_DTYPE, f"layer {layer_name!r}: cache dtype {kv_cache.dtype}, expected float8_e4m3fn")
+    return ctx.kernel(layer_name).attend(ctx, spec, q, kv_cache, k_scale, v_scale, output_scale)
+
+
+@paged_attention_fp8.register_fake
+def _(q: Tensor, kv_cache: Tensor, k_scale: float, v_scale: float, layer_name: str, output_scale: float | None = None) -> Tensor:
+    return torch.empty_like(q, dtype=FP8_DTYPE if output_scale is not None else q.dtype)
+
+
+ATTENTION_OPS = (torch.ops.kvq.paged_attention.default, torch.ops.kvq.paged_attention_fp8.default)
+WRITE_OPS = (torch.ops.kvq.cache_write.default, torch.ops.kvq.quant_cache_write.default)

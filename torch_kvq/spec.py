@@ -1,0 +1,347 @@
+"""Per-layer KV-cache quantization spec: the single place the cache config is read.
+
+``KVCacheConfig`` is what a user writes; ``resolve_layer_specs`` turns it, plus the model's
+attention layers (``AttentionLayerInfo``), into one frozen ``LayerKVSpec`` per layer. Every later
+decision (cache dtype, fusion, kernel, query dtype, output dtype) reads the layer's own spec;
+nothing reads a global cache dtype.
+"""
+
+from __future__ import annotations
+
+import enum
+import fnmatch
+import math
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field, fields
+
+import torch
+
+FP8_DTYPE = torch.float8_e4m3fn
+FP8_MAX = 448.0  # largest finite float8_e4m3fn value
+SUPPORTED_PAGE_SIZES = (1, 2, 4, 8, 16, 32, 64, 128)
+SKIP_RULE_FORMS = (
+    "an int layer index (negative counts from the end)",
+    "'sliding_window' (every layer with a sliding window)",
+    "'full_attention' (every layer without one)",
+    "a layer-name glob containing '*', '?' or '[' (e.g. 'model.layers.1*')",
+    "an exact layer name",
+)
+
+
+class KVQuantMode(enum.Enum):
+    """How a layer's KV cache is stored. Values are strings and are never persisted as ints."""
+
+    NONE = "none"  # cache in the model dtype (bf16 / fp16 / fp32)
+    FP8_PER_TENSOR = "fp8_per_tensor"  # float8_e4m3fn, static per-tensor k and v scales
+
+    @property
+    def is_quantized(self) -> bool:
+        return self is not KVQuantMode.NONE
+
+
+_DTYPE_ALIASES: dict[str, tuple[KVQuantMode, torch.dtype | None]] = {
+    "auto": (KVQuantMode.NONE, None),
+    "bfloat16": (KVQuantMode.NONE, torch.bfloat16),
+    "bf16": (KVQuantMode.NONE, torch.bfloat16),
+    "float16": (KVQuantMode.NONE, torch.float16),
+    "fp16": (KVQuantMode.NONE, torch.float16),
+    "half": (KVQuantMode.NONE, torch.float16),
+    "float32": (KVQuantMode.NONE, torch.float32),
+    "fp32": (KVQuantMode.NONE, torch.float32),
+    "fp8": (KVQuantMode.FP8_PER_TENSOR, FP8_DTYPE),
+    "fp8_e4m3": (KVQuantMode.FP8_PER_TENSOR, FP8_DTYPE),
+}
+
+
+def parse_kv_cache_dtype(kv_cache_dtype: str, model_dtype: torch.dtype) -> tuple[KVQuantMode, torch.dtype]:
+    """Map a ``kv_cache_dtype`` string to (mode, storage dtype). ``auto`` means the model dtype."""
+    if not isinstance(kv_cache_dtype, str) or kv_cache_dtype.lower() not in _DTYPE_ALIASES:
+        raise ValueError(
+            f"unknown kv_cache_dtype {kv_cache_dtype!r}; expected one of {sorted(_DTYPE_ALIASES)}"
+        )
+    mode, dtype = _DTYPE_ALIASES[kv_cache_dtype.lower()]
+    return mode, (dtype if dtype is not None else model_dtype)
+
+
+def check_scale(value: object, what: str) -> float:
+    """Return ``value`` as a float if it is a finite positive number, else raise ValueError."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ValueError(f"{what} must be a positive finite float, got {value!r}")
+    f = float(value)
+    if not math.isfinite(f) or f <= 0.0:
+        raise ValueError(f"{what} must be a positive finite float, got {value!r}")
+    return f
+
+
+@dataclass(frozen=True)
+class KVCacheConfig:
+    """What the user asks for. Frozen and hashable.
+
+    Args:
+        kv_cache_dtype: ``auto`` | ``bfloat16`` | ``float16`` | ``float32`` | ``fp8`` | ``fp8_e4m3``.
+        skip_layers: rules for layers kept in the model dtype: int index (negative from the end),
+            ``"sliding_window"``, ``"full_attention"``, a name glob, or an exact layer name.
+        page_size: tokens per KV page.
+        kv_scales: per-layer static ``(k_scale, v_scale)``, keyed by layer name or index;
+            layers not listed use ``default_k_scale`` / ``default_v_scale``.
+    """
+
+    kv_cache_dtype: str = "auto"
+    skip_layers: tuple[int | str, ...] = ()
+    page_size: int = 16
+    kv_scales: tuple[tuple[int | str, tuple[float, float]], ...] = ()
+    default_k_scale: float = 1.0
+    default_v_scale: float = 1.0
+
+    def __post_init__(self) -> None:
+        if isinstance(self.skip_layers, (str, int)):
+            object.__setattr__(self, "skip_layers", (self.skip_layers,))
+        else:
+            object.__setattr__(self, "skip_layers", tuple(self.skip_layers))
+        if isinstance(self.kv_scales, Mapping):
+            object.__setattr__(self, "kv_scales", tuple(self.kv_scales.items()))
+        else:
+            object.__setattr__(self, "kv_scales", tuple(tuple(kv) for kv in self.kv_scales))
+        parse_kv_cache_dtype(self.kv_cache_dtype, torch.bfloat16)  # validate early
+        for rule in self.skip_layers:
+            _check_rule_form(rule)
+        if isinstance(self.page_size, bool) or self.page_size not in SUPPORTED_PAGE_SIZES:
+            raise ValueError(
+                f"unsupported page_size {self.page_size!r}; expected one of {SUPPORTED_PAGE_SIZES}"
+            )
+        check_scale(self.default_k_scale, "default_k_scale")
+        check_scale(self.default_v_scale, "default_v_scale")
+        scaled = [key for key, _ in self.kv_scales]
+        dupes = sorted({repr(k) for k in scaled if scaled.count(k) > 1})
+        if dupes:
+            raise ValueError(f"kv_scales lists layer(s) {', '.join(dupes)} more than once")
+        for key, pair in self.kv_scales:
+            if not isinstance(key, (int, str)) or isinstance(key, bool):
+                raise ValueError(f"kv_scales key {key!r} must be a layer index or layer name")
+            if not isinstance(pair, tuple) or len(pair) != 2:
+                raise ValueError(f"kv_scales[{key!r}] must be a (k_scale, v_scale) pair, got {pair!r}")
+            check_scale(pair[0], f"k_scale of layer {key!r}")
+            check_scale(pair[1], f"v_scale of layer {key!r}")
+
+
+def _check_rule_form(rule: object) -> None:
+    if isinstance(rule, bool) or not isinstance(rule, (int, str)):
+        raise ValueError(f"unknown skip rule {rule!r}; accepted forms: {'; '.join(SKIP_RULE_FORMS)}")
+    if isinstance(rule, str) and not rule.strip():
+        raise ValueError(f"empty skip rule {rule!r}; accepted forms: {'; '.join(SKIP_RULE_FORMS)}")
+
+
+@dataclass(frozen=True)
+class AttentionLayerInfo:
+    """What a model declares about one attention layer (no quantization choices here)."""
+
+    name: str
+    num_heads: int
+    num_kv_heads: int
+    head_size: int
+    sliding_window: int | None = None  # attend to keys with q_pos - k_pos < sliding_window
+    logits_soft_cap: float | None = None
+    sm_scale: float | None = None  # None -> head_size ** -0.5
+
+
+@dataclass(frozen=True)
+class LayerKVSpec:
+    """The resolved, frozen per-layer KV spec. The only thing later code reads per layer."""
+
+    name: str
+    index: int
+    mode: KVQuantMode
+    storage_dtype: torch.dtype  # the cache dtype
+    model_dtype: torch.dtype  # q / k / v / output dtype of the layer
+    num_heads: int
+    num_kv_heads: int
+    head_size: int
+    page_size: int
+    sliding_window: int | None = None
+    logits_soft_cap: float | None = None
+    sm_scale: float = field(default=0.0)
+    k_scale: float = 1.0
+    v_scale: float = 1.0
+    skip_reason: str | None = None  # which skip rule kept this layer unquantized
+
+    @property
+    def is_quantized(self) -> bool:
+        return self.mode.is_quantized
+
+    @property
+    def attention_type(self) -> str:
+        return "sliding" if self.sliding_window is not None else "global"
+
+    @property
+    def cache_bytes_per_token(self) -> int:
+        """K plus V bytes one token takes in this layer's cache."""
+        return 2 * self.num_kv_heads * self.head_size * self.storage_dtype.itemsize
+
+    def as_dict(self) -> dict[str, object]:
+        out: dict[str, object] = {}
+        for f in fields(self):
+            v = getattr(self, f.name)
+            out[f.name] = v.value if isinstance(v, KVQuantMode) else (str(v) if isinstance(v, torch.dtype) else v)
+        return out
+
+
+def _rule_matches(rule: int | str, idx: int, info: AttentionLayerInfo, n: int) -> bool:
+    if isinstance(rule, int):
+        return (rule if rule >= 0 else n + rule) == idx
+    if rule == "sliding_window":
+        return info.sliding_window is not None
+    if rule == "full_attention":
+        return info.sliding_window is None
+    if any(ch in rule for ch in "*?["):
+        return fnmatch.fnmatchcase(info.name, rule)
+    return rule == info.name
+
+
+def _validate_rules(rules: Iterable[int | str], layers: Sequence[AttentionLayerInfo]) -> None:
+    n = len(layers)
+    names = [li.name for li in layers]
+    seen: set[int] = set()
+    for rule in rules:
+        if isinstance(rule, int):
+            if not -n <= rule < n:
+                raise ValueError(
+                    f"skip_layers index {rule} is out of range for a model with {n} attention "
+                    f"layers; expected an int in [{-n}, {n - 1}]"
+                )
+            idx = rule % n
+            if idx in seen:
+                raise ValueError(f"skip_layers names layer index {idx} more than once (rule {rule})")
+            seen.add(idx)
+        elif rule in ("sliding_window", "full_attention"):
+            continue
+        elif any(ch in rule for ch in "*?["):
+            if not any(fnmatch.fnmatchcase(nm, rule) for nm in names):
+                raise ValueError(
+                    f"skip_layers glob {rule!r} matches no layer; layer names look like {names[:2]}"
+                )
+        elif rule not in names:
+            raise ValueError(
+                f"unknown skip rule {rule!r}; it is not a layer name. Accepted forms: "
+                f"{'; '.join(SKIP_RULE_FORMS)}. Layer names look like {names[:2]}"
+            )
+
+
+def resolve_layer_specs(
+    config: KVCacheConfig,
+    layers: Sequence[AttentionLayerInfo],
+    model_dtype: torch.dtype = torch.bfloat16,
+) -> tuple[LayerKVSpec, ...]:
+    """Resolve one ``LayerKVSpec`` per attention layer, in layer order.
+
+    Raises ValueError for unknown dtype strings, unknown / out-of-range skip rules, scales for
+    unknown layers, and duplicate layer names.
+    """
+    if not isinstance(config, KVCacheConfig):
+        raise ValueError(f"config must be a KVCacheConfig, got {type(config).__name__}")
+    if model_dtype not in (torch.bfloat16, torch.float16, torch.float32):
+        raise ValueError(f"model_dtype {model_dtype} unsupported; expected bfloat16, float16 or float32")
+    if not layers:
+        raise ValueError("resolve_layer_specs needs at least one attention layer, got none")
+    names = [li.name for li in layers]
+    dup = sorted({nm for nm in names if names.count(nm) > 1})
+    if dup:
+        raise ValueError(f"duplicate attention layer names {dup}")
+    mode, storage = parse_kv_cache_dtype(config.kv_cache_dtype, model_dtype)
+    if not mode.is_quantized and storage != model_dtype:
+        raise ValueError(
+            f"kv_cache_dtype {config.kv_cache_dtype!r} ({storage}) does not match the model dtype "
+            f"{model_dtype}; expected 'auto', the model dtype's name, or 'fp8'"
+        )
+    _validate_rules(config.skip_layers, layers)
+    scales = _resolve_scales(config, layers)
+    n = len(layers)
+    specs = []
+    for idx, info in enumerate(layers):
+        _check_layer_info(info)
+        reason = next((r for r in config.skip_layers if _rule_matches(r, idx, info, n)), None)
+        quantized = mode.is_quantized and reason is None
+        k_scale, v_scale = scales.get(info.name, (config.default_k_scale, config.default_v_scale))
+        specs.append(
+            LayerKVSpec(
+                name=info.name,
+                index=idx,
+                mode=mode if quantized else KVQuantMode.NONE,
+                storage_dtype=storage if quantized else model_dtype,
+                model_dtype=model_dtype,
+                num_heads=info.num_heads,
+                num_kv_heads=info.num_kv_heads,
+                head_size=info.head_size,
+                page_size=config.page_size,
+                sliding_window=info.sliding_window,
+                logits_soft_cap=info.logits_soft_cap,
+                sm_scale=info.sm_scale if info.sm_scale is not None else info.head_size**-0.5,
+                k_scale=float(k_scale) if quantized else 1.0,
+                v_scale=float(v_scale) if quantized else 1.0,
+                skip_reason=(f"skip rule {reason!r}" if (reason is not None and mode.is_quantized) else None),
+            )
+        )
+    return tuple(specs)
+
+
+def _check_layer_info(info: AttentionLayerInfo) -> None:
+    for what in ("num_heads", "num_kv_heads", "head_size"):
+        v = getattr(info, what)
+        if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
+            raise ValueError(f"layer {info.name!r}: {what} must be a positive int, got {v!r}")
+    if info.num_heads % info.num_kv_heads:
+        raise ValueError(
+            f"layer {info.name!r}: num_heads {info.num_heads} is not a multiple of "
+            f"num_kv_heads {info.num_kv_heads}"
+        )
+    if info.sliding_window is not None and (isinstance(info.sliding_window, bool) or info.sliding_window <= 0):
+        raise ValueError(f"layer {info.name!r}: sliding_window must be a positive int or None, got {info.sliding_window!r}")
+
+
+def _resolve_scales(config: KVCacheConfig, layers: Sequence[AttentionLayerInfo]) -> dict[str, tuple[float, float]]:
+    n = len(layers)
+    names = [li.name for li in layers]
+    out: dict[str, tuple[float, float]] = {}
+    for key, pair in config.kv_scales:
+        if isinstance(key, int):
+            if not -n <= key < n:
+                raise ValueError(f"kv_scales index {key} is out of range; expected an int in [{-n}, {n - 1}]")
+            name = names[key]
+        elif key in names:
+            name = key
+        else:
+            raise ValueError(f"kv_scales names unknown layer {key!r}; layer names look like {names[:2]}")
+        if name in out:
+            raise ValueError(f"kv_scales gives layer {name!r} twice (by index and by name)")
+        out[name] = (float(pair[0]), float(pair[1]))
+    return out
+
+
+def format_spec_table(specs: Sequence[LayerKVSpec], extra: Mapping[str, Mapping[str, str]] | None = None) -> str:
+    """A readable per-layer table. ``extra`` adds columns per layer name (e.g. what was fused)."""
+    extra = extra or {}
+    extra_cols = sorted({c for cols in extra.values() for c in cols})
+    header = ["idx", "layer", "type", "mode", "cache dtype", "bytes/token", "k_scale", "v_scale", *extra_cols]
+    rows = []
+    for s in specs:
+        window = f"sliding({s.sliding_window})" if s.sliding_window else "global"
+        rows.append(
+            [
+                str(s.index),
+                s.name,
+                window,
+                s.mode.value,
+                str(s.storage_dtype).replace("torch.", ""),
+                str(s.cache_bytes_per_token),
+                f"{s.k_scale:.4g}",
+                f"{s.v_scale:.4g}",
+                *[extra.get(s.name, {}).get(c, "") for c in extra_cols],
+            ]
+        )
+    widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(header)]
+    line = lambda cells: "  ".join(c.ljust(w) for c, w in zip(cells, widths)).rstrip()  # noqa: E731
+    return "\n".join([line(header), line(["-" * w for w in widths]), *(line(r) for r in rows)])
+
+
+def spec_table_key(specs: Iterable[LayerKVSpec]) -> str:
+    """A stable text form of a spec table, for cache keys (``uuid()``) and reports."""
+    return "\n".join(repr(sorted(s.as_dict().items())) for s in sorted(specs, key=lambda s: s.name))
