@@ -19,8 +19,8 @@ QuantForm = Literal["op", "torch"]
 
 
 def torch_quantize_fp8(x: torch.Tensor, scale: float) -> torch.Tensor:
-    """The torch-native static FP8 quant expression the passes also match."""
-    return (x / scale).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+    """The torch-native static FP8 quant expression the passes also match (fp32 math, like the op)."""
+    return (x.to(torch.float32) / scale).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
 
 
 class Attention(nn.Module):

@@ -1,0 +1,103 @@
+"""The kvq custom ops: torch.library.opcheck, fused == unfused, and refusals."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.attention.conftest import make_layers
+from torch_kvq.attention import PageAllocator, ReferenceKernel, forward_context
+from torch_kvq.spec import FP8_DTYPE, KVCacheConfig
+
+ops = torch.ops.kvq
+
+
+@pytest.fixture
+def setup():
+    cfg = KVCacheConfig("fp8", skip_layers=(0,), page_size=4, default_k_scale=0.04, default_v_scale=0.03)
+    specs, attns = make_layers(cfg, num_pages=8)
+    md = PageAllocator(8, 4).build_batch([("a", 5), ("b", 1), ("c", 3)])
+    g = torch.Generator().manual_seed(0)
+    T = md.num_tokens
+    q = torch.randn(T, 8, 32, generator=g).bfloat16()
+    k = torch.randn(T, 2, 32, generator=g).bfloat16()
+    v = torch.randn(T, 2, 32, generator=g).bfloat16()
+    with forward_context(md, specs, ReferenceKernel()):
+        yield specs, attns, q, k, v
+
+
+def test_opcheck_every_op(setup, monkeypatch) -> None:
+    # opcheck's schema check compares inputs before/after with torch.allclose, which has no CPU
+    # kernel for float8 (torch 2.13). Compare fp8 tensors bitwise instead; the check stays as strict.
+    allclose = torch.allclose
+
+    def fp8_safe_allclose(a, b, *args, **kwargs):
+        if a.dtype == FP8_DTYPE:
+            return torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+        return allclose(a, b, *args, **kwargs)
+
+    monkeypatch.setattr(torch, "allclose", fp8_safe_allclose)
+    (skip, quant), (a_skip, a_quant), q, k, v = setup
+    kq, vq = ops.quantize_fp8(k, 0.04), ops.quantize_fp8(v, 0.03)
+    cases = [
+        (ops.quantize_fp8.default, (k, 0.04)),
+        (ops.dequantize_kv_cache.default, (a_quant.kv_cache, 0.04, 0.03, torch.bfloat16)),
+        (ops.cache_write.default, (kq, vq, a_quant.kv_cache.clone(), quant.name)),
+        (ops.cache_write.default, (k, v, a_skip.kv_cache.clone(), skip.name)),
+        (ops.quant_cache_write.default, (k, v, a_quant.kv_cache.clone(), 0.04, 0.03, quant.name)),
+        (ops.paged_attention.default, (q, a_skip.kv_cache, skip.name)),
+        (ops.paged_attention_fp8.default, (q, a_quant.kv_cache, 0.04, 0.03, quant.name)),
+        (ops.paged_attention_fp8.default, (q, a_quant.kv_cache, 0.04, 0.03, quant.name, 0.01)),
+    ]
+    for op, args in cases:
+        torch.library.opcheck(op, args)
+
+
+def test_fused_write_equals_quantize_then_write(setup) -> None:
+    (_, quant), (_, a_quant), q, k, v = setup
+    c1, c2 = a_quant.kv_cache.clone(), a_quant.kv_cache.clone()
+    ops.cache_write(ops.quantize_fp8(k, 0.04), ops.quantize_fp8(v, 0.03), c1, quant.name)
+    ops.quant_cache_write(k, v, c2, 0.04, 0.03, quant.name)
+    assert torch.equal(c1.view(torch.uint8), c2.view(torch.uint8))
+    assert c1.view(torch.uint8).any()
+
+
+def test_fused_attention_equals_unfused(setup) -> None:
+    (_, quant), (_, a_quant), q, k, v = setup
+    ops.quant_cache_write(k, v, a_quant.kv_cache, 0.04, 0.03, quant.name)
+    unfused = ops.paged_attention(q, ops.dequantize_kv_cache(a_quant.kv_cache, 0.04, 0.03, torch.bfloat16), quant.name)
+    fused = ops.paged_attention_fp8(q, a_quant.kv_cache, 0.04, 0.03, quant.name)
+    torch.testing.assert_close(fused.float(), unfused.float(), atol=1e-2, rtol=1e-2)
+    out8 = ops.paged_attention_fp8(q, a_quant.kv_cache, 0.04, 0.03, quant.name, 0.01)
+    assert out8.dtype == FP8_DTYPE
+    torch.testing.assert_close(out8.float() * 0.01, fused.float(), atol=0.1 * fused.abs().max().item(), rtol=0.07)
+
+
+def test_fp8_ops_refuse_a_skipped_layer(setup) -> None:
+    (skip, _), (a_skip, _), q, k, v = setup
+    with pytest.raises(ValueError, match=rf"layer '{skip.name}' is not quantized .*paged_attention_fp8 refused"):
+        ops.paged_attention_fp8(q, a_skip.kv_cache.to(FP8_DTYPE), 1.0, 1.0, skip.name)
+    with pytest.raises(ValueError, match="quant_cache_write refused"):
+        ops.quant_cache_write(k, v, a_skip.kv_cache.to(FP8_DTYPE), 1.0, 1.0, skip.name)
+
+
+def test_cache_write_rejects_wrong_dtype(setup) -> None:
+    (_, quant), (_, a_quant), q, k, v = setup
+    with pytest.raises(ValueError, match="k has dtype torch.bfloat16, expected torch.float8_e4m3fn"):
+        ops.cache_write(k, v, a_quant.kv_cache, quant.name)
+
+
+def test_paged_attention_rejects_fp8_cache(setup) -> None:
+    (_, quant), (_, a_quant), q, k, v = setup
+    with pytest.raises(ValueError, match="needs a torch.bfloat16 cache, got torch.float8_e4m3fn"):
+        ops.paged_attention(q, a_quant.kv_cache, quant.name)
+
+
+def test_dequantize_rejects_non_fp8() -> None:
+    with pytest.raises(ValueError, match="expects a float8_e4m3fn cache"):
+        ops.dequantize_kv_cache(torch.zeros(1, 2, 4, 2, 8), 1.0, 1.0, torch.bfloat16)
+
+
+def test_quantize_saturates() -> None:
+    x = torch.tensor([1e6, -1e6, 0.5])
+    assert ops.quantize_fp8(x, 1.0).float().tolist() == [448.0, -448.0, 0.5]
