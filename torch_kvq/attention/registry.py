@@ -29,6 +29,13 @@ def register(layer: Attention) -> None:
     _layers[name] = weakref.ref(layer)
 
 
+def unregister(layer: Attention) -> None:
+    """Forget ``layer`` (e.g. when a model replaces its caches); a no-op if it is not registered."""
+    ref = _layers.get(layer.spec.name)
+    if ref is not None and ref() is layer:
+        del _layers[layer.spec.name]
+
+
 def lookup(name: str) -> LayerKVSpec:
     """The spec of the live layer called ``name``; KeyError naming it if there is none."""
     ref = _layers.get(name)

@@ -1,0 +1,286 @@
+"""Pieces shared by our decoders: RMSNorm, RoPE, gated MLP, self-attention, and ``PagedDecoder``.
+
+Flat token layout: no batch dim. ``forward(input_ids [T], positions [T]) -> logits [T, vocab]``
+(fp32), for the sequences of the ``BatchMetadata`` in the active forward context, concatenated
+along T in its order. Numerics follow transformers' eager bf16 code op for op (norms in fp32,
+RoPE cos/sin rounded to the model dtype) so parity holds to bf16 rounding.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from contextlib import AbstractContextManager
+from typing import Any, ClassVar
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from torch_kvq.attention import registry
+from torch_kvq.attention.context import ForwardContext, forward_context
+from torch_kvq.attention.kernels.base import AttentionKernel
+from torch_kvq.attention.kernels.reference import ReferenceKernel
+from torch_kvq.attention.layer import Attention, QuantForm
+from torch_kvq.attention.metadata import BatchMetadata, PageAllocator
+from torch_kvq.models.config import DecoderConfig, RopeSpec, read_config
+from torch_kvq.spec import AttentionLayerInfo, KVCacheConfig, LayerKVSpec, resolve_layer_specs
+
+MODEL_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+class RMSNorm(nn.Module):
+    """RMSNorm over the last dim. ``offset=True`` is Gemma's ``x * (1 + w)`` in fp32; else Llama's
+    ``w * x.to(dtype)``."""
+
+    def __init__(
+        self, dim: int, eps: float, offset: bool, dtype: torch.dtype, device: torch.device
+    ) -> None:
+        super().__init__()
+        self.eps = eps
+        self.offset = offset
+        init = torch.zeros if offset else torch.ones
+        self.weight = nn.Parameter(init(dim, dtype=dtype, device=device))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        if self.offset:
+            return (xf * (1.0 + self.weight.float())).type_as(x)
+        return self.weight * xf.to(x.dtype)
+
+
+def rope_cos_sin(
+    positions: torch.Tensor, head_dim: int, rope: RopeSpec, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """positions [T] int -> (cos, sin) [T, head_dim] in ``dtype`` (frequencies in fp32)."""
+    exponent = torch.arange(0, head_dim, 2, dtype=torch.float32, device=positions.device) / head_dim
+    inv_freq = 1.0 / (rope.theta**exponent)
+    if rope.factor != 1.0:
+        inv_freq = inv_freq / rope.factor
+    freqs = positions[:, None].float() * inv_freq[None, :]
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [T, H, D], cos / sin [T, D] -> [T, H, D] (rotate-half convention)."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos[:, None, :] + rotated * sin[:, None, :]
+
+
+class GatedMLP(nn.Module):
+    """``down(act(gate(x)) * up(x))``: SwiGLU (silu) or GeGLU (gelu tanh)."""
+
+    def __init__(self, cfg: DecoderConfig, dtype: torch.dtype, device: torch.device) -> None:
+        super().__init__()
+        kw: dict[str, Any] = dict(bias=cfg.mlp_bias, dtype=dtype, device=device)
+        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, **kw)
+        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, **kw)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, **kw)
+        self.act = cfg.hidden_act
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate = self.gate_proj(x)
+        gate = F.silu(gate) if self.act == "silu" else F.gelu(gate, approximate="tanh")
+        return self.down_proj(gate * self.up_proj(x))
+
+
+class SelfAttention(nn.Module):
+    """q/k/v projections, optional per-head q/k norms, RoPE, paged ``Attention``, o_proj.
+
+    ``attn`` is set by ``PagedDecoder.configure_kv``. forward(h [T, hidden], cos, sin) -> [T, hidden].
+    """
+
+    def __init__(
+        self, cfg: DecoderConfig, qk_norm: bool, dtype: torch.dtype, device: torch.device
+    ) -> None:
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = (
+            cfg.num_heads,
+            cfg.num_kv_heads,
+            cfg.head_dim,
+        )
+        kw: dict[str, Any] = dict(bias=cfg.attention_bias, dtype=dtype, device=device)
+        self.q_proj = nn.Linear(cfg.hidden_size, cfg.num_heads * cfg.head_dim, **kw)
+        self.k_proj = nn.Linear(cfg.hidden_size, cfg.num_kv_heads * cfg.head_dim, **kw)
+        self.v_proj = nn.Linear(cfg.hidden_size, cfg.num_kv_heads * cfg.head_dim, **kw)
+        self.o_proj = nn.Linear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, **kw)
+        self.q_norm: RMSNorm | None = None
+        self.k_norm: RMSNorm | None = None
+        if qk_norm:
+            self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, True, dtype, device)
+            self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, True, dtype, device)
+        self.attn: Attention | None = None
+
+    def forward(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        t = h.shape[0]
+        q = self.q_proj(h).view(t, self.num_heads, self.head_dim)
+        k = self.k_proj(h).view(t, self.num_kv_heads, self.head_dim)
+        v = self.v_proj(h).view(t, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None and self.k_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        assert self.attn is not None, "configure_kv() sets the attention layer"
+        out = self.attn(q, k, v)
+        return self.o_proj(out.reshape(t, self.num_heads * self.head_dim))
+
+
+class PagedDecoder(nn.Module):
+    """Base of ``LlamaModel`` / ``Gemma3Model``: embeddings, layers, final norm, LM head, paged KV.
+
+    Subclasses set ``arch`` and implement ``_make_layer`` (and may override ``_embed`` / ``_norm``).
+    Attention layer names are ``f"{prefix}.layers.{i}.self_attn.attn"`` (the module path).
+    """
+
+    arch: ClassVar[str]
+
+    def __init__(
+        self,
+        hf_config: Any,
+        kv_config: KVCacheConfig,
+        num_pages: int,
+        *,
+        dtype: torch.dtype = torch.bfloat16,
+        device: torch.device | str = "cpu",
+        prefix: str | None = None,
+        kernel: AttentionKernel | Mapping[str, AttentionKernel] | None = None,
+        quant_form: QuantForm = "op",
+    ) -> None:
+        super().__init__()
+        if dtype not in MODEL_DTYPES:
+            raise ValueError(f"dtype {dtype} unsupported; expected one of {MODEL_DTYPES}")
+        if isinstance(num_pages, bool) or not isinstance(num_pages, int) or num_pages < 1:
+            raise ValueError(f"num_pages must be a positive int, got {num_pages!r}")
+        if prefix is not None and (
+            not isinstance(prefix, str) or not prefix or prefix.endswith(".")
+        ):
+            raise ValueError(f"prefix must be a non-empty string not ending in '.', got {prefix!r}")
+        if quant_form not in ("op", "torch"):
+            raise ValueError(f"quant_form {quant_form!r} unknown; expected 'op' or 'torch'")
+        self.config = cfg = read_config(hf_config, self.arch)
+        self.dtype = dtype
+        self.device = torch.device(device)
+        self.num_pages = num_pages
+        self.quant_form: QuantForm = quant_form
+        self.kernel = kernel if kernel is not None else ReferenceKernel()
+        self.prefix = prefix if prefix is not None else registry.unique_prefix("model")
+        dev = self.device
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size, dtype=dtype, device=dev)
+        self.layers = nn.ModuleList([self._make_layer(i) for i in range(cfg.num_layers)])
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, self.arch == "gemma3", dtype, dev)
+        self.lm_head: nn.Linear | None = None
+        if not cfg.tie_word_embeddings:
+            self.lm_head = nn.Linear(
+                cfg.hidden_size, cfg.vocab_size, bias=False, dtype=dtype, device=dev
+            )
+        self._rope_types = tuple(sorted(set(cfg.layer_types)))
+        self._specs: tuple[LayerKVSpec, ...] = ()
+        self.configure_kv(kv_config)
+
+    def _make_layer(self, i: int) -> nn.Module:
+        raise NotImplementedError
+
+    def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.embed_tokens(input_ids)
+
+    # --- KV cache ---------------------------------------------------------------------------
+
+    def layer_infos(self) -> list[AttentionLayerInfo]:
+        """What this model declares about each attention layer (no quantization choices)."""
+        cfg = self.config
+        return [
+            AttentionLayerInfo(
+                name=f"{self.prefix}.layers.{i}.self_attn.attn",
+                num_heads=cfg.num_heads,
+                num_kv_heads=cfg.num_kv_heads,
+                head_size=cfg.head_dim,
+                sliding_window=cfg.layer_window(i),
+                logits_soft_cap=cfg.attn_logit_softcapping,
+                sm_scale=cfg.sm_scale,
+            )
+            for i in range(cfg.num_layers)
+        ]
+
+    def configure_kv(self, kv_config: KVCacheConfig) -> None:
+        """Re-resolve the per-layer specs and replace every ``Attention`` (fresh, empty caches) and
+        the page allocator. On a bad config nothing changes (ValueError)."""
+        specs = resolve_layer_specs(kv_config, self.layer_infos(), self.dtype)
+        for layer in self.layers:
+            old = layer.self_attn.attn
+            if old is not None:
+                registry.unregister(old)
+                layer.self_attn.attn = None
+        for layer, spec in zip(self.layers, specs):
+            layer.self_attn.attn = Attention(spec, self.num_pages, self.device, self.quant_form)
+        self.kv_config = kv_config
+        self._specs = specs
+        self.allocator = PageAllocator(self.num_pages, kv_config.page_size)
+
+    @property
+    def kv_specs(self) -> tuple[LayerKVSpec, ...]:
+        return self._specs
+
+    @property
+    def attention_layers(self) -> list[Attention]:
+        return [layer.self_attn.attn for layer in self.layers]
+
+    def forward_context(self, metadata: BatchMetadata) -> AbstractContextManager[ForwardContext]:
+        """``attention.forward_context`` with this model's specs and kernel(s)."""
+        return forward_context(metadata, self._specs, self.kernel)
+
+    # --- weights ----------------------------------------------------------------------------
+
+    def load_hf_state_dict(self, state_dict: Mapping[str, torch.Tensor]) -> None:
+        """Load a transformers ``*ForCausalLM`` state dict (keys ``model.*`` and ``lm_head.weight``).
+
+        Every parameter must be given with its shape; unknown keys are an error.
+        """
+        own = self.state_dict()
+        given: dict[str, torch.Tensor] = {}
+        for key, value in state_dict.items():
+            ours = key.removeprefix("model.")
+            if ours == "lm_head.weight" and self.lm_head is None:
+                continue  # tied to embed_tokens.weight
+            given[ours] = value
+        missing = sorted(set(own) - set(given))
+        unexpected = sorted(set(given) - set(own))
+        if missing or unexpected:
+            raise ValueError(
+                f"state dict does not fit {type(self).__name__}: missing {missing[:6]}"
+                f"{'...' if len(missing) > 6 else ''}, unexpected {unexpected[:6]}"
+                f"{'...' if len(unexpected) > 6 else ''}"
+            )
+        for key, value in given.items():
+            if tuple(value.shape) != tuple(own[key].shape):
+                raise ValueError(
+                    f"{key}: shape {tuple(value.shape)}, expected {tuple(own[key].shape)}"
+                )
+        with torch.no_grad():
+            for key, value in given.items():
+                own[key].copy_(value.to(dtype=self.dtype, device=self.device))
+
+    # --- forward ----------------------------------------------------------------------------
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """input_ids [T], positions [T] (int) -> logits [T, vocab] fp32."""
+        if input_ids.dim() != 1 or tuple(positions.shape) != tuple(input_ids.shape):
+            raise ValueError(
+                f"expected input_ids [T] and positions [T], got {tuple(input_ids.shape)} and "
+                f"{tuple(positions.shape)}"
+            )
+        cfg = self.config
+        h = self._embed(input_ids)
+        rope = {
+            t: rope_cos_sin(positions, cfg.head_dim, cfg.rope[t], self.dtype)
+            for t in self._rope_types
+        }
+        for i, layer in enumerate(self.layers):
+            h = layer(h, *rope[cfg.layer_types[i]])
+        h = self.norm(h)
+        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        logits = F.linear(h, weight)
+        cap = cfg.final_logit_softcapping
+        if cap is not None:
+            logits = torch.tanh(logits / cap) * cap
+        return logits.float()

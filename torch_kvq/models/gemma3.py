@@ -1,0 +1,56 @@
+"""A Gemma-3-style text decoder on ``torch_kvq.attention.Attention``.
+
+Mixed sliding-window / global layers (``layer_types``, ``sliding_window``), per-head q/k RMSNorm,
+``query_pre_attn_scalar ** -0.5`` as the softmax scale, separate RoPE bases for local and global
+layers, embeddings scaled by ``sqrt(hidden)`` (rounded to the model dtype, as transformers does),
+sandwich norms around attention and MLP, GeGLU (gelu tanh) MLP, optional attention / final logit
+soft-caps. Matches transformers' ``Gemma3ForCausalLM`` (eager attention) given its state dict.
+
+Sliding window: a query at position p sees keys k with ``p - window < k <= p`` (the window counts
+the query itself), the same set as transformers' ``sliding_window_overlay`` + causal mask.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from torch_kvq.models.base import GatedMLP, PagedDecoder, RMSNorm, SelfAttention
+from torch_kvq.models.config import DecoderConfig
+
+
+class Gemma3DecoderLayer(nn.Module):
+    """``h + post_attn_norm(attn(in_norm(h)))``, then ``h + post_ff_norm(mlp(pre_ff_norm(h)))``."""
+
+    def __init__(self, cfg: DecoderConfig, dtype: torch.dtype, device: torch.device) -> None:
+        super().__init__()
+        norm = lambda: RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, True, dtype, device)  # noqa: E731
+        self.input_layernorm = norm()
+        self.self_attn = SelfAttention(cfg, qk_norm=True, dtype=dtype, device=device)
+        self.post_attention_layernorm = norm()
+        self.pre_feedforward_layernorm = norm()
+        self.mlp = GatedMLP(cfg, dtype, device)
+        self.post_feedforward_layernorm = norm()
+
+    def forward(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        h = h + self.post_attention_layernorm(self.self_attn(self.input_layernorm(h), cos, sin))
+        return h + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(h)))
+
+
+class Gemma3Model(PagedDecoder):
+    """Gemma-3-style causal LM with a paged, per-layer-quantizable KV cache (same API as
+    ``LlamaModel``). Sliding-window layers are the ones ``skip_layers=("sliding_window",)`` keeps
+    in the model dtype."""
+
+    arch = "gemma3"
+
+    def _make_layer(self, i: int) -> nn.Module:
+        return Gemma3DecoderLayer(self.config, self.dtype, self.device)
+
+    @property
+    def embed_scale(self) -> float:
+        """``sqrt(hidden)`` rounded to the model dtype, as transformers applies it."""
+        return float(torch.tensor(self.config.hidden_size**0.5).to(self.dtype))
+
+    def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.embed_tokens(input_ids) * self.embed_scale

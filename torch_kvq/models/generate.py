@@ -1,0 +1,110 @@
+"""Greedy generation through the paged cache: one mixed prefill batch, then decode steps.
+
+``generate(model, prompts, max_new_tokens, forward=None)``; ``forward`` may be a compiled
+callable, e.g. ``torch.compile(model, backend=kvq_backend)``; the model still provides the
+allocator and the forward context. Pages are freed at the end, also on error.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from torch_kvq.models.base import PagedDecoder
+
+Forward = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+@dataclass(frozen=True)
+class GenerateResult:
+    """tokens[i]: the ``max_new_tokens`` tokens after prompt i. logits [B, max_new_tokens, vocab]
+    fp32: ``logits[i, s]`` is what chose ``tokens[i][s]`` (step 0 is the prefill's last position).
+    prefill_logits[i]: [len(prompt i), vocab] fp32, the prefill logits of prompt i."""
+
+    tokens: list[list[int]]
+    logits: torch.Tensor
+    prefill_logits: list[torch.Tensor]
+
+
+def _check_ids(what: str, ids: Sequence[Sequence[int]], vocab: int) -> None:
+    for i, seq in enumerate(ids):
+        if not seq:
+            raise ValueError(f"{what}[{i}] is empty; expected at least one token id")
+        bad = [
+            t for t in seq if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab
+        ]
+        if bad:
+            raise ValueError(
+                f"{what}[{i}] has token ids {bad[:4]} outside [0, {vocab}) or not ints"
+            )
+
+
+@torch.no_grad()
+def generate(
+    model: PagedDecoder,
+    prompts: list[list[int]],
+    max_new_tokens: int,
+    forward: Forward | None = None,
+    *,
+    force_tokens: Sequence[Sequence[int]] | None = None,
+) -> GenerateResult:
+    """Greedy decoding of ``prompts`` (sequences of different lengths, one batch).
+
+    ``force_tokens`` (one list of ``max_new_tokens`` ids per prompt) feeds those tokens instead of
+    the argmax, so two models can be compared along the same path; ``tokens`` then equals it and
+    ``logits.argmax(-1)`` is the model's own choice.
+    """
+    vocab = model.config.vocab_size
+    if not isinstance(prompts, (list, tuple)) or not prompts:
+        raise ValueError(f"prompts must be a non-empty list of token-id lists, got {prompts!r}")
+    _check_ids("prompts", prompts, vocab)
+    if (
+        isinstance(max_new_tokens, bool)
+        or not isinstance(max_new_tokens, int)
+        or max_new_tokens < 1
+    ):
+        raise ValueError(f"max_new_tokens must be a positive int, got {max_new_tokens!r}")
+    if force_tokens is not None:
+        if len(force_tokens) != len(prompts) or any(len(f) != max_new_tokens for f in force_tokens):
+            raise ValueError(
+                f"force_tokens must hold {len(prompts)} lists of {max_new_tokens} token ids, got "
+                f"lengths {[len(f) for f in force_tokens]}"
+            )
+        _check_ids("force_tokens", force_tokens, vocab)
+    run = forward if forward is not None else model
+    dev = model.device
+    seq_ids = [object() for _ in prompts]  # unique keys: other sequences may share the allocator
+    tokens: list[list[int]] = [[] for _ in prompts]
+    step_logits: list[torch.Tensor] = []
+    try:
+        md = model.allocator.build_batch([(sid, len(p)) for sid, p in zip(seq_ids, prompts)], dev)
+        ids = torch.tensor([t for p in prompts for t in p], dtype=torch.long, device=dev)
+        with model.forward_context(md):
+            logits = run(ids, md.positions)
+        ends = [int(e) - 1 for e in md.qo_indptr[1:].tolist()]
+        prefill = [logits[e + 1 - n : e + 1] for e, n in zip(ends, md.qo_lens)]
+        last = logits[ends]
+        for step in range(max_new_tokens):
+            step_logits.append(last)
+            chosen = (
+                last.argmax(-1).tolist()
+                if force_tokens is None
+                else [f[step] for f in force_tokens]
+            )
+            for i, t in enumerate(chosen):
+                tokens[i].append(int(t))
+            if step + 1 == max_new_tokens:
+                break
+            md = model.allocator.build_batch([(sid, 1) for sid in seq_ids], dev)
+            ids = torch.tensor(chosen, dtype=torch.long, device=dev)
+            with model.forward_context(md):
+                last = run(ids, md.positions)
+    finally:
+        for sid in seq_ids:
+            if sid in model.allocator.sequences:
+                model.allocator.free(sid)
+    return GenerateResult(
+        tokens=tokens, logits=torch.stack(step_logits, dim=1), prefill_logits=prefill
+    )
