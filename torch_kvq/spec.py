@@ -105,6 +105,10 @@ class KVCacheConfig:
         parse_kv_cache_dtype(self.kv_cache_dtype, torch.bfloat16)  # validate early
         for rule in self.skip_layers:
             _check_rule_form(rule)
+        rules = list(self.skip_layers)
+        twice = sorted({repr(r) for r in rules if rules.count(r) > 1})
+        if twice:
+            raise ValueError(f"skip_layers lists rule {', '.join(twice)} more than once")
         if isinstance(self.page_size, bool) or self.page_size not in SUPPORTED_PAGE_SIZES:
             raise ValueError(
                 f"unsupported page_size {self.page_size!r}; expected one of {SUPPORTED_PAGE_SIZES}"
@@ -242,6 +246,8 @@ def resolve_layer_specs(
         raise ValueError(f"model_dtype {model_dtype} unsupported; expected bfloat16, float16 or float32")
     if not layers:
         raise ValueError("resolve_layer_specs needs at least one attention layer, got none")
+    for info in layers:
+        _check_layer_info(info)
     names = [li.name for li in layers]
     dup = sorted({nm for nm in names if names.count(nm) > 1})
     if dup:
@@ -257,7 +263,6 @@ def resolve_layer_specs(
     n = len(layers)
     specs = []
     for idx, info in enumerate(layers):
-        _check_layer_info(info)
         reason = next((r for r in config.skip_layers if _rule_matches(r, idx, info, n)), None)
         quantized = mode.is_quantized and reason is None
         k_scale, v_scale = scales.get(info.name, (config.default_k_scale, config.default_v_scale))
@@ -284,6 +289,10 @@ def resolve_layer_specs(
 
 
 def _check_layer_info(info: AttentionLayerInfo) -> None:
+    if not isinstance(info, AttentionLayerInfo):
+        raise ValueError(f"layers must be AttentionLayerInfo, got {type(info).__name__}")
+    if not isinstance(info.name, str) or not info.name:
+        raise ValueError(f"attention layer name must be a non-empty string, got {info.name!r}")
     for what in ("num_heads", "num_kv_heads", "head_size"):
         v = getattr(info, what)
         if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
@@ -293,8 +302,12 @@ def _check_layer_info(info: AttentionLayerInfo) -> None:
             f"layer {info.name!r}: num_heads {info.num_heads} is not a multiple of "
             f"num_kv_heads {info.num_kv_heads}"
         )
-    if info.sliding_window is not None and (isinstance(info.sliding_window, bool) or info.sliding_window <= 0):
-        raise ValueError(f"layer {info.name!r}: sliding_window must be a positive int or None, got {info.sliding_window!r}")
+    sw = info.sliding_window
+    if sw is not None and (isinstance(sw, bool) or not isinstance(sw, int) or sw <= 0):
+        raise ValueError(f"layer {info.name!r}: sliding_window must be a positive int or None, got {sw!r}")
+    for what in ("logits_soft_cap", "sm_scale"):
+        if getattr(info, what) is not None:
+            check_scale(getattr(info, what), f"layer {info.name!r}: {what}")
 
 
 def _resolve_scales(config: KVCacheConfig, layers: Sequence[AttentionLayerInfo]) -> dict[str, tuple[float, float]]:

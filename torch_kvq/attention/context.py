@@ -65,7 +65,10 @@ def forward_context(
     ``kernel`` is one kernel for every layer or a mapping layer name -> kernel. Each kernel's
     ``plan`` runs once here, with the specs of the layers it serves, never inside the graph.
     """
-    spec_map = {s.name: s for s in specs}
+    spec_map: dict[str, LayerKVSpec] = {}
+    for s in specs:
+        if spec_map.setdefault(s.name, s) != s:
+            raise ValueError(f"forward_context got two different specs for layer {s.name!r}")
     if isinstance(kernel, Mapping):
         missing = sorted(set(spec_map) - set(kernel))
         if missing:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
+from functools import cached_property
 
 import torch
 
@@ -57,6 +58,11 @@ class BatchMetadata:
     def is_decode_only(self) -> bool:
         return all(n == 1 for n in self.qo_lens)
 
+    @cached_property
+    def max_page_id(self) -> int:
+        """The largest page id the batch touches (a layer's cache needs more pages than this)."""
+        return max((p for pages in self.page_tables for p in pages), default=-1)
+
     @classmethod
     def build(
         cls,
@@ -66,12 +72,29 @@ class BatchMetadata:
         page_size: int,
         device: torch.device | str = "cpu",
     ) -> BatchMetadata:
-        """Build metadata from host page tables; checks that they are consistent."""
+        """Build metadata from host page tables; checks that they are consistent.
+
+        Raises ValueError for mismatched counts, bad lengths, a page table of the wrong size, a
+        negative page id, or a page used twice in the batch (two sequences would share KV).
+        """
+        if isinstance(page_size, bool) or not isinstance(page_size, int) or page_size < 1:
+            raise ValueError(f"page_size must be a positive int, got {page_size!r}")
         if not (len(page_tables) == len(kv_lens) == len(qo_lens)) or not qo_lens:
             raise ValueError(
                 f"inconsistent batch: {len(page_tables)} page tables, {len(kv_lens)} kv lengths, "
                 f"{len(qo_lens)} query lengths (expected equal, non-zero counts)"
             )
+        owner: dict[int, int] = {}
+        for i, pages in enumerate(page_tables):
+            for p in pages:
+                if isinstance(p, bool) or not isinstance(p, int) or p < 0:
+                    raise ValueError(f"sequence {i}: page id {p!r} is not a non-negative int")
+                if p in owner:
+                    raise ValueError(
+                        f"page {p} appears twice in the batch (sequences {owner[p]} and {i}); "
+                        "every page must belong to exactly one sequence"
+                    )
+                owner[p] = i
         slots: list[int] = []
         positions: list[int] = []
         last: list[int] = []

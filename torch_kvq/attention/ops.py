@@ -24,7 +24,8 @@ from torch import Tensor
 from torch_kvq.attention.context import get_forward_context
 from torch_kvq.attention.kernels.base import quantize_fp8 as _quantize_fp8
 from torch_kvq.attention.kernels.base import write_kv
-from torch_kvq.spec import FP8_DTYPE, LayerKVSpec
+from torch_kvq.attention.metadata import BatchMetadata
+from torch_kvq.spec import FP8_DTYPE, LayerKVSpec, check_scale
 
 
 def _check(cond: bool, msg: str) -> None:
@@ -48,6 +49,14 @@ def _check_cache(spec: LayerKVSpec, kv_cache: Tensor) -> None:
     )
 
 
+def _check_capacity(spec: LayerKVSpec, kv_cache: Tensor, md: BatchMetadata) -> None:
+    _check(
+        md.max_page_id < kv_cache.shape[0],
+        f"layer {spec.name!r}: the batch uses KV page {md.max_page_id} but the layer's cache has "
+        f"{kv_cache.shape[0]} pages; size the PageAllocator to the layers' num_pages",
+    )
+
+
 def _check_q(spec: LayerKVSpec, q: Tensor, n: int) -> None:
     want = (n, spec.num_heads, spec.head_size)
     _check(tuple(q.shape) == want, f"layer {spec.name!r}: q has shape {tuple(q.shape)}, expected {want}")
@@ -57,6 +66,7 @@ def _check_q(spec: LayerKVSpec, q: Tensor, n: int) -> None:
 @torch.library.custom_op("kvq::quantize_fp8", mutates_args=())
 def quantize_fp8(x: Tensor, scale: float) -> Tensor:
     """Static per-tensor FP8 (e4m3) quantization; x any shape -> same shape, float8_e4m3fn."""
+    check_scale(scale, "quantize_fp8 scale")
     return _quantize_fp8(x, scale)
 
 
@@ -69,6 +79,8 @@ def _(x: Tensor, scale: float) -> Tensor:
 def dequantize_kv_cache(kv_cache: Tensor, k_scale: float, v_scale: float, out_dtype: torch.dtype) -> Tensor:
     """Whole-cache dequantization [pages, 2, page, KH, D] fp8 -> ``out_dtype`` (the unfused form)."""
     _check(kv_cache.dtype == FP8_DTYPE, f"dequantize_kv_cache expects a float8_e4m3fn cache, got {kv_cache.dtype}")
+    check_scale(k_scale, "dequantize_kv_cache k_scale")
+    check_scale(v_scale, "dequantize_kv_cache v_scale")
     scales = torch.tensor([k_scale, v_scale], dtype=torch.float32, device=kv_cache.device)
     return (kv_cache.float() * scales.view(1, 2, 1, 1, 1)).to(out_dtype)
 
@@ -84,6 +96,7 @@ def cache_write(k: Tensor, v: Tensor, kv_cache: Tensor, layer_name: str) -> None
     ctx = get_forward_context()
     spec = ctx.spec(layer_name)
     _check_kv_args(spec, k, v, kv_cache, spec.storage_dtype, ctx.metadata.num_tokens)
+    _check_capacity(spec, kv_cache, ctx.metadata)
     write_kv(kv_cache, k, v, ctx.metadata.slot_mapping)
 
 
@@ -100,6 +113,9 @@ def quant_cache_write(k: Tensor, v: Tensor, kv_cache: Tensor, k_scale: float, v_
     _check(spec.is_quantized, f"layer {layer_name!r} is not quantized (mode {spec.mode.value}); quant_cache_write refused")
     _check_kv_args(spec, k, v, kv_cache, spec.model_dtype, ctx.metadata.num_tokens)
     _check(kv_cache.dtype == FP8_DTYPE, f"layer {layer_name!r}: cache dtype {kv_cache.dtype}, expected float8_e4m3fn")
+    _check_capacity(spec, kv_cache, ctx.metadata)
+    check_scale(k_scale, f"layer {layer_name!r}: k_scale")
+    check_scale(v_scale, f"layer {layer_name!r}: v_scale")
     write_kv(kv_cache, _quantize_fp8(k, k_scale), _quantize_fp8(v, v_scale), ctx.metadata.slot_mapping)
 
 
@@ -116,6 +132,7 @@ def paged_attention(q: Tensor, kv_cache: Tensor, layer_name: str) -> Tensor:
     _check_q(spec, q, ctx.metadata.num_tokens)
     _check_cache(spec, kv_cache)
     _check(kv_cache.dtype == q.dtype, f"layer {layer_name!r}: paged_attention needs a {q.dtype} cache, got {kv_cache.dtype}")
+    _check_capacity(spec, kv_cache, ctx.metadata)
     return ctx.kernel(layer_name).attend(ctx, spec, q, kv_cache, 1.0, 1.0, None)
 
 
@@ -144,6 +161,11 @@ def paged_attention_fp8(
     _check_q(spec, q, ctx.metadata.num_tokens)
     _check_cache(spec, kv_cache)
     _check(kv_cache.dtype == FP8_DTYPE, f"layer {layer_name!r}: cache dtype {kv_cache.dtype}, expected float8_e4m3fn")
+    _check_capacity(spec, kv_cache, ctx.metadata)
+    check_scale(k_scale, f"layer {layer_name!r}: k_scale")
+    check_scale(v_scale, f"layer {layer_name!r}: v_scale")
+    if output_scale is not None:
+        check_scale(output_scale, f"layer {layer_name!r}: output_scale")
     return ctx.kernel(layer_name).attend(ctx, spec, q, kv_cache, k_scale, v_scale, output_scale)
 
 

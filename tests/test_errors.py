@@ -1,0 +1,674 @@
+"""Every row of docs/errors.md is tried here: the doc is the expectation, this file the inputs.
+
+docs/errors.md holds tables of ``| `id` | input | `Exception` | `message excerpt` |``. Each id
+maps to one thunk below (``@case(id)``) that feeds the bad input. The test runs the thunk and
+checks the exact exception type and that the message contains the excerpt (``...`` in an excerpt
+skips a variable part, such as a generated layer name). A doc row without a thunk, or a thunk
+without a doc row, fails ``test_doc_and_cases_agree``, so the table and the tests cannot drift.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import re
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import pytest
+import torch
+
+from torch_kvq.attention import (
+    Attention,
+    PageAllocator,
+    ReferenceKernel,
+    calibrate_kv_scales,
+    registry,
+)
+from torch_kvq.attention.context import forward_context
+from torch_kvq.attention.kernels import capabilities
+from torch_kvq.spec import FP8_DTYPE, AttentionLayerInfo, KVCacheConfig, resolve_layer_specs
+
+DOC = Path(__file__).resolve().parents[1] / "docs" / "errors.md"
+ROW = re.compile(
+    r"^\|\s*`(?P<id>[\w.-]+)`\s*\|(?P<input>.+?)\|\s*`(?P<exc>\w+)`\s*\|\s*`(?P<msg>[^`]+)`\s*\|\s*$"
+)
+ops = torch.ops.kvq
+
+CASES: dict[str, Callable[[], object]] = {}
+
+
+def case(case_id: str) -> Callable[[Callable[[], object]], Callable[[], object]]:
+    def register(fn: Callable[[], object]) -> Callable[[], object]:
+        assert case_id not in CASES, f"case id {case_id} defined twice"
+        CASES[case_id] = fn
+        return fn
+
+    return register
+
+
+@dataclass(frozen=True)
+class DocRow:
+    case_id: str
+    input: str
+    exc: str
+    excerpt: str
+
+
+def doc_rows() -> dict[str, DocRow]:
+    rows: dict[str, DocRow] = {}
+    for line in DOC.read_text().splitlines():
+        m = ROW.match(line.strip())
+        if m:
+            assert m["id"] not in rows, f"docs/errors.md lists {m['id']} twice"
+            rows[m["id"]] = DocRow(m["id"], m["input"].strip(), m["exc"], m["msg"])
+    return rows
+
+
+# --- small fixtures the thunks build fresh each time -------------------------------------------
+
+_uid = itertools.count()
+HEADS, KV_HEADS, D, PAGE = 4, 2, 16, 4
+
+
+def infos(n: int = 4, prefix: str = "m") -> list[AttentionLayerInfo]:
+    """n layers named ``{prefix}.layers.{i}.attn``; even layers have a sliding window of 8."""
+    return [
+        AttentionLayerInfo(
+            f"{prefix}.layers.{i}.attn",
+            HEADS,
+            KV_HEADS,
+            D,
+            sliding_window=8 if i % 2 == 0 else None,
+        )
+        for i in range(n)
+    ]
+
+
+def resolve(cfg: KVCacheConfig, dtype: torch.dtype = torch.bfloat16, n: int = 4):
+    return resolve_layer_specs(cfg, infos(n), dtype)
+
+
+@dataclass
+class Env:
+    """Two live layers (0 skipped -> bf16 cache, 1 fp8), a batch of ``T`` new tokens, q/k/v."""
+
+    specs: tuple
+    attns: list[Attention]
+    md: object
+    q: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+
+    def ctx(self, specs: tuple | None = None):
+        return forward_context(self.md, self.specs if specs is None else specs, ReferenceKernel())
+
+
+def env(
+    tokens: int = 3, num_pages: int = 8, alloc_pages: int | None = None, page_size: int = PAGE
+) -> Env:
+    cfg = KVCacheConfig(
+        "fp8", skip_layers=(0,), page_size=page_size, default_k_scale=0.05, default_v_scale=0.05
+    )
+    specs = resolve_layer_specs(cfg, infos(2, f"e{next(_uid)}"))
+    attns = [Attention(s, num_pages) for s in specs]
+    md = PageAllocator(alloc_pages or num_pages, page_size).build_batch([("a", tokens)])
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(tokens, HEADS, D, generator=g).bfloat16()
+    k = torch.randn(tokens, KV_HEADS, D, generator=g).bfloat16()
+    v = torch.randn(tokens, KV_HEADS, D, generator=g).bfloat16()
+    return Env(specs, attns, md, q, k, v)
+
+
+def batch(page_tables, kv_lens, qo_lens, page_size: int = PAGE):
+    from torch_kvq.attention.metadata import BatchMetadata
+
+    return BatchMetadata.build(page_tables, kv_lens, qo_lens, page_size)
+
+
+# --- config: KVCacheConfig and resolve_layer_specs ---------------------------------------------
+
+
+@case("config.dtype-unknown")
+def _() -> object:
+    return KVCacheConfig(kv_cache_dtype="fp9")
+
+
+@case("config.dtype-e5m2")
+def _() -> object:
+    return KVCacheConfig(kv_cache_dtype="fp8_e5m2")
+
+
+@case("config.dtype-not-a-string")
+def _() -> object:
+    return KVCacheConfig(kv_cache_dtype=torch.float8_e4m3fn)  # type: ignore[arg-type]
+
+
+@case("config.dtype-disagrees-with-model")
+def _() -> object:
+    return resolve(KVCacheConfig("float16"), torch.bfloat16)
+
+
+@case("config.model-dtype-unsupported")
+def _() -> object:
+    return resolve(KVCacheConfig("fp8"), torch.float64)
+
+
+@case("config.not-a-config")
+def _() -> object:
+    return resolve_layer_specs({"kv_cache_dtype": "fp8"}, infos())  # type: ignore[arg-type]
+
+
+@case("config.skip-rule-float")
+def _() -> object:
+    return KVCacheConfig("fp8", skip_layers=(1.5,))  # type: ignore[arg-type]
+
+
+@case("config.skip-rule-bool")
+def _() -> object:
+    return KVCacheConfig("fp8", skip_layers=(True,))
+
+
+@case("config.skip-rule-empty")
+def _() -> object:
+    return KVCacheConfig("fp8", skip_layers=(" ",))
+
+
+@case("config.skip-rule-typo")
+def _() -> object:
+    return resolve(KVCacheConfig("fp8", skip_layers=("slidng_window",)))
+
+
+@case("config.skip-rule-duplicate")
+def _() -> object:
+    return KVCacheConfig("fp8", skip_layers=("sliding_window", "sliding_window"))
+
+
+@case("config.skip-index-duplicate")
+def _() -> object:
+    return KVCacheConfig("fp8", skip_layers=(1, 1))
+
+
+@case("config.skip-index-conflict")
+def _() -> object:
+    return resolve(KVCacheConfig("fp8", skip_layers=(1, -3)))
+
+
+@case("config.skip-index-out-of-range")
+def _() -> object:
+    return resolve(KVCacheConfig("fp8", skip_layers=(4,)))
+
+
+@case("config.skip-index-negative-out-of-range")
+def _() -> object:
+    return resolve(KVCacheConfig("fp8", skip_layers=(-5,)))
+
+
+@case("config.skip-glob-matches-nothing")
+def _() -> object:
+    return resolve(KVCacheConfig("fp8", skip_layers=("decoder.*",)))
+
+
+@case("config.page-size-unsupported")
+def _() -> object:
+    return KVCacheConfig(page_size=3)
+
+
+@case("config.page-size-too-large")
+def _() -> object:
+    return KVCacheConfig(page_size=256)
+
+
+@case("config.page-size-bool")
+def _() -> object:
+    return KVCacheConfig(page_size=True)
+
+
+@case("config.default-scale-zero")
+def _() -> object:
+    return KVCacheConfig("fp8", default_k_scale=0.0)
+
+
+@case("config.default-scale-nan")
+def _() -> object:
+    return KVCacheConfig("fp8", default_v_scale=math.nan)
+
+
+@case("config.default-scale-string")
+def _() -> object:
+    return KVCacheConfig("fp8", default_k_scale="0.5")  # type: ignore[arg-type]
+
+
+@case("config.kv-scales-inf")
+def _() -> object:
+    return KVCacheConfig("fp8", kv_scales={0: (math.inf, 1.0)})
+
+
+@case("config.kv-scales-negative")
+def _() -> object:
+    return KVCacheConfig("fp8", kv_scales={"m.layers.1.attn": (1.0, -0.5)})
+
+
+@case("config.kv-scales-not-a-pair")
+def _() -> object:
+    return KVCacheConfig("fp8", kv_scales={0: 1.0})  # type: ignore[dict-item]
+
+
+@case("config.kv-scales-key-type")
+def _() -> object:
+    return KVCacheConfig("fp8", kv_scales={1.5: (1.0, 1.0)})  # type: ignore[dict-item]
+
+
+@case("config.kv-scales-duplicate")
+def _() -> object:
+    return KVCacheConfig("fp8", kv_scales=((0, (1.0, 1.0)), (0, (2.0, 2.0))))
+
+
+@case("config.kv-scales-unknown-layer")
+def _() -> object:
+    return resolve(KVCacheConfig("fp8", kv_scales={"nope": (1.0, 1.0)}))
+
+
+@case("config.kv-scales-index-out-of-range")
+def _() -> object:
+    return resolve(KVCacheConfig("fp8", kv_scales={9: (1.0, 1.0)}))
+
+
+@case("config.kv-scales-index-and-name")
+def _() -> object:
+    return resolve(KVCacheConfig("fp8", kv_scales={0: (1.0, 1.0), "m.layers.0.attn": (2.0, 2.0)}))
+
+
+# --- layers the model declares ------------------------------------------------------------------
+
+
+@case("layers.none")
+def _() -> object:
+    return resolve_layer_specs(KVCacheConfig("fp8"), [])
+
+
+@case("layers.not-layer-info")
+def _() -> object:
+    return resolve_layer_specs(KVCacheConfig("fp8"), [{"name": "a"}])  # type: ignore[list-item]
+
+
+@case("layers.duplicate-names")
+def _() -> object:
+    return resolve_layer_specs(KVCacheConfig("fp8"), [AttentionLayerInfo("x", 4, 2, 16)] * 2)
+
+
+@case("layers.empty-name")
+def _() -> object:
+    return resolve_layer_specs(KVCacheConfig("fp8"), [AttentionLayerInfo("", 4, 2, 16)])
+
+
+@case("layers.heads-not-multiple")
+def _() -> object:
+    return resolve_layer_specs(KVCacheConfig("fp8"), [AttentionLayerInfo("x", 6, 4, 16)])
+
+
+@case("layers.head-size-zero")
+def _() -> object:
+    return resolve_layer_specs(KVCacheConfig("fp8"), [AttentionLayerInfo("x", 4, 2, 0)])
+
+
+@case("layers.window-zero")
+def _() -> object:
+    return resolve_layer_specs(
+        KVCacheConfig("fp8"), [AttentionLayerInfo("x", 4, 2, 16, sliding_window=0)]
+    )
+
+
+@case("layers.window-float")
+def _() -> object:
+    return resolve_layer_specs(
+        KVCacheConfig("fp8"), [AttentionLayerInfo("x", 4, 2, 16, sliding_window=2.5)]
+    )  # type: ignore[arg-type]
+
+
+@case("layers.soft-cap-negative")
+def _() -> object:
+    return resolve_layer_specs(
+        KVCacheConfig("fp8"), [AttentionLayerInfo("x", 4, 2, 16, logits_soft_cap=-30.0)]
+    )
+
+
+@case("layers.sm-scale-zero")
+def _() -> object:
+    return resolve_layer_specs(
+        KVCacheConfig("fp8"), [AttentionLayerInfo("x", 4, 2, 16, sm_scale=0.0)]
+    )
+
+
+# --- Attention layers and the layer registry ----------------------------------------------------
+
+
+@case("layer.num-pages-zero")
+def _() -> object:
+    return Attention(resolve(KVCacheConfig("fp8"))[0], 0)
+
+
+@case("layer.quant-form-unknown")
+def _() -> object:
+    return Attention(resolve(KVCacheConfig("fp8"))[0], 4, quant_form="fx")  # type: ignore[arg-type]
+
+
+@case("layer.name-taken")
+def _() -> object:
+    e = env()
+    return Attention(e.specs[1], 4)
+
+
+@case("layer.registry-unknown")
+def _() -> object:
+    return registry.lookup("no.such.layer")
+
+
+# --- page allocator and batch metadata ----------------------------------------------------------
+
+
+@case("alloc.num-pages-zero")
+def _() -> object:
+    return PageAllocator(0, 4)
+
+
+@case("alloc.page-size-zero")
+def _() -> object:
+    return PageAllocator(4, 0)
+
+
+@case("alloc.token-count-zero")
+def _() -> object:
+    return PageAllocator(4, 4).append("a", 0)
+
+
+@case("alloc.sequence-twice-in-batch")
+def _() -> object:
+    return PageAllocator(4, 4).build_batch([("a", 1), ("a", 1)])
+
+
+@case("alloc.out-of-pages")
+def _() -> object:
+    alloc = PageAllocator(2, 4)
+    alloc.append("a", 4)
+    return alloc.build_batch([("a", 1), ("b", 5)])
+
+
+@case("alloc.unknown-sequence")
+def _() -> object:
+    return PageAllocator(2, 4).free("zz")
+
+
+@case("metadata.count-mismatch")
+def _() -> object:
+    return batch([[0], [1]], [2], [2, 2])
+
+
+@case("metadata.empty-batch")
+def _() -> object:
+    return batch([], [], [])
+
+
+@case("metadata.query-longer-than-kv")
+def _() -> object:
+    return batch([[0]], [2], [3])
+
+
+@case("metadata.query-empty")
+def _() -> object:
+    return batch([[0]], [2], [0])
+
+
+@case("metadata.page-table-too-short")
+def _() -> object:
+    return batch([[0]], [5], [5])
+
+
+@case("metadata.page-shared")
+def _() -> object:
+    return batch([[0], [3, 0]], [2, 6], [2, 1])
+
+
+@case("metadata.page-negative")
+def _() -> object:
+    return batch([[-1]], [2], [2])
+
+
+@case("metadata.page-size-zero")
+def _() -> object:
+    return batch([[0]], [2], [2], page_size=0)
+
+
+# --- runtime: the forward context --------------------------------------------------------------
+
+
+@case("runtime.no-forward-context")
+def _() -> object:
+    e = env()
+    return e.attns[0](e.q, e.k, e.v)
+
+
+@case("runtime.layer-not-in-context")
+def _() -> object:
+    e = env()
+    with e.ctx(e.specs[:1]):
+        return e.attns[1](e.q, e.k, e.v)
+
+
+@case("runtime.page-size-mismatch")
+def _() -> object:
+    e = env(page_size=8)
+    md = PageAllocator(8, 4).build_batch([("a", 3)])
+    with forward_context(md, e.specs, ReferenceKernel()):
+        return None
+
+
+@case("runtime.kernel-missing-for-layer")
+def _() -> object:
+    e = env()
+    with forward_context(e.md, e.specs, {e.specs[0].name: ReferenceKernel()}):
+        return None
+
+
+@case("runtime.two-specs-one-name")
+def _() -> object:
+    e = env()
+    with e.ctx((e.specs[1], replace(e.specs[1], k_scale=0.5))):
+        return None
+
+
+@case("runtime.cache-smaller-than-allocator")
+def _() -> object:
+    e = env(tokens=9, num_pages=2, alloc_pages=8)
+    with e.ctx():
+        return e.attns[0](e.q, e.k, e.v)
+
+
+# --- runtime: q / k / v and caches that do not match the layer's spec ----------------------------
+
+
+@case("runtime.q-dtype")
+def _() -> object:
+    e = env()
+    with e.ctx():
+        return e.attns[0](e.q.half(), e.k, e.v)
+
+
+@case("runtime.q-heads")
+def _() -> object:
+    e = env()
+    with e.ctx():
+        return e.attns[0](e.q[:, :2], e.k, e.v)
+
+
+@case("runtime.q-tokens")
+def _() -> object:
+    e = env()
+    with e.ctx():
+        return e.attns[0](e.q[:2], e.k, e.v)
+
+
+@case("runtime.k-tokens")
+def _() -> object:
+    e = env()
+    with e.ctx():
+        return e.attns[0](e.q, e.k[:2], e.v)
+
+
+@case("runtime.v-head-size")
+def _() -> object:
+    e = env()
+    with e.ctx():
+        return e.attns[0](e.q, e.k, e.v[..., :8])
+
+
+@case("runtime.v-dtype")
+def _() -> object:
+    e = env()
+    with e.ctx():
+        return e.attns[0](e.q, e.k, e.v.float())
+
+
+@case("runtime.fp8-layer-fp8-k-shape")
+def _() -> object:
+    e = env()
+    with e.ctx():
+        return e.attns[1](e.q, e.k[:, :1], e.v[:, :1])
+
+
+@case("ops.cache-write-unquantized-k-into-fp8")
+def _() -> object:
+    e = env()
+    with e.ctx():
+        return ops.cache_write(e.k, e.v, e.attns[1].kv_cache, e.specs[1].name)
+
+
+@case("ops.cache-shape")
+def _() -> object:
+    e = env()
+    with e.ctx():
+        return ops.paged_attention(
+            e.q, torch.zeros(8, 2, PAGE, KV_HEADS, 8).bfloat16(), e.specs[0].name
+        )
+
+
+@case("ops.bf16-attention-on-fp8-cache")
+def _() -> object:
+    e = env()
+    with e.ctx():
+        return ops.paged_attention(e.q, e.attns[1].kv_cache, e.specs[1].name)
+
+
+@case("ops.fp8-attention-on-skipped-layer")
+def _() -> object:
+    e = env()
+    with e.ctx():
+        return ops.paged_attention_fp8(
+            e.q, e.attns[0].kv_cache.to(FP8_DTYPE), 1.0, 1.0, e.specs[0].name
+        )
+
+
+@case("ops.quant-write-on-skipped-layer")
+def _() -> object:
+    e = env()
+    with e.ctx():
+        return ops.quant_cache_write(
+            e.k, e.v, e.attns[0].kv_cache.to(FP8_DTYPE), 1.0, 1.0, e.specs[0].name
+        )
+
+
+@case("ops.quant-write-into-bf16-cache")
+def _() -> object:
+    e = env()
+    with e.ctx():
+        return ops.quant_cache_write(e.k, e.v, e.attns[0].kv_cache, 1.0, 1.0, e.specs[1].name)
+
+
+@case("ops.dequantize-non-fp8")
+def _() -> object:
+    return ops.dequantize_kv_cache(torch.zeros(1, 2, 4, 2, 8), 1.0, 1.0, torch.bfloat16)
+
+
+@case("ops.dequantize-scale-nan")
+def _() -> object:
+    return ops.dequantize_kv_cache(
+        torch.zeros(1, 2, 4, 2, 8).to(FP8_DTYPE), math.nan, 1.0, torch.bfloat16
+    )
+
+
+@case("ops.quantize-scale-zero")
+def _() -> object:
+    return ops.quantize_fp8(torch.ones(4), 0.0)
+
+
+@case("ops.quant-write-scale-negative")
+def _() -> object:
+    e = env()
+    with e.ctx():
+        return ops.quant_cache_write(e.k, e.v, e.attns[1].kv_cache, -0.05, 0.05, e.specs[1].name)
+
+
+@case("ops.fp8-attention-output-scale-zero")
+def _() -> object:
+    e = env()
+    with e.ctx():
+        return ops.paged_attention_fp8(e.q, e.attns[1].kv_cache, 0.05, 0.05, e.specs[1].name, 0.0)
+
+
+# --- kernels and calibration -----------------------------------------------------------------
+
+
+@case("kernel.unknown-kernel")
+def _() -> object:
+    return capabilities.capabilities("nope", "cpu")
+
+
+@case("kernel.bad-capability")
+def _() -> object:
+    return capabilities.register_capabilities("bad", "cpu", [("fp8", torch.bfloat16, False)])  # type: ignore[list-item]
+
+
+@case("kernel.device-unsupported")
+def _() -> object:
+    return capabilities.device_arch("meta")
+
+
+@case("calibration.no-attention-layers")
+def _() -> object:
+    return calibrate_kv_scales(torch.nn.Linear(2, 2), lambda: None)
+
+
+# --- the tests ----------------------------------------------------------------------------------
+
+
+def _message(exc: BaseException) -> str:
+    if isinstance(exc, KeyError) and exc.args:
+        return str(exc.args[0])  # str(KeyError) is the repr of its message
+    return str(exc)
+
+
+def _matches(excerpt: str, message: str) -> bool:
+    pattern = ".*?".join(re.escape(part.strip()) for part in excerpt.split("..."))
+    return re.search(pattern, message, re.S) is not None
+
+
+def test_doc_and_cases_agree() -> None:
+    rows = doc_rows()
+    assert not sorted(set(rows) - set(CASES)), "docs/errors.md rows without a test thunk"
+    assert not sorted(set(CASES) - set(rows)), "test thunks without a docs/errors.md row"
+    assert len(rows) >= 30
+
+
+@pytest.mark.parametrize("case_id", sorted(set(doc_rows()) | set(CASES)))
+def test_rejected_input(case_id: str) -> None:
+    row = doc_rows().get(case_id)
+    thunk = CASES.get(case_id)
+    assert row is not None, f"{case_id}: no row in docs/errors.md"
+    assert thunk is not None, f"{case_id}: no thunk in tests/test_errors.py"
+    with pytest.raises(Exception) as info:  # noqa: B017  (type checked exactly below)
+        thunk()
+    got = type(info.value).__name__
+    msg = _message(info.value)
+    assert got == row.exc, f"{case_id}: raised {got}: {msg}; docs/errors.md says {row.exc}"
+    assert _matches(row.excerpt, msg), f"{case_id}: message {msg!r} lacks {row.excerpt!r}"
