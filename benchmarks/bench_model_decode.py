@@ -1,0 +1,193 @@
+"""Model decode step on the GPU: kvq_backend vs eager unfused vs plain torch.compile vs all-bf16.
+
+The Gemma-style mixed model (sliding layers skipped -> bf16, global layers FP8), batch B at
+context C: caches are filled with random values and pages reserved (no prefill needed: a decode
+step costs the same whatever the cache holds), then timed decode steps, each = build the batch,
+enter ``model.forward_context`` (plans), run the model. tokens/s = B / step time. ``host_ms`` is
+the time for the host to return from a step without waiting for the GPU: when it is close to the
+step time, the step is launch-bound (then CUDA graphs would pay).
+
+Uses ``torch_kvq.models.build_model`` ("gemma3-tiny" with the size overrides below),
+``model(input_ids, positions)``, ``model.forward_context(metadata)``, ``model.allocator`` and
+``torch_kvq.kvq_backend``.
+
+    python benchmarks/bench_model_decode.py --batch 32 --ctx 16384
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from gpu_common import environment, write_results  # noqa: E402
+
+import torch_kvq  # noqa: E402
+from torch_kvq.attention import Attention  # noqa: E402
+from torch_kvq.attention.kernels import FlashInferKernel  # noqa: E402
+from torch_kvq.spec import KVCacheConfig  # noqa: E402
+
+# Gemma-2/3-like at a realistic attention size: 8 layers alternating sliding (window 4096) and
+# global, 32 query / 8 kv heads of 128, hidden 2048 (overrides of the "gemma3-tiny" preset).
+BENCH_OVERRIDES = dict(
+    num_hidden_layers=8,
+    layer_types=["sliding_attention", "full_attention"] * 4,
+    sliding_window=4096,
+    hidden_size=2048,
+    intermediate_size=8192,
+    num_attention_heads=32,
+    num_key_value_heads=8,
+    head_dim=128,
+    query_pre_attn_scalar=128,
+    vocab_size=32768,
+    max_position_embeddings=131072,
+)
+
+
+def build(preset: str, kv: KVCacheConfig, kernel: FlashInferKernel, num_pages: int):
+    from torch_kvq.models import build_model
+
+    overrides = BENCH_OVERRIDES if preset == "gemma3-tiny" else {}
+    model = build_model(
+        preset,
+        kv,
+        0,
+        num_pages=num_pages,
+        dtype=torch.bfloat16,
+        device="cuda",
+        kernel=kernel,
+        **overrides,
+    )
+    from torch_kvq.attention.kernels import flashinfer_jit
+
+    flashinfer_jit.prebuild(kernel, model.kv_specs)  # compile FlashInfer's modules in parallel
+    return model
+
+
+def fill_caches(model: torch.nn.Module) -> int:
+    n = 0
+    for mod in model.modules():
+        if isinstance(mod, Attention):
+            cache = mod.kv_cache
+            std = 16.0 if cache.dtype == torch.float8_e4m3fn else 1.0
+            for i in range(0, cache.shape[0], 4096):
+                chunk = cache[i : i + 4096]
+                chunk.copy_((torch.randn(chunk.shape, device=cache.device) * std).to(cache.dtype))
+            n += 1
+    return n
+
+
+@torch.no_grad()
+def run(label: str, model, fn, batch: int, ctx: int, steps: int, warmup: int) -> dict:
+    alloc = model.allocator
+    for i in range(batch):
+        alloc.append(i, ctx - 1)
+    vocab = model.config.vocab_size
+
+    def step() -> torch.Tensor:
+        md = alloc.build_batch([(i, 1) for i in range(batch)], device="cuda")
+        ids = torch.randint(0, vocab, (batch,), device="cuda")
+        with model.forward_context(md):
+            return fn(ids, md.positions)
+
+    t0 = time.perf_counter()
+    for _ in range(warmup):
+        step()
+    torch.cuda.synchronize()
+    first = time.perf_counter() - t0
+    host, t0 = [], time.perf_counter()
+    for _ in range(steps):
+        h0 = time.perf_counter()
+        step()
+        host.append(time.perf_counter() - h0)
+    torch.cuda.synchronize()
+    step_s = (time.perf_counter() - t0) / steps
+    for i in range(batch):
+        alloc.free(i)
+    return {"variant": label, "batch": batch, "ctx": ctx, "step_ms": step_s * 1e3,
+            "tokens_per_s": batch / step_s, "host_ms": 1e3 * sorted(host)[len(host) // 2],
+            "warmup_s_incl_compile": first}  # fmt: skip
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument(
+        "--preset", default="gemma3-bench", help="a torch_kvq.models preset with >= 8 layers"
+    )
+    ap.add_argument("--batch", type=int, nargs="+", default=[32, 64])
+    ap.add_argument("--ctx", type=int, nargs="+", default=[4096, 16384])
+    ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--fp8-decode", choices=["tensor_cores", "xqa"], default="xqa")
+    args = ap.parse_args()
+    env = environment()
+    fp8 = KVCacheConfig("fp8", skip_layers=("sliding_window",), page_size=16)
+    bf16 = KVCacheConfig("auto", page_size=16)
+    rows = []
+    for batch in args.batch:
+        for ctx in args.ctx:
+            pages = batch * (-(-(ctx + args.steps + 8) // 16)) + 16
+            variants = [
+                ("kvq_backend (fp8)", fp8, FlashInferKernel(fp8_decode=args.fp8_decode, phases="decode", unfused_attention=False), "kvq"),
+                ("eager unfused (fp8)", fp8, FlashInferKernel(unfused_attention=True), "eager"),
+                ("torch.compile inductor, no kvq passes (fp8)", fp8, FlashInferKernel(unfused_attention=True), "inductor"),
+                ("all-bf16, kvq_backend", bf16, FlashInferKernel(phases="decode"), "kvq"),
+            ]  # fmt: skip
+            for label, kv, kernel, how in variants:
+                model = build(args.preset, kv, kernel, pages)
+                fill_caches(model)
+                if how == "kvq":
+                    fn = torch.compile(model, backend=torch_kvq.kvq_backend)
+                elif how == "inductor":
+                    fn = torch.compile(model)
+                else:
+                    fn = model
+                try:
+                    rows.append(run(label, model, fn, batch, ctx, args.steps, warmup=3))
+                except Exception as e:  # noqa: BLE001 - recorded, the other variants still run
+                    rows.append(
+                        {"variant": label, "batch": batch, "ctx": ctx, "error": repr(e)[:400]}
+                    )
+                print(rows[-1], flush=True)
+                del model, fn
+                torch._dynamo.reset()
+                torch.cuda.empty_cache()
+    lines = ["## Model decode step (FlashInfer)", ""] + [f"- {k}: {v}" for k, v in env.items()]
+    lines += [f"- preset {args.preset}, FP8 decode kernel {args.fp8_decode}", ""]
+    lines += [
+        "| batch x ctx | variant | step ms | tokens/s | host ms/step | x vs eager unfused |",
+        "|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        if "error" in r:
+            lines.append(
+                f"| {r['batch']} x {r['ctx']} | {r['variant']} | failed: {r['error']} | | | |"
+            )
+            continue
+        base = next(
+            (
+                b
+                for b in rows
+                if b.get("variant") == "eager unfused (fp8)"
+                and b["batch"] == r["batch"]
+                and b["ctx"] == r["ctx"]
+                and "step_ms" in b
+            ),
+            None,
+        )
+        x = f"{base['step_ms'] / r['step_ms']:.1f}" if base else "-"
+        lines.append(
+            f"| {r['batch']} x {r['ctx']} | {r['variant']} | {r['step_ms']:.3f} | {r['tokens_per_s']:.0f} | {r['host_ms']:.3f} | {x} |"
+        )
+    write_results(
+        "bench_model_decode",
+        {"env": env, "args": vars(args), "rows": rows},
+        "\n".join(lines) + "\n",
+    )
+
+
+if __name__ == "__main__":
+    main()

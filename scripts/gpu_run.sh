@@ -1,0 +1,43 @@
+#!/usr/bin/env bash
+# Set up a bare H200 (the device tool's machine) from the carried wheels, run the GPU tests and
+# the benchmarks, and write logs and JSON results to $OUT.
+#
+#   bash scripts/gpu_run.sh                  # tests attn xqa model
+#   bash scripts/gpu_run.sh tests attn xqa   # any subset, in that order
+#   KVQ_GPU_TESTS=tests/attention/test_flashinfer_kernel.py bash scripts/gpu_run.sh tests
+#
+# Needs .whl/ (carried): flashinfer_python-0.6.18.post1 and apache_tvm_ffi (flashinfer's other
+# requirements are either on the image or not imported by the kernels used here).
+# Outputs: $OUT/gpu_test_log.txt (pytest -m gpu), $OUT/run_log.txt (everything else),
+# $OUT/{bench_decode_attention,xqa_accuracy,bench_model_decode}.json.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-$PWD/out}
+mkdir -p "$OUT"
+LOG="$OUT/run_log.txt"
+export PYTHONUNBUFFERED=1
+export FLASHINFER_CUDA_ARCH_LIST=${FLASHINFER_CUDA_ARCH_LIST:-9.0a}
+export CUDA_HOME=${CUDA_HOME:-/usr/local/cuda} MAX_JOBS=${MAX_JOBS:-16}
+{
+  date -u
+  nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv,noheader
+  "$CUDA_HOME/bin/nvcc" --version | tail -2
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl
+} 2>&1 | tee -a "$LOG" || exit 1
+export PYTHONPATH=/tmp/site:$PWD
+python3 -c "import torch, flashinfer; print('torch', torch.__version__, 'flashinfer', flashinfer.__version__)" 2>&1 | tee -a "$LOG"
+status=0
+for step in ${*:-tests attn xqa model}; do
+  echo "=== $step $(date -u +%T)" | tee -a "$LOG"
+  case $step in
+    tests) python3 -m pytest -m gpu -v -rA --durations=20 -p no:cacheprovider --continue-on-collection-errors ${KVQ_GPU_TESTS:-tests/} 2>&1 | tee "$OUT/gpu_test_log.txt" ;;
+    attn) python3 benchmarks/bench_decode_attention.py 2>&1 | tee -a "$LOG" ;;
+    xqa) python3 benchmarks/xqa_accuracy.py 2>&1 | tee -a "$LOG" ;;
+    model) python3 benchmarks/bench_model_decode.py 2>&1 | tee -a "$LOG" ;;
+    *) echo "unknown step $step (expected tests, attn, xqa, model)" | tee -a "$LOG"; status=2; continue ;;
+  esac
+  rc=${PIPESTATUS[0]}
+  echo "=== $step exit $rc $(date -u +%T)" | tee -a "$LOG"
+  [ "$rc" -ne 0 ] && status=1
+done
+exit $status

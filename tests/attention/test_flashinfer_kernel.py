@@ -1,0 +1,302 @@
+"""FlashInferKernel: per-layer output against the reference kernel on the GPU; contract on CPU.
+
+GPU tests (``-m gpu``) reuse few FlashInfer JIT variants (head size 128, GQA group 4, page 16):
+fa2 {bf16, fp8 cache} x {global, sliding(+soft-cap for fp8)} and XQA {global, sliding} plus XQA
+with FP8 output. A module fixture compiles them all in parallel first.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from torch_kvq.attention import PageAllocator, ReferenceKernel, forward_context
+from torch_kvq.attention.kernels import FlashInferKernel, KernelUnsupportedError
+from torch_kvq.attention.kernels import capabilities as caps
+from torch_kvq.spec import (
+    FP8_DTYPE,
+    AttentionLayerInfo,
+    KVCacheConfig,
+    KVQuantMode,
+    LayerKVSpec,
+    resolve_layer_specs,
+)
+
+HAS_CUDA = torch.cuda.is_available()
+needs_gpu = pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU (and FlashInfer)")
+PAGE, D, WINDOW, SOFT_CAP = 16, 128, 64, 5.0
+K_SCALE, V_SCALE, OUT_SCALE = 1 / 64, 1 / 32, 1 / 128
+# relative Frobenius error against the reference kernel reading the same cache, per kernel
+TOL = {"fa2": 1e-2, "xqa": 8e-2, "xqa_fp8_out": 1e-1}
+
+
+def make_specs(infos: list[AttentionLayerInfo], skip: tuple[str, ...]) -> list[LayerKVSpec]:
+    cfg = KVCacheConfig(
+        "fp8", skip_layers=skip, page_size=PAGE, default_k_scale=K_SCALE, default_v_scale=V_SCALE
+    )
+    return list(resolve_layer_specs(cfg, infos, torch.bfloat16))
+
+
+MIXED = make_specs(
+    [
+        AttentionLayerInfo("m.g_bf16", 8, 2, D),
+        AttentionLayerInfo("m.g_fp8", 8, 2, D, sm_scale=0.05),
+        AttentionLayerInfo("m.s_bf16", 8, 2, D, sliding_window=WINDOW),
+        AttentionLayerInfo("m.s_fp8_cap", 8, 2, D, sliding_window=WINDOW, logits_soft_cap=SOFT_CAP),
+        AttentionLayerInfo("m.mha_bf16", 4, 4, D),
+    ],
+    skip=("m.g_bf16", "m.s_bf16", "m.mha_bf16"),
+)
+XQA = make_specs(
+    [
+        AttentionLayerInfo("x.g_fp8", 8, 2, D),
+        AttentionLayerInfo("x.s_fp8", 8, 2, D, sliding_window=WINDOW),
+    ],
+    skip=(),
+)
+# (history {seq: kv tokens already cached}, step [(seq, new tokens)])
+BATCHES = {
+    "prefill": ({}, [(10, 40), (11, 130), (12, 17)]),
+    "decode": ({0: 15, 1: 16, 2: 200, 3: 77}, [(0, 1), (1, 1), (2, 1), (3, 1)]),
+    "mixed": ({0: 15, 1: 100}, [(0, 1), (1, 37), (5, 50)]),
+}
+
+
+def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    return float((out.float() - ref.float()).norm() / ref.float().norm())
+
+
+class Scenario:
+    """Random paged caches (poisoned everywhere), a cached history, and one step's batch."""
+
+    def __init__(self, specs: list[LayerKVSpec], batch: str, seed: int = 0) -> None:
+        torch.manual_seed(seed)
+        self.specs, dev = specs, "cuda"
+        self.caches = {}
+        for s in specs:
+            shape = (64, 2, PAGE, s.num_kv_heads, s.head_size)
+            poison = torch.randn(shape, device=dev) * 4
+            self.caches[s.name] = poison.to(s.storage_dtype)
+        alloc = PageAllocator(num_pages=64, page_size=PAGE)
+        hist, step = BATCHES[batch]
+        if hist:
+            self._write(alloc.build_batch(list(hist.items()), device=dev))
+        self.md = alloc.build_batch(step, device=dev)
+        self._write(self.md)
+        t = self.md.num_tokens
+        self.q = {
+            s.name: torch.randn(t, s.num_heads, D, device=dev, dtype=torch.bfloat16) * 2
+            for s in specs
+        }
+
+    def _write(self, md) -> None:
+        with forward_context(md, self.specs, ReferenceKernel()):
+            for s in self.specs:
+                k, v = (
+                    torch.randn(
+                        md.num_tokens, s.num_kv_heads, D, device="cuda", dtype=torch.bfloat16
+                    )
+                    for _ in "kv"
+                )
+                if s.is_quantized:
+                    torch.ops.kvq.quant_cache_write(
+                        k, v, self.caches[s.name], s.k_scale, s.v_scale, s.name
+                    )
+                else:
+                    torch.ops.kvq.cache_write(k, v, self.caches[s.name], s.name)
+
+    def attend(self, kernel, output_scale: float | None = None) -> dict[str, torch.Tensor]:
+        out = {}
+        with forward_context(self.md, self.specs, kernel):
+            for s in self.specs:
+                q, cache = self.q[s.name], self.caches[s.name]
+                if s.is_quantized:
+                    out[s.name] = torch.ops.kvq.paged_attention_fp8(
+                        q, cache, s.k_scale, s.v_scale, s.name, output_scale
+                    )
+                else:
+                    out[s.name] = torch.ops.kvq.paged_attention(q, cache, s.name)
+        return out
+
+
+@pytest.fixture(scope="module")
+def built() -> None:
+    """Compile every FlashInfer module these tests use, in parallel (first use otherwise stalls)."""
+    if not HAS_CUDA:
+        pytest.skip("needs a CUDA GPU")
+    from torch_kvq.attention.kernels import flashinfer_jit as jit
+
+    mods = {}
+    mods.update(jit.jit_specs(FlashInferKernel(unfused_attention=False), MIXED))
+    mods.update(jit.jit_specs(FlashInferKernel(unfused_attention=True), MIXED[:2]))
+    xk = FlashInferKernel(fp8_decode="xqa", phases="decode", unfused_attention=False)
+    mods.update(jit.jit_specs(xk, XQA[:1], fp8_output=True))
+    mods.update(jit.jit_specs(xk, XQA[1:]))
+    jit.build(mods, max_workers=len(mods))
+
+
+# -- GPU: numerics against the reference kernel ------------------------------------------------
+
+
+@pytest.mark.gpu
+@needs_gpu
+@pytest.mark.parametrize("batch", sorted(BATCHES))
+def test_tensor_core_kernel_matches_reference(built, batch: str) -> None:
+    sc = Scenario(MIXED, batch)
+    ref = sc.attend(ReferenceKernel())
+    out = sc.attend(FlashInferKernel(unfused_attention=False))
+    for s in MIXED:
+        assert out[s.name].dtype == torch.bfloat16 and out[s.name].shape == ref[s.name].shape
+        assert torch.isfinite(out[s.name]).all(), s.name
+        err = rel_err(out[s.name], ref[s.name])
+        assert err < TOL["fa2"], f"{batch} {s.name}: rel err {err:.2e}"
+
+
+@pytest.mark.gpu
+@needs_gpu
+@pytest.mark.parametrize("fp8_out", [False, True], ids=["bf16_out", "fp8_out"])
+def test_xqa_decode_matches_reference(built, fp8_out: bool) -> None:
+    specs = XQA if not fp8_out else XQA[:1]
+    sc = Scenario(specs, "decode", seed=1)
+    ref = sc.attend(ReferenceKernel())
+    kernel = FlashInferKernel(fp8_decode="xqa", phases="decode", unfused_attention=False)
+    out = sc.attend(kernel, output_scale=OUT_SCALE if fp8_out else None)
+    for s in specs:
+        o = out[s.name]
+        assert o.dtype == (FP8_DTYPE if fp8_out else torch.bfloat16), s.name
+        o = o.float() * OUT_SCALE if fp8_out else o
+        assert torch.isfinite(o).all(), s.name
+        err = rel_err(o, ref[s.name])
+        assert err < TOL["xqa_fp8_out" if fp8_out else "xqa"], f"{s.name}: rel err {err:.2e}"
+
+
+@pytest.mark.gpu
+@needs_gpu
+def test_unfused_eager_form_runs_on_flashinfer(built) -> None:
+    from torch_kvq.attention import Attention
+
+    info = AttentionLayerInfo(f"unfused{id(object())}.g_fp8", 8, 2, D, sm_scale=0.05)
+    (spec,) = make_specs([info], skip=())
+    layer = Attention(spec, num_pages=64, device="cuda")
+    md = PageAllocator(64, PAGE).build_batch([(0, 33), (1, 1)], device="cuda")
+    q = torch.randn(md.num_tokens, 8, D, device="cuda", dtype=torch.bfloat16)
+    k, v = (torch.randn(md.num_tokens, 2, D, device="cuda", dtype=torch.bfloat16) for _ in "kv")
+    with forward_context(md, [spec], ReferenceKernel()):
+        ref = layer(q, k, v)
+    with forward_context(md, [spec], FlashInferKernel(unfused_attention=True)):
+        out = layer(q, k, v)
+    assert rel_err(out, ref) < TOL["fa2"]
+    with forward_context(md, [spec], FlashInferKernel(unfused_attention=False)):
+        with pytest.raises(KernelUnsupportedError, match="unfused_attention=True"):
+            layer(q, k, v)
+
+
+@pytest.mark.gpu
+@needs_gpu
+def test_compiled_fused_ops_match_eager(built) -> None:
+    spec = MIXED[1]
+    sc = Scenario([spec], "mixed", seed=2)
+    kernel = FlashInferKernel(unfused_attention=False)
+    k, v = (torch.randn(sc.md.num_tokens, 2, D, device="cuda", dtype=torch.bfloat16) for _ in "kv")
+
+    def step(q, k, v, cache):
+        torch.ops.kvq.quant_cache_write(k, v, cache, spec.k_scale, spec.v_scale, spec.name)
+        return torch.ops.kvq.paged_attention_fp8(q, cache, spec.k_scale, spec.v_scale, spec.name)
+
+    cache = sc.caches[spec.name]
+    with forward_context(sc.md, [spec], kernel):
+        eager = step(sc.q[spec.name], k, v, cache.clone())
+        compiled = torch.compile(step, fullgraph=True)(sc.q[spec.name], k, v, cache.clone())
+    with forward_context(sc.md, [spec], ReferenceKernel()):
+        ref = step(sc.q[spec.name], k, v, cache.clone())
+    assert rel_err(compiled, eager) < 1e-3
+    assert rel_err(compiled, ref) < TOL["fa2"]
+
+
+# -- GPU: contract ------------------------------------------------------------------------------
+
+
+@pytest.mark.gpu
+@needs_gpu
+def test_fp8_output_refused_where_no_kernel_writes_it(built) -> None:
+    sc = Scenario(MIXED[:2], "decode")
+    with pytest.raises(KernelUnsupportedError, match="m.g_fp8.*cannot write FP8 output"):
+        sc.attend(FlashInferKernel(unfused_attention=False), output_scale=OUT_SCALE)
+    sc = Scenario(XQA[:1], "prefill")
+    with pytest.raises(KernelUnsupportedError, match="decode-only"):
+        sc.attend(FlashInferKernel(fp8_decode="xqa", phases="decode"))
+
+
+@pytest.mark.gpu
+@needs_gpu
+def test_layers_of_one_group_share_one_plan(built) -> None:
+    infos = [AttentionLayerInfo(f"p.l{i}", 8, 2, D) for i in range(4)]
+    specs = make_specs(infos, skip=("p.l3",))  # three FP8 layers, one bf16
+    md = PageAllocator(16, PAGE).build_batch([(0, 20)], device="cuda")
+    kernel = FlashInferKernel(unfused_attention=False)
+    with forward_context(md, specs, kernel) as ctx:
+        groups = [p for p in ctx.plans.values() if type(p).__name__ == "GroupPlan"]
+    assert sorted(p.key.kv_dtype == FP8_DTYPE for p in groups) == [False, True]
+    with forward_context(md, specs, FlashInferKernel(unfused_attention=True)) as ctx:
+        groups = [p for p in ctx.plans.values() if type(p).__name__ == "GroupPlan"]
+    assert len(groups) == 2  # the FP8 layers' bf16 (unfused) plan is the bf16 layer's plan
+
+
+@pytest.mark.gpu
+@needs_gpu
+def test_xqa_refuses_soft_cap_and_reports_fp8_output_support() -> None:
+    xqa = FlashInferKernel(fp8_decode="xqa", phases="decode")
+    with pytest.raises(KernelUnsupportedError, match="m.s_fp8_cap.*soft-cap"):
+        xqa.check_supported(MIXED[3])
+    sm90 = torch.cuda.get_device_capability() == (9, 0)
+    assert xqa.fp8_output_supported(XQA[0]) is sm90
+    assert not xqa.fp8_output_supported(MIXED[0])  # bf16 cache: nothing to claim
+    assert not FlashInferKernel(fp8_decode="xqa").fp8_output_supported(XQA[0])  # prefill too
+    assert not FlashInferKernel(phases="decode").fp8_output_supported(XQA[0])
+
+
+# -- CPU: contract (runs everywhere) --------------------------------------------------------------
+
+
+def test_importing_torch_kvq_never_imports_flashinfer() -> None:
+    code = (
+        "import sys, torch_kvq\n"
+        "from torch_kvq.attention.kernels import FlashInferKernel\n"
+        "FlashInferKernel(fp8_decode='xqa')\n"
+        "assert 'flashinfer' not in sys.modules, 'flashinfer was imported'\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"fp8_decode": "cuda_cores"}, "fp8_decode 'cuda_cores' unknown"),
+        ({"phases": "prefill"}, "phases 'prefill' unknown"),
+        ({"workspace_bytes": 1024}, "workspace_bytes must be an int >= 16 MiB, got 1024"),
+    ],
+)
+def test_constructor_rejects_bad_options(kwargs: dict, match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        FlashInferKernel(**kwargs)
+
+
+def test_configuration_names_match_capability_rows() -> None:
+    fp8_layer = (KVQuantMode.FP8_PER_TENSOR, torch.bfloat16)
+    for fp8_decode in ("tensor_cores", "xqa"):
+        for phases in ("any", "decode"):
+            name = FlashInferKernel(fp8_decode=fp8_decode, phases=phases).name
+            assert name in caps.known_kernels()
+            assert caps.supports(name, "sm90", *fp8_layer, False)
+            writes_fp8 = fp8_decode == "xqa" and phases == "decode"
+            assert caps.supports(name, "sm90", *fp8_layer, True) is writes_fp8, name
+    assert not caps.supports("flashinfer-xqa-decode", "sm100", *fp8_layer, True)
+
+
+@pytest.mark.skipif(HAS_CUDA, reason="checks the no-GPU error")
+def test_check_supported_without_cuda_names_layer() -> None:
+    with pytest.raises(KernelUnsupportedError, match="m.g_fp8.*CUDA GPU"):
+        FlashInferKernel().check_supported(MIXED[1])

@@ -1,0 +1,376 @@
+"""FlashInfer paged attention behind the ``kvq::*`` ops (GPU only).
+
+Per batch, outside the graph, ``plan`` groups the layers by everything a FlashInfer plan bakes in
+(phase, window, kv dtype, q dtype, soft-cap, sm_scale, heads, head size) and plans each group once;
+``attend`` (inside the ops) only runs. Kernels per layer, chosen from the layer's spec:
+
+* prefill / mixed batch: ``BatchPrefillWithPagedKVCacheWrapper`` (fa2): bf16 q + bf16 cache, or
+  bf16 q + FP8 cache read in place (``k_scale`` folded into sm_scale, ``v_scale`` on the output).
+* decode-only batch, model-dtype cache: ``BatchDecodeWithPagedKVCacheWrapper(use_tensor_cores)``.
+* decode-only batch, FP8 cache: ``fp8_decode="tensor_cores"`` (same wrapper, bf16 MMA, accurate)
+  or ``fp8_decode="xqa"`` (``trtllm_batch_decode_with_kv_cache(backend="xqa")``: faster, writes
+  FP8 output, but runs both GEMMs in FP8, so ~2-4% relative error on random data; see
+  benchmarks/RESULTS.md).
+
+Shapes: q [T, QH, D] in the layer's model dtype; cache [pages, 2, page_size, KH, D] (NHD);
+output [T, QH, D] in the model dtype, or float8_e4m3fn (``out / output_scale``) on XQA decode.
+Sliding window: our query at p sees keys p - window < k <= p, FlashInfer's
+``window_left = window - 1``. ``import flashinfer`` happens only here, lazily, on first plan.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Literal
+
+import torch
+
+from torch_kvq.attention.kernels.base import KernelUnsupportedError
+from torch_kvq.spec import FP8_DTYPE, KVQuantMode, LayerKVSpec
+
+if TYPE_CHECKING:
+    from torch_kvq.attention.context import ForwardContext
+    from torch_kvq.attention.metadata import BatchMetadata
+
+FP8Decode = Literal["tensor_cores", "xqa"]
+Phases = Literal["any", "decode"]
+HEAD_SIZES = (64, 128, 256)
+XQA_PAGE_SIZES = (16, 32, 64, 128)
+MODEL_DTYPES = (torch.bfloat16, torch.float16)
+MIN_ARCH = (8, 0)  # fa2
+XQA_ARCHS = ((9, 0), (10, 0), (10, 3), (12, 0), (12, 1))
+DEFAULT_WORKSPACE_BYTES = 256 * 1024 * 1024
+_generation = itertools.count(1)
+
+
+@dataclass(frozen=True)
+class GroupKey:
+    """Everything one FlashInfer plan bakes in; layers with equal keys share one plan."""
+
+    kernel: str  # "prefill" | "decode" | "xqa"
+    window: int | None
+    kv_dtype: torch.dtype
+    q_dtype: torch.dtype
+    soft_cap: float | None
+    sm_scale: float
+    num_heads: int
+    num_kv_heads: int
+    head_size: int
+
+
+@dataclass(frozen=True)
+class GroupPlan:
+    key: GroupKey
+    wrapper: Any  # a FlashInfer wrapper; None for XQA (planless)
+    generation: int
+
+
+class FlashInferKernel:
+    """FlashInfer kernels for bf16 and FP8-KV layers. Raises, never falls back, when it cannot serve.
+
+    Args:
+        fp8_decode: kernel for FP8-cache layers on decode-only batches (see module docstring).
+        phases: ``"any"`` serves prefill, mixed and decode batches; ``"decode"`` promises (and
+            checks at plan time) decode-only batches, so a graph compiled for it may fuse the
+            output quant on layers whose decode kernel writes FP8 (``fp8_output_supported``).
+            ``name`` ("flashinfer[-xqa][-decode]") is this configuration's capability-table key.
+        unfused_attention: also plan the model-dtype attention of FP8 layers, so the readable
+            unfused form (dequantize the cache, then ``paged_attention``) runs too. Set False for
+            fused-only graphs to save a plan per group.
+        workspace_bytes: float workspace shared by all wrappers (and the XQA scratch, separately).
+    """
+
+    def __init__(
+        self,
+        fp8_decode: FP8Decode = "tensor_cores",
+        phases: Phases = "any",
+        unfused_attention: bool = True,
+        workspace_bytes: int = DEFAULT_WORKSPACE_BYTES,
+    ) -> None:
+        if fp8_decode not in ("tensor_cores", "xqa"):
+            raise ValueError(f"fp8_decode {fp8_decode!r} unknown; expected 'tensor_cores' or 'xqa'")
+        if phases not in ("any", "decode"):
+            raise ValueError(f"phases {phases!r} unknown; expected 'any' or 'decode'")
+        if (
+            isinstance(workspace_bytes, bool)
+            or not isinstance(workspace_bytes, int)
+            or workspace_bytes < 2**24
+        ):
+            raise ValueError(f"workspace_bytes must be an int >= 16 MiB, got {workspace_bytes!r}")
+        self.fp8_decode: FP8Decode = fp8_decode
+        self.phases: Phases = phases
+        # the capability-table name of this configuration (kernels/capabilities.py)
+        self.name = (
+            "flashinfer"
+            + ("-xqa" if fp8_decode == "xqa" else "")
+            + ("-decode" if phases == "decode" else "")
+        )
+        self.unfused_attention = unfused_attention
+        self.workspace_bytes = workspace_bytes
+        self._device: torch.device | None = None
+        self._float_ws: torch.Tensor | None = None
+        self._xqa_ws: torch.Tensor | None = None
+        self._wrappers: dict[GroupKey, Any] = {}
+        self._planned_gen: dict[GroupKey, int] = {}
+
+    def __repr__(self) -> str:
+        return f"FlashInferKernel(fp8_decode={self.fp8_decode!r}, phases={self.phases!r})"
+
+    # -- support -------------------------------------------------------------------------------
+
+    def check_supported(self, spec: LayerKVSpec) -> None:
+        """Raise ``KernelUnsupportedError`` naming the layer and the reason."""
+        why = self._unsupported_reason(spec)
+        if why:
+            raise KernelUnsupportedError(f"layer {spec.name!r}: {self!r} cannot serve it: {why}")
+
+    def _unsupported_reason(self, spec: LayerKVSpec) -> str | None:
+        if not torch.cuda.is_available():
+            return "FlashInfer needs a CUDA GPU and torch.cuda.is_available() is False"
+        arch = torch.cuda.get_device_capability()
+        if arch < MIN_ARCH:
+            return f"GPU compute capability {arch} is below {MIN_ARCH} (fa2 needs sm80+)"
+        if spec.mode not in (KVQuantMode.NONE, KVQuantMode.FP8_PER_TENSOR):
+            return f"quant mode {spec.mode.value!r} is not supported; expected 'none' or 'fp8_per_tensor'"
+        if spec.model_dtype not in MODEL_DTYPES:
+            return f"model dtype {spec.model_dtype} is not supported; expected bfloat16 or float16"
+        if spec.head_size not in HEAD_SIZES:
+            return f"head size {spec.head_size} is not supported; expected one of {HEAD_SIZES}"
+        if spec.is_quantized and self.fp8_decode == "xqa":
+            if arch not in XQA_ARCHS:
+                return f"fp8_decode='xqa' needs one of {XQA_ARCHS}, this GPU is {arch}"
+            if spec.page_size not in XQA_PAGE_SIZES:
+                return f"fp8_decode='xqa' needs page size in {XQA_PAGE_SIZES}, got {spec.page_size}"
+            if spec.logits_soft_cap:
+                return "fp8_decode='xqa' has no logit soft-cap; use fp8_decode='tensor_cores'"
+        return None
+
+    def fp8_output_supported(self, spec: LayerKVSpec) -> bool:
+        """True if the capability table says this kernel configuration writes FP8 output for
+        ``spec`` on this GPU in every phase it serves (so the passes may fuse the output quant)."""
+        from torch_kvq.attention.kernels.capabilities import device_arch, supports
+
+        if not torch.cuda.is_available() or self._unsupported_reason(spec):
+            return False
+        arch = device_arch(torch.device("cuda", torch.cuda.current_device()))
+        return supports(self.name, arch, spec.mode, spec.model_dtype, True)
+
+    def variant(self, spec: LayerKVSpec, phase: str, kv_dtype: torch.dtype | None = None) -> str:
+        """Which FlashInfer kernel serves ``spec`` in ``phase`` ("prefill" | "decode")."""
+        kv_dtype = spec.storage_dtype if kv_dtype is None else kv_dtype
+        if phase == "prefill":
+            return "fa2-prefill"
+        if kv_dtype == FP8_DTYPE and self.fp8_decode == "xqa":
+            return "xqa-decode"
+        return "tc-decode"
+
+    # -- plan ----------------------------------------------------------------------------------
+
+    def _group_key(self, spec: LayerKVSpec, kv_dtype: torch.dtype, decode: bool) -> GroupKey:
+        variant = self.variant(spec, "decode" if decode else "prefill", kv_dtype)
+        return GroupKey(
+            kernel={"fa2-prefill": "prefill", "tc-decode": "decode", "xqa-decode": "xqa"}[variant],
+            window=spec.sliding_window,
+            kv_dtype=kv_dtype,
+            q_dtype=spec.model_dtype,
+            soft_cap=spec.logits_soft_cap or None,
+            sm_scale=spec.sm_scale,
+            num_heads=spec.num_heads,
+            num_kv_heads=spec.num_kv_heads,
+            head_size=spec.head_size,
+        )
+
+    def _buffers(self, device: torch.device) -> None:
+        if self._device is not None and self._device != device:
+            raise KernelUnsupportedError(
+                f"{self!r} was first used on {self._device} and now gets a batch on {device}; "
+                "use one FlashInferKernel per device"
+            )
+        if self._float_ws is None:
+            self._device = device
+            self._float_ws = torch.empty(self.workspace_bytes, dtype=torch.uint8, device=device)
+
+    def plan(self, ctx: ForwardContext, specs: list[LayerKVSpec]) -> None:
+        """Plan one wrapper per group of ``specs`` for ``ctx.metadata``; store them in ctx.plans."""
+        md = ctx.metadata
+        decode = md.is_decode_only
+        if self.phases == "decode" and not decode:
+            raise KernelUnsupportedError(
+                f"{self!r} was built for decode-only batches (its graphs may write FP8 attention "
+                f"output that no prefill kernel can), but got a batch with query lengths "
+                f"{sorted(set(md.qo_lens))[:4]}; plan prefill with a phases='any' kernel"
+            )
+        device = md.kv_indices.device
+        if device.type != "cuda":
+            raise KernelUnsupportedError(
+                f"{self!r}: batch metadata is on {device}, expected a CUDA device"
+            )
+        for spec in specs:
+            self.check_supported(spec)
+        self._buffers(device)
+        keys: dict[GroupKey, None] = {}
+        for spec in specs:
+            keys[self._group_key(spec, spec.storage_dtype, decode)] = None
+            if spec.is_quantized and self.unfused_attention:
+                keys[self._group_key(spec, spec.model_dtype, decode)] = None
+        host = _HostIndptrs.build(md)
+        for key in keys:
+            gen = next(_generation)
+            wrapper = None if key.kernel == "xqa" else self._plan_wrapper(key, md, host)
+            self._planned_gen[key] = gen
+            ctx.plans[(id(self), key)] = GroupPlan(key, wrapper, gen)
+        if any(k.kernel == "xqa" for k in keys):
+            ctx.plans[(id(self), "xqa_tables")] = _xqa_tables(md, host)
+
+    def _plan_wrapper(self, key: GroupKey, md: BatchMetadata, host: _HostIndptrs) -> Any:
+        import flashinfer
+
+        wrapper = self._wrappers.get(key)
+        if wrapper is None:
+            if key.kernel == "prefill":
+                wrapper = flashinfer.BatchPrefillWithPagedKVCacheWrapper(
+                    self._float_ws, "NHD", backend="fa2"
+                )
+            else:
+                wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
+                    self._float_ws, "NHD", use_tensor_cores=True, backend="fa2"
+                )
+            self._wrappers[key] = wrapper
+        common = dict(
+            window_left=-1 if key.window is None else key.window - 1,
+            logits_soft_cap=key.soft_cap,
+            sm_scale=key.sm_scale,
+            q_data_type=key.q_dtype,
+            kv_data_type=key.kv_dtype,
+            o_data_type=key.q_dtype,
+        )
+        if key.kernel == "prefill":
+            wrapper.plan(
+                host.qo_indptr, host.kv_indptr, md.kv_indices, host.last_page_len,
+                key.num_heads, key.num_kv_heads, key.head_size, md.page_size,
+                causal=True, **common,
+            )  # fmt: skip
+        else:
+            wrapper.plan(
+                host.kv_indptr, md.kv_indices, host.last_page_len,
+                key.num_heads, key.num_kv_heads, key.head_size, md.page_size, **common,
+            )  # fmt: skip
+        return wrapper
+
+    # -- run -----------------------------------------------------------------------------------
+
+    def attend(
+        self,
+        ctx: ForwardContext,
+        spec: LayerKVSpec,
+        q: torch.Tensor,
+        kv_cache: torch.Tensor,
+        k_scale: float,
+        v_scale: float,
+        output_scale: float | None,
+    ) -> torch.Tensor:
+        """q [T, QH, D], kv_cache [pages, 2, page, KH, D] -> [T, QH, D] (see module docstring)."""
+        decode = ctx.metadata.is_decode_only
+        if kv_cache.dtype not in (spec.storage_dtype, spec.model_dtype):
+            raise ValueError(
+                f"layer {spec.name!r}: cache dtype {kv_cache.dtype}, expected {spec.storage_dtype} "
+                f"(its storage) or {spec.model_dtype} (dequantized, unfused form)"
+            )
+        key = self._group_key(spec, kv_cache.dtype, decode)
+        plan = ctx.plans.get((id(self), key))
+        if plan is None:
+            hint = (
+                " (the unfused form of an FP8 layer needs FlashInferKernel(unfused_attention=True))"
+                if kv_cache.dtype != spec.storage_dtype
+                else ""
+            )
+            raise KernelUnsupportedError(
+                f"layer {spec.name!r} has no FlashInfer plan for {key}{hint}"
+            )
+        if self._planned_gen.get(key) != plan.generation:
+            raise RuntimeError(
+                f"layer {spec.name!r}: the FlashInfer plan of this forward context was replaced by a "
+                "later plan of the same FlashInferKernel; nested forward contexts need separate kernels"
+            )
+        q = q.contiguous()
+        if key.kernel == "xqa":
+            return self._run_xqa(ctx, spec, q, kv_cache, k_scale, v_scale, output_scale)
+        if output_scale is not None:
+            variant = "fa2 prefill" if key.kernel == "prefill" else "tensor-core decode"
+            raise KernelUnsupportedError(
+                f"layer {spec.name!r}: FlashInfer {variant} cannot write FP8 output, but the graph "
+                "asks for it (output_scale given). Only XQA decode does; the passes must not fuse "
+                "the output quant here (see kernels/capabilities.py)"
+            )
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+        if kv_cache.dtype == FP8_DTYPE:
+            return plan.wrapper.run(q, kv_cache, k_scale=k_scale, v_scale=v_scale, out=out)
+        return plan.wrapper.run(q, kv_cache, out=out)
+
+    def _run_xqa(
+        self,
+        ctx: ForwardContext,
+        spec: LayerKVSpec,
+        q: torch.Tensor,
+        kv_cache: torch.Tensor,
+        k_scale: float,
+        v_scale: float,
+        output_scale: float | None,
+    ) -> torch.Tensor:
+        from flashinfer.decode import trtllm_batch_decode_with_kv_cache
+
+        tables: _XQATables = ctx.plans[(id(self), "xqa_tables")]
+        if self._xqa_ws is None:  # semaphores must start at zero
+            self._xqa_ws = torch.zeros(self.workspace_bytes, dtype=torch.uint8, device=q.device)
+        o_scale = 1.0 if output_scale is None else float(output_scale)
+        out = torch.empty_like(q, dtype=FP8_DTYPE if output_scale is not None else q.dtype)
+        return trtllm_batch_decode_with_kv_cache(
+            q, kv_cache, self._xqa_ws, tables.block_tables, tables.seq_lens, tables.max_seq_len,
+            bmm1_scale=k_scale * spec.sm_scale,
+            bmm2_scale=v_scale / o_scale,  # FlashInfer's convention: gives out = attn / o_scale
+            window_left=-1 if spec.sliding_window is None else spec.sliding_window - 1,
+            out=out, kv_layout="NHD", backend="xqa", o_scale=o_scale,
+        )  # fmt: skip
+
+
+@dataclass(frozen=True)
+class _HostIndptrs:
+    """CPU copies of the page-table indptrs, built from the metadata's host lists (no device sync)."""
+
+    qo_indptr: torch.Tensor
+    kv_indptr: torch.Tensor
+    last_page_len: torch.Tensor
+    kv_lens: torch.Tensor
+
+    @classmethod
+    def build(cls, md: BatchMetadata) -> _HostIndptrs:
+        qo = [0, *itertools.accumulate(md.qo_lens)]
+        kv = [0, *itertools.accumulate(len(p) for p in md.page_tables)]
+        last = [n - (len(p) - 1) * md.page_size for n, p in zip(md.kv_lens, md.page_tables)]
+        i32 = dict(dtype=torch.int32)
+        return cls(
+            qo_indptr=torch.tensor(qo, **i32),
+            kv_indptr=torch.tensor(kv, **i32),
+            last_page_len=torch.tensor(last, **i32),
+            kv_lens=torch.tensor(md.kv_lens, **i32),
+        )
+
+
+@dataclass(frozen=True)
+class _XQATables:
+    block_tables: torch.Tensor  # [B, max_pages] int32 on the device (padding: page 0, never read)
+    seq_lens: torch.Tensor  # [B] int32 on the device (XQA reads it as uint32)
+    max_seq_len: int
+
+
+def _xqa_tables(md: BatchMetadata, host: _HostIndptrs) -> _XQATables:
+    width = max(len(p) for p in md.page_tables)
+    rows = [list(p) + [0] * (width - len(p)) for p in md.page_tables]
+    table = torch.tensor(rows, dtype=torch.int32)
+    device = md.kv_indices.device
+    return _XQATables(
+        block_tables=table.to(device, non_blocking=True),
+        seq_lens=host.kv_lens.to(device, non_blocking=True),
+        max_seq_len=max(md.kv_lens),
+    )
