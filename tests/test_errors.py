@@ -9,12 +9,14 @@ without a doc row, fails ``test_doc_and_cases_agree``, so the table and the test
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import math
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
 from pathlib import Path
+from unittest import mock
 
 import pytest
 import torch
@@ -27,7 +29,7 @@ from torch_kvq.attention import (
     registry,
 )
 from torch_kvq.attention.context import forward_context
-from torch_kvq.attention.kernels import capabilities
+from torch_kvq.attention.kernels import FlashInferKernel, capabilities
 from torch_kvq.spec import FP8_DTYPE, AttentionLayerInfo, KVCacheConfig, resolve_layer_specs
 
 DOC = Path(__file__).resolve().parents[1] / "docs" / "errors.md"
@@ -632,6 +634,85 @@ def _() -> object:
 @case("kernel.device-unsupported")
 def _() -> object:
     return capabilities.device_arch("meta")
+
+
+def fi_specs(head_size: int = 64, dtype: torch.dtype = torch.bfloat16, page_size: int = 16, **info):
+    cfg = KVCacheConfig("fp8", page_size=page_size)
+    layer = AttentionLayerInfo(f"fi{next(_uid)}.attn", HEADS, KV_HEADS, head_size, **info)
+    return resolve_layer_specs(cfg, [layer], dtype)
+
+
+@contextlib.contextmanager
+def fake_gpu(available: bool = True, arch: tuple[int, int] = (9, 0)) -> Iterator[None]:
+    """Pretend torch sees a CUDA GPU of ``arch`` (or none), so the FlashInfer support checks run
+    the same on any machine; no CUDA call is made before they raise."""
+    with (
+        mock.patch.object(torch.cuda, "is_available", return_value=available),
+        mock.patch.object(torch.cuda, "get_device_capability", return_value=arch),
+    ):
+        yield
+
+
+@case("kernel.flashinfer-no-gpu")
+def _() -> object:
+    with fake_gpu(available=False):
+        return FlashInferKernel().check_supported(fi_specs()[0])
+
+
+@case("kernel.flashinfer-old-gpu")
+def _() -> object:
+    with fake_gpu(arch=(7, 5)):
+        return FlashInferKernel().check_supported(fi_specs()[0])
+
+
+@case("kernel.flashinfer-cpu-tensors")
+def _() -> object:
+    specs = fi_specs()
+    md = PageAllocator(4, 16).build_batch([("a", 3)])  # metadata (and caches) on the CPU
+    with fake_gpu(), forward_context(md, specs, FlashInferKernel()):
+        return None
+
+
+@case("kernel.flashinfer-head-size")
+def _() -> object:
+    with fake_gpu():
+        return FlashInferKernel().check_supported(fi_specs(head_size=96)[0])
+
+
+@case("kernel.flashinfer-fp32-model")
+def _() -> object:
+    with fake_gpu():
+        return FlashInferKernel().check_supported(fi_specs(dtype=torch.float32)[0])
+
+
+@case("kernel.flashinfer-xqa-soft-cap")
+def _() -> object:
+    with fake_gpu():
+        return FlashInferKernel(fp8_decode="xqa").check_supported(fi_specs(logits_soft_cap=30.0)[0])
+
+
+@case("kernel.flashinfer-xqa-page-size")
+def _() -> object:
+    with fake_gpu():
+        return FlashInferKernel(fp8_decode="xqa").check_supported(fi_specs(page_size=8)[0])
+
+
+@case("kernel.flashinfer-decode-only-got-prefill")
+def _() -> object:
+    specs = fi_specs()
+    md = PageAllocator(4, 16).build_batch([("a", 3)])
+    with fake_gpu(), forward_context(md, specs, FlashInferKernel(phases="decode")):
+        return None
+
+
+@case("kernel.flashinfer-bad-option")
+def _() -> object:
+    return FlashInferKernel(fp8_decode="fast")  # type: ignore[arg-type]
+
+
+@case("kernel.flashinfer-no-cpu-row")
+def _() -> object:
+    return capabilities.capabilities("flashinfer", "cpu")
 
 
 @case("calibration.no-attention-layers")
