@@ -1,0 +1,192 @@
+"""Small models, batches and graph helpers shared by the tests in tests/compile."""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+from collections.abc import Sequence
+
+import torch
+from torch import fx, nn
+
+from torch_kvq.attention import Attention, PageAllocator, ReferenceKernel, forward_context
+from torch_kvq.attention.kernels.base import quantize_fp8
+from torch_kvq.passes import KVQPassManager, make_kvq_backend
+from torch_kvq.passes.common import functional_op, get_stamp, op_args
+from torch_kvq.spec import (
+    FP8_MAX,
+    AttentionLayerInfo,
+    KVCacheConfig,
+    LayerKVSpec,
+    resolve_layer_specs,
+)
+
+PAGE_SIZE = 16
+OUT_SCALE = 0.01  # static scale of the o_proj input quant; attention outputs are O(1)
+_ids = itertools.count()
+
+
+@contextlib.contextmanager
+def no_compile_caches():
+    """Inductor's FX graph cache and the AOTAutograd cache off, so the passes always run."""
+    with torch._inductor.config.patch(fx_graph_cache=False):
+        with torch._functorch.config.patch(enable_autograd_cache=False):
+            yield
+
+
+def output_quant(x: torch.Tensor, form: str, scale: float = OUT_SCALE) -> torch.Tensor:
+    """The static FP8 quant of the o_proj input, as the kvq op or as torch-native code."""
+    if form == "op":
+        return torch.ops.kvq.quantize_fp8(x, scale)
+    if form == "mul":
+        return (x.float() * (1.0 / scale)).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+    return (x.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+
+
+def make_specs(
+    n: int = 1,
+    kv_cache_dtype: str = "fp8",
+    skip: tuple = (),
+    heads: tuple[int, int] = (8, 2),
+    head_size: int = 32,
+    dtype: torch.dtype = torch.bfloat16,
+    window: int | None = None,
+    scales: tuple[float, float] = (0.02, 0.03),
+) -> tuple[LayerKVSpec, ...]:
+    """``n`` layers with unique names; odd layers get a sliding ``window`` when one is given."""
+    tag = next(_ids)
+    infos = [
+        AttentionLayerInfo(
+            f"c{tag}.layers.{i}.attn",
+            heads[0],
+            heads[1],
+            head_size,
+            sliding_window=window if (window and i % 2 == 1) else None,
+        )
+        for i in range(n)
+    ]
+    cfg = KVCacheConfig(
+        kv_cache_dtype=kv_cache_dtype,
+        skip_layers=skip,
+        page_size=PAGE_SIZE,
+        default_k_scale=scales[0],
+        default_v_scale=scales[1],
+    )
+    return resolve_layer_specs(cfg, infos, dtype)
+
+
+class AttnQuantModel(nn.Module):
+    """vLLM's test_fusion_attn model: attention layers, each output reshaped to [T, QH * D] and
+    statically quantized to FP8 (the o_proj input). Layer i's q is the previous output (so the
+    layers stay in one graph and depend on each other), its k / v are shared inputs."""
+
+    def __init__(
+        self, specs: Sequence[LayerKVSpec], num_pages: int, quant_form: str = "op"
+    ) -> None:
+        super().__init__()
+        self.quant_form = quant_form
+        kv_form = "op" if quant_form == "op" else "torch"
+        self.layers = nn.ModuleList(Attention(s, num_pages, quant_form=kv_form) for s in specs)
+
+    @property
+    def specs(self) -> list[LayerKVSpec]:
+        return [a.spec for a in self.layers]
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> list[torch.Tensor]:
+        outs = []
+        for attn in self.layers:
+            o = attn(q, k, v)
+            outs.append(output_quant(o.reshape(o.shape[0], -1), self.quant_form))
+            q = o
+        return outs
+
+
+def batch_plan(num_tokens: int) -> list[tuple[int, int]]:
+    """(past tokens, new tokens) per sequence: some decodes (1 new token, some context) and
+    prefills (one with a chunked-prefill past) adding up to ``num_tokens``."""
+    n_dec = min(16, num_tokens // 2)
+    rest = num_tokens - n_dec
+    n_pre = max(1, min(3, rest // 64))
+    sizes = [rest // n_pre + (1 if i < rest % n_pre else 0) for i in range(n_pre)]
+    plan = [(10 if i == 0 else 0, s) for i, s in enumerate(sizes)]
+    plan += [(5 + (7 * i) % 50, 1) for i in range(n_dec)]
+    assert sum(n for _, n in plan) == num_tokens
+    return plan
+
+
+def pages_for(plan: list[tuple[int, int]]) -> int:
+    return sum(-(-(p + n) // PAGE_SIZE) for p, n in plan) + 4
+
+
+def make_batch(plan: list[tuple[int, int]], num_pages: int):
+    """The metadata of one step over ``plan`` (pasts reserved first, as earlier steps would)."""
+    alloc = PageAllocator(num_pages, PAGE_SIZE)
+    pasts = [(i, p) for i, (p, _) in enumerate(plan) if p]
+    if pasts:
+        alloc.append_many(pasts)
+    return alloc.build_batch([(i, n) for i, (_, n) in enumerate(plan)])
+
+
+def fill_caches(model: nn.Module, seed: int = 0) -> None:
+    """Random KV history in every cache (FP8 caches get quantized values)."""
+    g = torch.Generator().manual_seed(seed)
+    for mod in model.modules():
+        if isinstance(mod, Attention):
+            x = torch.randn(mod.kv_cache.shape, generator=g)
+            if mod.spec.is_quantized:
+                mod.kv_cache.copy_(quantize_fp8(x, mod.spec.k_scale))
+            else:
+                mod.kv_cache.copy_(x.to(mod.kv_cache.dtype))
+
+
+def caches(model: nn.Module) -> list[torch.Tensor]:
+    return [m.kv_cache.clone() for m in model.modules() if isinstance(m, Attention)]
+
+
+def restore(model: nn.Module, saved: list[torch.Tensor]) -> None:
+    for m, c in zip((m for m in model.modules() if isinstance(m, Attention)), saved):
+        m.kv_cache.copy_(c)
+
+
+def qkv(num_tokens: int, heads: tuple[int, int], head_size: int, dtype: torch.dtype, seed: int = 1):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(num_tokens, heads[0], head_size, generator=g).to(dtype)
+    k = torch.randn(num_tokens, heads[1], head_size, generator=g).to(dtype)
+    v = torch.randn(num_tokens, heads[1], head_size, generator=g).to(dtype)
+    return q, k, v
+
+
+def capture_graph(
+    model: nn.Module, inputs: Sequence[torch.Tensor], md, kernel=None
+) -> fx.GraphModule:
+    """The post-grad-shaped graph of ``model`` before any kvq pass (AOT + Inductor decomps)."""
+    torch._dynamo.reset()
+    backend = make_kvq_backend(inner="eager", passes=())
+    kernel = kernel or ReferenceKernel()
+    with torch.no_grad(), forward_context(md, [a.spec for a in attn_layers(model)], kernel):
+        torch.compile(model, backend=backend, fullgraph=True)(*inputs)
+    torch._dynamo.reset()
+    return backend.graphs[-1]
+
+
+def attn_layers(model: nn.Module) -> list[Attention]:
+    return [m for m in model.modules() if isinstance(m, Attention)]
+
+
+def run_passes(
+    gm: fx.GraphModule, specs: Sequence[LayerKVSpec], passes: Sequence[str], **kw
+) -> KVQPassManager:
+    manager = KVQPassManager(specs, passes=passes, **kw)
+    manager(gm.graph)
+    gm.recompile()
+    return manager
+
+
+def nodes_of(gm: fx.GraphModule, op) -> list[fx.Node]:
+    """Nodes running ``op`` (also through auto_functionalized)."""
+    return [n for n in gm.graph.nodes if functional_op(n) is op]
+
+
+def layer_of(node: fx.Node) -> str:
+    stamp = get_stamp(node)
+    return stamp.layer if stamp is not None else op_args(node)["layer_name"]

@@ -1,0 +1,251 @@
+"""``kvq_backend`` / ``make_kvq_backend``: torch.compile backends that run the kvq passes.
+
+``torch.compile(model, backend=kvq_backend)``: the backend scans the Dynamo graph for kvq ops'
+``layer_name`` arguments, resolves those layers' specs (live-layer registry), their device arch,
+and the kernel serving each (the ``kernel`` option, else the kernel of the active forward
+context, else ``capabilities.default_kernel``), builds a ``KVQPassManager`` for exactly those
+layers and hands the graph to Inductor with the manager as ``post_grad_custom_post_pass``.
+
+``make_kvq_backend(inner="eager")`` runs the same post-grad-shaped graph without Inductor
+codegen: AOTAutograd with Inductor's decompositions and input mutations kept in the graph
+(as Inductor does), the passes, then the FX graph itself runs (fast to build; for tests).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+from collections import deque
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import fx
+
+from torch_kvq.attention import registry
+from torch_kvq.attention.context import get_forward_context
+from torch_kvq.attention.kernels import capabilities as caps
+from torch_kvq.passes import report
+from torch_kvq.passes.manager import DEFAULT_PASSES, KVQPassManager
+from torch_kvq.spec import LayerKVSpec
+
+logger = logging.getLogger("torch_kvq")
+INNER = ("inductor", "eager")
+_memo: dict[str, str] = {}
+
+
+def graph_layers(gm: fx.GraphModule) -> dict[str, torch.device | None]:
+    """Layer names used by kvq ops in a Dynamo graph -> the device of the op's first tensor arg."""
+    found: dict[str, torch.device | None] = {}
+    for node in gm.graph.nodes:
+        target = node.target
+        packet = getattr(target, "overloadpacket", target)
+        if node.op != "call_function" or not getattr(packet, "_qualified_op_name", "").startswith(
+            "kvq::"
+        ):
+            continue
+        schema = packet.default._schema
+        names = [a.name for a in schema.arguments]
+        bound = dict(zip(names, node.args)) | dict(node.kwargs)
+        layer = bound.get("layer_name")
+        if not isinstance(layer, str):
+            continue
+        device = None
+        for arg in node.args:
+            val = (
+                arg.meta.get("example_value", arg.meta.get("val"))
+                if isinstance(arg, fx.Node)
+                else None
+            )
+            if isinstance(val, torch.Tensor):
+                device = val.device
+                break
+        found.setdefault(layer, device)
+    return found
+
+
+class KVQBackend:
+    """A torch.compile backend running the kvq passes (see module doc); build with ``make_kvq_backend``."""
+
+    def __init__(
+        self,
+        inner: str = "inductor",
+        passes: Sequence[str] = DEFAULT_PASSES,
+        dump_dir: str | Path | None = None,
+        kernel: str | Mapping[str, str] | None = None,
+        config_patches: Mapping[str, Any] | None = None,
+    ) -> None:
+        if inner not in INNER:
+            raise ValueError(f"inner compiler {inner!r} unknown; expected one of {INNER}")
+        if config_patches and "post_grad_custom_post_pass" in config_patches:
+            raise ValueError(
+                "config_patches may not set post_grad_custom_post_pass: kvq_backend installs its own"
+            )
+        self.inner = inner
+        self.passes = tuple(passes)
+        self.dump_dir = dump_dir
+        self.kernel = kernel
+        self.config_patches = dict(config_patches or {})
+        KVQPassManager([], passes=self.passes)  # validate the pass list now, not at first compile
+        self.managers: deque[KVQPassManager] = deque(maxlen=16)
+        self.graphs: deque[fx.GraphModule] = deque(maxlen=16)  # inner="eager": the graphs that run
+
+    def manager_for(self, gm: fx.GraphModule) -> KVQPassManager:
+        """The pass manager for exactly the layers of the Dynamo graph ``gm``."""
+        specs: list[LayerKVSpec] = []
+        kernels: dict[str, str] = {}
+        archs: dict[str, str] = {}
+        for layer, device in graph_layers(gm).items():
+            try:
+                spec = registry.lookup(layer)
+            except KeyError as e:
+                raise ValueError(f"the graph uses attention layer {layer!r}: {e.args[0]}") from None
+            specs.append(spec)
+            archs[layer] = caps.device_arch(device) if device is not None else "cpu"
+            kernels[layer] = self._kernel_name(layer, archs[layer])
+        return KVQPassManager(
+            specs, kernel=kernels, arch=archs, passes=self.passes, dump_dir=self.dump_dir
+        )
+
+    def _kernel_name(self, layer: str, arch: str) -> str:
+        if isinstance(self.kernel, str):
+            return self.kernel
+        if isinstance(self.kernel, Mapping):
+            if layer not in self.kernel:
+                raise ValueError(f"kernel mapping has no entry for layer {layer!r}")
+            return self.kernel[layer]
+        try:
+            kernels = get_forward_context().kernels
+        except RuntimeError:
+            kernels = {}
+        k = kernels.get(layer)
+        return getattr(k, "name", None) or caps.default_kernel(arch)
+
+    def __call__(self, gm: fx.GraphModule, example_inputs: Sequence[Any]) -> Callable[..., Any]:
+        manager = self.manager_for(gm)
+        self.managers.append(manager)
+        if self.inner == "eager":
+            return self._eager(gm, example_inputs, manager)
+        return self._inductor(gm, example_inputs, manager)
+
+    def _eager(
+        self, gm: fx.GraphModule, example_inputs: Sequence[Any], manager: KVQPassManager
+    ) -> Callable[..., Any]:
+        from torch._dynamo.backends.common import aot_autograd
+        from torch._inductor.decomposition import select_decomp_table
+
+        def fw_compiler(fx_gm: fx.GraphModule, _: Sequence[Any]) -> fx.GraphModule:
+            manager(fx_gm.graph)
+            fx_gm.recompile()
+            self.graphs.append(fx_gm)
+            return fx_gm
+
+        aot = aot_autograd(
+            fw_compiler=fw_compiler,
+            decompositions=select_decomp_table(),
+            keep_inference_input_mutations=True,
+        )
+        return aot(gm, example_inputs)
+
+    def _inductor(
+        self, gm: fx.GraphModule, example_inputs: Sequence[Any], manager: KVQPassManager
+    ) -> Callable[..., Any]:
+        from torch._inductor.compile_fx import compile_fx
+
+        current = torch._inductor.config.post_grad_custom_post_pass
+        if current is not None and not isinstance(current, KVQPassManager):
+            raise ValueError(
+                f"torch._inductor.config.post_grad_custom_post_pass is already set to {current!r}; "
+                "kvq_backend installs its own pass manager there. Unset it, or run your pass "
+                "as post_grad_custom_pre_pass"
+            )
+        runs = manager.runs
+        patches = {**self.config_patches, "post_grad_custom_post_pass": manager}
+        compiled = compile_fx(gm, list(example_inputs), config_patches=patches)
+        key = _memo_key(manager, gm, example_inputs)
+        if manager.runs > runs and manager.last is not None:
+            _remember(key, manager.last)
+        else:
+            _recall(key, manager)
+        return compiled
+
+
+def _memo_key(manager: KVQPassManager, gm: fx.GraphModule, example_inputs: Sequence[Any]) -> str:
+    shapes = [
+        (tuple(x.shape), str(x.dtype), str(x.device)) if isinstance(x, torch.Tensor) else repr(x)
+        for x in example_inputs
+    ]
+    return hashlib.sha256(f"{manager.uuid()}\n{gm.code}\n{shapes}".encode()).hexdigest()
+
+
+def _memo_file(key: str) -> Path:
+    from torch._inductor.runtime.cache_dir_utils import cache_dir
+
+    return Path(cache_dir()) / "kvq_reports" / f"{key}.json"
+
+
+def _remember(key: str, rep: report.GraphReport) -> None:
+    text = rep.to_json()
+    _memo[key] = text
+    try:
+        path = _memo_file(key)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
+    except OSError:  # the report is informational; the compiled graph does not depend on it
+        pass
+
+
+def _recall(key: str, manager: KVQPassManager) -> None:
+    """Inductor reused a compiled graph, so the passes did not run: record the report of the
+    compile that made it (kept in memory and beside Inductor's cache), marked as a cache hit."""
+    text = _memo.get(key)
+    if text is None:
+        path = _memo_file(key)
+        text = path.read_text() if path.exists() else None
+    if text is not None:
+        rep = report.GraphReport.from_json(text)
+        rep.source = "fx graph cache hit"
+    else:
+        layers = {
+            n: {
+                "mode": s.spec.mode.value,
+                "kernel": s.kernel,
+                "arch": s.arch,
+                "index": s.spec.index,
+            }
+            for n, s in manager.stamps.items()
+        }
+        rep = report.GraphReport(
+            -1, layers, {}, {}, {}, 0.0, source="fx graph cache hit (no stored report)"
+        )
+    rep.graph_id = report.next_graph_id()
+    report.record(rep)
+    manager.last = rep
+    logger.info(rep.summary())
+
+
+def make_kvq_backend(
+    inner: str = "inductor",
+    passes: Sequence[str] = DEFAULT_PASSES,
+    dump_dir: str | Path | None = None,
+    kernel: str | Mapping[str, str] | None = None,
+    config_patches: Mapping[str, Any] | None = None,
+) -> KVQBackend:
+    """A kvq backend: ``inner`` ``"inductor"`` (default) or ``"eager"`` (passes, no codegen);
+    ``passes`` (names, in order); ``dump_dir`` (per-pass before/after dumps); ``kernel`` (name,
+    or layer -> name, overriding the forward context's); ``config_patches`` (extra Inductor config)."""
+    return KVQBackend(
+        inner=inner, passes=passes, dump_dir=dump_dir, kernel=kernel, config_patches=config_patches
+    )
+
+
+_default: KVQBackend | None = None
+
+
+def kvq_backend(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> Callable[..., Any]:
+    """``torch.compile(model, backend=kvq_backend)``: the kvq passes, then Inductor."""
+    global _default
+    if _default is None:
+        _default = KVQBackend()
+    return _default(gm, example_inputs)

@@ -1,0 +1,32 @@
+"""cleanup: dead code elimination and a stable topological order, then a lint of the graph.
+
+Fusions leave the replaced quant / dequant nodes dead and may insert nodes after their users'
+inputs; this pass removes the dead pure nodes and restores a valid order (mutating nodes such
+as the trailing ``aten.copy_`` into the cache buffer are kept)::
+
+    before:  quantize_fp8 = kvq.quantize_fp8(k, 0.5)        # no users left
+             auto_functionalized_v2 = auto_functionalized_v2(kvq.quant_cache_write, k=k, ...)
+    after:   auto_functionalized_v2 = auto_functionalized_v2(kvq.quant_cache_write, k=k, ...)
+"""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+from torch import fx
+from torch._inductor.pattern_matcher import stable_topological_sort
+
+from torch_kvq.passes.common import PassContext
+
+
+class CleanupPass:
+    """Remove dead nodes, restore topological order, lint (see module doc)."""
+
+    name: ClassVar[str] = "cleanup"
+
+    def __call__(self, graph: fx.Graph, ctx: PassContext) -> int:
+        before = len(graph.nodes)
+        graph.eliminate_dead_code()
+        stable_topological_sort(graph)
+        graph.lint()
+        return before - len(graph.nodes)

@@ -1,0 +1,139 @@
+"""fuse_attention_output_quant: FP8 attention + static FP8 quant of its output -> FP8 output.
+
+The ``test_fusion_attn.py`` scenario: the attention output is reshaped for ``o_proj`` and
+quantized with a static scale. Applies only where the attention's stamp says its kernel really
+writes FP8 output for that layer (the capability table) and every node between the attention
+and the quant has no other user::
+
+    before:
+        paged_attention_fp8 = kvq.paged_attention_fp8(q, getitem_1, 0.5, 0.25, 'l0')
+        view = aten.reshape(paged_attention_fp8, [7, -1])
+        div = aten.div.Tensor(view, 0.1)      # or mul(view, 10.0), or kvq.quantize_fp8(view, 0.1)
+        convert_element_type = prims.convert_element_type(div, torch.float32)
+        clamp_min = aten.clamp_min(convert_element_type, -448);  clamp_max = aten.clamp_max(clamp_min, 448)
+        convert_element_type_2 = prims.convert_element_type(clamp_max, torch.float8_e4m3fn)
+    after:
+        paged_attention_fp8_1 = kvq.paged_attention_fp8(q, getitem_1, 0.5, 0.25, 'l0', output_scale=0.1)
+        reshape = aten.reshape(paged_attention_fp8_1, [7, -1])
+
+Only ``paged_attention_fp8`` is fused (a skipped layer's ``kvq.paged_attention`` never is). For a
+quantized layer whose output is not statically quantized the decision says so.
+"""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+from torch import fx
+
+from torch_kvq.passes.common import (
+    ATTENTION,
+    ATTENTION_FP8,
+    META_KEY,
+    VIEW_OPS,
+    PassContext,
+    StaticQuant,
+    erase_dead,
+    get_stamp,
+    is_call,
+    match_static_fp8_quant,
+    op_args,
+    single_user_chain,
+    skip_float_casts,
+)
+
+DECISION = "fused output quant"
+
+
+class FuseAttentionOutputQuantPass:
+    """Fuse a static FP8 quant of an FP8 attention's output into the attention (see module doc)."""
+
+    name: ClassVar[str] = "fuse_attention_output_quant"
+
+    def __call__(self, graph: fx.Graph, ctx: PassContext) -> int:
+        matches = 0
+        for node in list(graph.nodes):
+            if getattr(node, "_erased", False):
+                continue
+            quant = match_static_fp8_quant(node)
+            if quant is None:
+                continue
+            found = _attention_before(quant)
+            if found is None:
+                continue
+            attn, between = found
+            stamp = get_stamp(attn)
+            if stamp is None:
+                continue
+            if is_call(attn, ATTENTION):
+                ctx.decide(
+                    stamp.layer,
+                    stamp.kv_block() or "not fused: its attention still reads a dequantized cache",
+                )
+                continue
+            args = op_args(attn)
+            if args.get("output_scale") is not None:
+                continue
+            blocked = stamp.output_block()
+            if blocked is not None:
+                ctx.decide(stamp.layer, blocked)
+                continue
+            shared = single_user_chain([attn, *between, *quant.nodes])
+            if shared is not None:
+                ctx.decide(
+                    stamp.layer,
+                    f"not fused: {shared.name} between the attention and the quant has {len(shared.users)} users",
+                )
+                continue
+            self._rewrite(graph, attn, args, between, quant)
+            ctx.decide(stamp.layer, DECISION)
+            matches += 1
+        for node in graph.nodes:
+            stamp = get_stamp(node)
+            if (
+                is_call(node, ATTENTION_FP8)
+                and stamp is not None
+                and op_args(node).get("output_scale") is None
+            ):
+                ctx.decide(stamp.layer, "not fused: no static FP8 quant of the attention output")
+            elif is_call(node, ATTENTION) and stamp is not None:
+                ctx.decide(
+                    stamp.layer,
+                    stamp.kv_block() or "not fused: its attention still reads a dequantized cache",
+                )
+        return matches
+
+    @staticmethod
+    def _rewrite(
+        graph: fx.Graph, attn: fx.Node, args: dict, between: list[fx.Node], quant: StaticQuant
+    ) -> None:
+        stamp = get_stamp(attn)
+        assert stamp is not None
+        with graph.inserting_before(quant.out):
+            out = graph.call_function(
+                ATTENTION_FP8,
+                (args["q"], args["kv_cache"], args["k_scale"], args["v_scale"], args["layer_name"]),
+                {"output_scale": quant.scale},
+            )
+            out.meta[META_KEY] = stamp.with_fused(DECISION)
+            for view in between:
+                if is_call(view, *VIEW_OPS):
+                    out = graph.call_function(view.target, (out, *view.args[1:]), dict(view.kwargs))
+        quant.out.replace_all_uses_with(out)
+        erase_dead(graph, [attn, *between, *quant.nodes])
+
+
+def _attention_before(quant: StaticQuant) -> tuple[fx.Node, list[fx.Node]] | None:
+    """The attention node the quant's value comes from through views and float casts, and the
+    nodes in between (attention first), else None."""
+    between: list[fx.Node] = []
+    src = quant.value
+    while True:
+        src, casts = skip_float_casts(src)
+        between += casts
+        if is_call(src, ATTENTION, ATTENTION_FP8):
+            return src, list(reversed(between))
+        if not is_call(src, *VIEW_OPS) or not isinstance(src.args[0], fx.Node):
+            return None
+        between.append(src)
+        src = src.args[0]

@@ -1,0 +1,81 @@
+"""fuse_dequant_attention: dequantize the whole cache + attention -> attention on the FP8 cache.
+
+Applies where the attention's stamp says the layer is quantized and its kernel reads FP8 caches
+in place. No model-dtype copy of the cache is materialized any more::
+
+    before:
+        dequantize_kv_cache = kvq.dequantize_kv_cache(getitem_1, 0.5, 0.25, torch.bfloat16)
+        paged_attention = kvq.paged_attention(q, dequantize_kv_cache, 'l0')
+    after:
+        paged_attention_fp8 = kvq.paged_attention_fp8(q, getitem_1, 0.5, 0.25, 'l0')
+
+Skipped layers (``kvq.paged_attention`` on their model-dtype cache) are left alone.
+"""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+from torch import fx
+
+from torch_kvq.passes.common import (
+    ATTENTION,
+    ATTENTION_FP8,
+    DEQUANTIZE,
+    META_KEY,
+    PassContext,
+    erase_dead,
+    get_stamp,
+    is_call,
+    op_args,
+    op_label,
+)
+
+DECISION = "fused dequant+attn"
+
+
+class FuseDequantAttentionPass:
+    """Make quantized layers' attention read the FP8 paged cache in place (see module doc)."""
+
+    name: ClassVar[str] = "fuse_dequant_attention"
+
+    def __call__(self, graph: fx.Graph, ctx: PassContext) -> int:
+        matches = 0
+        for node in list(graph.nodes):
+            if not is_call(node, ATTENTION):
+                continue
+            stamp = get_stamp(node)
+            if stamp is None:
+                continue
+            blocked = stamp.kv_block()
+            if blocked is not None:
+                ctx.decide(stamp.layer, blocked)
+                continue
+            args = op_args(node)
+            deq = args["kv_cache"]
+            if not is_call(deq, DEQUANTIZE):
+                found = op_label(deq) if isinstance(deq, fx.Node) else repr(deq)
+                ctx.decide(
+                    stamp.layer,
+                    f"not fused: the attention's cache is not kvq.dequantize_kv_cache (found {found})",
+                )
+                continue
+            d = op_args(deq)
+            if d["out_dtype"] != stamp.spec.model_dtype:
+                ctx.decide(
+                    stamp.layer,
+                    f"not fused: the cache is dequantized to {d['out_dtype']}, the layer runs in {stamp.spec.model_dtype}",
+                )
+                continue
+            with graph.inserting_before(node):
+                fused = graph.call_function(
+                    ATTENTION_FP8,
+                    (args["q"], d["kv_cache"], d["k_scale"], d["v_scale"], args["layer_name"]),
+                )
+            fused.meta[META_KEY] = stamp.with_fused(DECISION)
+            node.replace_all_uses_with(fused)
+            graph.erase_node(node)
+            erase_dead(graph, [deq])
+            ctx.decide(stamp.layer, DECISION)
+            matches += 1
+        return matches

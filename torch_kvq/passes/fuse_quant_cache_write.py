@@ -1,0 +1,109 @@
+"""fuse_quant_cache_write: static FP8 quant of k and v + cache write -> one quantizing write.
+
+Applies where the write's stamp says the layer is quantized and its kernel reads FP8 caches.
+The quant is the ``kvq.quantize_fp8`` op or the torch-native expression (div or mul, clamp to
++-448, cast to float8_e4m3fn, with any float casts between). The write arrives functionalized::
+
+    before:
+        quantize_fp8 = kvq.quantize_fp8(k, 0.5);  quantize_fp8_1 = kvq.quantize_fp8(v, 0.25)
+        auto_functionalized_v2 = auto_functionalized_v2(kvq.cache_write, k=quantize_fp8,
+            v=quantize_fp8_1, layer_name='l0', _kv_cache_base_index=0, _all_bases=[kv_cache])
+        getitem_1 = auto_functionalized_v2[1]
+    after:
+        auto_functionalized_v2 = auto_functionalized_v2(kvq.quant_cache_write, k=k, v=v,
+            k_scale=0.5, v_scale=0.25, layer_name='l0', _kv_cache_base_index=0, _all_bases=[kv_cache])
+        getitem_1 = auto_functionalized_v2[1]
+
+The k / v fed to the fused write are the quant inputs, walked back through float casts to the
+layer's model dtype (the fused op quantizes in fp32 like ``kvq.quantize_fp8``).
+"""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+from torch import fx
+
+from torch_kvq.passes.common import (
+    AUTO_FUNCTIONALIZED,
+    CACHE_WRITE,
+    META_KEY,
+    QUANT_CACHE_WRITE,
+    PassContext,
+    StaticQuant,
+    erase_dead,
+    float_cast_arg,
+    functional_op,
+    get_stamp,
+    is_call,
+    match_static_fp8_quant,
+    node_dtype,
+    op_label,
+)
+
+DECISION = "fused quant+write"
+
+
+class FuseQuantCacheWritePass:
+    """Fuse k/v quantization into the paged-cache write for quantized layers (see module doc)."""
+
+    name: ClassVar[str] = "fuse_quant_cache_write"
+
+    def __call__(self, graph: fx.Graph, ctx: PassContext) -> int:
+        matches = 0
+        for node in list(graph.nodes):
+            if not is_call(node, *AUTO_FUNCTIONALIZED) or functional_op(node) is not CACHE_WRITE:
+                continue
+            stamp = get_stamp(node)
+            if stamp is None:
+                continue
+            blocked = stamp.kv_block()
+            if blocked is not None:
+                ctx.decide(stamp.layer, blocked)
+                continue
+            quants: dict[str, tuple[StaticQuant, fx.Node, list[fx.Node]]] = {}
+            for arg in ("k", "v"):
+                found = _match(node.kwargs[arg], stamp.spec.model_dtype)
+                if isinstance(found, str):
+                    ctx.decide(stamp.layer, f"not fused: {arg} {found}")
+                    break
+                quants[arg] = found
+            if len(quants) != 2:
+                continue
+            kwargs = {key: val for key, val in node.kwargs.items() if key not in ("k", "v")}
+            fused_kwargs = {
+                "k": quants["k"][1],
+                "v": quants["v"][1],
+                "k_scale": quants["k"][0].scale,
+                "v_scale": quants["v"][0].scale,
+                **kwargs,
+            }
+            with graph.inserting_before(node):
+                fused = graph.call_function(node.target, (QUANT_CACHE_WRITE,), fused_kwargs)
+            fused.meta[META_KEY] = stamp.with_fused(DECISION)
+            node.replace_all_uses_with(fused)
+            graph.erase_node(node)
+            for quant, _, casts in quants.values():
+                erase_dead(graph, [*reversed(casts), *quant.nodes])
+            ctx.decide(stamp.layer, DECISION)
+            matches += 1
+        return matches
+
+
+def _match(arg: object, model_dtype: object) -> tuple[StaticQuant, fx.Node, list[fx.Node]] | str:
+    """(quant, model-dtype source, casts between them) for a write's k/v arg, or why not."""
+    if not isinstance(arg, fx.Node):
+        return f"is {arg!r}, not a graph value"
+    quant = match_static_fp8_quant(arg)
+    if quant is None:
+        return f"is not a static FP8 quant (it comes from {op_label(arg)})"
+    source, casts = quant.value, []
+    while node_dtype(source) != model_dtype:
+        prev = float_cast_arg(source)
+        if prev is None:
+            return (
+                f"reaches the quant as {node_dtype(source)}, expected the model dtype {model_dtype}"
+            )
+        casts.append(source)
+        source = prev
+    return quant, source, casts
