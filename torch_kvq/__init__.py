@@ -12,6 +12,16 @@ from torch_kvq.spec import (
 
 __version__ = "0.1.0"
 
+
+def __getattr__(name: str) -> object:
+    """``kvq_backend`` / ``make_kvq_backend`` load on first use (they import torch._inductor)."""
+    if name in ("kvq_backend", "make_kvq_backend"):
+        from torch_kvq.passes import backend
+
+        return getattr(backend, name)
+    raise AttributeError(f"module 'torch_kvq' has no attribute {name!r}")
+
+
 __all__ = [
     "Attention",
     "AttentionLayerInfo",
@@ -22,5 +32,7 @@ __all__ = [
     "PageAllocator",
     "format_spec_table",
     "forward_context",
+    "kvq_backend",
+    "make_kvq_backend",
     "resolve_layer_specs",
 ]
