@@ -5,8 +5,6 @@ Not a test module (no ``test_`` prefix); the parity tests import it by name.
 
 from __future__ import annotations
 
-import functools
-
 import torch
 import transformers  # a dev dependency (pip install -e .[dev]); parity needs it
 
@@ -32,9 +30,18 @@ def make_prompts(lens: tuple[int, ...] = PROMPT_LENS, vocab: int = 512) -> list[
     return [torch.randint(0, vocab, (n,), generator=gen).tolist() for n in lens]
 
 
-@functools.cache
+_HF_MODELS: dict[str, torch.nn.Module] = {}
+
+
 def hf_model(arch: str, dtype: torch.dtype, **overrides: object) -> torch.nn.Module:
     """transformers' ``*ForCausalLM`` (eager attention) with ``randomize_weights_(seed=0)``."""
+    key = repr((arch, dtype, sorted(overrides.items())))
+    if key not in _HF_MODELS:
+        _HF_MODELS[key] = _make_hf_model(arch, dtype, **overrides)
+    return _HF_MODELS[key]
+
+
+def _make_hf_model(arch: str, dtype: torch.dtype, **overrides: object) -> torch.nn.Module:
     if arch == "llama":
         cfg = transformers.LlamaConfig(
             **tiny_llama_config(**overrides), attn_implementation="eager"

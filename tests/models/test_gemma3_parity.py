@@ -32,8 +32,16 @@ from torch_kvq.spec import KVQuantMode
 PROMPTS = make_prompts()
 
 
+LINEAR_ROPE = {
+    "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1e6},
+    "sliding_attention": {"rope_type": "default", "rope_theta": 1e4},
+}
+
+
 @pytest.mark.parametrize(
-    "overrides", [{}, {"final_logit_softcapping": 5.0}], ids=["plain", "final_cap"]
+    "overrides",
+    [{}, {"final_logit_softcapping": 5.0}, {"rope_parameters": LINEAR_ROPE}],
+    ids=["plain", "final_cap", "linear_rope"],
 )
 def test_fp32_matches_transformers(overrides):
     hf = hf_model("gemma3", torch.float32, **overrides)

@@ -12,6 +12,8 @@ the query itself), the same set as transformers' ``sliding_window_overlay`` + ca
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch import nn
 
@@ -44,13 +46,14 @@ class Gemma3Model(PagedDecoder):
 
     arch = "gemma3"
 
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        # sqrt(hidden) rounded to the model dtype, as transformers applies it. A Python float
+        # computed once, so tracing sees a constant (no tensor -> float inside forward).
+        self.embed_scale = float(torch.tensor(self.config.hidden_size**0.5).to(self.dtype))
+
     def _make_layer(self, i: int) -> nn.Module:
         return Gemma3DecoderLayer(self.config, self.dtype, self.device)
-
-    @property
-    def embed_scale(self) -> float:
-        """``sqrt(hidden)`` rounded to the model dtype, as transformers applies it."""
-        return float(torch.tensor(self.config.hidden_size**0.5).to(self.dtype))
 
     def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.embed_tokens(input_ids) * self.embed_scale

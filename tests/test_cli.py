@@ -1,0 +1,104 @@
+"""The ``kvq`` command: wiring, ``kvq demo`` output, and clean errors for bad arguments."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+
+import pytest
+
+from torch_kvq import cli
+
+
+def run_main(capsys, *argv: str) -> tuple[int, str, str]:
+    try:
+        code = cli.main(list(argv))
+    except SystemExit as e:  # argparse usage errors
+        code = e.code
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_demo_default_gemma_fp8_with_sliding_layers_kept(capsys):
+    code, out, err = run_main(capsys, "demo", "--max-new-tokens", "3")
+    assert code == 0, err
+    rows = [line.split() for line in out.splitlines() if re.match(r"^\d+\s+model", line)]
+    assert len(rows) == 6
+    for row in rows:  # idx layer type mode dtype ...
+        kept = row[2].startswith("sliding")
+        assert row[3:5] == (["none", "bfloat16"] if kept else ["fp8_per_tensor", "float8_e4m3fn"])
+    m = re.search(r"max \|logit diff\| vs all-bf16: prefill ([\d.]+), decode ([\d.]+)", out)
+    assert m, out
+    assert 0.0 < float(m[1]) < 0.5 and 0.0 < float(m[2]) < 0.5
+    assert "next-token agreement" in out and out.count("bf16 greedy") == 3
+
+
+def test_demo_llama_with_repeated_skips(capsys):
+    code, out, err = run_main(
+        capsys,
+        "demo",
+        "--preset",
+        "llama-tiny",
+        "--skip",
+        "0",
+        "--skip=-1",
+        "--max-new-tokens",
+        "1",
+    )
+    assert code == 0, err
+    modes = [line.split()[3] for line in out.splitlines() if re.match(r"^\d+\s+model", line)]
+    assert modes == ["none", "fp8_per_tensor", "fp8_per_tensor", "none"]
+
+
+def test_demo_auto_dtype_matches_bf16_exactly(capsys):
+    code, out, _ = run_main(capsys, "demo", "--kv-cache-dtype", "auto", "--max-new-tokens", "2")
+    assert code == 0
+    assert "prefill 0.0000, decode 0.0000" in out
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["demo", "--skip", "99"], "skip_layers index 99 is out of range"),
+        (["demo", "--skip", "nope"], "unknown skip rule 'nope'"),
+        (["demo", "--kv-cache-dtype", "int4"], "unknown kv_cache_dtype 'int4'"),
+    ],
+)
+def test_bad_values_exit_2_with_the_reason(capsys, argv, message):
+    code, out, err = run_main(capsys, *argv)
+    assert code == 2
+    assert err.startswith("kvq demo: error:") and message in err, err
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        ([], "required: COMMAND"),
+        (["frobnicate"], "invalid choice: 'frobnicate'"),
+        (["demo", "--preset", "gpt"], "invalid choice: 'gpt'"),
+        (["demo", "--max-new-tokens", "0"], "expected a positive int, got '0'"),
+        (["demo", "--compile", "inductor"], "invalid choice: 'inductor'"),
+        (["demo", "--skip", "0", "--no-skip"], "not allowed with argument"),
+    ],
+)
+def test_usage_errors_exit_2(capsys, argv, message):
+    code, _, err = run_main(capsys, *argv)
+    assert code == 2 and message in err, err
+
+
+def test_compile_kvq_without_backend_is_a_clean_error(capsys, monkeypatch):
+    monkeypatch.setitem(sys.modules, "torch_kvq.passes", None)  # import of it now fails
+    code, _, err = run_main(capsys, "demo", "--compile", "kvq", "--max-new-tokens", "1")
+    assert code == 2
+    assert "--compile kvq needs torch_kvq.passes.kvq_backend" in err, err
+
+
+def test_console_script_entry_point():
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch_kvq.cli", "--version"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert proc.returncode == 0 and proc.stdout.startswith("kvq "), proc.stderr
