@@ -77,8 +77,7 @@ def make_specs(
 
 class AttnQuantModel(nn.Module):
     """vLLM's test_fusion_attn model: attention layers, each output reshaped to [T, QH * D] and
-    statically quantized to FP8 (the o_proj input). Layer i's q is the previous output (so the
-    layers stay in one graph and depend on each other), its k / v are shared inputs."""
+    statically quantized to FP8 (the o_proj input). All layers share the q / k / v inputs."""
 
     def __init__(
         self, specs: Sequence[LayerKVSpec], num_pages: int, quant_form: str = "op"
@@ -97,7 +96,6 @@ class AttnQuantModel(nn.Module):
         for attn in self.layers:
             o = attn(q, k, v)
             outs.append(output_quant(o.reshape(o.shape[0], -1), self.quant_form))
-            q = o
         return outs
 
 
@@ -190,3 +188,80 @@ def nodes_of(gm: fx.GraphModule, op) -> list[fx.Node]:
 def layer_of(node: fx.Node) -> str:
     stamp = get_stamp(node)
     return stamp.layer if stamp is not None else op_args(node)["layer_name"]
+
+
+def small_case(
+    quant_form: str = "op",
+    skip: tuple = (1,),
+    n: int = 3,
+    kv_cache_dtype: str = "fp8",
+    num_tokens: int = 7,
+):
+    """A small ``AttnQuantModel`` (layer 1 skipped by default), its batch and inputs."""
+    specs = make_specs(n, kv_cache_dtype, skip=skip)
+    plan = batch_plan(num_tokens)
+    num_pages = pages_for(plan)
+    model = AttnQuantModel(specs, num_pages, quant_form)
+    md = make_batch(plan, num_pages)
+    return model, md, qkv(num_tokens, (8, 2), 32, torch.bfloat16)
+
+
+class ManualLayer(nn.Module):
+    """One FP8 layer written out by hand, to vary what the passes see: ``kv_quant(x, scale)``
+    quantizes k / v, ``dequant_dtype`` is what the cache is dequantized to (cast back to the
+    model dtype for the attention), ``out_form`` quantizes the output (None: no quant) and
+    ``also_return_output`` gives the attention output a second user."""
+
+    def __init__(
+        self,
+        spec: LayerKVSpec,
+        num_pages: int,
+        kv_quant,
+        dequant_dtype=None,
+        out_form="op",
+        also_return_output=False,
+    ):
+        super().__init__()
+        self.attn = Attention(spec, num_pages)
+        self.kv_quant = kv_quant
+        self.dequant_dtype = dequant_dtype or spec.model_dtype
+        self.out_form = out_form
+        self.also_return_output = also_return_output
+
+    @property
+    def specs(self) -> list[LayerKVSpec]:
+        return [self.attn.spec]
+
+    def forward(self, q, k, v):
+        s = self.attn.spec
+        torch.ops.kvq.cache_write(
+            self.kv_quant(k, s.k_scale), self.kv_quant(v, s.v_scale), self.attn.kv_cache, s.name
+        )
+        kv = torch.ops.kvq.dequantize_kv_cache(
+            self.attn.kv_cache, s.k_scale, s.v_scale, self.dequant_dtype
+        )
+        o = torch.ops.kvq.paged_attention(q, kv.to(s.model_dtype), s.name)
+        out = o if self.out_form is None else output_quant(o.reshape(o.shape[0], -1), self.out_form)
+        return (out, o) if self.also_return_output else out
+
+
+def torch_quant(x, scale):
+    return (x.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+
+
+def mul_quant(x, scale):
+    return (x * (1.0 / scale)).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+
+
+def clamp240_quant(x, scale):
+    """Not the static FP8 quant the passes match (clamps to +-240)."""
+    return (x.float() / scale).clamp(-240.0, 240.0).to(torch.float8_e4m3fn)
+
+
+def manual_case(**kw):
+    (spec,) = make_specs(1, "fp8")
+    plan = batch_plan(7)
+    num_pages = pages_for(plan)
+    kw.setdefault("kv_quant", lambda x, s: torch.ops.kvq.quantize_fp8(x, s))
+    model = ManualLayer(spec, num_pages, **kw)
+    return model, make_batch(plan, num_pages), qkv(7, (8, 2), 32, torch.bfloat16)

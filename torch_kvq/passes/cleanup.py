@@ -1,4 +1,4 @@
-"""cleanup: dead code elimination and a stable topological order, then a lint of the graph.
+"""cleanup: a stable topological order, dead code elimination, then a lint of the graph.
 
 Fusions leave the replaced quant / dequant nodes dead and may insert nodes after their users'
 inputs; this pass removes the dead pure nodes and restores a valid order (mutating nodes such
@@ -26,7 +26,7 @@ class CleanupPass:
 
     def __call__(self, graph: fx.Graph, ctx: PassContext) -> int:
         before = len(graph.nodes)
+        stable_topological_sort(graph)  # first: eliminate_dead_code lints the order
         graph.eliminate_dead_code()
-        stable_topological_sort(graph)
         graph.lint()
         return before - len(graph.nodes)
