@@ -87,6 +87,21 @@ def test_usage_errors_exit_2(capsys, argv, message):
     assert code == 2 and message in err, err
 
 
+def test_demo_compiled_with_the_kvq_passes(capsys):
+    """--compile kvq-eager: the kvq passes on the post-grad graph, no Inductor codegen."""
+    code, out, err = run_main(capsys, "demo", "--compile", "kvq-eager", "--max-new-tokens", "1")
+    assert code == 0, err
+    rows = [line for line in out.splitlines() if line.startswith("model.")]  # the pass report
+    fused = [line for line in rows if "fused quant+write" in line and "fused dequant+attn" in line]
+    kept = [line for line in rows if line.split()[1] == "none" and "kept bf16" in line]
+    assert [line.split()[0] for line in fused] == [
+        f"model.layers.{i}.self_attn.attn" for i in (2, 5)
+    ]
+    assert len(kept) == 4, out
+    m = re.search(r"prefill ([\d.]+), decode n/a", out)
+    assert m and 0.0 < float(m[1]) < 0.5, out
+
+
 def test_compile_kvq_without_backend_is_a_clean_error(capsys, monkeypatch):
     monkeypatch.setitem(sys.modules, "torch_kvq.passes", None)  # import of it now fails
     code, _, err = run_main(capsys, "demo", "--compile", "kvq", "--max-new-tokens", "1")
