@@ -13,11 +13,72 @@ import importlib
 import sys
 from collections.abc import Sequence
 
-SUBCOMMANDS: tuple[str, ...] = ("torch_kvq.demo",)
+SUBCOMMANDS: tuple[str, ...] = (
+    "torch_kvq.demo",
+    "torch_kvq.debug.plan",
+    "torch_kvq.debug.dump",
+    "torch_kvq.debug.accuracy_cmd",
+)
 
 
 class CommandError(Exception):
     """A subcommand's clean failure (no traceback): printed, exit code 2."""
+
+
+def skip_rule(text: str) -> int | str:
+    """``--skip`` values: an int layer index (``-1`` is the last layer) or a rule / name string."""
+    try:
+        return int(text)
+    except ValueError:
+        return text
+
+
+def add_model_args(p: argparse.ArgumentParser) -> None:
+    """The model / KV-config options shared by ``inspect``, ``dump`` and ``accuracy``."""
+    from torch_kvq.models import PRESETS
+    from torch_kvq.spec import SUPPORTED_PAGE_SIZES
+
+    p.add_argument("--preset", choices=sorted(PRESETS), default="gemma3-tiny")
+    p.add_argument("--kv-cache-dtype", default="fp8", help="fp8 (default), auto, bfloat16, ...")
+    skip = p.add_mutually_exclusive_group()
+    skip.add_argument(
+        "--skip",
+        action="append",
+        type=skip_rule,
+        metavar="RULE",
+        help="skip rule, repeatable: a layer index, 'sliding_window', 'full_attention', a name or "
+        "glob (default: sliding_window)",
+    )
+    skip.add_argument("--no-skip", action="store_true", help="quantize every layer")
+    p.add_argument("--page-size", type=int, choices=SUPPORTED_PAGE_SIZES, default=16)
+    p.add_argument("--layers", type=int, default=None, help="override the preset's layer count")
+    p.add_argument("--seed", type=int, default=0, help="random weights and prompts")
+
+
+def kv_config_from_args(args: argparse.Namespace):  # -> KVCacheConfig
+    from torch_kvq.spec import KVCacheConfig
+
+    skip = () if args.no_skip else tuple(args.skip or ("sliding_window",))
+    return KVCacheConfig(
+        kv_cache_dtype=args.kv_cache_dtype, skip_layers=skip, page_size=args.page_size
+    )
+
+
+def model_from_args(args: argparse.Namespace, kv_config=None, num_pages: int = 64):
+    """Build the preset model the shared options describe (ValueError on bad config)."""
+    from torch_kvq.models import build_model
+
+    overrides = {}
+    if args.layers is not None:
+        if args.layers < 1:
+            raise CommandError(f"--layers must be a positive int, got {args.layers}")
+        overrides["num_hidden_layers"] = args.layers
+        if args.preset.startswith("gemma3"):
+            overrides["layer_types"] = [
+                "full_attention" if i % 3 == 2 else "sliding_attention" for i in range(args.layers)
+            ]
+    kv = kv_config if kv_config is not None else kv_config_from_args(args)
+    return build_model(args.preset, kv, seed=args.seed, num_pages=num_pages, **overrides)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -82,9 +82,18 @@ class AccuracyReport:
         import matplotlib.pyplot as plt
 
         fig, ax = plt.subplots(figsize=(max(5, 0.5 * len(self.layers) + 2), 3.5))
-        colours = ["#e65100" if la.flagged else ("#2e7d32" if la.configured_mode != "none" else "#1565c0") for la in self.layers]
+        colours = [
+            "#e65100" if la.flagged else ("#2e7d32" if la.configured_mode != "none" else "#1565c0")
+            for la in self.layers
+        ]
         ax.bar([la.index for la in self.layers], [la.sqnr_db for la in self.layers], color=colours)
-        ax.axhline(self.threshold_db, color="k", linestyle="--", linewidth=1, label=f"threshold {self.threshold_db:g} dB")
+        ax.axhline(
+            self.threshold_db,
+            color="k",
+            linestyle="--",
+            linewidth=1,
+            label=f"threshold {self.threshold_db:g} dB",
+        )
         ax.set_xlabel("layer")
         ax.set_ylabel("FP8 attention SQNR (dB)")
         ax.set_title("FP8 KV error per layer (orange: under threshold)")
@@ -94,7 +103,9 @@ class AccuracyReport:
         plt.close(fig)
 
 
-def _capture(model: torch.nn.Module, run) -> dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+def _capture(
+    model: torch.nn.Module, run
+) -> dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
     captured: dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
 
     def hook(mod: Attention, args: tuple[torch.Tensor, ...]) -> None:
@@ -114,7 +125,18 @@ def _attend(spec: LayerKVSpec, q, k, v, qo_lens: Sequence[int]) -> torch.Tensor:
     for n in qo_lens:
         pos = torch.arange(n, device=q.device)
         sl = slice(start, start + n)
-        outs.append(ref_attention(q[sl], k[sl], v[sl], pos, pos, spec.sm_scale, spec.sliding_window, spec.logits_soft_cap))
+        outs.append(
+            ref_attention(
+                q[sl],
+                k[sl],
+                v[sl],
+                pos,
+                pos,
+                spec.sm_scale,
+                spec.sliding_window,
+                spec.logits_soft_cap,
+            )
+        )
         start += n
     return torch.cat(outs)
 

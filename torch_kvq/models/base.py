@@ -271,10 +271,9 @@ class PagedDecoder(nn.Module):
             )
         cfg = self.config
         h = self._embed(input_ids)
-        rope = {
-            t: rope_cos_sin(positions, cfg.head_dim, cfg.rope[t], self.dtype)
-            for t in self._rope_types
-        }
+        rope = {}  # a loop, not a comprehension: depyf 0.20 cannot decompile the closure cells
+        for t in self._rope_types:
+            rope[t] = rope_cos_sin(positions, cfg.head_dim, cfg.rope[t], self.dtype)
         for i, layer in enumerate(self.layers):
             h = layer(h, *rope[cfg.layer_types[i]])
         h = self.norm(h)

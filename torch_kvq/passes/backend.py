@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import os
 from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
@@ -32,6 +33,7 @@ from torch_kvq.spec import LayerKVSpec
 
 logger = logging.getLogger("torch_kvq")
 INNER = ("inductor", "eager")
+DUMP_ENV = "TORCH_KVQ_DUMP_DIR"  # dump folder when make_kvq_backend(dump_dir=None)
 _memo: dict[str, str] = {}
 
 
@@ -104,9 +106,8 @@ class KVQBackend:
             specs.append(spec)
             archs[layer] = caps.device_arch(device) if device is not None else "cpu"
             kernels[layer] = self._kernel_name(layer, archs[layer])
-        return KVQPassManager(
-            specs, kernel=kernels, arch=archs, passes=self.passes, dump_dir=self.dump_dir
-        )
+        dump_dir = self.dump_dir if self.dump_dir is not None else os.environ.get(DUMP_ENV) or None
+        return KVQPassManager(specs, kernel=kernels, arch=archs, passes=self.passes, dump_dir=dump_dir)
 
     def _kernel_name(self, layer: str, arch: str) -> str:
         if isinstance(self.kernel, str):
@@ -162,6 +163,8 @@ class KVQBackend:
             )
         runs = manager.runs
         patches = {**self.config_patches, "post_grad_custom_post_pass": manager}
+        if manager.dump_dir is not None:  # a cache hit would skip the passes and so the dumps
+            patches["fx_graph_cache"] = False
         compiled = compile_fx(gm, list(example_inputs), config_patches=patches)
         key = _memo_key(manager, gm, example_inputs)
         if manager.runs > runs and manager.last is not None:

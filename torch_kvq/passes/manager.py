@@ -166,6 +166,7 @@ class KVQPassManager(CustomGraphPass):
                 p.name, matches, time.perf_counter() - t0, dict(ctx.decisions)
             )
             dump_s += _write(dump, f"{p.name}.after.py", graph)
+            dump_s += _write_extras(dump, p.name, graph)
         layers = {
             name: {
                 "mode": st.spec.mode.value,
@@ -211,6 +212,17 @@ def _write(folder: Path | None, name: str, graph: fx.Graph) -> float:
         return 0.0
     t0 = time.perf_counter()
     (folder / name).write_text(_graph_text(graph))
+    return time.perf_counter() - t0
+
+
+def _write_extras(folder: Path | None, name: str, graph: fx.Graph) -> float:
+    """The diff and SVG picture beside a pass's dumps (see ``torch_kvq.debug.dump``); seconds."""
+    if folder is None:
+        return 0.0
+    from torch_kvq.debug.dump import write_pass_extras
+
+    t0 = time.perf_counter()
+    write_pass_extras(folder, name, graph)
     return time.perf_counter() - t0
 
 
