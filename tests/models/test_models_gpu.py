@@ -1,0 +1,55 @@
+"""The models on a CUDA GPU: reference kernel against the CPU, FlashInfer against the reference.
+
+Gemma-style mixed model (FP8 global layers, bf16 sliding layers), prompts longer than the window,
+decode through the paged cache. Skips cleanly without a GPU.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hf_parity import check_fp8_caches, make_prompts, max_err
+
+from torch_kvq import KVCacheConfig
+from torch_kvq.models import build_model, generate
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+]
+
+PROMPTS = make_prompts((5, 40, 17))
+MIXED = dict(kv_cache_dtype="fp8", skip_layers=("sliding_window",))
+
+
+def test_cuda_reference_matches_cpu():
+    kv = KVCacheConfig(**MIXED, page_size=4)
+    cpu = build_model("gemma3-tiny", kv, num_pages=64)
+    gpu = build_model("gemma3-tiny", kv, num_pages=64, device="cuda")
+    ref = generate(cpu, PROMPTS, 6)
+    out = generate(gpu, PROMPTS, 6, force_tokens=ref.tokens)
+    assert out.logits.device.type == "cuda"
+    assert all(a.kv_cache.device.type == "cuda" for a in gpu.attention_layers)
+    check_fp8_caches(gpu, build_model("gemma3-tiny", KVCacheConfig(page_size=4), num_pages=64))
+    # bf16 matmuls differ between CPU and GPU; logits reach |5|
+    assert max_err(ref, _to_cpu(out)) <= 0.15
+
+
+def test_flashinfer_serves_the_mixed_model():
+    from torch_kvq.attention.kernels import FlashInferKernel
+    from torch_kvq.attention.kernels.flashinfer_jit import prebuild
+
+    kv = KVCacheConfig(**MIXED, page_size=16)
+    head = dict(head_dim=128, query_pre_attn_scalar=128)  # FlashInfer head sizes: 64, 128, 256
+    kernel = FlashInferKernel()
+    fi = build_model("gemma3-tiny", kv, num_pages=64, device="cuda", kernel=kernel, **head)
+    ref_model = build_model("gemma3-tiny", kv, num_pages=64, device="cuda", **head)
+    prebuild(kernel, fi.kv_specs)
+    ref = generate(ref_model, PROMPTS, 6)
+    out = generate(fi, PROMPTS, 6, force_tokens=ref.tokens)
+    err = max_err(_to_cpu(ref), _to_cpu(out))
+    assert err <= 0.15, err
+
+
+def _to_cpu(res):
+    return type(res)(res.tokens, res.logits.cpu(), [p.cpu() for p in res.prefill_logits])
