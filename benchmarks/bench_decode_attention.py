@@ -15,6 +15,7 @@ and FP8 layers), plan cost per batch, and a small launch-bound probe.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import statistics
 import sys
 import time
@@ -56,7 +57,9 @@ def rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a.float() - b.float()).norm() / b.float().norm())
 
 
-def decode_case(batch: int, ctx: int, copy_gbps: float, fast: bool) -> list[dict]:
+def decode_case(batch: int, ctx: int, copy_gbps: float, rounds: int) -> list[dict]:
+    """Every path timed once per round, rounds interleaved (A B C .. A B C ..): a difference
+    between paths smaller than their spread over rounds is noise."""
     import flashinfer
     from flashinfer.decode import trtllm_batch_decode_with_kv_cache
 
@@ -64,85 +67,74 @@ def decode_case(batch: int, ctx: int, copy_gbps: float, fast: bool) -> list[dict
     md = metadata(batch, ctx, 1)
     pages = batch * (-(-ctx // PAGE))
     cache8 = random_cache(pages, PAGE, KH, D, torch.float8_e4m3fn, 16.0)
+    cache16 = random_cache(pages, PAGE, KH, D, BF16, 1.0)
     q = torch.randn(batch, QH, D, device="cuda", dtype=BF16)
     kv_bytes = batch * ctx * KH * D * 2
-    rows, outs = [], {}
-    iters = 10 if fast else 50
-
-    def add(path: str, fn, nbytes: int | None, n: int = iters) -> None:
-        outs[path] = fn()
-        t = time_per_call(fn, iters=n)
-        row = {"batch": batch, "ctx": ctx, "path": path, **t}
-        if nbytes:
-            row["GBps"] = nbytes / (t["ms"] * 1e-3) / 1e9
-            row["pct_copy"] = 100 * row["GBps"] / copy_gbps
-        rows.append(row)
-
-    op8, op = torch.ops.kvq.paged_attention_fp8, torch.ops.kvq.paged_attention
-    with forward_context(md, [fp8], FlashInferKernel(unfused_attention=True)):
-        add("fp8_fused_tc", lambda: op8(q, cache8, SCALE, SCALE, fp8.name), kv_bytes)
-        deq = torch.ops.kvq.dequantize_kv_cache
-        add(
-            "unfused_eager",
-            lambda: op(q, deq(cache8, SCALE, SCALE, BF16), fp8.name),
-            None,
-            max(3, iters // 5),
-        )
-    with forward_context(
-        md, [fp8], FlashInferKernel(fp8_decode="xqa", phases="decode", unfused_attention=False)
-    ):
-        add("fp8_fused_xqa", lambda: op8(q, cache8, SCALE, SCALE, fp8.name), kv_bytes)
-        add(
-            "fp8_fused_xqa_fp8out",
-            lambda: op8(q, cache8, SCALE, SCALE, fp8.name, OUT_SCALE),
-            kv_bytes,
-        )
+    op8, op, deq = (torch.ops.kvq.paged_attention_fp8, torch.ops.kvq.paged_attention,
+                    torch.ops.kvq.dequantize_kv_cache)  # fmt: skip
+    tc = FlashInferKernel(unfused_attention=True)
+    xqa = FlashInferKernel(fp8_decode="xqa", phases="decode", unfused_attention=False)
     ws = torch.empty(256 * 2**20, dtype=torch.uint8, device="cuda")
-    w8 = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
-        ws, "NHD", use_tensor_cores=True, backend="fa2"
-    )
-    w8.plan(md.kv_indptr, md.kv_indices, md.kv_last_page_len, QH, KH, D, PAGE, q_data_type=BF16,
-            kv_data_type=torch.float8_e4m3fn, o_data_type=BF16, sm_scale=fp8.sm_scale)  # fmt: skip
-    add("raw_tc_fp8", lambda: w8.run(q, cache8, k_scale=SCALE, v_scale=SCALE), kv_bytes)
+    raw = {}
+    for name, kv_dtype in (("fp8", torch.float8_e4m3fn), ("bf16", BF16)):
+        w = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
+            ws, "NHD", use_tensor_cores=True, backend="fa2"
+        )
+        w.plan(md.kv_indptr, md.kv_indices, md.kv_last_page_len, QH, KH, D, PAGE, q_data_type=BF16,
+               kv_data_type=kv_dtype, o_data_type=BF16, sm_scale=fp8.sm_scale)  # fmt: skip
+        raw[name] = w
     xws = torch.zeros(256 * 2**20, dtype=torch.uint8, device="cuda")
     width = max(len(p) for p in md.page_tables)
     bt = torch.tensor(
         [list(p) + [0] * (width - len(p)) for p in md.page_tables], dtype=torch.int32, device="cuda"
     )
-    add("raw_xqa_fp8", lambda: trtllm_batch_decode_with_kv_cache(
-        q, cache8, xws, bt, md.seq_lens, ctx, bmm1_scale=SCALE * fp8.sm_scale, bmm2_scale=SCALE,
-        kv_layout="NHD", backend="xqa"), kv_bytes)  # fmt: skip
-    cache8 = None  # free before the bf16 cache
-    torch.cuda.empty_cache()
-    cache16 = random_cache(pages, PAGE, KH, D, BF16, 1.0)
-    with forward_context(md, [bf16], FlashInferKernel()):
-        add("bf16", lambda: op(q, cache16, bf16.name), 2 * kv_bytes)
-    w16 = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
-        ws, "NHD", use_tensor_cores=True, backend="fa2"
-    )
-    w16.plan(md.kv_indptr, md.kv_indices, md.kv_last_page_len, QH, KH, D, PAGE, q_data_type=BF16,
-             kv_data_type=BF16, o_data_type=BF16, sm_scale=bf16.sm_scale)  # fmt: skip
-    add("raw_tc_bf16", lambda: w16.run(q, cache16), 2 * kv_bytes)
-    cache16 = None
-    torch.cuda.empty_cache()
+    # path -> (forward-context (specs, kernel) or None, fn, K+V bytes read, iterations)
+    paths = {
+        "fp8_fused_tc": ((fp8, tc), lambda: op8(q, cache8, SCALE, SCALE, fp8.name), kv_bytes, 30),
+        "fp8_fused_xqa": ((fp8, xqa), lambda: op8(q, cache8, SCALE, SCALE, fp8.name), kv_bytes, 30),
+        "fp8_fused_xqa_fp8out": ((fp8, xqa), lambda: op8(q, cache8, SCALE, SCALE, fp8.name, OUT_SCALE), kv_bytes, 30),
+        "unfused_eager": ((fp8, tc), lambda: op(q, deq(cache8, SCALE, SCALE, BF16), fp8.name), None, 5),
+        "bf16": ((bf16, FlashInferKernel()), lambda: op(q, cache16, bf16.name), 2 * kv_bytes, 30),
+        "raw_tc_fp8": (None, lambda: raw["fp8"].run(q, cache8, k_scale=SCALE, v_scale=SCALE), kv_bytes, 30),
+        "raw_xqa_fp8": (None, lambda: trtllm_batch_decode_with_kv_cache(
+            q, cache8, xws, bt, md.seq_lens, ctx, bmm1_scale=SCALE * fp8.sm_scale, bmm2_scale=SCALE,
+            kv_layout="NHD", backend="xqa"), kv_bytes, 30),
+        "raw_tc_bf16": (None, lambda: raw["bf16"].run(q, cache16), 2 * kv_bytes, 30),
+    }  # fmt: skip
+    outs: dict[str, torch.Tensor] = {}
+    times: dict[str, list[dict]] = {p: [] for p in paths}
+    for _ in range(rounds):
+        for path, (fc, fn, _, iters) in paths.items():
+            cm = forward_context(md, [fc[0]], fc[1]) if fc else contextlib.nullcontext()
+            with cm:
+                outs.setdefault(path, fn())
+                times[path].append(time_per_call(fn, iters=iters, reps=1))
+    rows = []
+    for path, (_, _, nbytes, _) in paths.items():
+        ms = [t["ms"] for t in times[path]]
+        row = {"batch": batch, "ctx": ctx, "path": path, "ms": statistics.median(ms), "ms_min": min(ms),
+               "ms_max": max(ms), "host_us": statistics.median(t["host_us"] for t in times[path])}  # fmt: skip
+        if nbytes:
+            row["GBps"] = nbytes / (row["ms"] * 1e-3) / 1e9
+            row["pct_copy"] = 100 * row["GBps"] / copy_gbps
+            row["pct_copy_best"] = 100 * nbytes / (row["ms_min"] * 1e-3) / 1e9 / copy_gbps
+        rows.append(row)
     by = {r["path"]: r for r in rows}
+    for r in rows:
+        r["x_vs_unfused"] = by["unfused_eager"]["ms"] / r["ms"]
+    for ours, rw in (
+        ("fp8_fused_tc", "raw_tc_fp8"),
+        ("fp8_fused_xqa", "raw_xqa_fp8"),
+        ("bf16", "raw_tc_bf16"),
+    ):
+        by[ours]["overhead_vs_raw_pct"] = 100 * (by[ours]["ms"] / by[rw]["ms"] - 1)
     checks = {
         "fp8_fused_tc vs raw_tc_fp8": rel(outs["fp8_fused_tc"], outs["raw_tc_fp8"]),
         "fp8_fused_xqa vs raw_xqa_fp8": rel(outs["fp8_fused_xqa"], outs["raw_xqa_fp8"]),
         "fp8_fused_xqa vs fp8_fused_tc": rel(outs["fp8_fused_xqa"], outs["fp8_fused_tc"]),
         "unfused_eager vs fp8_fused_tc": rel(outs["unfused_eager"], outs["fp8_fused_tc"]),
-        "xqa_fp8out*scale vs fp8_fused_xqa": rel(
-            outs["fp8_fused_xqa_fp8out"].float() * OUT_SCALE, outs["fp8_fused_xqa"]
-        ),
-    }
-    for r in rows:
-        r["x_vs_unfused"] = by["unfused_eager"]["ms"] / r["ms"]
-    for ours, raw in (
-        ("fp8_fused_tc", "raw_tc_fp8"),
-        ("fp8_fused_xqa", "raw_xqa_fp8"),
-        ("bf16", "raw_tc_bf16"),
-    ):
-        by[ours]["overhead_vs_raw_pct"] = 100 * (by[ours]["ms"] / by[raw]["ms"] - 1)
+        "xqa_fp8out*scale vs fp8_fused_xqa": rel(outs["fp8_fused_xqa_fp8out"].float() * OUT_SCALE, outs["fp8_fused_xqa"]),
+    }  # fmt: skip
     rows.append({"batch": batch, "ctx": ctx, "path": "checks (rel err between outputs)", **checks})
     return rows
 
@@ -221,10 +213,10 @@ def markdown(env: dict, copy: dict, dec: list[dict], pre: list[dict], plans: lis
             checks.append(r)
             continue
         gbps = f"{r['GBps']:.0f}" if "GBps" in r else "-"
-        pct = f"{r['pct_copy']:.1f}" if "pct_copy" in r else "-"
+        pct = f"{r['pct_copy']:.1f} ({r['pct_copy_best']:.1f})" if "pct_copy" in r else "-"
         ovh = f"{r['overhead_vs_raw_pct']:+.1f}%" if "overhead_vs_raw_pct" in r else ""
         lines.append(
-            f"| {r['batch']} x {r['ctx']} | {r['path']} | {r['ms']:.4f} | {gbps} | {pct} | {r['x_vs_unfused']:.1f} | {ovh} | {r['host_us']:.0f} |"
+            f"| {r['batch']} x {r['ctx']} | {r['path']} | {r['ms']:.4f} ({r['ms_min']:.4f}..{r['ms_max']:.4f}) | {gbps} | {pct} | {r['x_vs_unfused']:.1f} | {ovh} | {r['host_us']:.0f} |"
         )
     lines += ["", "Output agreement (relative Frobenius error):", ""]
     for c in checks:
@@ -258,13 +250,13 @@ def markdown(env: dict, copy: dict, dec: list[dict], pre: list[dict], plans: lis
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--fast", action="store_true", help="fewer iterations (smoke run)")
+    ap.add_argument("--rounds", type=int, default=7, help="interleaved timing rounds per path")
     args = ap.parse_args()
     env = environment()
     copy = copy_bandwidth()
     dec = []
     for batch, ctx in ((64, 4096), (32, 16384), (8, 1024)):
-        dec += decode_case(batch, ctx, copy["GBps"], args.fast)
+        dec += decode_case(batch, ctx, copy["GBps"], args.rounds)
     pre = prefill_case(4, 4096)
     plans = plan_cost(32, 16384)
     data = {"env": env, "copy": copy, "decode": dec, "prefill": pre, "plan": plans}

@@ -28,7 +28,7 @@ from gpu_common import environment, write_results  # noqa: E402
 
 import torch_kvq  # noqa: E402
 from torch_kvq.attention import Attention  # noqa: E402
-from torch_kvq.attention.kernels import FlashInferKernel  # noqa: E402
+from torch_kvq.attention.kernels import FlashInferKernel, ReferenceKernel  # noqa: E402
 from torch_kvq.spec import KVCacheConfig  # noqa: E402
 
 # Gemma-2/3-like at a realistic attention size: 8 layers alternating sliding (window 4096) and
@@ -48,23 +48,24 @@ BENCH_OVERRIDES = dict(
 )
 
 
-def build(preset: str, kv: KVCacheConfig, kernel: FlashInferKernel, num_pages: int):
+def build(preset: str, kv: KVCacheConfig, kernel, num_pages: int, device: str, tiny: bool):
     from torch_kvq.models import build_model
 
-    overrides = BENCH_OVERRIDES if preset == "gemma3-tiny" else {}
+    overrides = BENCH_OVERRIDES if preset == "gemma3-tiny" and not tiny else {}
     model = build_model(
         preset,
         kv,
         0,
         num_pages=num_pages,
         dtype=torch.bfloat16,
-        device="cuda",
+        device=device,
         kernel=kernel,
         **overrides,
     )
-    from torch_kvq.attention.kernels import flashinfer_jit
+    if isinstance(kernel, FlashInferKernel):
+        from torch_kvq.attention.kernels import flashinfer_jit
 
-    flashinfer_jit.prebuild(kernel, model.kv_specs)  # compile FlashInfer's modules in parallel
+        flashinfer_jit.prebuild(kernel, model.kv_specs)  # FlashInfer's modules, in parallel
     return model
 
 
@@ -81,107 +82,124 @@ def fill_caches(model: torch.nn.Module) -> int:
     return n
 
 
+def sync(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
 @torch.no_grad()
-def run(label: str, model, fn, batch: int, ctx: int, steps: int, warmup: int) -> dict:
+def run(label: str, model, fn, batch: int, ctx: int, steps: int, warmup: int, device: str) -> dict:
     alloc = model.allocator
     for i in range(batch):
         alloc.append(i, ctx - 1)
     vocab = model.config.vocab_size
 
     def step() -> torch.Tensor:
-        md = alloc.build_batch([(i, 1) for i in range(batch)], device="cuda")
-        ids = torch.randint(0, vocab, (batch,), device="cuda")
+        md = alloc.build_batch([(i, 1) for i in range(batch)], device=device)
+        ids = torch.randint(0, vocab, (batch,), device=device)
         with model.forward_context(md):
             return fn(ids, md.positions)
 
-    t0 = time.perf_counter()
-    for _ in range(warmup):
-        step()
-    torch.cuda.synchronize()
-    first = time.perf_counter() - t0
-    host, t0 = [], time.perf_counter()
-    for _ in range(steps):
-        h0 = time.perf_counter()
-        step()
-        host.append(time.perf_counter() - h0)
-    torch.cuda.synchronize()
-    step_s = (time.perf_counter() - t0) / steps
-    for i in range(batch):
-        alloc.free(i)
+    try:
+        t0 = time.perf_counter()
+        for _ in range(warmup):
+            step()
+        sync(device)
+        first = time.perf_counter() - t0
+        host, t0 = [], time.perf_counter()
+        for _ in range(steps):
+            h0 = time.perf_counter()
+            step()
+            host.append(time.perf_counter() - h0)
+        sync(device)
+        step_s = (time.perf_counter() - t0) / steps
+    finally:
+        for i in range(batch):
+            alloc.free(i)
     return {"variant": label, "batch": batch, "ctx": ctx, "step_ms": step_s * 1e3,
             "tokens_per_s": batch / step_s, "host_ms": 1e3 * sorted(host)[len(host) // 2],
             "warmup_s_incl_compile": first}  # fmt: skip
 
 
+def variants(args) -> list[tuple[str, KVCacheConfig, object, str]]:
+    fp8 = KVCacheConfig("fp8", skip_layers=("sliding_window",), page_size=16)
+    bf16 = KVCacheConfig("auto", page_size=16)
+    if args.kernel == "reference":  # CPU smoke run of this script
+        k = ReferenceKernel
+        kernels = [k(), k(), k(), k()]
+    else:
+        kernels = [
+            FlashInferKernel(fp8_decode=args.fp8_decode, phases="decode", unfused_attention=False),
+            FlashInferKernel(unfused_attention=True),
+            FlashInferKernel(unfused_attention=True),
+            FlashInferKernel(phases="decode"),
+        ]
+    return [
+        ("kvq_backend (fp8)", fp8, kernels[0], "kvq"),
+        ("eager unfused (fp8)", fp8, kernels[1], "eager"),
+        ("torch.compile inductor, no kvq passes (fp8)", fp8, kernels[2], "inductor"),
+        ("all-bf16, kvq_backend", bf16, kernels[3], "kvq"),
+    ]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument(
-        "--preset", default="gemma3-bench", help="a torch_kvq.models preset with >= 8 layers"
+        "--preset", default="gemma3-tiny", help="gemma3-tiny is sized up (BENCH_OVERRIDES)"
     )
-    ap.add_argument("--batch", type=int, nargs="+", default=[32, 64])
+    ap.add_argument("--batch", type=int, default=32)
     ap.add_argument("--ctx", type=int, nargs="+", default=[4096, 16384])
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--fp8-decode", choices=["tensor_cores", "xqa"], default="xqa")
+    ap.add_argument("--kernel", choices=["flashinfer", "reference"], default="flashinfer")
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--tiny", action="store_true", help="the preset's own tiny size (smoke run)")
+    ap.add_argument(
+        "--only", nargs="*", default=None, help="run variants whose label has one of these"
+    )
     args = ap.parse_args()
     env = environment()
-    fp8 = KVCacheConfig("fp8", skip_layers=("sliding_window",), page_size=16)
-    bf16 = KVCacheConfig("auto", page_size=16)
     rows = []
-    for batch in args.batch:
+    pages = args.batch * (-(-(max(args.ctx) + args.steps + 8) // 16)) + 16
+    for label, kv, kernel, how in variants(args):
+        if args.only and not any(o in label for o in args.only):
+            continue
+        try:
+            model = build(args.preset, kv, kernel, pages, args.device, args.tiny)
+            fill_caches(model)
+            fn = {"kvq": lambda m: torch.compile(m, backend=torch_kvq.kvq_backend),
+                  "inductor": torch.compile, "eager": lambda m: m}[how](model)  # fmt: skip
+        except Exception as e:  # noqa: BLE001 - recorded, the other variants still run
+            rows.append({"variant": label, "batch": args.batch, "ctx": 0, "error": repr(e)[:400]})
+            print(rows[-1], flush=True)
+            continue
         for ctx in args.ctx:
-            pages = batch * (-(-(ctx + args.steps + 8) // 16)) + 16
-            variants = [
-                ("kvq_backend (fp8)", fp8, FlashInferKernel(fp8_decode=args.fp8_decode, phases="decode", unfused_attention=False), "kvq"),
-                ("eager unfused (fp8)", fp8, FlashInferKernel(unfused_attention=True), "eager"),
-                ("torch.compile inductor, no kvq passes (fp8)", fp8, FlashInferKernel(unfused_attention=True), "inductor"),
-                ("all-bf16, kvq_backend", bf16, FlashInferKernel(phases="decode"), "kvq"),
-            ]  # fmt: skip
-            for label, kv, kernel, how in variants:
-                model = build(args.preset, kv, kernel, pages)
-                fill_caches(model)
-                if how == "kvq":
-                    fn = torch.compile(model, backend=torch_kvq.kvq_backend)
-                elif how == "inductor":
-                    fn = torch.compile(model)
-                else:
-                    fn = model
-                try:
-                    rows.append(run(label, model, fn, batch, ctx, args.steps, warmup=3))
-                except Exception as e:  # noqa: BLE001 - recorded, the other variants still run
-                    rows.append(
-                        {"variant": label, "batch": batch, "ctx": ctx, "error": repr(e)[:400]}
-                    )
-                print(rows[-1], flush=True)
-                del model, fn
-                torch._dynamo.reset()
-                torch.cuda.empty_cache()
+            try:
+                rows.append(run(label, model, fn, args.batch, ctx, args.steps, 3, args.device))
+            except Exception as e:  # noqa: BLE001
+                rows.append(
+                    {"variant": label, "batch": args.batch, "ctx": ctx, "error": repr(e)[:400]}
+                )
+            print(rows[-1], flush=True)
+        model = fn = None
+        torch._dynamo.reset()
+        if args.device == "cuda":
+            torch.cuda.empty_cache()
     lines = ["## Model decode step (FlashInfer)", ""] + [f"- {k}: {v}" for k, v in env.items()]
-    lines += [f"- preset {args.preset}, FP8 decode kernel {args.fp8_decode}", ""]
-    lines += [
-        "| batch x ctx | variant | step ms | tokens/s | host ms/step | x vs eager unfused |",
-        "|---|---|---|---|---|---|",
-    ]
+    lines += [f"- preset {args.preset} {'(tiny)' if args.tiny else '(BENCH_OVERRIDES)'}, "
+              f"kernel {args.kernel}, FP8 decode {args.fp8_decode}, {args.steps} steps", ""]  # fmt: skip
+    lines += ["| batch x ctx | variant | step ms | tokens/s | host ms/step | x vs eager unfused | first steps s (compile) |",
+              "|---|---|---|---|---|---|---|"]  # fmt: skip
+    base = {r["ctx"]: r for r in rows if r["variant"] == "eager unfused (fp8)" and "step_ms" in r}
     for r in rows:
         if "error" in r:
             lines.append(
-                f"| {r['batch']} x {r['ctx']} | {r['variant']} | failed: {r['error']} | | | |"
+                f"| {r['batch']} x {r['ctx']} | {r['variant']} | failed: {r['error']} | | | | |"
             )
             continue
-        base = next(
-            (
-                b
-                for b in rows
-                if b.get("variant") == "eager unfused (fp8)"
-                and b["batch"] == r["batch"]
-                and b["ctx"] == r["ctx"]
-                and "step_ms" in b
-            ),
-            None,
-        )
-        x = f"{base['step_ms'] / r['step_ms']:.1f}" if base else "-"
-        lines.append(
-            f"| {r['batch']} x {r['ctx']} | {r['variant']} | {r['step_ms']:.3f} | {r['tokens_per_s']:.0f} | {r['host_ms']:.3f} | {x} |"
-        )
+        x = f"{base[r['ctx']]['step_ms'] / r['step_ms']:.1f}" if r["ctx"] in base else "-"
+        lines.append(f"| {r['batch']} x {r['ctx']} | {r['variant']} | {r['step_ms']:.3f} | {r['tokens_per_s']:.0f} "
+                     f"| {r['host_ms']:.3f} | {x} | {r['warmup_s_incl_compile']:.1f} |")  # fmt: skip
     write_results(
         "bench_model_decode",
         {"env": env, "args": vars(args), "rows": rows},

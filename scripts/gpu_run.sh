@@ -4,7 +4,8 @@
 #
 #   bash scripts/gpu_run.sh                  # tests attn xqa model
 #   bash scripts/gpu_run.sh tests attn xqa   # any subset, in that order
-#   KVQ_GPU_TESTS=tests/attention/test_flashinfer_kernel.py bash scripts/gpu_run.sh tests
+#   KVQ_GPU_TESTS=tests/attention/test_flashinfer_kernel.py KVQ_PYTEST_K="not slow" bash scripts/gpu_run.sh tests
+#   KVQ_MODEL_ARGS="--ctx 16384 --steps 10" bash scripts/gpu_run.sh model
 #
 # Needs .whl/ (carried): flashinfer_python-0.6.18.post1 and apache_tvm_ffi (flashinfer's other
 # requirements are either on the image or not imported by the kernels used here).
@@ -30,10 +31,11 @@ status=0
 for step in ${*:-tests attn xqa model}; do
   echo "=== $step $(date -u +%T)" | tee -a "$LOG"
   case $step in
-    tests) python3 -m pytest -m gpu -v -rA --durations=20 -p no:cacheprovider --continue-on-collection-errors ${KVQ_GPU_TESTS:-tests/} 2>&1 | tee "$OUT/gpu_test_log.txt" ;;
+    tests) python3 -m pytest -m gpu -v -rfEs --durations=20 -p no:cacheprovider --continue-on-collection-errors \
+             -k "${KVQ_PYTEST_K:-}" ${KVQ_GPU_TESTS:-tests/} 2>&1 | tee "$OUT/gpu_test_log.txt" ;;
     attn) python3 benchmarks/bench_decode_attention.py 2>&1 | tee -a "$LOG" ;;
     xqa) python3 benchmarks/xqa_accuracy.py 2>&1 | tee -a "$LOG" ;;
-    model) python3 benchmarks/bench_model_decode.py 2>&1 | tee -a "$LOG" ;;
+    model) python3 benchmarks/bench_model_decode.py ${KVQ_MODEL_ARGS:-} 2>&1 | tee -a "$LOG" ;;
     *) echo "unknown step $step (expected tests, attn, xqa, model)" | tee -a "$LOG"; status=2; continue ;;
   esac
   rc=${PIPESTATUS[0]}

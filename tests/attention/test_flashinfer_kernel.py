@@ -233,15 +233,22 @@ def test_fp8_output_refused_where_no_kernel_writes_it(built) -> None:
 @pytest.mark.gpu
 @needs_gpu
 def test_layers_of_one_group_share_one_plan(built) -> None:
+    from torch_kvq.attention.kernels.flashinfer import GroupPlan
+
     infos = [AttentionLayerInfo(f"p.l{i}", 8, 2, D) for i in range(4)]
     specs = make_specs(infos, skip=("p.l3",))  # three FP8 layers, one bf16
     md = PageAllocator(16, PAGE).build_batch([(0, 20)], device="cuda")
     kernel = FlashInferKernel(unfused_attention=False)
     with forward_context(md, specs, kernel) as ctx:
-        groups = [p for p in ctx.plans.values() if type(p).__name__ == "GroupPlan"]
-    assert sorted(p.key.kv_dtype == FP8_DTYPE for p in groups) == [False, True]
-    with forward_context(md, specs, FlashInferKernel(unfused_attention=True)) as ctx:
-        groups = [p for p in ctx.plans.values() if type(p).__name__ == "GroupPlan"]
+        groups = {p.key for p in ctx.plans.values() if isinstance(p, GroupPlan)}
+        fp8_plans = {id(ctx.plans[(id(kernel), f"p.l{i}", FP8_DTYPE)]) for i in range(3)}
+    assert sorted(k.kv_dtype == FP8_DTYPE for k in groups) == [False, True]
+    assert len(fp8_plans) == 1  # one plan (one wrapper) serves the three FP8 layers
+    kernel = FlashInferKernel(unfused_attention=True)
+    with forward_context(md, specs, kernel) as ctx:
+        groups = {p.key for p in ctx.plans.values() if isinstance(p, GroupPlan)}
+        unfused = ctx.plans[(id(kernel), "p.l0", torch.bfloat16)]
+        assert unfused is ctx.plans[(id(kernel), "p.l3", torch.bfloat16)]
     assert len(groups) == 2  # the FP8 layers' bf16 (unfused) plan is the bf16 layer's plan
 
 
@@ -294,6 +301,17 @@ def test_configuration_names_match_capability_rows() -> None:
             writes_fp8 = fp8_decode == "xqa" and phases == "decode"
             assert caps.supports(name, "sm90", *fp8_layer, True) is writes_fp8, name
     assert not caps.supports("flashinfer-xqa-decode", "sm100", *fp8_layer, True)
+
+
+def test_xqa_block_table_matches_page_tables() -> None:
+    from torch_kvq.attention.kernels.flashinfer import _xqa_tables
+
+    md = PageAllocator(64, PAGE).build_batch([(0, 1), (1, 300), (2, 16), (3, 17)])
+    t = _xqa_tables(md)
+    width = max(len(p) for p in md.page_tables)
+    dense = [list(p) + [0] * (width - len(p)) for p in md.page_tables]
+    assert t.block_tables.tolist() == dense and t.block_tables.dtype == torch.int32
+    assert t.seq_lens.tolist() == [1, 300, 16, 17] and t.max_seq_len == 300
 
 
 @pytest.mark.skipif(HAS_CUDA, reason="checks the no-GPU error")

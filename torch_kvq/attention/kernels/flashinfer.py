@@ -209,19 +209,26 @@ class FlashInferKernel:
         for spec in specs:
             self.check_supported(spec)
         self._buffers(device)
-        keys: dict[GroupKey, None] = {}
+        layers: dict[tuple[str, torch.dtype], GroupKey] = {}
         for spec in specs:
-            keys[self._group_key(spec, spec.storage_dtype, decode)] = None
+            dtypes = [spec.storage_dtype]
             if spec.is_quantized and self.unfused_attention:
-                keys[self._group_key(spec, spec.model_dtype, decode)] = None
+                dtypes.append(spec.model_dtype)  # the unfused form attends on the dequantized cache
+            for kv_dtype in dtypes:
+                layers[(spec.name, kv_dtype)] = self._group_key(spec, kv_dtype, decode)
         host = _HostIndptrs.build(md)
-        for key in keys:
+        plans: dict[GroupKey, GroupPlan] = {}
+        for key in dict.fromkeys(layers.values()):
             gen = next(_generation)
             wrapper = None if key.kernel == "xqa" else self._plan_wrapper(key, md, host)
             self._planned_gen[key] = gen
-            ctx.plans[(id(self), key)] = GroupPlan(key, wrapper, gen)
-        if any(k.kernel == "xqa" for k in keys):
-            ctx.plans[(id(self), "xqa_tables")] = _xqa_tables(md, host)
+            plans[key] = ctx.plans[(id(self), key)] = GroupPlan(key, wrapper, gen)
+        for (name, kv_dtype), key in layers.items():  # attend's lookup: one dict access
+            ctx.plans[(id(self), name, kv_dtype)] = plans[key]
+        if "xqa" in {k.kernel for k in plans}:
+            ctx.plans[(id(self), "xqa_tables")] = _xqa_tables(md)
+            if self._xqa_ws is None:  # XQA's semaphores must start at zero
+                self._xqa_ws = torch.zeros(self.workspace_bytes, dtype=torch.uint8, device=device)
 
     def _plan_wrapper(self, key: GroupKey, md: BatchMetadata, host: _HostIndptrs) -> Any:
         import flashinfer
@@ -271,23 +278,22 @@ class FlashInferKernel:
         output_scale: float | None,
     ) -> torch.Tensor:
         """q [T, QH, D], kv_cache [pages, 2, page, KH, D] -> [T, QH, D] (see module docstring)."""
-        decode = ctx.metadata.is_decode_only
-        if kv_cache.dtype not in (spec.storage_dtype, spec.model_dtype):
-            raise ValueError(
-                f"layer {spec.name!r}: cache dtype {kv_cache.dtype}, expected {spec.storage_dtype} "
-                f"(its storage) or {spec.model_dtype} (dequantized, unfused form)"
-            )
-        key = self._group_key(spec, kv_cache.dtype, decode)
-        plan = ctx.plans.get((id(self), key))
+        plan = ctx.plans.get((id(self), spec.name, kv_cache.dtype))
         if plan is None:
+            if kv_cache.dtype not in (spec.storage_dtype, spec.model_dtype):
+                raise ValueError(
+                    f"layer {spec.name!r}: cache dtype {kv_cache.dtype}, expected "
+                    f"{spec.storage_dtype} (its storage) or {spec.model_dtype} (dequantized, unfused)"
+                )
             hint = (
                 " (the unfused form of an FP8 layer needs FlashInferKernel(unfused_attention=True))"
                 if kv_cache.dtype != spec.storage_dtype
-                else ""
+                else " (was it in the forward context's specs?)"
             )
             raise KernelUnsupportedError(
-                f"layer {spec.name!r} has no FlashInfer plan for {key}{hint}"
+                f"layer {spec.name!r} has no FlashInfer plan for a {kv_cache.dtype} cache{hint}"
             )
+        key = plan.key
         if self._planned_gen.get(key) != plan.generation:
             raise RuntimeError(
                 f"layer {spec.name!r}: the FlashInfer plan of this forward context was replaced by a "
@@ -321,8 +327,6 @@ class FlashInferKernel:
         from flashinfer.decode import trtllm_batch_decode_with_kv_cache
 
         tables: _XQATables = ctx.plans[(id(self), "xqa_tables")]
-        if self._xqa_ws is None:  # semaphores must start at zero
-            self._xqa_ws = torch.zeros(self.workspace_bytes, dtype=torch.uint8, device=q.device)
         o_scale = 1.0 if output_scale is None else float(output_scale)
         out = torch.empty_like(q, dtype=FP8_DTYPE if output_scale is not None else q.dtype)
         return trtllm_batch_decode_with_kv_cache(
@@ -364,13 +368,18 @@ class _XQATables:
     max_seq_len: int
 
 
-def _xqa_tables(md: BatchMetadata, host: _HostIndptrs) -> _XQATables:
-    width = max(len(p) for p in md.page_tables)
-    rows = [list(p) + [0] * (width - len(p)) for p in md.page_tables]
-    table = torch.tensor(rows, dtype=torch.int32)
-    device = md.kv_indices.device
-    return _XQATables(
-        block_tables=table.to(device, non_blocking=True),
-        seq_lens=host.kv_lens.to(device, non_blocking=True),
-        max_seq_len=max(md.kv_lens),
+def _xqa_tables(md: BatchMetadata) -> _XQATables:
+    """XQA's dense block table, scattered on the device from the CSR page table (no host loop
+    over pages, no device sync: the output sizes come from the host lists)."""
+    counts = [len(p) for p in md.page_tables]
+    dev = md.kv_indices.device
+    total = sum(counts)
+    rows = torch.repeat_interleave(
+        torch.arange(len(counts), device=dev),
+        md.kv_indptr[1:] - md.kv_indptr[:-1],
+        output_size=total,
     )
+    cols = torch.arange(total, device=dev) - md.kv_indptr[rows]
+    table = torch.zeros((len(counts), max(counts)), dtype=torch.int32, device=dev)
+    table[rows, cols] = md.kv_indices
+    return _XQATables(block_tables=table, seq_lens=md.seq_lens, max_seq_len=max(md.kv_lens))
