@@ -15,19 +15,11 @@ from typing import Any
 
 import torch
 
-from torch_kvq.spec import SUPPORTED_PAGE_SIZES, KVCacheConfig, format_spec_table
+from torch_kvq.spec import KVCacheConfig, format_spec_table
 
 COMPILE_MODES = ("off", "kvq", "kvq-eager")
 DEFAULT_COMPILE = "off"  # "kvq" costs a ~45 s cold Inductor compile on 2 CPU cores
 PROMPT_LENS = (5, 23, 12)
-
-
-def _skip_rule(text: str) -> int | str:
-    """``--skip`` values: an int layer index (``-1`` is the last layer) or a rule / name string."""
-    try:
-        return int(text)
-    except ValueError:
-        return text
 
 
 def _positive_int(text: str) -> int:
@@ -41,28 +33,16 @@ def _positive_int(text: str) -> int:
 
 
 def add_parser(sub: Any) -> None:
-    from torch_kvq.models import PRESETS
+    from torch_kvq.cli import add_model_args
 
     p = sub.add_parser(
         "demo",
         help="generate with a small mixed FP8/bf16 KV-cache model and compare to all-bf16",
-        description=__doc__.split("\n\n")[0],
+        description="Generate with a small mixed FP8/bf16 KV-cache model (fixed random weights) "
+        "and compare its logits with an all-bf16 run fed the same tokens.",
     )
-    p.add_argument("--preset", choices=sorted(PRESETS), default="gemma3-tiny")
-    p.add_argument("--kv-cache-dtype", default="fp8", help="fp8 (default), auto, bfloat16, ...")
-    skip = p.add_mutually_exclusive_group()
-    skip.add_argument(
-        "--skip",
-        action="append",
-        type=_skip_rule,
-        metavar="RULE",
-        help="skip rule, repeatable: a layer index, 'sliding_window', 'full_attention', a name or "
-        "glob (default: sliding_window)",
-    )
-    skip.add_argument("--no-skip", action="store_true", help="quantize every layer")
+    add_model_args(p)  # --preset --kv-cache-dtype --skip/--no-skip --page-size --layers --seed
     p.add_argument("--max-new-tokens", type=_positive_int, default=8)
-    p.add_argument("--page-size", type=int, choices=SUPPORTED_PAGE_SIZES, default=16)
-    p.add_argument("--seed", type=int, default=0, help="weights and prompts")
     p.add_argument(
         "--compile",
         choices=COMPILE_MODES,
@@ -89,15 +69,12 @@ def _kvq_backend(mode: str) -> Any:
 
 
 def run(args: argparse.Namespace) -> int:
-    from torch_kvq.models import build_model, generate
+    from torch_kvq.cli import kv_config_from_args, model_from_args
+    from torch_kvq.models import generate
 
-    skip = () if args.no_skip else tuple(args.skip or ("sliding_window",))
-    kv = KVCacheConfig(
-        kv_cache_dtype=args.kv_cache_dtype, skip_layers=skip, page_size=args.page_size
-    )
-    bf16_kv = KVCacheConfig(page_size=args.page_size)
-    model = build_model(args.preset, kv, seed=args.seed)  # ValueError on bad rules -> exit 2
-    ref_model = build_model(args.preset, bf16_kv, seed=args.seed)
+    kv = kv_config_from_args(args)
+    model = model_from_args(args, kv)  # ValueError on bad rules -> exit 2
+    ref_model = model_from_args(args, KVCacheConfig(page_size=args.page_size))
     forward = None
     if args.compile != "off":
         forward = torch.compile(model, backend=_kvq_backend(args.compile))
@@ -117,8 +94,9 @@ def run(args: argparse.Namespace) -> int:
         for a in model.attention_layers
     }
     print(
-        f"kvq demo: preset {args.preset}, kv_cache_dtype={kv.kv_cache_dtype!r}, skip_layers={skip}, "
-        f"page_size {kv.page_size}, compile {args.compile}, seed {args.seed}"
+        f"kvq demo: preset {args.preset}, kv_cache_dtype={kv.kv_cache_dtype!r}, "
+        f"skip_layers={kv.skip_layers}, page_size {kv.page_size}, compile {args.compile}, "
+        f"seed {args.seed}"
     )
     print()
     print(format_spec_table(model.kv_specs, cache_kib))
