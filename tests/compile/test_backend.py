@@ -1,0 +1,233 @@
+"""kvq_backend / make_kvq_backend: layers found in the Dynamo graph, Inductor hand-off, FX graph
+cache keyed by the spec table, recompiles on spec change, prefill then decode."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+from torch._dynamo.utils import counters
+
+from tests.compile.helpers import (
+    AttnQuantModel,
+    caches,
+    fill_caches,
+    make_specs,
+    no_compile_caches,
+    qkv,
+    restore,
+    small_case,
+)
+from torch_kvq import kvq_backend, make_kvq_backend
+from torch_kvq.attention import PageAllocator, ReferenceKernel, forward_context, registry
+from torch_kvq.attention.kernels.capabilities import register_capabilities
+from torch_kvq.passes import last_report
+from torch_kvq.passes.backend import graph_layers
+from torch_kvq.spec import AttentionLayerInfo, KVCacheConfig, KVQuantMode, resolve_layer_specs
+
+
+def assert_fp8_close(compiled, eager):
+    """Within one FP8 step plus 2**-7 of the largest value (see test_fusion_attn's docstring)."""
+    for c, e in zip(compiled, eager):
+        c, e = c.float(), e.float()
+        m = torch.maximum(c.abs(), e.abs())
+        step = torch.where(
+            m >= 2**-6, torch.exp2(torch.floor(torch.log2(m.clamp_min(2**-6))) - 3), 2**-9
+        )
+        assert ((c - e).abs() <= step + 2**-7 * e.abs().max()).all()
+
+
+class NamedKernel(ReferenceKernel):
+    """The reference kernel under another capability-table name."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+
+def test_graph_layers_finds_every_layer_and_its_device():
+    model, md, inputs = small_case("op")
+    seen = []
+
+    def spy(gm, example_inputs):
+        seen.append(graph_layers(gm))
+        return gm
+
+    with torch.no_grad(), forward_context(md, model.specs, ReferenceKernel()):
+        torch.compile(model, backend=spy, fullgraph=True)(*inputs)
+    assert seen == [{s.name: torch.device("cpu") for s in model.specs}]
+
+
+@pytest.mark.parametrize(
+    "kwargs,match",
+    [
+        (
+            {"inner": "tvm"},
+            r"inner compiler 'tvm' unknown; expected one of \('inductor', 'eager'\)",
+        ),
+        ({"passes": ["annotate", "nope"]}, r"unknown passes \['nope'\]"),
+        (
+            {"config_patches": {"post_grad_custom_post_pass": None}},
+            r"may not set post_grad_custom_post_pass",
+        ),
+    ],
+)
+def test_make_kvq_backend_rejects_bad_options(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        make_kvq_backend(**kwargs)
+
+
+def test_kvq_backend_inductor_prefill_then_decode():
+    """The default backend (Inductor), one prefill step then one decode step (a recompile with a
+    dynamic token count): outputs match eager, the caches match, and the report is per layer."""
+    specs = make_specs(3, "fp8", skip=(1,))
+    model = AttnQuantModel(specs, 8, "torch")
+    alloc = PageAllocator(8, 16)
+    steps = [alloc.build_batch([(0, 5), (1, 3)]), alloc.build_batch([(0, 1), (1, 1)])]
+    inputs = [qkv(md.num_tokens, (8, 2), 32, torch.bfloat16, seed=i) for i, md in enumerate(steps)]
+    kernel = ReferenceKernel()
+    with torch.no_grad():
+        eager = []
+        for md, x in zip(steps, inputs):
+            with forward_context(md, specs, kernel):
+                eager.append(model(*x))
+        eager_caches = caches(model)
+        for c in model.layers:
+            c.kv_cache.zero_()
+        compiled_fn = torch.compile(model, backend=kvq_backend)
+        with no_compile_caches():
+            for i, (md, x) in enumerate(zip(steps, inputs)):
+                with forward_context(md, specs, kernel):
+                    assert_fp8_close(compiled_fn(*x), eager[i])
+                rep = last_report()
+                assert rep.source == "passes"
+                assert rep.layers_fused("output quant") == (specs[0].name, specs[2].name)
+    for c, e in zip(caches(model), eager_caches):
+        assert torch.equal(c.view(torch.uint8), e.view(torch.uint8))
+
+
+def test_unknown_layer_fails_the_compile():
+    model, md, inputs = small_case("op")
+    gone = model.layers[0]
+    with torch.no_grad(), forward_context(md, model.specs, ReferenceKernel()):
+        registry.unregister(gone)
+        try:
+            with pytest.raises(
+                Exception, match=rf"attention layer '{gone.layer_name}'.*unknown attention layer"
+            ):
+                torch.compile(model, backend=make_kvq_backend(inner="eager"))(*inputs)
+        finally:
+            registry.register(gone)
+
+
+def test_kernel_comes_from_the_forward_context_unless_given():
+    register_capabilities("test-bf16-only", "cpu", [(KVQuantMode.NONE, torch.bfloat16, False)])
+    model, md, inputs = small_case("op")
+    for given, expect_fused in ((None, False), ("reference", True)):
+        torch._dynamo.reset()
+        backend = make_kvq_backend(inner="eager", kernel=given)
+        with torch.no_grad(), forward_context(md, model.specs, NamedKernel("test-bf16-only")):
+            torch.compile(model, backend=backend)(*inputs)
+        rep = backend.managers[-1].last
+        assert {info["kernel"] for info in rep.layers.values()} == {given or "test-bf16-only"}
+        assert bool(rep.layers_fused("dequant+attn")) is expect_fused
+
+
+def test_foreign_post_grad_pass_is_not_silently_replaced():
+    model, md, inputs = small_case("op")
+
+    def other_pass(graph):
+        return None
+
+    with torch._inductor.config.patch(post_grad_custom_post_pass=other_pass):
+        with torch.no_grad(), forward_context(md, model.specs, ReferenceKernel()):
+            with pytest.raises(Exception, match=r"post_grad_custom_post_pass is already set"):
+                torch.compile(model, backend=kvq_backend)(*inputs)
+
+
+def _named_model(skip):
+    """Two layers with fixed names (layer 0 sliding) and a skip config."""
+    infos = [
+        AttentionLayerInfo("fxc.layers.0.attn", 8, 2, 32, sliding_window=8),
+        AttentionLayerInfo("fxc.layers.1.attn", 8, 2, 32),
+    ]
+    specs = resolve_layer_specs(
+        KVCacheConfig("fp8", skip_layers=skip, page_size=16), infos, torch.bfloat16
+    )
+    return AttnQuantModel(specs, 8, "op")
+
+
+def test_fx_graph_cache_never_reuses_a_graph_compiled_for_another_skip_config():
+    from torch._inductor.utils import fresh_inductor_cache
+
+    alloc = PageAllocator(8, 16)
+    md = alloc.build_batch([(0, 5), (1, 2)])
+    x = qkv(7, (8, 2), 32, torch.bfloat16)
+    counters.clear()
+    results = {}
+    with fresh_inductor_cache(), torch._inductor.config.patch(fx_graph_cache=True):
+        with torch._functorch.config.patch(enable_autograd_cache=False), torch.no_grad():
+            for key, skip in (
+                ("A", (0,)),
+                ("B", (1,)),
+                ("C", ("sliding_window",)),
+                ("A again", (0,)),
+            ):
+                torch._dynamo.reset()
+                model = _named_model(skip)
+                with forward_context(md, model.specs, ReferenceKernel()):
+                    torch.compile(model, backend=kvq_backend)(*x)
+                rep = last_report()
+                results[key] = (
+                    counters["inductor"]["fxgraph_cache_miss"],
+                    counters["inductor"]["fxgraph_cache_hit"],
+                    rep.layers_fused("dequant+attn"),
+                    rep.source,
+                )
+                for layer in model.layers:
+                    registry.unregister(layer)
+    names = ("fxc.layers.0.attn", "fxc.layers.1.attn")
+    assert results["A"] == (1, 0, (names[1],), "passes")
+    assert results["B"] == (
+        2,
+        0,
+        (names[0],),
+        "passes",
+    )  # another skip config: a miss, fused differently
+    # C skips the same layer as A by another rule: the same graph, another spec table -> a miss
+    assert results["C"] == (3, 0, (names[1],), "passes")
+    # the cache is on and the key is stable: A again is a hit, reported as A was
+    assert results["A again"] == (3, 1, (names[1],), "fx graph cache hit")
+
+
+def test_dynamo_recompiles_when_a_layers_spec_changes():
+    specs = make_specs(1, "fp8")
+    model = AttnQuantModel(specs, 8, "op")
+    alloc = PageAllocator(8, 16)
+    md = alloc.build_batch([(0, 6)])
+    x = qkv(6, (8, 2), 32, torch.bfloat16)
+    backend = make_kvq_backend(inner="eager")
+    compiled = torch.compile(model, backend=backend)
+    with torch.no_grad():
+        with forward_context(md, specs, ReferenceKernel()):
+            compiled(*x)
+        assert len(backend.managers) == 1 and backend.managers[0].last.layers_fused("dequant+attn")
+        attn = model.layers[0]
+        bf16 = dataclasses.replace(
+            attn.spec, mode=KVQuantMode.NONE, storage_dtype=torch.bfloat16, k_scale=1.0, v_scale=1.0
+        )
+        attn.spec = bf16
+        attn.kv_cache = torch.zeros(attn.kv_cache.shape, dtype=torch.bfloat16)
+        fill_caches(model)
+        saved = caches(model)
+        with forward_context(md, [bf16], ReferenceKernel()):
+            eager = model(*x)
+            restore(model, saved)
+            out = compiled(*x)
+    assert len(backend.managers) == 2  # Dynamo's guards saw the new spec and recompiled
+    rep = backend.managers[-1].last
+    assert rep.layers_fused("dequant+attn") == ()
+    assert (
+        rep.per_layer[bf16.name]["fuse_dequant_attention"] == "kept bf16 (not quantized: mode none)"
+    )
+    assert_fp8_close(out, eager)
