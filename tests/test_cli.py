@@ -32,6 +32,10 @@ def test_demo_default_gemma_fp8_with_sliding_layers_kept(capsys):
     assert m, out
     assert 0.0 < float(m[1]) < 0.5 and 0.0 < float(m[2]) < 0.5
     assert "next-token agreement" in out and out.count("bf16 greedy") == 3
+    # the default compiles with the kvq passes, shows progress and timings
+    assert "compile kvq-eager" in out and "fused quant+write" in out
+    assert "[########################] 3/3 steps" in err and "all-bf16 eager" in err
+    assert re.search(r"timings: all-bf16 eager [\d.]+ s; quantized \(kvq-eager\) [\d.]+ s", out)
 
 
 def test_demo_llama_with_repeated_skips(capsys):
@@ -45,6 +49,8 @@ def test_demo_llama_with_repeated_skips(capsys):
         "--skip=-1",
         "--max-new-tokens",
         "1",
+        "--compile",
+        "off",
     )
     assert code == 0, err
     modes = [line.split()[3] for line in out.splitlines() if re.match(r"^\d+\s+model", line)]
@@ -52,7 +58,9 @@ def test_demo_llama_with_repeated_skips(capsys):
 
 
 def test_demo_auto_dtype_matches_bf16_exactly(capsys):
-    code, out, _ = run_main(capsys, "demo", "--kv-cache-dtype", "auto", "--max-new-tokens", "2")
+    code, out, _ = run_main(
+        capsys, "demo", "--kv-cache-dtype", "auto", "--max-new-tokens", "2", "--compile", "off"
+    )
     assert code == 0
     assert "prefill 0.0000, decode 0.0000" in out
 

@@ -88,3 +88,16 @@ def test_bad_arguments(fp32_model, prompts, n, force, message):
     with pytest.raises(ValueError, match=message):
         generate(fp32_model, prompts, n, force_tokens=force)
     assert fp32_model.allocator.num_free_pages == 32
+
+
+def test_on_step_reports_every_forward_pass():
+    from torch_kvq.models import build_model, generate
+    from torch_kvq.spec import KVCacheConfig
+
+    model = build_model("llama-tiny", KVCacheConfig())
+    seen = []
+    generate(
+        model, [[1, 2, 3], [4]], 4, on_step=lambda done, total, s: seen.append((done, total, s))
+    )
+    assert [(d, t) for d, t, _ in seen] == [(1, 4), (2, 4), (3, 4), (4, 4)]
+    assert all(s > 0 for _, _, s in seen)

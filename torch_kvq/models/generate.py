@@ -7,6 +7,7 @@ allocator and the forward context. Pages are freed at the end, also on error.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -49,12 +50,14 @@ def generate(
     forward: Forward | None = None,
     *,
     force_tokens: Sequence[Sequence[int]] | None = None,
+    on_step: Callable[[int, int, float], None] | None = None,
 ) -> GenerateResult:
     """Greedy decoding of ``prompts`` (sequences of different lengths, one batch).
 
     ``force_tokens`` (one list of ``max_new_tokens`` ids per prompt) feeds those tokens instead of
     the argmax, so two models can be compared along the same path; ``tokens`` then equals it and
-    ``logits.argmax(-1)`` is the model's own choice.
+    ``logits.argmax(-1)`` is the model's own choice. ``on_step(done, total, seconds)`` is called
+    after each forward pass (the prefill is step 1 of ``max_new_tokens``) with its wall time.
     """
     vocab = model.config.vocab_size
     if not isinstance(prompts, (list, tuple)) or not prompts:
@@ -82,7 +85,10 @@ def generate(
         md = model.allocator.build_batch([(sid, len(p)) for sid, p in zip(seq_ids, prompts)], dev)
         ids = torch.tensor([t for p in prompts for t in p], dtype=torch.long, device=dev)
         with model.forward_context(md):
+            t0 = time.perf_counter()
             logits = run(ids, md.positions)
+        if on_step is not None:
+            on_step(1, max_new_tokens, time.perf_counter() - t0)
         ends = [int(e) - 1 for e in md.qo_indptr[1:].tolist()]
         prefill = [logits[e + 1 - n : e + 1] for e, n in zip(ends, md.qo_lens)]
         last = logits[ends]
@@ -100,7 +106,10 @@ def generate(
             md = model.allocator.build_batch([(sid, 1) for sid in seq_ids], dev)
             ids = torch.tensor(chosen, dtype=torch.long, device=dev)
             with model.forward_context(md):
+                t0 = time.perf_counter()
                 last = run(ids, md.positions)
+            if on_step is not None:
+                on_step(step + 2, max_new_tokens, time.perf_counter() - t0)
     finally:
         for sid in seq_ids:
             if sid in model.allocator.sequences:
