@@ -88,7 +88,9 @@ def sync(device: str) -> None:
 
 
 @torch.no_grad()
-def run(label: str, model, fn, batch: int, ctx: int, steps: int, warmup: int, device: str) -> dict:
+def run(
+    label: str, model, fn, batch: int, ctx: int, steps: int, warmup: int, device: str, profile: int
+) -> dict:
     alloc = model.allocator
     for i in range(batch):
         alloc.append(i, ctx - 1)
@@ -113,12 +115,45 @@ def run(label: str, model, fn, batch: int, ctx: int, steps: int, warmup: int, de
             host.append(time.perf_counter() - h0)
         sync(device)
         step_s = (time.perf_counter() - t0) / steps
+        try:
+            prof = profile_steps(step, device, profile) if profile else {}
+        except Exception as e:  # noqa: BLE001 - the timing above stands; say why there is no profile
+            prof = {"profile_error": repr(e)[:300]}
     finally:
         for i in range(batch):
             alloc.free(i)
     return {"variant": label, "batch": batch, "ctx": ctx, "step_ms": step_s * 1e3,
             "tokens_per_s": batch / step_s, "host_ms": 1e3 * sorted(host)[len(host) // 2],
-            "warmup_s_incl_compile": first}  # fmt: skip
+            "warmup_s_incl_compile": first, **prof}  # fmt: skip
+
+
+def profile_steps(step, device: str, n: int) -> dict:
+    """torch.profiler over ``n`` steps: GPU kernel time per step (sum of kernels' self device
+    time) against the step's wall time, and the top host ops by self CPU time (syncs show here)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device == "cuda" else [])
+    sync(device)
+    t0 = time.perf_counter()
+    with profile(activities=acts) as prof:
+        for _ in range(n):
+            step()
+        sync(device)
+    wall_ms = (time.perf_counter() - t0) * 1e3 / n
+    events = prof.key_averages()
+    dev = lambda e: getattr(e, "self_device_time_total", 0) or getattr(e, "self_cuda_time_total", 0)  # noqa: E731
+    gpu_ms = sum(dev(e) for e in events) / 1e3 / n
+    top_gpu = sorted(events, key=dev, reverse=True)[:8]
+    top_cpu = sorted(events, key=lambda e: e.self_cpu_time_total, reverse=True)[:10]
+    return {
+        "profiled_step_ms": wall_ms,
+        "gpu_kernel_ms_per_step": gpu_ms,
+        "gpu_busy_pct": 100 * gpu_ms / wall_ms,
+        "top_gpu_ms_per_step": {e.key[:80]: round(dev(e) / 1e3 / n, 4) for e in top_gpu},
+        "top_host_self_ms_per_step": {
+            e.key[:80]: round(e.self_cpu_time_total / 1e3 / n, 3) for e in top_cpu
+        },
+    }
 
 
 def variants(args) -> list[tuple[str, KVCacheConfig, object, str]]:
@@ -155,6 +190,9 @@ def main() -> None:
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--tiny", action="store_true", help="the preset's own tiny size (smoke run)")
     ap.add_argument(
+        "--profile-steps", type=int, default=3, help="steps under torch.profiler (0: none)"
+    )
+    ap.add_argument(
         "--only", nargs="*", default=None, help="run variants whose label has one of these"
     )
     args = ap.parse_args()
@@ -175,7 +213,19 @@ def main() -> None:
             continue
         for ctx in args.ctx:
             try:
-                rows.append(run(label, model, fn, args.batch, ctx, args.steps, 3, args.device))
+                rows.append(
+                    run(
+                        label,
+                        model,
+                        fn,
+                        args.batch,
+                        ctx,
+                        args.steps,
+                        3,
+                        args.device,
+                        args.profile_steps,
+                    )
+                )
             except Exception as e:  # noqa: BLE001
                 rows.append(
                     {"variant": label, "batch": args.batch, "ctx": ctx, "error": repr(e)[:400]}
@@ -188,18 +238,29 @@ def main() -> None:
     lines = ["## Model decode step (FlashInfer)", ""] + [f"- {k}: {v}" for k, v in env.items()]
     lines += [f"- preset {args.preset} {'(tiny)' if args.tiny else '(BENCH_OVERRIDES)'}, "
               f"kernel {args.kernel}, FP8 decode {args.fp8_decode}, {args.steps} steps", ""]  # fmt: skip
-    lines += ["| batch x ctx | variant | step ms | tokens/s | host ms/step | x vs eager unfused | first steps s (compile) |",
-              "|---|---|---|---|---|---|---|"]  # fmt: skip
+    lines += ["host ms/step: time for a step to return without waiting for the GPU; GPU busy: kernel time per "
+              "step (torch.profiler) over the profiled step time. Low GPU busy = host/launch-bound.", ""]  # fmt: skip
+    lines += ["| batch x ctx | variant | step ms | tokens/s | host ms/step | GPU kernel ms (busy %) | x vs eager unfused | first steps s (compile) |",
+              "|---|---|---|---|---|---|---|---|"]  # fmt: skip
     base = {r["ctx"]: r for r in rows if r["variant"] == "eager unfused (fp8)" and "step_ms" in r}
     for r in rows:
         if "error" in r:
             lines.append(
-                f"| {r['batch']} x {r['ctx']} | {r['variant']} | failed: {r['error']} | | | | |"
+                f"| {r['batch']} x {r['ctx']} | {r['variant']} | failed: {r['error']} | | | | | |"
             )
             continue
         x = f"{base[r['ctx']]['step_ms'] / r['step_ms']:.1f}" if r["ctx"] in base else "-"
+        busy = (
+            f"{r['gpu_kernel_ms_per_step']:.2f} ({r['gpu_busy_pct']:.0f}%)"
+            if "gpu_busy_pct" in r
+            else "-"
+        )
         lines.append(f"| {r['batch']} x {r['ctx']} | {r['variant']} | {r['step_ms']:.3f} | {r['tokens_per_s']:.0f} "
-                     f"| {r['host_ms']:.3f} | {x} | {r['warmup_s_incl_compile']:.1f} |")  # fmt: skip
+                     f"| {r['host_ms']:.3f} | {busy} | {x} | {r['warmup_s_incl_compile']:.1f} |")  # fmt: skip
+    for r in rows:  # where the time goes, per variant and context
+        for k in ("top_gpu_ms_per_step", "top_host_self_ms_per_step"):
+            if k in r:
+                lines.append(f"- {r['variant']} @ {r['ctx']} {k}: {r[k]}")
     write_results(
         "bench_model_decode",
         {"env": env, "args": vars(args), "rows": rows},

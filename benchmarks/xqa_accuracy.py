@@ -142,8 +142,8 @@ def table(env: dict, rows: list[dict]) -> str:
         "",
     ]
     lines += [
-        "| data | kernel | vs R0 exact | vs R1 q->e4m3 | vs R2 q,P->e4m3 | ms |",
-        "|---|---|---|---|---|---|",
+        "| data | kernel | vs R0 exact | vs R1 q->e4m3 | vs R2 q,P->e4m3 | bias vs R0 | ms |",
+        "|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         if "error" in r:
