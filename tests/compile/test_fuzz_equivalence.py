@@ -250,7 +250,11 @@ def run_case(s: Structure, steps: list[list[tuple[int, int]]], seed: int) -> Non
     for step, ((y_c, outs_c), (y_e, outs_e)) in enumerate(zip(compiled, eager)):
         for i, (c, e) in enumerate(zip(outs_c, outs_e)):
             check_close(c, e, out_scale, f"step {step} layer {i} ({model.specs[i].mode.value})")
-        torch.testing.assert_close(y_c.float(), y_e.float(), atol=0.05, rtol=0.05)
+        # the rest of the compiled graph: y from its own per-layer outputs, as eager computes it
+        y_from_outs = torch.zeros_like(y_e)
+        for i, o in enumerate(outs_c):
+            y_from_outs = y_from_outs + o @ model.w[4 * i + 3]
+        torch.testing.assert_close(y_c, y_from_outs, atol=1e-2, rtol=1e-2)
 
 
 COMMON = dict(
