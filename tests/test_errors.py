@@ -10,6 +10,8 @@ without a doc row, fails ``test_doc_and_cases_agree``, so the table and the test
 from __future__ import annotations
 
 import contextlib
+import copy
+import functools
 import itertools
 import math
 import re
@@ -713,6 +715,128 @@ def _() -> object:
 @case("kernel.flashinfer-no-cpu-row")
 def _() -> object:
     return capabilities.capabilities("flashinfer", "cpu")
+
+
+# --- graph level: the compile backend, the pass manager and the annotate pass ------------------
+
+
+@functools.cache
+def captured():
+    """A 3-layer model (layer 1 skipped) and its post-grad-shaped graph before any kvq pass."""
+    from tests.compile.helpers import capture_graph, small_case
+
+    model, md, inputs = small_case("op")
+    return model, md, inputs, capture_graph(model, inputs, md)
+
+
+def annotate(specs) -> object:
+    from torch_kvq.passes import KVQPassManager
+
+    model, md, inputs, gm = captured()
+    return KVQPassManager(specs, passes=["annotate"])(copy.deepcopy(gm).graph)
+
+
+@case("graph.annotate-unknown-layer")
+def _() -> object:
+    model = captured()[0]
+    registry.unregister(model.layers[2])
+    try:
+        return annotate(model.specs)
+    finally:
+        registry.register(model.layers[2])
+
+
+@case("graph.layer-not-in-manager")
+def _() -> object:
+    return annotate(captured()[0].specs[:2])
+
+
+@case("graph.stale-spec")
+def _() -> object:
+    specs = list(captured()[0].specs)
+    specs[0] = replace(specs[0], k_scale=0.5)
+    return annotate(specs)
+
+
+@case("graph.compile-unknown-layer")
+def _() -> object:
+    from torch_kvq.passes import make_kvq_backend
+
+    model, md, inputs, _ = captured()
+    registry.unregister(model.layers[0])
+    torch._dynamo.reset()
+    try:
+        with torch.no_grad(), forward_context(md, model.specs, ReferenceKernel()):
+            return torch.compile(model, backend=make_kvq_backend(inner="eager"))(*inputs)
+    finally:
+        registry.register(model.layers[0])
+        torch._dynamo.reset()
+
+
+class QuantIntoSkippedCache(torch.nn.Module):
+    """Hand-written graph: k / v quantized to FP8, then written into a skipped layer's bf16 cache."""
+
+    def __init__(self, spec) -> None:
+        super().__init__()
+        self.attn = Attention(spec, 8)
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        name = self.attn.layer_name
+        ops.cache_write(
+            ops.quantize_fp8(k, 0.1), ops.quantize_fp8(v, 0.1), self.attn.kv_cache, name
+        )
+        return ops.paged_attention(q, self.attn.kv_cache, name)
+
+
+@case("graph.quantize-feeds-skipped-cache")
+def _() -> object:
+    from torch_kvq.passes import make_kvq_backend
+
+    e = env()
+    model = QuantIntoSkippedCache(replace(e.specs[0], name=e.specs[0].name + ".hand"))
+    torch._dynamo.reset()
+    try:
+        with torch.no_grad(), forward_context(e.md, [model.attn.spec], ReferenceKernel()):
+            compiled = torch.compile(model, backend=make_kvq_backend(inner="eager"), fullgraph=True)
+            return compiled(e.q, e.k, e.v)
+    finally:
+        torch._dynamo.reset()
+
+
+@case("graph.backend-inner-unknown")
+def _() -> object:
+    from torch_kvq.passes import make_kvq_backend
+
+    return make_kvq_backend(inner="tvm")
+
+
+@case("graph.unknown-pass")
+def _() -> object:
+    from torch_kvq.passes import make_kvq_backend
+
+    return make_kvq_backend(passes=["annotate", "fuse_everything"])
+
+
+@case("graph.fusion-before-annotate")
+def _() -> object:
+    from torch_kvq.passes import KVQPassManager
+
+    return KVQPassManager(captured()[0].specs, passes=["fuse_quant_cache_write", "annotate"])
+
+
+@case("graph.manager-duplicate-specs")
+def _() -> object:
+    from torch_kvq.passes import KVQPassManager
+
+    spec = captured()[0].specs[0]
+    return KVQPassManager([spec, spec])
+
+
+@case("graph.backend-post-grad-pass-taken")
+def _() -> object:
+    from torch_kvq.passes import make_kvq_backend
+
+    return make_kvq_backend(config_patches={"post_grad_custom_post_pass": None})
 
 
 @case("calibration.no-attention-layers")
