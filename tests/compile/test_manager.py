@@ -127,7 +127,8 @@ def test_dumps_are_named_after_the_passes(tmp_path):
     manager = run_passes(gm, model.specs, DEFAULT_PASSES, dump_dir=tmp_path)
     (folder,) = tmp_path.iterdir()
     assert manager.last.dump_dir == str(folder)
-    expected = {f"{p}.{w}.py" for p in DEFAULT_PASSES for w in ("before", "after")} | {
+    kinds = ("before.py", "after.py", "diff", "after.svg")
+    expected = {f"{p}.{w}" for p in DEFAULT_PASSES for w in kinds} | {
         "report.txt",
         "report.json",
     }

@@ -25,8 +25,19 @@ class CleanupPass:
     name: ClassVar[str] = "cleanup"
 
     def __call__(self, graph: fx.Graph, ctx: PassContext) -> int:
-        before = len(graph.nodes)
-        stable_topological_sort(graph)  # first: eliminate_dead_code lints the order
-        graph.eliminate_dead_code()
+        stable_topological_sort(graph)
+        removed = _eliminate_dead_code(graph)
         graph.lint()
-        return before - len(graph.nodes)
+        return removed
+
+
+def _eliminate_dead_code(graph: fx.Graph) -> int:
+    """``Graph.eliminate_dead_code`` asks ``is_impure()`` of every node (~20 us each for custom
+    ops on torch 2.13); only nodes without users can be dead, so ask only those."""
+    removed = 0
+    for node in reversed(graph.nodes):
+        if node.op in ("placeholder", "output") or node.users or node.is_impure():
+            continue
+        graph.erase_node(node)
+        removed += 1
+    return removed
