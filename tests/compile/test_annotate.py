@@ -5,10 +5,11 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
+import torch
 
-from tests.compile.helpers import capture_graph, make_specs, run_passes, small_case
-from torch_kvq.attention import registry
-from torch_kvq.passes import KVQStamp
+from tests.compile.helpers import capture_graph, make_specs, run_passes, small_case, torch_quant
+from torch_kvq.attention import Attention, PageAllocator, ReferenceKernel, forward_context, registry
+from torch_kvq.passes import KVQStamp, make_kvq_backend
 from torch_kvq.passes.common import (
     ATTENTION,
     AUTO_FUNCTIONALIZED,
@@ -105,3 +106,40 @@ def test_auto_layers_are_kept_with_their_reason():
     stamp = make_stamp(spec, "reference", "cpu")
     assert stamp.kept_reason() == "kept bf16 (not quantized: mode none)"
     assert stamp.kv_block() == stamp.output_block() == stamp.kept_reason()
+
+
+class QuantIntoSkippedCache(torch.nn.Module):
+    """The seed bug written by hand: FP8 k / v into a skipped layer's bf16 cache."""
+
+    def __init__(self, spec, num_pages: int, form: str) -> None:
+        super().__init__()
+        self.attn = Attention(spec, num_pages)
+        self.form = form
+
+    def forward(self, q, k, v):
+        s = self.attn.spec
+        quant = torch_quant if self.form == "torch" else torch.ops.kvq.quantize_fp8
+        torch.ops.kvq.cache_write(quant(k, 0.1), quant(v, 0.1), self.attn.kv_cache, s.name)
+        return torch.ops.kvq.paged_attention(q, self.attn.kv_cache, s.name)
+
+
+@pytest.mark.parametrize("form", ["op", "torch"])
+def test_fp8_written_into_a_skipped_layers_cache_is_refused(form):
+    (spec,) = make_specs(1, "fp8", skip=(0,))
+    model = QuantIntoSkippedCache(spec, 8, form)
+    md = PageAllocator(8, 16).build_batch([(0, 7)])
+    x = (
+        torch.randn(7, 8, 32).bfloat16(),
+        torch.randn(7, 2, 32).bfloat16(),
+        torch.randn(7, 2, 32).bfloat16(),
+    )
+    backend = make_kvq_backend(inner="eager")
+    with torch.no_grad(), forward_context(md, [spec], ReferenceKernel()):
+        with pytest.raises(
+            Exception,
+            match=rf"layer '{spec.name}' is kept in bf16 \(skip rule 0\) but graph node "
+            r"'auto_functionalized_v2' writes FP8 into its cache: k has dtype "
+            r"torch.float8_e4m3fn, expected torch.bfloat16",
+        ):
+            torch.compile(model, backend=backend, fullgraph=True)(*x)
+    assert not backend.graphs  # refused at compile time, before anything ran

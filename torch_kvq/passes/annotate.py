@@ -2,7 +2,8 @@
 
 The layer comes from the node's ``layer_name`` argument, resolved through the live-layer
 registry; an unknown layer, or one whose live spec differs from the pass manager's spec table,
-is an error. Ops without a layer argument take the stamp of the layer op they feed
+is an error. So is FP8 work on an unquantized (e.g. skipped) layer: FP8 k / v written into its
+cache, or a dequantize / FP8 attention / quantizing write on it (the seed bug, at compile time). Ops without a layer argument take the stamp of the layer op they feed
 (``quantize_fp8`` -> cache write, ``dequantize_kv_cache`` -> attention) or, for an output quant,
 of the attention they quantize. The graph itself is not changed::
 
@@ -20,16 +21,26 @@ from torch_kvq.attention import registry
 from torch_kvq.passes.common import (
     ATTENTION,
     ATTENTION_FP8,
+    CACHE_WRITE,
+    DEQUANTIZE,
     META_KEY,
+    QUANT_CACHE_WRITE,
     VIEW_OPS,
+    KVQStamp,
     PassContext,
+    functional_op,
     get_stamp,
     is_call,
     kvq_nodes,
     layer_name_of,
+    match_static_fp8_quant,
+    node_dtype,
     op_args,
+    op_label,
+    short_dtype,
     skip_float_casts,
 )
+from torch_kvq.spec import FP8_DTYPE
 
 
 class AnnotatePass:
@@ -54,6 +65,10 @@ class AnnotatePass:
             if source is not None:
                 node.meta[META_KEY] = get_stamp(source)
                 stamped += 1
+        for node in kvq_nodes(graph):
+            stamp = get_stamp(node)
+            if stamp is not None and not stamp.spec.is_quantized:
+                _check_unquantized(node, stamp)
         for layer in seen:
             stamp = ctx.stamps[layer]
             ctx.decide(
@@ -83,6 +98,29 @@ class AnnotatePass:
                 f"{stamp.spec.mode.value}/{stamp.spec.storage_dtype}; recompile"
             )
         return stamp
+
+
+def _check_unquantized(node: fx.Node, stamp: KVQStamp) -> None:
+    """Refuse FP8 work on a layer whose stamp says it is not quantized."""
+    spec = stamp.spec
+    kept = f"kept in {short_dtype(spec.model_dtype)} ({spec.skip_reason or 'not quantized'})"
+    op = functional_op(node)
+    if op is CACHE_WRITE:
+        for arg_name in ("k", "v"):
+            arg = op_args(node).get(arg_name)
+            if not isinstance(arg, fx.Node):
+                continue
+            dtype = node_dtype(arg)
+            if dtype == FP8_DTYPE or match_static_fp8_quant(arg) is not None:
+                raise ValueError(
+                    f"layer {spec.name!r} is {kept} but graph node {node.name!r} writes FP8 into its "
+                    f"cache: {arg_name} has dtype {dtype or FP8_DTYPE}, expected {spec.model_dtype}"
+                )
+    elif op in (QUANT_CACHE_WRITE, DEQUANTIZE, ATTENTION_FP8):
+        raise ValueError(
+            f"layer {spec.name!r} is {kept} but graph node {node.name!r} runs {op_label(node)} on "
+            "it, an op for FP8 caches only"
+        )
 
 
 def _owner(node: fx.Node) -> fx.Node | None:
