@@ -30,8 +30,9 @@ class BatchMetadata:
         seq_lens [B] int32: KV length of each sequence including this step's tokens.
         slot_mapping [T] int64: flat cache slot (page * page_size + offset) of each new token.
         positions [T] int64: position of each new token in its sequence.
-    Host copies (``qo_lens``, ``kv_lens``, ``page_tables``) let planning and the reference kernel
-    avoid device syncs.
+    Host copies (``qo_lens``, ``kv_lens``, ``pages_per_seq``, ``kv_indices_host``) let planning
+    and the reference kernel avoid device syncs. Building is vectorized (no Python loop over
+    pages or tokens) and moves everything to the device in one copy.
     """
 
     qo_indptr: torch.Tensor
@@ -44,7 +45,8 @@ class BatchMetadata:
     page_size: int
     qo_lens: tuple[int, ...]
     kv_lens: tuple[int, ...]
-    page_tables: tuple[tuple[int, ...], ...]
+    pages_per_seq: tuple[int, ...]
+    kv_indices_host: torch.Tensor  # [N] int32 on the CPU
 
     @property
     def num_seqs(self) -> int:
@@ -61,18 +63,28 @@ class BatchMetadata:
     @cached_property
     def max_page_id(self) -> int:
         """The largest page id the batch touches (a layer's cache needs more pages than this)."""
-        return max((p for pages in self.page_tables for p in pages), default=-1)
+        return int(self.kv_indices_host.max()) if self.kv_indices_host.numel() else -1
+
+    @cached_property
+    def page_tables(self) -> tuple[tuple[int, ...], ...]:
+        """Each sequence's page ids (host; built on first use, not on the hot path)."""
+        flat = self.kv_indices_host.tolist()
+        out, start = [], 0
+        for n in self.pages_per_seq:
+            out.append(tuple(flat[start : start + n]))
+            start += n
+        return tuple(out)
 
     @classmethod
     def build(
         cls,
-        page_tables: Sequence[Sequence[int]],
+        page_tables: Sequence[Sequence[int] | torch.Tensor],
         kv_lens: Sequence[int],
         qo_lens: Sequence[int],
         page_size: int,
         device: torch.device | str = "cpu",
     ) -> BatchMetadata:
-        """Build metadata from host page tables; checks that they are consistent.
+        """Build metadata from host page tables (int lists or CPU int tensors); checks them.
 
         Raises ValueError for mismatched counts, bad lengths, a page table of the wrong size, a
         negative page id, or a page used twice in the batch (two sequences would share KV).
@@ -84,57 +96,98 @@ class BatchMetadata:
                 f"inconsistent batch: {len(page_tables)} page tables, {len(kv_lens)} kv lengths, "
                 f"{len(qo_lens)} query lengths (expected equal, non-zero counts)"
             )
-        owner: dict[int, int] = {}
-        for i, pages in enumerate(page_tables):
-            for p in pages:
-                if isinstance(p, bool) or not isinstance(p, int) or p < 0:
-                    raise ValueError(f"sequence {i}: page id {p!r} is not a non-negative int")
-                if p in owner:
-                    raise ValueError(
-                        f"page {p} appears twice in the batch (sequences {owner[p]} and {i}); "
-                        "every page must belong to exactly one sequence"
-                    )
-                owner[p] = i
-        slots: list[int] = []
-        positions: list[int] = []
-        last: list[int] = []
-        for i, (pages, kv_len, qo_len) in enumerate(zip(page_tables, kv_lens, qo_lens)):
+        tables = [_page_tensor(i, t) for i, t in enumerate(page_tables)]
+        counts = [int(t.numel()) for t in tables]
+        for i, (n_pages, kv_len, qo_len) in enumerate(zip(counts, kv_lens, qo_lens)):
             if qo_len < 1 or kv_len < qo_len:
                 raise ValueError(
                     f"sequence {i}: query length {qo_len} and kv length {kv_len} are inconsistent "
                     "(expected 1 <= query length <= kv length)"
                 )
             need = -(-kv_len // page_size)
-            if len(pages) != need:
+            if n_pages != need:
                 raise ValueError(
                     f"sequence {i}: kv length {kv_len} needs {need} pages of {page_size}, "
-                    f"its page table has {len(pages)}"
+                    f"its page table has {n_pages}"
                 )
-            for pos in range(kv_len - qo_len, kv_len):
-                slots.append(pages[pos // page_size] * page_size + pos % page_size)
-                positions.append(pos)
-            last.append(kv_len - (need - 1) * page_size)
-        kv_indptr = [0]
-        for pages in page_tables:
-            kv_indptr.append(kv_indptr[-1] + len(pages))
-        qo_indptr = [0]
-        for n in qo_lens:
-            qo_indptr.append(qo_indptr[-1] + n)
-        i32 = dict(dtype=torch.int32, device=device)
-        i64 = dict(dtype=torch.int64, device=device)
+        kv_indices = torch.cat(tables)
+        _check_pages(kv_indices, counts)
+        return cls._from_host(kv_indices, counts, list(kv_lens), list(qo_lens), page_size, device)
+
+    @classmethod
+    def _from_host(
+        cls,
+        kv_indices: torch.Tensor,
+        counts: list[int],
+        kv_lens: list[int],
+        qo_lens: list[int],
+        page_size: int,
+        device: torch.device | str,
+    ) -> BatchMetadata:
+        i64 = torch.int64
+        qo = torch.tensor(qo_lens, dtype=i64)
+        kv = torch.tensor(kv_lens, dtype=i64)
+        n_pages = torch.tensor(counts, dtype=i64)
+        zero = torch.zeros(1, dtype=i64)
+        qo_indptr = torch.cat([zero, qo.cumsum(0)])
+        kv_indptr = torch.cat([zero, n_pages.cumsum(0)])
+        T = int(qo_indptr[-1])
+        seq_of_token = torch.repeat_interleave(torch.arange(len(qo_lens)), qo, output_size=T)
+        positions = (kv - qo)[seq_of_token] + torch.arange(T) - qo_indptr[:-1][seq_of_token]
+        page = kv_indices.to(i64)[kv_indptr[:-1][seq_of_token] + positions // page_size]
+        slots = page * page_size + positions % page_size
+        last = kv - (n_pages - 1) * page_size
+        parts = [qo_indptr, kv_indptr, kv_indices.to(i64), last, kv, slots, positions]
+        packed = torch.cat(parts)
+        if torch.device(device).type == "cuda":
+            packed = packed.pin_memory().to(device, non_blocking=True)
+        else:
+            packed = packed.to(device)
+        a, b, c, d, e, f, g = packed.split([p.numel() for p in parts])
+        i32 = torch.int32
         return cls(
-            qo_indptr=torch.tensor(qo_indptr, **i32),
-            kv_indptr=torch.tensor(kv_indptr, **i32),
-            kv_indices=torch.tensor([p for pages in page_tables for p in pages], **i32),
-            kv_last_page_len=torch.tensor(last, **i32),
-            seq_lens=torch.tensor(list(kv_lens), **i32),
-            slot_mapping=torch.tensor(slots, **i64),
-            positions=torch.tensor(positions, **i64),
+            qo_indptr=a.to(i32),
+            kv_indptr=b.to(i32),
+            kv_indices=c.to(i32),
+            kv_last_page_len=d.to(i32),
+            seq_lens=e.to(i32),
+            slot_mapping=f,
+            positions=g,
             page_size=page_size,
             qo_lens=tuple(int(n) for n in qo_lens),
             kv_lens=tuple(int(n) for n in kv_lens),
-            page_tables=tuple(tuple(int(p) for p in pages) for pages in page_tables),
+            pages_per_seq=tuple(counts),
+            kv_indices_host=kv_indices,
         )
+
+
+def _page_tensor(i: int, pages: Sequence[int] | torch.Tensor) -> torch.Tensor:
+    """A sequence's page ids as a CPU int32 tensor; ValueError for anything but non-negative ints."""
+    if isinstance(pages, torch.Tensor):
+        if pages.dtype not in (torch.int32, torch.int64) or pages.dim() != 1:
+            raise ValueError(
+                f"sequence {i}: page table tensor must be 1-D int, got {pages.dtype} {tuple(pages.shape)}"
+            )
+        return pages.to("cpu", torch.int32)
+    for p in pages:
+        if isinstance(p, bool) or not isinstance(p, int) or p < 0:
+            raise ValueError(f"sequence {i}: page id {p!r} is not a non-negative int")
+    return torch.tensor(list(pages), dtype=torch.int32)
+
+
+def _check_pages(kv_indices: torch.Tensor, counts: list[int]) -> None:
+    if kv_indices.numel() and int(kv_indices.min()) < 0:
+        raise ValueError(f"page id {int(kv_indices.min())} is not a non-negative int")
+    if kv_indices.numel() and int(torch.bincount(kv_indices).max()) > 1:
+        owner: dict[int, int] = {}
+        seq_of_page = [i for i, n in enumerate(counts) for _ in range(n)]
+        for p, i in zip(kv_indices.tolist(), seq_of_page):
+            if p in owner:
+                raise ValueError(
+                    f"page {p} appears twice in the batch (sequences {owner[p]} and {i}); "
+                    "every page must belong to exactly one sequence"
+                )
+            owner[p] = i
 
 
 class PageAllocator:
@@ -154,6 +207,7 @@ class PageAllocator:
         self._free: list[int] = list(range(num_pages - 1, -1, -1))  # pop() gives low ids first
         self._pages: dict[Hashable, list[int]] = {}
         self._lens: dict[Hashable, int] = {}
+        self._tensors: dict[Hashable, torch.Tensor] = {}  # page lists as int32, rebuilt on change
 
     @property
     def num_free_pages(self) -> int:
@@ -201,14 +255,18 @@ class PageAllocator:
             )
         for sid, n in requests:
             pages = self._pages.setdefault(sid, [])
-            for _ in range(self._pages_needed(sid, n)):
+            new = self._pages_needed(sid, n)
+            for _ in range(new):
                 pages.append(self._free.pop())
+            if new or sid not in self._tensors:
+                self._tensors[sid] = torch.tensor(pages, dtype=torch.int32)
             self._lens[sid] = self._lens.get(sid, 0) + n
 
     def free(self, seq_id: Hashable) -> None:
         """Release a sequence's pages for reuse."""
         pages = self._pages.pop(self._known(seq_id))
         del self._lens[seq_id]
+        self._tensors.pop(seq_id, None)
         self._free.extend(reversed(pages))
 
     def build_batch(
@@ -220,10 +278,14 @@ class PageAllocator:
         """
         self.append_many(requests)
         ids = [sid for sid, _ in requests]
-        return BatchMetadata.build(
-            page_tables=[self._pages[sid] for sid in ids],
-            kv_lens=[self._lens[sid] for sid in ids],
-            qo_lens=[n for _, n in requests],
-            page_size=self.page_size,
-            device=device,
+        # The allocator's own tables are consistent by construction (sizes match the lengths,
+        # pages are owned once), so skip BatchMetadata.build's checks: this runs every step.
+        tables = [self._tensors[sid] for sid in ids]
+        return BatchMetadata._from_host(
+            torch.cat(tables),
+            [t.numel() for t in tables],
+            [self._lens[sid] for sid in ids],
+            [n for _, n in requests],
+            self.page_size,
+            device,
         )

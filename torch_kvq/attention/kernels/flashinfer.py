@@ -356,8 +356,8 @@ class _HostIndptrs:
     @classmethod
     def build(cls, md: BatchMetadata) -> _HostIndptrs:
         qo = [0, *itertools.accumulate(md.qo_lens)]
-        kv = [0, *itertools.accumulate(len(p) for p in md.page_tables)]
-        last = [n - (len(p) - 1) * md.page_size for n, p in zip(md.kv_lens, md.page_tables)]
+        kv = [0, *itertools.accumulate(md.pages_per_seq)]
+        last = [n - (p - 1) * md.page_size for n, p in zip(md.kv_lens, md.pages_per_seq)]
         i32 = dict(dtype=torch.int32)
         return cls(
             qo_indptr=torch.tensor(qo, **i32),
@@ -377,7 +377,7 @@ class _XQATables:
 def _xqa_tables(md: BatchMetadata) -> _XQATables:
     """XQA's dense block table, scattered on the device from the CSR page table (no host loop
     over pages, no device sync: the output sizes come from the host lists)."""
-    counts = [len(p) for p in md.page_tables]
+    counts = list(md.pages_per_seq)
     dev = md.kv_indices.device
     total = sum(counts)
     rows = torch.repeat_interleave(

@@ -68,8 +68,8 @@ class ReferenceKernel:
         md = ctx.metadata
         out = torch.empty(q.shape, dtype=torch.float32, device=q.device)
         q_start = page_start = 0
-        for qo_len, kv_len, pages in zip(md.qo_lens, md.kv_lens, md.page_tables):
-            page_ids = md.kv_indices[page_start : page_start + len(pages)].long()
+        for qo_len, kv_len, n_pages in zip(md.qo_lens, md.kv_lens, md.pages_per_seq):
+            page_ids = md.kv_indices[page_start : page_start + n_pages].long()
             ctx_kv = kv_cache[page_ids]  # [n, 2, page, KH, D]; only this sequence's pages
             k = ctx_kv[:, 0].reshape(-1, *kv_cache.shape[3:])[:kv_len].float() * k_scale
             v = ctx_kv[:, 1].reshape(-1, *kv_cache.shape[3:])[:kv_len].float() * v_scale
@@ -85,7 +85,7 @@ class ReferenceKernel:
                 spec.logits_soft_cap,
             )
             q_start += qo_len
-            page_start += len(pages)
+            page_start += n_pages
         if output_scale is not None:
             return quantize_fp8(out, output_scale)
         return out.to(q.dtype)
