@@ -38,7 +38,12 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     from torch_kvq.models import PRESETS
     from torch_kvq.spec import SUPPORTED_PAGE_SIZES
 
-    p.add_argument("--preset", choices=sorted(PRESETS), default="gemma3-tiny")
+    p.add_argument(
+        "--preset",
+        choices=sorted(PRESETS),
+        default="gemma3-tiny",
+        help="tiny model with fixed random weights (default %(default)s: 2 sliding : 1 global)",
+    )
     p.add_argument("--kv-cache-dtype", default="fp8", help="fp8 (default), auto, bfloat16, ...")
     skip = p.add_mutually_exclusive_group()
     skip.add_argument(

@@ -89,7 +89,12 @@ def add_parser(sub: Any) -> None:
     p = sub.add_parser(
         "dump",
         help="compile a model with kvq_backend and write per-pass dumps, diffs, SVGs, depyf files",
-        description=__doc__.split("\n\n")[0],
+        description=(
+            "Compile a preset model with kvq_backend, run a prefill and a decode step, and write "
+            "into --out: per-pass before/after code, diffs, SVG pictures and stats for every "
+            "compiled graph, depyf's Dynamo/AOT/Inductor stage dumps, the per-layer plan, and an "
+            "index.html linking them."
+        ),
     )
     add_model_args(p)
     p.add_argument(

@@ -60,7 +60,11 @@ def add_parser(sub: Any) -> None:
     p = sub.add_parser(
         "inspect",
         help="print the per-layer plan (mode, cache dtype, bytes, kernel, fusions) without running",
-        description=__doc__.split("\n\n")[0],
+        description=(
+            "Print, per attention layer, the attention type, KV quant mode, cache dtype, cache "
+            "bytes per token, the kernel serving it on --arch, and what the passes will fuse. "
+            "Nothing runs: the fusion column comes from the same decisions the passes make."
+        ),
     )
     add_model_args(p)
     p.add_argument(
