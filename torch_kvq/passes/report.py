@@ -84,8 +84,8 @@ class GraphReport:
         return (
             f"kvq graph {self.graph_id}: {len(self.layers)} attention layers ({fp8} fp8, {kept} kept "
             f"unquantized); fused quant+write {counts['quant+write']}, dequant+attn "
-            f"{counts['dequant+attn']}, output quant {counts['output quant']}; not fused anywhere: "
-            f"{len(not_fused)}; passes {self.time_s * 1e3:.1f} ms"
+            f"{counts['dequant+attn']}, output quant {counts['output quant']}; layers with a "
+            f"'not fused': {len(not_fused)}; passes {self.time_s * 1e3:.1f} ms"
             + ("" if self.source == "passes" else f" ({self.source})")
         )
 
