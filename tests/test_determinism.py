@@ -13,6 +13,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 
 from torch_kvq.models import build_model, generate
@@ -79,3 +80,29 @@ def test_eager_is_bitwise_deterministic_across_processes() -> None:
     )
     assert child.returncode == 0, child.stderr[-2000:]
     assert child.stdout.strip().splitlines()[-1] == here
+
+
+def compiled_with(inner: str):
+    from torch_kvq.passes import make_kvq_backend
+
+    def forward_of(model):
+        torch._dynamo.reset()
+        return torch.compile(model, backend=make_kvq_backend(inner=inner), fullgraph=True)
+
+    return forward_of
+
+
+def test_compiled_is_bitwise_deterministic() -> None:
+    """Compiled with the passes (``inner="eager"``: the post-grad graph the passes rewrote runs as
+    is): two fresh models, two compiles, the same bits."""
+    first, second = run(compiled_with("eager")), run(compiled_with("eager"))
+    assert_bitwise_equal(first, second)
+    torch._dynamo.reset()
+
+
+@pytest.mark.slow
+def test_inductor_compiled_is_bitwise_deterministic() -> None:
+    """The same through Inductor's generated CPU code (``kvq_backend``'s default inner)."""
+    first, second = run(compiled_with("inductor")), run(compiled_with("inductor"))
+    assert_bitwise_equal(first, second)
+    torch._dynamo.reset()
