@@ -60,15 +60,16 @@ class Structure:
         n = len(names)
         rules: list[int | str] = []
         for form, i in self.skip:
-            rules.append(
-                {
-                    "idx": i,
-                    "neg": i - n,
-                    "name": names[i],
-                    "glob": names[i].replace(".layers.", ".*layers.", 1),
-                    "class": ("sliding_window", "full_attention")[i % 2],
-                }[form]
-            )
+            if form == "class":
+                rules.append(("sliding_window", "full_attention")[i])
+            elif form == "idx":
+                rules.append(i)
+            elif form == "neg":
+                rules.append(i - n)
+            elif form == "name":
+                rules.append(names[i])
+            else:  # a glob matching exactly this layer
+                rules.append(names[i].replace(".layers.", ".*layers.", 1))
         return KVCacheConfig(
             self.kv_cache_dtype,
             skip_layers=tuple(rules),
