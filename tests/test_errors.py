@@ -717,6 +717,80 @@ def _() -> object:
     return capabilities.capabilities("flashinfer", "cpu")
 
 
+# --- models and generation ------------------------------------------------------------------
+
+
+@functools.cache
+def tiny_llama():
+    from torch_kvq.models import build_model
+
+    return build_model(
+        "llama-tiny", KVCacheConfig("fp8", page_size=4), num_pages=8, num_hidden_layers=1
+    )
+
+
+def build(*args, **kwargs) -> object:
+    from torch_kvq.models import build_model
+
+    return build_model(*args, **kwargs)
+
+
+def gen(*args, **kwargs) -> object:
+    from torch_kvq.models import generate
+
+    return generate(tiny_llama(), *args, **kwargs)
+
+
+@case("model.unknown-preset")
+def _() -> object:
+    return build("gpt2-tiny", KVCacheConfig())
+
+
+@case("model.dtype")
+def _() -> object:
+    return build("llama-tiny", KVCacheConfig(), dtype=torch.float64, num_hidden_layers=1)
+
+
+@case("model.prefix")
+def _() -> object:
+    return build("llama-tiny", KVCacheConfig(), prefix="m.", num_hidden_layers=1)
+
+
+@case("model.config-heads")
+def _() -> object:
+    return build("llama-tiny", KVCacheConfig(), num_attention_heads=3)
+
+
+@case("model.skip-index-out-of-range")
+def _() -> object:
+    return build("llama-tiny", KVCacheConfig("fp8", skip_layers=(5,)), num_hidden_layers=2)
+
+
+@case("model.forward-shapes")
+def _() -> object:
+    return tiny_llama()(torch.tensor([[1, 2]]), torch.tensor([[0, 1]]))
+
+
+@case("generate.empty-prompt")
+def _() -> object:
+    return gen([[1, 2], []], 2)
+
+
+@case("generate.token-out-of-range")
+def _() -> object:
+    return gen([[1, 99999]], 2)
+
+
+@case("generate.max-new-tokens-zero")
+def _() -> object:
+    return gen([[1, 2]], 0)
+
+
+@case("generate.prompt-beyond-capacity")
+def _() -> object:
+    return gen([[1] * 40], 2)
+
+
 # --- graph level: the compile backend, the pass manager and the annotate pass ------------------
 
 
