@@ -107,7 +107,9 @@ class KVQBackend:
             archs[layer] = caps.device_arch(device) if device is not None else "cpu"
             kernels[layer] = self._kernel_name(layer, archs[layer])
         dump_dir = self.dump_dir if self.dump_dir is not None else os.environ.get(DUMP_ENV) or None
-        return KVQPassManager(specs, kernel=kernels, arch=archs, passes=self.passes, dump_dir=dump_dir)
+        return KVQPassManager(
+            specs, kernel=kernels, arch=archs, passes=self.passes, dump_dir=dump_dir
+        )
 
     def _kernel_name(self, layer: str, arch: str) -> str:
         if isinstance(self.kernel, str):
@@ -175,8 +177,10 @@ class KVQBackend:
 
 
 def _memo_key(manager: KVQPassManager, gm: fx.GraphModule, example_inputs: Sequence[Any]) -> str:
-    shapes = [
-        (tuple(x.shape), str(x.dtype), str(x.device)) if isinstance(x, torch.Tensor) else repr(x)
+    shapes = [  # sizes of dynamic dims arrive as int inputs: their values do not key a graph
+        (tuple(x.shape), str(x.dtype), str(x.device))
+        if isinstance(x, torch.Tensor)
+        else type(x).__name__
         for x in example_inputs
     ]
     return hashlib.sha256(f"{manager.uuid()}\n{gm.code}\n{shapes}".encode()).hexdigest()
@@ -195,8 +199,8 @@ def _remember(key: str, rep: report.GraphReport) -> None:
         path = _memo_file(key)
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(text)
-    except OSError:  # the report is informational; the compiled graph does not depend on it
-        pass
+    except OSError as e:  # the report is informational; the compiled graph does not depend on it
+        logger.debug("kvq: could not store the pass report beside Inductor's cache: %s", e)
 
 
 def _recall(key: str, manager: KVQPassManager) -> None:

@@ -37,6 +37,16 @@ VIEW_OPS = (
 )
 _aten = torch.ops.aten
 _CONVERT = torch.ops.prims.convert_element_type.default
+_TO_COPY = _aten._to_copy.default
+_CLAMP = _aten.clamp.default
+_CLAMP_BOUNDS = ((_aten.clamp_min.default, "lo"), (_aten.clamp_max.default, "hi"))
+_SCALINGS = (
+    (_aten.div.Tensor, "div"),
+    (_aten.div.Scalar, "div"),
+    (_aten.mul.Tensor, "mul"),
+    (_aten.mul.Scalar, "mul"),
+)
+_QUANT_ENDS = (QUANTIZE, _CONVERT, _TO_COPY)  # what a static FP8 quant's last node can be
 
 
 def short_dtype(dtype: torch.dtype) -> str:
@@ -191,7 +201,7 @@ def float_cast_arg(node: object) -> fx.Node | None:
     if is_call(node, _CONVERT) and node.args[1] in FLOAT_DTYPES:
         src = node.args[0]
         return src if isinstance(src, fx.Node) else None
-    if is_call(node, _aten._to_copy.default) and set(node.kwargs) <= {"dtype"}:
+    if is_call(node, _TO_COPY) and set(node.kwargs) <= {"dtype"}:
         if node.kwargs.get("dtype") in FLOAT_DTYPES and isinstance(node.args[0], fx.Node):
             return node.args[0]
     return None
@@ -209,7 +219,7 @@ def skip_float_casts(node: fx.Node) -> tuple[fx.Node, list[fx.Node]]:
 def _is_fp8_cast(node: object) -> bool:
     if is_call(node, _CONVERT):
         return node.args[1] == FP8_DTYPE
-    if is_call(node, _aten._to_copy.default):
+    if is_call(node, _TO_COPY):
         return node.kwargs.get("dtype") == FP8_DTYPE and set(node.kwargs) <= {"dtype"}
     return False
 
@@ -240,7 +250,7 @@ class StaticQuant:
 
 def _clamp_bounds(node: fx.Node) -> tuple[fx.Node, list[fx.Node], float, float] | None:
     """Match clamp(x, lo, hi) or clamp_min/clamp_max in either order: (x, nodes, lo, hi)."""
-    if is_call(node, _aten.clamp.default):
+    if is_call(node, _CLAMP):
         lo = _number(node.args[1] if len(node.args) > 1 else node.kwargs.get("min"))
         hi = _number(node.args[2] if len(node.args) > 2 else node.kwargs.get("max"))
         if lo is None or hi is None or not isinstance(node.args[0], fx.Node):
@@ -249,7 +259,7 @@ def _clamp_bounds(node: fx.Node) -> tuple[fx.Node, list[fx.Node], float, float] 
     bounds: dict[str, float] = {}
     nodes = []
     for _ in range(2):
-        for target, key in ((_aten.clamp_min.default, "lo"), (_aten.clamp_max.default, "hi")):
+        for target, key in _CLAMP_BOUNDS:
             if is_call(node, target) and key not in bounds and _number(node.args[1]) is not None:
                 bounds[key] = _number(node.args[1])  # type: ignore[assignment]
                 nodes.append(node)
@@ -269,7 +279,9 @@ def match_static_fp8_quant(node: fx.Node) -> StaticQuant | None:
         [casts] <- clamp_max(448) <- clamp_min(-448) <- [casts] <- div(value, scale)      (or clamp)
         ...                                                    <- mul(value, 1 / scale)
     """
-    if is_call(node, QUANTIZE):
+    if node.op != "call_function" or node.target not in _QUANT_ENDS:
+        return None
+    if node.target is QUANTIZE:
         scale = _number(op_args(node).get("scale"))
         value = op_args(node).get("x")
         if scale is None or not isinstance(value, fx.Node):
@@ -289,12 +301,7 @@ def match_static_fp8_quant(node: fx.Node) -> StaticQuant | None:
     nodes += clamp_nodes
     inner, casts = skip_float_casts(inner)
     nodes += casts
-    for target, form in (
-        (_aten.div.Tensor, "div"),
-        (_aten.div.Scalar, "div"),
-        (_aten.mul.Tensor, "mul"),
-        (_aten.mul.Scalar, "mul"),
-    ):
+    for target, form in _SCALINGS:
         if not is_call(inner, target):
             continue
         a, b = inner.args[0], inner.args[1]
