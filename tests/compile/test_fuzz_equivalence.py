@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import pytest
 import torch
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, event, example, given, settings
 from hypothesis import strategies as st
 from torch import nn
 
@@ -238,6 +238,9 @@ def run_case(s: Structure, steps: list[list[tuple[int, int]]], seed: int) -> Non
 
     assert backend.managers, "the kvq backend never compiled a graph"
     quantized = {sp.name for sp in model.specs if sp.is_quantized}
+    event(f"{len(model.specs)} layers, {len(quantized)} quantized")
+    event("second step: " + ("decode only" if mds[1].is_decode_only else "mixed"))
+    event(f"{s.dtype}, output quant {'on' if s.out_quant else 'off'}")
     for manager in backend.managers:
         rep = manager.last
         assert rep is not None and set(rep.layers) == {sp.name for sp in model.specs}
@@ -263,8 +266,47 @@ COMMON = dict(
 )
 
 
-@settings(max_examples=4, derandomize=True, **COMMON)
+L = LayerShape
+MIXED = Structure(  # Gemma-like: sliding layers skipped by the class rule, per-layer scales
+    layers=(L(4, 2, 16, 4, None), L(4, 2, 16, 4, None), L(4, 2, 16, None, 4.0)),
+    kv_cache_dtype="fp8",
+    skip=(("class", 0),),
+    scales=(0.02, 0.03),
+    layer_scales=((2, 0.015, 0.05),),
+    dtype="bf16",
+    quant_form="op",
+    out_quant=("op", 0.02),
+    page_size=4,
+)
+ALL_FP8 = Structure(  # every layer FP8, torch-native quant code, pages of one token
+    layers=(L(2, 2, 8, None, None), L(4, 1, 16, 2, None)),
+    kv_cache_dtype="fp8",
+    skip=(),
+    scales=(0.01, 0.07),
+    layer_scales=(),
+    dtype="fp16",
+    quant_form="torch",
+    out_quant=("torch", 0.05),
+    page_size=1,
+)
+SKIPS = Structure(  # skip rules by negative index and by glob; no output quant
+    layers=(L(2, 1, 8, None, None), L(2, 1, 8, 3, None), L(2, 1, 8, None, None)),
+    kv_cache_dtype="fp8",
+    skip=(("neg", 0), ("glob", 1)),
+    scales=(0.05, 0.04),
+    layer_scales=(),
+    dtype="bf16",
+    quant_form="op",
+    out_quant=None,
+    page_size=2,
+)
+
+
+@settings(max_examples=2, derandomize=True, **COMMON)
 @given(structure=structures(), steps=workloads(), seed=st.integers(0, 2**16))
+@example(structure=MIXED, steps=[[(0, 9), (1, 3)], [(0, 1), (1, 2), (10, 5)]], seed=1)
+@example(structure=ALL_FP8, steps=[[(0, 6)], [(0, 1), (10, 1)]], seed=2)
+@example(structure=SKIPS, steps=[[(0, 4), (1, 7)], [(1, 1), (0, 1)]], seed=3)
 def test_compiled_equals_eager_sample(structure: Structure, steps, seed: int) -> None:
     run_case(structure, steps, seed)
 
