@@ -53,7 +53,9 @@ _DTYPE_ALIASES: dict[str, tuple[KVQuantMode, torch.dtype | None]] = {
 }
 
 
-def parse_kv_cache_dtype(kv_cache_dtype: str, model_dtype: torch.dtype) -> tuple[KVQuantMode, torch.dtype]:
+def parse_kv_cache_dtype(
+    kv_cache_dtype: str, model_dtype: torch.dtype
+) -> tuple[KVQuantMode, torch.dtype]:
     """Map a ``kv_cache_dtype`` string to (mode, storage dtype). ``auto`` means the model dtype."""
     if not isinstance(kv_cache_dtype, str) or kv_cache_dtype.lower() not in _DTYPE_ALIASES:
         raise ValueError(
@@ -123,14 +125,18 @@ class KVCacheConfig:
             if not isinstance(key, (int, str)) or isinstance(key, bool):
                 raise ValueError(f"kv_scales key {key!r} must be a layer index or layer name")
             if not isinstance(pair, tuple) or len(pair) != 2:
-                raise ValueError(f"kv_scales[{key!r}] must be a (k_scale, v_scale) pair, got {pair!r}")
+                raise ValueError(
+                    f"kv_scales[{key!r}] must be a (k_scale, v_scale) pair, got {pair!r}"
+                )
             check_scale(pair[0], f"k_scale of layer {key!r}")
             check_scale(pair[1], f"v_scale of layer {key!r}")
 
 
 def _check_rule_form(rule: object) -> None:
     if isinstance(rule, bool) or not isinstance(rule, (int, str)):
-        raise ValueError(f"unknown skip rule {rule!r}; accepted forms: {'; '.join(SKIP_RULE_FORMS)}")
+        raise ValueError(
+            f"unknown skip rule {rule!r}; accepted forms: {'; '.join(SKIP_RULE_FORMS)}"
+        )
     if isinstance(rule, str) and not rule.strip():
         raise ValueError(f"empty skip rule {rule!r}; accepted forms: {'; '.join(SKIP_RULE_FORMS)}")
 
@@ -185,7 +191,11 @@ class LayerKVSpec:
         out: dict[str, object] = {}
         for f in fields(self):
             v = getattr(self, f.name)
-            out[f.name] = v.value if isinstance(v, KVQuantMode) else (str(v) if isinstance(v, torch.dtype) else v)
+            out[f.name] = (
+                v.value
+                if isinstance(v, KVQuantMode)
+                else (str(v) if isinstance(v, torch.dtype) else v)
+            )
         return out
 
 
@@ -214,7 +224,9 @@ def _validate_rules(rules: Iterable[int | str], layers: Sequence[AttentionLayerI
                 )
             idx = rule % n
             if idx in seen:
-                raise ValueError(f"skip_layers names layer index {idx} more than once (rule {rule})")
+                raise ValueError(
+                    f"skip_layers names layer index {idx} more than once (rule {rule})"
+                )
             seen.add(idx)
         elif rule in ("sliding_window", "full_attention"):
             continue
@@ -243,7 +255,9 @@ def resolve_layer_specs(
     if not isinstance(config, KVCacheConfig):
         raise ValueError(f"config must be a KVCacheConfig, got {type(config).__name__}")
     if model_dtype not in (torch.bfloat16, torch.float16, torch.float32):
-        raise ValueError(f"model_dtype {model_dtype} unsupported; expected bfloat16, float16 or float32")
+        raise ValueError(
+            f"model_dtype {model_dtype} unsupported; expected bfloat16, float16 or float32"
+        )
     if not layers:
         raise ValueError("resolve_layer_specs needs at least one attention layer, got none")
     for info in layers:
@@ -282,7 +296,9 @@ def resolve_layer_specs(
                 sm_scale=info.sm_scale if info.sm_scale is not None else info.head_size**-0.5,
                 k_scale=float(k_scale) if quantized else 1.0,
                 v_scale=float(v_scale) if quantized else 1.0,
-                skip_reason=(f"skip rule {reason!r}" if (reason is not None and mode.is_quantized) else None),
+                skip_reason=(
+                    f"skip rule {reason!r}" if (reason is not None and mode.is_quantized) else None
+                ),
             )
         )
     return tuple(specs)
@@ -304,36 +320,56 @@ def _check_layer_info(info: AttentionLayerInfo) -> None:
         )
     sw = info.sliding_window
     if sw is not None and (isinstance(sw, bool) or not isinstance(sw, int) or sw <= 0):
-        raise ValueError(f"layer {info.name!r}: sliding_window must be a positive int or None, got {sw!r}")
+        raise ValueError(
+            f"layer {info.name!r}: sliding_window must be a positive int or None, got {sw!r}"
+        )
     for what in ("logits_soft_cap", "sm_scale"):
         if getattr(info, what) is not None:
             check_scale(getattr(info, what), f"layer {info.name!r}: {what}")
 
 
-def _resolve_scales(config: KVCacheConfig, layers: Sequence[AttentionLayerInfo]) -> dict[str, tuple[float, float]]:
+def _resolve_scales(
+    config: KVCacheConfig, layers: Sequence[AttentionLayerInfo]
+) -> dict[str, tuple[float, float]]:
     n = len(layers)
     names = [li.name for li in layers]
     out: dict[str, tuple[float, float]] = {}
     for key, pair in config.kv_scales:
         if isinstance(key, int):
             if not -n <= key < n:
-                raise ValueError(f"kv_scales index {key} is out of range; expected an int in [{-n}, {n - 1}]")
+                raise ValueError(
+                    f"kv_scales index {key} is out of range; expected an int in [{-n}, {n - 1}]"
+                )
             name = names[key]
         elif key in names:
             name = key
         else:
-            raise ValueError(f"kv_scales names unknown layer {key!r}; layer names look like {names[:2]}")
+            raise ValueError(
+                f"kv_scales names unknown layer {key!r}; layer names look like {names[:2]}"
+            )
         if name in out:
             raise ValueError(f"kv_scales gives layer {name!r} twice (by index and by name)")
         out[name] = (float(pair[0]), float(pair[1]))
     return out
 
 
-def format_spec_table(specs: Sequence[LayerKVSpec], extra: Mapping[str, Mapping[str, str]] | None = None) -> str:
+def format_spec_table(
+    specs: Sequence[LayerKVSpec], extra: Mapping[str, Mapping[str, str]] | None = None
+) -> str:
     """A readable per-layer table. ``extra`` adds columns per layer name (e.g. what was fused)."""
     extra = extra or {}
     extra_cols = sorted({c for cols in extra.values() for c in cols})
-    header = ["idx", "layer", "type", "mode", "cache dtype", "bytes/token", "k_scale", "v_scale", *extra_cols]
+    header = [
+        "idx",
+        "layer",
+        "type",
+        "mode",
+        "cache dtype",
+        "bytes/token",
+        "k_scale",
+        "v_scale",
+        *extra_cols,
+    ]
     rows = []
     for s in specs:
         window = f"sliding({s.sliding_window})" if s.sliding_window else "global"

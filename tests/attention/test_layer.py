@@ -13,8 +13,8 @@ from torch_kvq.attention import (
     calibrate_kv_scales,
     forward_context,
     ref_attention,
+    registry,
 )
-from torch_kvq.attention import registry
 from torch_kvq.spec import FP8_DTYPE, KVCacheConfig
 
 
@@ -51,7 +51,10 @@ def run_steps(attn, alloc, steps, heads, head_size, dtype=torch.bfloat16, seed=0
         start = 0
         for sid, n in step:
             kk, vv = hist.get(sid, (k[:0], v[:0]))
-            hist[sid] = (torch.cat([kk, k[start : start + n]]), torch.cat([vv, v[start : start + n]]))
+            hist[sid] = (
+                torch.cat([kk, k[start : start + n]]),
+                torch.cat([vv, v[start : start + n]]),
+            )
             outs.append((sid, q[start : start + n], out[start : start + n], hist[sid]))
             start += n
     return outs
@@ -69,7 +72,9 @@ def test_bf16_layer_matches_dense(alloc, layer_idx, soft_cap) -> None:
 
 
 def test_fp8_layer_quantizes_dequantizes_and_attends(alloc) -> None:
-    specs, attns = make_layers(KVCacheConfig("fp8", page_size=4, default_k_scale=0.02, default_v_scale=0.03))
+    specs, attns = make_layers(
+        KVCacheConfig("fp8", page_size=4, default_k_scale=0.02, default_v_scale=0.03)
+    )
     attn = attns[1]
     assert attn.kv_cache.dtype == FP8_DTYPE
     steps = [[("a", 7), ("b", 2)], [("a", 1), ("b", 1)]]
@@ -96,7 +101,11 @@ def test_torch_quant_form_equals_op_form(alloc) -> None:
     _, (_, a_op) = make_layers(cfg, quant_form="op")
     _, (_, a_torch) = make_layers(cfg, quant_form="torch")
     md = alloc.build_batch([("a", 6)])
-    q, k, v = torch.randn(6, 8, 32).bfloat16(), torch.randn(6, 2, 32).bfloat16(), torch.randn(6, 2, 32).bfloat16()
+    q, k, v = (
+        torch.randn(6, 8, 32).bfloat16(),
+        torch.randn(6, 2, 32).bfloat16(),
+        torch.randn(6, 2, 32).bfloat16(),
+    )
     with forward_context(md, [a_op.spec, a_torch.spec], ReferenceKernel()):
         o1, o2 = a_op(q, k, v), a_torch(q, k, v)
     assert torch.equal(a_op.kv_cache.view(torch.uint8), a_torch.kv_cache.view(torch.uint8))
@@ -114,7 +123,10 @@ def test_layer_missing_from_context(alloc) -> None:
     specs, (a0, a1) = make_layers(KVCacheConfig(page_size=4))
     md = alloc.build_batch([("a", 1)])
     q, k = torch.randn(1, 8, 32).bfloat16(), torch.randn(1, 2, 32).bfloat16()
-    with forward_context(md, [a0.spec], ReferenceKernel()), pytest.raises(KeyError, match="not in the active forward context"):
+    with (
+        forward_context(md, [a0.spec], ReferenceKernel()),
+        pytest.raises(KeyError, match="not in the active forward context"),
+    ):
         a1(q, k, k)
 
 
@@ -126,17 +138,28 @@ def test_mismatched_inputs(alloc, what) -> None:
     if what == "q_dtype":
         q, match = q.half(), "q has dtype torch.float16, expected torch.bfloat16"
     elif what == "q_heads":
-        q, match = torch.randn(3, 4, 32).bfloat16(), r"q has shape \(3, 4, 32\), expected \(3, 8, 32\)"
+        q, match = (
+            torch.randn(3, 4, 32).bfloat16(),
+            r"q has shape \(3, 4, 32\), expected \(3, 8, 32\)",
+        )
     else:
-        k, match = torch.randn(2, 2, 32).bfloat16(), r"k has shape \(2, 2, 32\), expected \(3, 2, 32\)"
-    with forward_context(md, [attn.spec], ReferenceKernel()), pytest.raises(ValueError, match=match):
+        k, match = (
+            torch.randn(2, 2, 32).bfloat16(),
+            r"k has shape \(2, 2, 32\), expected \(3, 2, 32\)",
+        )
+    with (
+        forward_context(md, [attn.spec], ReferenceKernel()),
+        pytest.raises(ValueError, match=match),
+    ):
         attn(q, k, k)
 
 
 def test_page_size_mismatch_between_batch_and_layer() -> None:
     specs, _ = make_layers(KVCacheConfig(page_size=8))
     md = PageAllocator(4, 4).build_batch([("a", 1)])
-    with pytest.raises(ValueError, match="page_size 8 but the batch metadata was built with page_size 4"):
+    with pytest.raises(
+        ValueError, match="page_size 8 but the batch metadata was built with page_size 4"
+    ):
         with forward_context(md, specs, ReferenceKernel()):
             pass
 

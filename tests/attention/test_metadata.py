@@ -52,7 +52,10 @@ def test_out_of_pages_changes_nothing() -> None:
     alloc = PageAllocator(num_pages=4, page_size=4)
     alloc.append("a", 6)
     before = (alloc.pages("a"), alloc.seq_len("a"), alloc.num_free_pages)
-    with pytest.raises(OutOfPagesError, match=r"needs 3 new pages of 4 tokens, 2 of 4 are free.*Nothing was allocated"):
+    with pytest.raises(
+        OutOfPagesError,
+        match=r"needs 3 new pages of 4 tokens, 2 of 4 are free.*Nothing was allocated",
+    ):
         alloc.build_batch([("a", 2), ("b", 9)])  # a fits alone, b does not: all-or-nothing
     assert (alloc.pages("a"), alloc.seq_len("a"), alloc.num_free_pages) == before
     assert alloc.sequences == ("a",)

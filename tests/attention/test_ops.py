@@ -14,7 +14,9 @@ ops = torch.ops.kvq
 
 @pytest.fixture
 def setup():
-    cfg = KVCacheConfig("fp8", skip_layers=(0,), page_size=4, default_k_scale=0.04, default_v_scale=0.03)
+    cfg = KVCacheConfig(
+        "fp8", skip_layers=(0,), page_size=4, default_k_scale=0.04, default_v_scale=0.03
+    )
     specs, attns = make_layers(cfg, num_pages=8)
     md = PageAllocator(8, 4).build_batch([("a", 5), ("b", 1), ("c", 3)])
     g = torch.Generator().manual_seed(0)
@@ -65,17 +67,23 @@ def test_fused_write_equals_quantize_then_write(setup) -> None:
 def test_fused_attention_equals_unfused(setup) -> None:
     (_, quant), (_, a_quant), q, k, v = setup
     ops.quant_cache_write(k, v, a_quant.kv_cache, 0.04, 0.03, quant.name)
-    unfused = ops.paged_attention(q, ops.dequantize_kv_cache(a_quant.kv_cache, 0.04, 0.03, torch.bfloat16), quant.name)
+    unfused = ops.paged_attention(
+        q, ops.dequantize_kv_cache(a_quant.kv_cache, 0.04, 0.03, torch.bfloat16), quant.name
+    )
     fused = ops.paged_attention_fp8(q, a_quant.kv_cache, 0.04, 0.03, quant.name)
     torch.testing.assert_close(fused.float(), unfused.float(), atol=1e-2, rtol=1e-2)
     out8 = ops.paged_attention_fp8(q, a_quant.kv_cache, 0.04, 0.03, quant.name, 0.01)
     assert out8.dtype == FP8_DTYPE
-    torch.testing.assert_close(out8.float() * 0.01, fused.float(), atol=0.1 * fused.abs().max().item(), rtol=0.07)
+    torch.testing.assert_close(
+        out8.float() * 0.01, fused.float(), atol=0.1 * fused.abs().max().item(), rtol=0.07
+    )
 
 
 def test_fp8_ops_refuse_a_skipped_layer(setup) -> None:
     (skip, _), (a_skip, _), q, k, v = setup
-    with pytest.raises(ValueError, match=rf"layer '{skip.name}' is not quantized .*paged_attention_fp8 refused"):
+    with pytest.raises(
+        ValueError, match=rf"layer '{skip.name}' is not quantized .*paged_attention_fp8 refused"
+    ):
         ops.paged_attention_fp8(q, a_skip.kv_cache.to(FP8_DTYPE), 1.0, 1.0, skip.name)
     with pytest.raises(ValueError, match="quant_cache_write refused"):
         ops.quant_cache_write(k, v, a_skip.kv_cache.to(FP8_DTYPE), 1.0, 1.0, skip.name)
@@ -83,7 +91,9 @@ def test_fp8_ops_refuse_a_skipped_layer(setup) -> None:
 
 def test_cache_write_rejects_wrong_dtype(setup) -> None:
     (_, quant), (_, a_quant), q, k, v = setup
-    with pytest.raises(ValueError, match="k has dtype torch.bfloat16, expected torch.float8_e4m3fn"):
+    with pytest.raises(
+        ValueError, match="k has dtype torch.bfloat16, expected torch.float8_e4m3fn"
+    ):
         ops.cache_write(k, v, a_quant.kv_cache, quant.name)
 
 

@@ -106,7 +106,9 @@ def test_single_rule_not_in_tuple_is_accepted() -> None:
 
 @pytest.mark.parametrize("bad", ["slidng_window", "layers.99", "full"])
 def test_unknown_skip_rule_lists_accepted_forms(bad: str) -> None:
-    with pytest.raises(ValueError, match=rf"unknown skip rule '{bad}'.*Accepted forms:.*sliding_window"):
+    with pytest.raises(
+        ValueError, match=rf"unknown skip rule '{bad}'.*Accepted forms:.*sliding_window"
+    ):
         resolve_layer_specs(KVCacheConfig("fp8", skip_layers=(bad,)), layers())
 
 
@@ -118,7 +120,9 @@ def test_skip_rule_of_wrong_type(bad: object) -> None:
 
 @pytest.mark.parametrize("bad", [6, -7, 100])
 def test_out_of_range_index_is_an_error(bad: int) -> None:
-    with pytest.raises(ValueError, match=rf"index {bad} is out of range for a model with 6 attention layers"):
+    with pytest.raises(
+        ValueError, match=rf"index {bad} is out of range for a model with 6 attention layers"
+    ):
         resolve_layer_specs(KVCacheConfig("fp8", skip_layers=(bad,)), layers())
 
 
@@ -147,7 +151,9 @@ def test_bad_scales(bad: object) -> None:
 
 
 def test_per_layer_scales_by_index_and_name() -> None:
-    cfg = KVCacheConfig("fp8", kv_scales={2: (0.5, 0.25), "model.layers.5.self_attn.attn": (2.0, 3.0)})
+    cfg = KVCacheConfig(
+        "fp8", kv_scales={2: (0.5, 0.25), "model.layers.5.self_attn.attn": (2.0, 3.0)}
+    )
     specs = resolve_layer_specs(cfg, layers())
     assert (specs[2].k_scale, specs[2].v_scale) == (0.5, 0.25)
     assert (specs[5].k_scale, specs[5].v_scale) == (2.0, 3.0)
@@ -157,7 +163,9 @@ def test_per_layer_scales_by_index_and_name() -> None:
 def test_scales_for_unknown_layer_or_twice() -> None:
     with pytest.raises(ValueError, match="unknown layer 'nope'"):
         resolve_layer_specs(KVCacheConfig("fp8", kv_scales={"nope": (1.0, 1.0)}), layers())
-    cfg = KVCacheConfig("fp8", kv_scales={0: (1.0, 1.0), "model.layers.0.self_attn.attn": (2.0, 2.0)})
+    cfg = KVCacheConfig(
+        "fp8", kv_scales={0: (1.0, 1.0), "model.layers.0.self_attn.attn": (2.0, 2.0)}
+    )
     with pytest.raises(ValueError, match="twice"):
         resolve_layer_specs(cfg, layers())
 
@@ -198,5 +206,7 @@ def test_table_shows_both_modes_and_dtypes() -> None:
     table = format_spec_table(specs, extra={specs[2].name: {"fused": "quant+write"}})
     lines = table.splitlines()
     assert "mode" in lines[0] and "fused" in lines[0]
-    assert "fp8_per_tensor" in lines[4] and "float8_e4m3fn" in lines[4] and "quant+write" in lines[4]
+    assert (
+        "fp8_per_tensor" in lines[4] and "float8_e4m3fn" in lines[4] and "quant+write" in lines[4]
+    )
     assert "none" in lines[2] and "bfloat16" in lines[2] and "sliding(16)" in lines[2]

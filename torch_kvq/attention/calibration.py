@@ -19,7 +19,9 @@ def amax_to_scale(amax: float, eps: float = 1e-12) -> float:
 
 
 @torch.no_grad()
-def calibrate_kv_scales(model: nn.Module, run: Callable[[], object]) -> dict[str, tuple[float, float]]:
+def calibrate_kv_scales(
+    model: nn.Module, run: Callable[[], object]
+) -> dict[str, tuple[float, float]]:
     """Run ``run()`` (eager forward passes of ``model``) and return per-layer (k_scale, v_scale).
 
     Records the absolute maximum of k and v entering every ``Attention`` layer. Feed the result to

@@ -47,12 +47,18 @@ class Attention(nn.Module):
         self.layer_name = spec.name
         self.quant_form = quant_form
         shape = (num_pages, 2, spec.page_size, spec.num_kv_heads, spec.head_size)
-        self.register_buffer("kv_cache", torch.zeros(shape, dtype=spec.storage_dtype, device=device), persistent=False)
+        self.register_buffer(
+            "kv_cache",
+            torch.zeros(shape, dtype=spec.storage_dtype, device=device),
+            persistent=False,
+        )
         registry.register(self)
 
     def extra_repr(self) -> str:
         s = self.spec
-        return f"{s.name!r}, mode={s.mode.value}, cache={tuple(self.kv_cache.shape)} {s.storage_dtype}"
+        return (
+            f"{s.name!r}, mode={s.mode.value}, cache={tuple(self.kv_cache.shape)} {s.storage_dtype}"
+        )
 
     def _quantize(self, x: torch.Tensor, scale: float) -> torch.Tensor:
         if self.quant_form == "op":
@@ -65,7 +71,9 @@ class Attention(nn.Module):
             kq = self._quantize(k, spec.k_scale)
             vq = self._quantize(v, spec.v_scale)
             torch.ops.kvq.cache_write(kq, vq, self.kv_cache, spec.name)
-            kv = torch.ops.kvq.dequantize_kv_cache(self.kv_cache, spec.k_scale, spec.v_scale, spec.model_dtype)
+            kv = torch.ops.kvq.dequantize_kv_cache(
+                self.kv_cache, spec.k_scale, spec.v_scale, spec.model_dtype
+            )
             return torch.ops.kvq.paged_attention(q, kv, spec.name)
         torch.ops.kvq.cache_write(k, v, self.kv_cache, spec.name)
         return torch.ops.kvq.paged_attention(q, self.kv_cache, spec.name)

@@ -33,10 +33,15 @@ def _check(cond: bool, msg: str) -> None:
         raise ValueError(msg)
 
 
-def _check_kv_args(spec: LayerKVSpec, k: Tensor, v: Tensor, kv_cache: Tensor, dtype: torch.dtype, n: int) -> None:
+def _check_kv_args(
+    spec: LayerKVSpec, k: Tensor, v: Tensor, kv_cache: Tensor, dtype: torch.dtype, n: int
+) -> None:
     want = (n, spec.num_kv_heads, spec.head_size)
     for nm, t in (("k", k), ("v", v)):
-        _check(tuple(t.shape) == want, f"layer {spec.name!r}: {nm} has shape {tuple(t.shape)}, expected {want}")
+        _check(
+            tuple(t.shape) == want,
+            f"layer {spec.name!r}: {nm} has shape {tuple(t.shape)}, expected {want}",
+        )
         _check(t.dtype == dtype, f"layer {spec.name!r}: {nm} has dtype {t.dtype}, expected {dtype}")
     _check_cache(spec, kv_cache)
 
@@ -59,8 +64,14 @@ def _check_capacity(spec: LayerKVSpec, kv_cache: Tensor, md: BatchMetadata) -> N
 
 def _check_q(spec: LayerKVSpec, q: Tensor, n: int) -> None:
     want = (n, spec.num_heads, spec.head_size)
-    _check(tuple(q.shape) == want, f"layer {spec.name!r}: q has shape {tuple(q.shape)}, expected {want}")
-    _check(q.dtype == spec.model_dtype, f"layer {spec.name!r}: q has dtype {q.dtype}, expected {spec.model_dtype}")
+    _check(
+        tuple(q.shape) == want,
+        f"layer {spec.name!r}: q has shape {tuple(q.shape)}, expected {want}",
+    )
+    _check(
+        q.dtype == spec.model_dtype,
+        f"layer {spec.name!r}: q has dtype {q.dtype}, expected {spec.model_dtype}",
+    )
 
 
 @torch.library.custom_op("kvq::quantize_fp8", mutates_args=())
@@ -76,9 +87,14 @@ def _(x: Tensor, scale: float) -> Tensor:
 
 
 @torch.library.custom_op("kvq::dequantize_kv_cache", mutates_args=())
-def dequantize_kv_cache(kv_cache: Tensor, k_scale: float, v_scale: float, out_dtype: torch.dtype) -> Tensor:
+def dequantize_kv_cache(
+    kv_cache: Tensor, k_scale: float, v_scale: float, out_dtype: torch.dtype
+) -> Tensor:
     """Whole-cache dequantization [pages, 2, page, KH, D] fp8 -> ``out_dtype`` (the unfused form)."""
-    _check(kv_cache.dtype == FP8_DTYPE, f"dequantize_kv_cache expects a float8_e4m3fn cache, got {kv_cache.dtype}")
+    _check(
+        kv_cache.dtype == FP8_DTYPE,
+        f"dequantize_kv_cache expects a float8_e4m3fn cache, got {kv_cache.dtype}",
+    )
     check_scale(k_scale, "dequantize_kv_cache k_scale")
     check_scale(v_scale, "dequantize_kv_cache v_scale")
     scales = torch.tensor([k_scale, v_scale], dtype=torch.float32, device=kv_cache.device)
@@ -106,21 +122,33 @@ def _(k: Tensor, v: Tensor, kv_cache: Tensor, layer_name: str) -> None:
 
 
 @torch.library.custom_op("kvq::quant_cache_write", mutates_args=("kv_cache",))
-def quant_cache_write(k: Tensor, v: Tensor, kv_cache: Tensor, k_scale: float, v_scale: float, layer_name: str) -> None:
+def quant_cache_write(
+    k: Tensor, v: Tensor, kv_cache: Tensor, k_scale: float, v_scale: float, layer_name: str
+) -> None:
     """Fused: quantize model-dtype k/v [T, KH, D] with static scales and write the FP8 cache."""
     ctx = get_forward_context()
     spec = ctx.spec(layer_name)
-    _check(spec.is_quantized, f"layer {layer_name!r} is not quantized (mode {spec.mode.value}); quant_cache_write refused")
+    _check(
+        spec.is_quantized,
+        f"layer {layer_name!r} is not quantized (mode {spec.mode.value}); quant_cache_write refused",
+    )
     _check_kv_args(spec, k, v, kv_cache, spec.model_dtype, ctx.metadata.num_tokens)
-    _check(kv_cache.dtype == FP8_DTYPE, f"layer {layer_name!r}: cache dtype {kv_cache.dtype}, expected float8_e4m3fn")
+    _check(
+        kv_cache.dtype == FP8_DTYPE,
+        f"layer {layer_name!r}: cache dtype {kv_cache.dtype}, expected float8_e4m3fn",
+    )
     _check_capacity(spec, kv_cache, ctx.metadata)
     check_scale(k_scale, f"layer {layer_name!r}: k_scale")
     check_scale(v_scale, f"layer {layer_name!r}: v_scale")
-    write_kv(kv_cache, _quantize_fp8(k, k_scale), _quantize_fp8(v, v_scale), ctx.metadata.slot_mapping)
+    write_kv(
+        kv_cache, _quantize_fp8(k, k_scale), _quantize_fp8(v, v_scale), ctx.metadata.slot_mapping
+    )
 
 
 @quant_cache_write.register_fake
-def _(k: Tensor, v: Tensor, kv_cache: Tensor, k_scale: float, v_scale: float, layer_name: str) -> None:
+def _(
+    k: Tensor, v: Tensor, kv_cache: Tensor, k_scale: float, v_scale: float, layer_name: str
+) -> None:
     return None
 
 
@@ -131,7 +159,10 @@ def paged_attention(q: Tensor, kv_cache: Tensor, layer_name: str) -> Tensor:
     spec = ctx.spec(layer_name)
     _check_q(spec, q, ctx.metadata.num_tokens)
     _check_cache(spec, kv_cache)
-    _check(kv_cache.dtype == q.dtype, f"layer {layer_name!r}: paged_attention needs a {q.dtype} cache, got {kv_cache.dtype}")
+    _check(
+        kv_cache.dtype == q.dtype,
+        f"layer {layer_name!r}: paged_attention needs a {q.dtype} cache, got {kv_cache.dtype}",
+    )
     _check_capacity(spec, kv_cache, ctx.metadata)
     return ctx.kernel(layer_name).attend(ctx, spec, q, kv_cache, 1.0, 1.0, None)
 
@@ -157,10 +188,16 @@ def paged_attention_fp8(
     """
     ctx = get_forward_context()
     spec = ctx.spec(layer_name)
-    _check(spec.is_quantized, f"layer {layer_name!r} is not quantized (mode {spec.mode.value}); paged_attention_fp8 refused")
+    _check(
+        spec.is_quantized,
+        f"layer {layer_name!r} is not quantized (mode {spec.mode.value}); paged_attention_fp8 refused",
+    )
     _check_q(spec, q, ctx.metadata.num_tokens)
     _check_cache(spec, kv_cache)
-    _check(kv_cache.dtype == FP8_DTYPE, f"layer {layer_name!r}: cache dtype {kv_cache.dtype}, expected float8_e4m3fn")
+    _check(
+        kv_cache.dtype == FP8_DTYPE,
+        f"layer {layer_name!r}: cache dtype {kv_cache.dtype}, expected float8_e4m3fn",
+    )
     _check_capacity(spec, kv_cache, ctx.metadata)
     check_scale(k_scale, f"layer {layer_name!r}: k_scale")
     check_scale(v_scale, f"layer {layer_name!r}: v_scale")
@@ -170,7 +207,14 @@ def paged_attention_fp8(
 
 
 @paged_attention_fp8.register_fake
-def _(q: Tensor, kv_cache: Tensor, k_scale: float, v_scale: float, layer_name: str, output_scale: float | None = None) -> Tensor:
+def _(
+    q: Tensor,
+    kv_cache: Tensor,
+    k_scale: float,
+    v_scale: float,
+    layer_name: str,
+    output_scale: float | None = None,
+) -> Tensor:
     return torch.empty_like(q, dtype=FP8_DTYPE if output_scale is not None else q.dtype)
 
 

@@ -42,7 +42,9 @@ def lookup(name: str) -> LayerKVSpec:
     layer = ref() if ref is not None else None
     if layer is None:
         known = sorted(n for n, r in _layers.items() if r() is not None)
-        raise KeyError(f"unknown attention layer {name!r}; live layers: {known[:6]}{'...' if len(known) > 6 else ''}")
+        raise KeyError(
+            f"unknown attention layer {name!r}; live layers: {known[:6]}{'...' if len(known) > 6 else ''}"
+        )
     return layer.spec
 
 
