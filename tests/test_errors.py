@@ -877,6 +877,33 @@ def _() -> object:
         torch._dynamo.reset()
 
 
+class Fp8AttentionOnSkippedLayer(torch.nn.Module):
+    """Hand-written graph: the FP8-cache attention op on a skipped layer's (bf16) cache."""
+
+    def __init__(self, spec) -> None:
+        super().__init__()
+        self.attn = Attention(spec, 8)
+
+    def forward(self, q: torch.Tensor) -> torch.Tensor:
+        cache = self.attn.kv_cache.to(FP8_DTYPE)
+        return ops.paged_attention_fp8(q, cache, 1.0, 1.0, self.attn.layer_name)
+
+
+@case("graph.fp8-attention-on-skipped-layer")
+def _() -> object:
+    from torch_kvq.passes import make_kvq_backend
+
+    e = env()
+    model = Fp8AttentionOnSkippedLayer(replace(e.specs[0], name=e.specs[0].name + ".hand"))
+    torch._dynamo.reset()
+    try:
+        with torch.no_grad(), forward_context(e.md, [model.attn.spec], ReferenceKernel()):
+            compiled = torch.compile(model, backend=make_kvq_backend(inner="eager"), fullgraph=True)
+            return compiled(e.q)
+    finally:
+        torch._dynamo.reset()
+
+
 @case("graph.backend-inner-unknown")
 def _() -> object:
     from torch_kvq.passes import make_kvq_backend
