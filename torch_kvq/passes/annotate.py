@@ -92,10 +92,10 @@ class AnnotatePass:
                 "this graph's layers (kvq_backend does)"
             )
         if stamp.spec != live:
+            old, new = stamp.spec.as_dict(), live.as_dict()
+            changed = ", ".join(f"{k} {old[k]!r} -> {new[k]!r}" for k in old if old[k] != new[k])
             raise ValueError(
-                f"layer {layer!r} changed since its pass manager was built: the live spec is "
-                f"{live.mode.value}/{live.storage_dtype}, the manager's is "
-                f"{stamp.spec.mode.value}/{stamp.spec.storage_dtype}; recompile"
+                f"layer {layer!r} changed since its pass manager was built ({changed}); recompile"
             )
         return stamp
 
