@@ -74,6 +74,26 @@ def _check_q(spec: LayerKVSpec, q: Tensor, n: int) -> None:
     )
 
 
+def _check_fp8_layer(spec: LayerKVSpec, op: str) -> None:
+    _check(
+        spec.is_quantized,
+        f"layer {spec.name!r} is not quantized (mode {spec.mode.value}); {op} refused",
+    )
+
+
+def _check_fp8_cache(
+    spec: LayerKVSpec, kv_cache: Tensor, md: BatchMetadata, k_scale: float, v_scale: float
+) -> None:
+    """What the fused FP8 ops share: an FP8 cache big enough for the batch, valid k/v scales."""
+    _check(
+        kv_cache.dtype == FP8_DTYPE,
+        f"layer {spec.name!r}: cache dtype {kv_cache.dtype}, expected float8_e4m3fn",
+    )
+    _check_capacity(spec, kv_cache, md)
+    check_scale(k_scale, f"layer {spec.name!r}: k_scale")
+    check_scale(v_scale, f"layer {spec.name!r}: v_scale")
+
+
 @torch.library.custom_op("kvq::quantize_fp8", mutates_args=())
 def quantize_fp8(x: Tensor, scale: float) -> Tensor:
     """Static per-tensor FP8 (e4m3) quantization; x any shape -> same shape, float8_e4m3fn."""
@@ -128,18 +148,9 @@ def quant_cache_write(
     """Fused: quantize model-dtype k/v [T, KH, D] with static scales and write the FP8 cache."""
     ctx = get_forward_context()
     spec = ctx.spec(layer_name)
-    _check(
-        spec.is_quantized,
-        f"layer {layer_name!r} is not quantized (mode {spec.mode.value}); quant_cache_write refused",
-    )
+    _check_fp8_layer(spec, "quant_cache_write")
     _check_kv_args(spec, k, v, kv_cache, spec.model_dtype, ctx.metadata.num_tokens)
-    _check(
-        kv_cache.dtype == FP8_DTYPE,
-        f"layer {layer_name!r}: cache dtype {kv_cache.dtype}, expected float8_e4m3fn",
-    )
-    _check_capacity(spec, kv_cache, ctx.metadata)
-    check_scale(k_scale, f"layer {layer_name!r}: k_scale")
-    check_scale(v_scale, f"layer {layer_name!r}: v_scale")
+    _check_fp8_cache(spec, kv_cache, ctx.metadata, k_scale, v_scale)
     write_kv(
         kv_cache, _quantize_fp8(k, k_scale), _quantize_fp8(v, v_scale), ctx.metadata.slot_mapping
     )
@@ -188,19 +199,10 @@ def paged_attention_fp8(
     """
     ctx = get_forward_context()
     spec = ctx.spec(layer_name)
-    _check(
-        spec.is_quantized,
-        f"layer {layer_name!r} is not quantized (mode {spec.mode.value}); paged_attention_fp8 refused",
-    )
+    _check_fp8_layer(spec, "paged_attention_fp8")
     _check_q(spec, q, ctx.metadata.num_tokens)
     _check_cache(spec, kv_cache)
-    _check(
-        kv_cache.dtype == FP8_DTYPE,
-        f"layer {layer_name!r}: cache dtype {kv_cache.dtype}, expected float8_e4m3fn",
-    )
-    _check_capacity(spec, kv_cache, ctx.metadata)
-    check_scale(k_scale, f"layer {layer_name!r}: k_scale")
-    check_scale(v_scale, f"layer {layer_name!r}: v_scale")
+    _check_fp8_cache(spec, kv_cache, ctx.metadata, k_scale, v_scale)
     if output_scale is not None:
         check_scale(output_scale, f"layer {layer_name!r}: output_scale")
     return ctx.kernel(layer_name).attend(ctx, spec, q, kv_cache, k_scale, v_scale, output_scale)
