@@ -1,11 +1,13 @@
-"""Model decode step on the GPU: kvq_backend vs eager unfused vs plain torch.compile vs all-bf16.
+"""Model decode step on the GPU: kvq_backend (with and without CUDA graphs) vs eager unfused vs
+plain torch.compile vs all-bf16.
 
 The Gemma-style mixed model (sliding layers skipped -> bf16, global layers FP8), batch B at
 context C: caches are filled with random values and pages reserved (no prefill needed: a decode
 step costs the same whatever the cache holds), then timed decode steps, each = build the batch,
 enter ``model.forward_context`` (plans), run the model. tokens/s = B / step time. ``host_ms`` is
 the time for the host to return from a step without waiting for the GPU: when it is close to the
-step time, the step is launch-bound (then CUDA graphs would pay).
+step time, the step is launch-bound. "+ CUDA graphs" variants run each step through
+``DecodeGraphRunner`` (one graph captured for the batch size, then plan + replay per step).
 
 Uses ``torch_kvq.models.build_model`` ("gemma3-tiny" with the size overrides below),
 ``model(input_ids, positions)``, ``model.forward_context(metadata)``, ``model.allocator`` and
@@ -28,6 +30,7 @@ from gpu_common import environment, write_results  # noqa: E402
 
 import torch_kvq  # noqa: E402
 from torch_kvq.attention import Attention  # noqa: E402
+from torch_kvq.attention.graph_runner import DecodeGraphRunner  # noqa: E402
 from torch_kvq.attention.kernels import FlashInferKernel, ReferenceKernel  # noqa: E402
 from torch_kvq.spec import KVCacheConfig  # noqa: E402
 
@@ -95,10 +98,13 @@ def run(
     for i in range(batch):
         alloc.append(i, ctx - 1)
     vocab = model.config.vocab_size
+    graphs = isinstance(fn, DecodeGraphRunner)
 
     def step() -> torch.Tensor:
-        md = alloc.build_batch([(i, 1) for i in range(batch)], device=device)
         ids = torch.randint(0, vocab, (batch,), device=device)
+        if graphs:  # the runner reads only the host fields: build on the CPU
+            return fn(ids, alloc.build_batch([(i, 1) for i in range(batch)], device="cpu"))
+        md = alloc.build_batch([(i, 1) for i in range(batch)], device=device)
         with model.forward_context(md):
             return fn(ids, md.positions)
 
@@ -156,25 +162,27 @@ def profile_steps(step, device: str, n: int) -> dict:
     }
 
 
+GRAPHS = " + CUDA graphs"
+
+
 def variants(args) -> list[tuple[str, KVCacheConfig, object, str]]:
+    """(label, kv config, kernel, how); a label ending in GRAPHS runs through DecodeGraphRunner."""
     fp8 = KVCacheConfig("fp8", skip_layers=("sliding_window",), page_size=16)
     bf16 = KVCacheConfig("auto", page_size=16)
-    if args.kernel == "reference":  # CPU smoke run of this script
-        k = ReferenceKernel
-        kernels = [k(), k(), k(), k()]
+    if args.kernel == "reference":  # CPU smoke run of this script (no graphs: capture=False)
+        kernel = lambda fp8_decode="tensor_cores", **kw: ReferenceKernel()  # noqa: E731
     else:
-        kernels = [
-            FlashInferKernel(fp8_decode=args.fp8_decode, phases="decode", unfused_attention=False),
-            FlashInferKernel(unfused_attention=True),
-            FlashInferKernel(unfused_attention=True),
-            FlashInferKernel(phases="decode"),
-        ]
+        kernel = FlashInferKernel
+    fused = dict(phases="decode", unfused_attention=False)
     return [
-        ("kvq_backend (fp8)", fp8, kernels[0], "kvq"),
-        ("eager unfused (fp8)", fp8, kernels[1], "eager"),
-        ("torch.compile inductor, no kvq passes (fp8)", fp8, kernels[2], "inductor"),
-        ("all-bf16, kvq_backend", bf16, kernels[3], "kvq"),
-    ]
+        (f"kvq_backend (fp8, XQA){GRAPHS}", fp8, kernel(fp8_decode="xqa", **fused), "kvq"),
+        (f"kvq_backend (fp8, tensor cores){GRAPHS}", fp8, kernel(**fused), "kvq"),
+        (f"all-bf16, kvq_backend{GRAPHS}", bf16, kernel(phases="decode"), "kvq"),
+        ("kvq_backend (fp8, XQA)", fp8, kernel(fp8_decode="xqa", **fused), "kvq"),
+        ("all-bf16, kvq_backend", bf16, kernel(phases="decode"), "kvq"),
+        ("eager unfused (fp8)", fp8, kernel(unfused_attention=True), "eager"),
+        ("torch.compile inductor, no kvq passes (fp8)", fp8, kernel(unfused_attention=True), "inductor"),
+    ]  # fmt: skip
 
 
 def main() -> None:
@@ -185,7 +193,6 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=32)
     ap.add_argument("--ctx", type=int, nargs="+", default=[4096, 16384])
     ap.add_argument("--steps", type=int, default=20)
-    ap.add_argument("--fp8-decode", choices=["tensor_cores", "xqa"], default="xqa")
     ap.add_argument("--kernel", choices=["flashinfer", "reference"], default="flashinfer")
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--tiny", action="store_true", help="the preset's own tiny size (smoke run)")
@@ -207,6 +214,11 @@ def main() -> None:
             fill_caches(model)
             fn = {"kvq": lambda m: torch.compile(m, backend=torch_kvq.kvq_backend),
                   "inductor": torch.compile, "eager": lambda m: m}[how](model)  # fmt: skip
+            if label.endswith(GRAPHS):
+                fn = DecodeGraphRunner(
+                    model, fn, batch_sizes=(args.batch,), max_context=max(args.ctx) + args.steps + args.profile_steps + 8,
+                    capture=args.device == "cuda",
+                )  # fmt: skip
         except Exception as e:  # noqa: BLE001 - recorded, the other variants still run
             rows.append({"variant": label, "batch": args.batch, "ctx": 0, "error": repr(e)[:400]})
             print(rows[-1], flush=True)
@@ -237,26 +249,34 @@ def main() -> None:
             torch.cuda.empty_cache()
     lines = ["## Model decode step (FlashInfer)", ""] + [f"- {k}: {v}" for k, v in env.items()]
     lines += [f"- preset {args.preset} {'(tiny)' if args.tiny else '(BENCH_OVERRIDES)'}, "
-              f"kernel {args.kernel}, FP8 decode {args.fp8_decode}, {args.steps} steps", ""]  # fmt: skip
+              f"kernel {args.kernel}, {args.steps} steps", ""]  # fmt: skip
     lines += ["host ms/step: time for a step to return without waiting for the GPU; GPU busy: kernel time per "
               "step (torch.profiler) over the profiled step time. Low GPU busy = host/launch-bound.", ""]  # fmt: skip
-    lines += ["| batch x ctx | variant | step ms | tokens/s | host ms/step | GPU kernel ms (busy %) | x vs eager unfused | first steps s (compile) |",
-              "|---|---|---|---|---|---|---|---|"]  # fmt: skip
-    base = {r["ctx"]: r for r in rows if r["variant"] == "eager unfused (fp8)" and "step_ms" in r}
+    lines += ["| batch x ctx | variant | step ms | tokens/s | host ms/step | GPU kernel ms (busy %) | x vs eager unfused | x vs all-bf16 (same graph mode) | first steps s (compile) |",
+              "|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
+    ok = [r for r in rows if "step_ms" in r]
+    base = {r["ctx"]: r for r in ok if r["variant"] == "eager unfused (fp8)"}
+    bf16 = {
+        (r["ctx"], r["variant"].endswith(GRAPHS)): r
+        for r in ok
+        if r["variant"].startswith("all-bf16")
+    }
     for r in rows:
         if "error" in r:
             lines.append(
-                f"| {r['batch']} x {r['ctx']} | {r['variant']} | failed: {r['error']} | | | | | |"
+                f"| {r['batch']} x {r['ctx']} | {r['variant']} | failed: {r['error']} | | | | | | |"
             )
             continue
         x = f"{base[r['ctx']]['step_ms'] / r['step_ms']:.1f}" if r["ctx"] in base else "-"
+        b = bf16.get((r["ctx"], r["variant"].endswith(GRAPHS)))
+        xb = f"{b['step_ms'] / r['step_ms']:.2f}" if b else "-"
         busy = (
             f"{r['gpu_kernel_ms_per_step']:.2f} ({r['gpu_busy_pct']:.0f}%)"
             if "gpu_busy_pct" in r
             else "-"
         )
         lines.append(f"| {r['batch']} x {r['ctx']} | {r['variant']} | {r['step_ms']:.3f} | {r['tokens_per_s']:.0f} "
-                     f"| {r['host_ms']:.3f} | {busy} | {x} | {r['warmup_s_incl_compile']:.1f} |")  # fmt: skip
+                     f"| {r['host_ms']:.3f} | {busy} | {x} | {xb} | {r['warmup_s_incl_compile']:.1f} |")  # fmt: skip
     for r in rows:  # where the time goes, per variant and context
         for k in ("top_gpu_ms_per_step", "top_host_self_ms_per_step"):
             if k in r:

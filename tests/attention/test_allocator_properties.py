@@ -200,7 +200,6 @@ AllocatorMachine.TestCase.settings = settings(
     stateful_step_count=20,
     deadline=None,
     derandomize=True,  # the default run is reproducible in CI; the slow run explores
-
     suppress_health_check=[HealthCheck.too_slow],
 )
 test_allocator_workload = AllocatorMachine.TestCase

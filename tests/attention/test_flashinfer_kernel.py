@@ -308,14 +308,13 @@ def test_configuration_names_match_capability_rows() -> None:
 
 
 def test_xqa_block_table_matches_page_tables() -> None:
-    from torch_kvq.attention.kernels.flashinfer import _xqa_tables
-
     md = PageAllocator(64, PAGE).build_batch([(0, 1), (1, 300), (2, 16), (3, 17)])
-    t = _xqa_tables(md)
+    t = FlashInferKernel()._xqa_tables(md, None)
     width = max(len(p) for p in md.page_tables)
     dense = [list(p) + [0] * (width - len(p)) for p in md.page_tables]
     assert t.block_tables.tolist() == dense and t.block_tables.dtype == torch.int32
-    assert t.seq_lens.tolist() == [1, 300, 16, 17] and t.max_seq_len == 300
+    # XQA sizes its grid from the table's width (in tokens), whatever max_seq_len says
+    assert t.seq_lens.tolist() == [1, 300, 16, 17] and t.max_seq_len == width * PAGE
 
 
 @pytest.mark.skipif(HAS_CUDA, reason="checks the no-GPU error")

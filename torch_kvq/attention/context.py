@@ -13,7 +13,7 @@ from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from torch_kvq.attention.kernels.base import AttentionKernel
-from torch_kvq.attention.metadata import BatchMetadata
+from torch_kvq.attention.metadata import BatchMetadata, GraphShape
 from torch_kvq.spec import LayerKVSpec
 
 
@@ -25,6 +25,7 @@ class ForwardContext:
     specs: Mapping[str, LayerKVSpec]
     kernels: Mapping[str, AttentionKernel]
     plans: dict[object, object] = field(default_factory=dict)
+    graph: GraphShape | None = None  # set while planning for / capturing a CUDA graph
 
     def spec(self, layer_name: str) -> LayerKVSpec:
         try:
@@ -59,11 +60,14 @@ def forward_context(
     metadata: BatchMetadata,
     specs: Sequence[LayerKVSpec],
     kernel: AttentionKernel | Mapping[str, AttentionKernel],
+    graph: GraphShape | None = None,
 ) -> Iterator[ForwardContext]:
     """Set the batch for the ops of ``specs``' layers and plan ``kernel`` for it.
 
     ``kernel`` is one kernel for every layer or a mapping layer name -> kernel. Each kernel's
     ``plan`` runs once here, with the specs of the layers it serves, never inside the graph.
+    ``graph`` (used by ``DecodeGraphRunner``) says ``metadata`` lives in fixed buffers of that
+    shape and kernels must plan into fixed buffers too, so a captured CUDA graph can replay.
     """
     spec_map: dict[str, LayerKVSpec] = {}
     for s in specs:
@@ -82,7 +86,7 @@ def forward_context(
                 f"layer {s.name!r} has page_size {s.page_size} but the batch metadata was built "
                 f"with page_size {metadata.page_size}"
             )
-    ctx = ForwardContext(metadata=metadata, specs=spec_map, kernels=kernels)
+    ctx = ForwardContext(metadata=metadata, specs=spec_map, kernels=kernels, graph=graph)
     by_kernel: dict[int, tuple[AttentionKernel, list[LayerKVSpec]]] = {}
     for s in specs:
         k = kernels[s.name]

@@ -19,6 +19,16 @@ class OutOfPagesError(RuntimeError):
 
 
 @dataclass(frozen=True)
+class GraphShape:
+    """The fixed shape of a CUDA-graph-captured decode batch: ``batch_size`` sequences of one new
+    token each, at most ``max_pages_per_seq`` pages each. Kernels that see it in the forward
+    context plan into buffers of this shape that the captured graph reads (see graph_runner.py)."""
+
+    batch_size: int
+    max_pages_per_seq: int
+
+
+@dataclass(frozen=True)
 class BatchMetadata:
     """One forward pass's batch: sequences in order, each with ``qo_lens[i]`` new tokens.
 
@@ -124,20 +134,7 @@ class BatchMetadata:
         page_size: int,
         device: torch.device | str,
     ) -> BatchMetadata:
-        i64 = torch.int64
-        qo = torch.tensor(qo_lens, dtype=i64)
-        kv = torch.tensor(kv_lens, dtype=i64)
-        n_pages = torch.tensor(counts, dtype=i64)
-        zero = torch.zeros(1, dtype=i64)
-        qo_indptr = torch.cat([zero, qo.cumsum(0)])
-        kv_indptr = torch.cat([zero, n_pages.cumsum(0)])
-        T = int(qo_indptr[-1])
-        seq_of_token = torch.repeat_interleave(torch.arange(len(qo_lens)), qo, output_size=T)
-        positions = (kv - qo)[seq_of_token] + torch.arange(T) - qo_indptr[:-1][seq_of_token]
-        page = kv_indices.to(i64)[kv_indptr[:-1][seq_of_token] + positions // page_size]
-        slots = page * page_size + positions % page_size
-        last = kv - (n_pages - 1) * page_size
-        parts = [qo_indptr, kv_indptr, kv_indices.to(i64), last, kv, slots, positions]
+        parts = host_parts(kv_indices, counts, kv_lens, qo_lens, page_size)
         packed = torch.cat(parts)
         if torch.device(device).type == "cuda":
             packed = packed.pin_memory().to(device, non_blocking=True)
@@ -159,6 +156,31 @@ class BatchMetadata:
             pages_per_seq=tuple(counts),
             kv_indices_host=kv_indices,
         )
+
+
+def host_parts(
+    kv_indices: torch.Tensor,
+    counts: list[int],
+    kv_lens: list[int],
+    qo_lens: list[int],
+    page_size: int,
+) -> list[torch.Tensor]:
+    """The metadata's device tensors, computed on the host (int64, vectorized, unchecked):
+    [qo_indptr, kv_indptr, kv_indices, kv_last_page_len, seq_lens, slot_mapping, positions]."""
+    i64 = torch.int64
+    qo = torch.tensor(qo_lens, dtype=i64)
+    kv = torch.tensor(kv_lens, dtype=i64)
+    n_pages = torch.tensor(counts, dtype=i64)
+    zero = torch.zeros(1, dtype=i64)
+    qo_indptr = torch.cat([zero, qo.cumsum(0)])
+    kv_indptr = torch.cat([zero, n_pages.cumsum(0)])
+    T = int(qo_indptr[-1])
+    seq_of_token = torch.repeat_interleave(torch.arange(len(qo_lens)), qo, output_size=T)
+    positions = (kv - qo)[seq_of_token] + torch.arange(T) - qo_indptr[:-1][seq_of_token]
+    page = kv_indices.to(i64)[kv_indptr[:-1][seq_of_token] + positions // page_size]
+    slots = page * page_size + positions % page_size
+    last = kv - (n_pages - 1) * page_size
+    return [qo_indptr, kv_indptr, kv_indices.to(i64), last, kv, slots, positions]
 
 
 def _page_tensor(i: int, pages: Sequence[int] | torch.Tensor) -> torch.Tensor:

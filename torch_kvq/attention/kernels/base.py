@@ -23,6 +23,9 @@ class KernelUnsupportedError(RuntimeError):
 
 class AttentionKernel(Protocol):
     name: str
+    # True if, planned with ``ctx.graph`` set, every device tensor ``attend`` reads lives in a
+    # buffer that the next plan for the same shape refills in place (so a CUDA graph can replay).
+    supports_cuda_graphs: bool
 
     def check_supported(self, spec: LayerKVSpec) -> None:
         """Raise ``KernelUnsupportedError`` naming the layer and the reason if it cannot serve."""

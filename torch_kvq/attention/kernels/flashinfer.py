@@ -22,6 +22,11 @@ Shapes: q [T, QH, D] in the layer's model dtype; cache [pages, 2, page_size, KH,
 output [T, QH, D] in the model dtype, or float8_e4m3fn (``out / output_scale``) on XQA decode.
 Sliding window: our query at p sees keys p - window < k <= p, FlashInfer's
 ``window_left = window - 1``. ``import flashinfer`` happens only here, lazily, on first plan.
+
+CUDA graphs (``ctx.graph`` set, decode only): each (group, graph shape) gets its own wrapper
+built with ``use_cuda_graph=True`` and fixed page-table buffers, and XQA gets a fixed block
+table [batch, max_pages_per_seq]; every plan for that shape refills them in place, so a graph
+captured once replays for any batch of that shape (``DecodeGraphRunner``).
 """
 
 from __future__ import annotations
@@ -33,6 +38,7 @@ from typing import TYPE_CHECKING, Any, Literal
 import torch
 
 from torch_kvq.attention.kernels.base import KernelUnsupportedError
+from torch_kvq.attention.metadata import GraphShape
 from torch_kvq.spec import FP8_DTYPE, KVQuantMode, LayerKVSpec
 
 if TYPE_CHECKING:
@@ -87,6 +93,8 @@ class FlashInferKernel:
         workspace_bytes: float workspace shared by all wrappers (and the XQA scratch, separately).
     """
 
+    supports_cuda_graphs = True
+
     def __init__(
         self,
         fp8_decode: FP8Decode = "tensor_cores",
@@ -117,7 +125,8 @@ class FlashInferKernel:
         self._device: torch.device | None = None
         self._float_ws: torch.Tensor | None = None
         self._xqa_ws: torch.Tensor | None = None
-        self._wrappers: dict[GroupKey, Any] = {}
+        self._wrappers: dict[tuple[GroupKey, GraphShape | None], Any] = {}
+        self._xqa_graph_tables: dict[GraphShape, torch.Tensor] = {}
         self._planned_gen: dict[GroupKey, int] = {}
 
     def __repr__(self) -> str:
@@ -207,6 +216,11 @@ class FlashInferKernel:
                 f"output that no prefill kernel can), but got a batch with query lengths "
                 f"{sorted(set(md.qo_lens))[:4]}; plan prefill with a phases='any' kernel"
             )
+        if ctx.graph is not None and not decode:
+            raise KernelUnsupportedError(
+                f"{self!r}: CUDA graphs serve decode-only batches, got query lengths "
+                f"{sorted(set(md.qo_lens))[:4]}"
+            )
         device = md.kv_indices.device
         if device.type != "cuda":
             raise KernelUnsupportedError(
@@ -226,30 +240,43 @@ class FlashInferKernel:
         plans: dict[GroupKey, GroupPlan] = {}
         for key in dict.fromkeys(layers.values()):
             gen = next(_generation)
-            wrapper = None if key.kernel == "xqa" else self._plan_wrapper(key, md, host)
+            wrapper = None if key.kernel == "xqa" else self._plan_wrapper(key, md, host, ctx.graph)
             self._planned_gen[key] = gen
             plans[key] = ctx.plans[(id(self), key)] = GroupPlan(key, wrapper, gen)
         for (name, kv_dtype), key in layers.items():  # attend's lookup: one dict access
             ctx.plans[(id(self), name, kv_dtype)] = plans[key]
         if "xqa" in {k.kernel for k in plans}:
-            ctx.plans[(id(self), "xqa_tables")] = _xqa_tables(md)
+            ctx.plans[(id(self), "xqa_tables")] = self._xqa_tables(md, ctx.graph)
             if self._xqa_ws is None:  # XQA's semaphores must start at zero
                 self._xqa_ws = torch.zeros(self.workspace_bytes, dtype=torch.uint8, device=device)
 
-    def _plan_wrapper(self, key: GroupKey, md: BatchMetadata, host: _HostIndptrs) -> Any:
+    def _plan_wrapper(
+        self, key: GroupKey, md: BatchMetadata, host: _HostIndptrs, graph: GraphShape | None
+    ) -> Any:
         import flashinfer
 
-        wrapper = self._wrappers.get(key)
+        wrapper = self._wrappers.get((key, graph))
         if wrapper is None:
             if key.kernel == "prefill":
                 wrapper = flashinfer.BatchPrefillWithPagedKVCacheWrapper(
                     self._float_ws, "NHD", backend="fa2"
                 )
-            else:
+            elif graph is None:
                 wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
                     self._float_ws, "NHD", use_tensor_cores=True, backend="fa2"
                 )
-            self._wrappers[key] = wrapper
+            else:  # fixed buffers, refilled by every plan for this shape
+                b, dev, i32 = graph.batch_size, self._device, torch.int32
+                wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
+                    self._float_ws, "NHD", use_tensor_cores=True, backend="fa2",
+                    use_cuda_graph=True,
+                    paged_kv_indptr_buffer=torch.zeros(b + 1, dtype=i32, device=dev),
+                    paged_kv_indices_buffer=torch.zeros(
+                        b * graph.max_pages_per_seq, dtype=i32, device=dev
+                    ),
+                    paged_kv_last_page_len_buffer=torch.zeros(b, dtype=i32, device=dev),
+                )  # fmt: skip
+            self._wrappers[(key, graph)] = wrapper
         common = dict(
             window_left=-1 if key.window is None else key.window - 1,
             logits_soft_cap=key.soft_cap,
@@ -270,6 +297,22 @@ class FlashInferKernel:
                 key.num_heads, key.num_kv_heads, key.head_size, md.page_size, **common,
             )  # fmt: skip
         return wrapper
+
+    def _xqa_tables(self, md: BatchMetadata, graph: GraphShape | None) -> _XQATables:
+        """XQA's dense block table [B, W] gathered on the device from the CSR page table (no
+        host loop, no sync; entries past a sequence's pages are 0 and never read). Under a CUDA
+        graph W is the shape's ``max_pages_per_seq`` and the table is that shape's fixed buffer."""
+        width = max(md.pages_per_seq) if graph is None else graph.max_pages_per_seq
+        dev = md.kv_indices.device
+        cols = torch.arange(width, dtype=torch.int32, device=dev)
+        starts, counts = md.kv_indptr[:-1, None], (md.kv_indptr[1:] - md.kv_indptr[:-1])[:, None]
+        idx = (starts + cols).clamp_(max=md.kv_indices.numel() - 1).long()
+        table = torch.where(cols < counts, md.kv_indices[idx], 0)
+        if graph is not None:
+            table = self._xqa_graph_tables.setdefault(graph, table).copy_(table)
+        return _XQATables(
+            block_tables=table, seq_lens=md.seq_lens, max_seq_len=width * md.page_size
+        )
 
     # -- run -----------------------------------------------------------------------------------
 
@@ -372,20 +415,3 @@ class _XQATables:
     block_tables: torch.Tensor  # [B, max_pages] int32 on the device (padding: page 0, never read)
     seq_lens: torch.Tensor  # [B] int32 on the device (XQA reads it as uint32)
     max_seq_len: int
-
-
-def _xqa_tables(md: BatchMetadata) -> _XQATables:
-    """XQA's dense block table, scattered on the device from the CSR page table (no host loop
-    over pages, no device sync: the output sizes come from the host lists)."""
-    counts = list(md.pages_per_seq)
-    dev = md.kv_indices.device
-    total = sum(counts)
-    rows = torch.repeat_interleave(
-        torch.arange(len(counts), device=dev),
-        md.kv_indptr[1:] - md.kv_indptr[:-1],
-        output_size=total,
-    )
-    cols = torch.arange(total, device=dev) - md.kv_indptr[rows]
-    table = torch.zeros((len(counts), max(counts)), dtype=torch.int32, device=dev)
-    table[rows, cols] = md.kv_indices
-    return _XQATables(block_tables=table, seq_lens=md.seq_lens, max_seq_len=max(md.kv_lens))

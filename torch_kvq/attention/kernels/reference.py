@@ -48,6 +48,8 @@ class ReferenceKernel:
     """Serves every layer on any device; supports FP8 KV and FP8 output."""
 
     name = "reference"
+    # attend slices per sequence with host lengths: a captured graph would bake them in
+    supports_cuda_graphs = False
 
     def check_supported(self, spec: LayerKVSpec) -> None:
         return None
