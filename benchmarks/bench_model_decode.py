@@ -114,13 +114,22 @@ def run(
             step()
         sync(device)
         first = time.perf_counter() - t0
+        spin_gpu(device)
+        cuda = device == "cuda"
+        marks = [torch.cuda.Event(enable_timing=True) for _ in range(steps + 1)] if cuda else []
         host, t0 = [], time.perf_counter()
-        for _ in range(steps):
+        for i in range(steps):
+            if cuda:
+                marks[i].record()
             h0 = time.perf_counter()
             step()
             host.append(time.perf_counter() - h0)
+        if cuda:
+            marks[steps].record()
         sync(device)
         step_s = (time.perf_counter() - t0) / steps
+        # per-step time on the GPU's timeline (start to next start): the median ignores a stall
+        gaps = sorted(a.elapsed_time(b) for a, b in zip(marks, marks[1:])) or [step_s * 1e3]
         try:
             prof = profile_steps(step, device, profile) if profile else {}
         except Exception as e:  # noqa: BLE001 - the timing above stands; say why there is no profile
@@ -129,8 +138,22 @@ def run(
         for i in range(batch):
             alloc.free(i)
     return {"variant": label, "batch": batch, "ctx": ctx, "step_ms": step_s * 1e3,
-            "tokens_per_s": batch / step_s, "host_ms": 1e3 * sorted(host)[len(host) // 2],
+            "tokens_per_s": batch / step_s, "step_median_ms": gaps[len(gaps) // 2],
+            "step_max_ms": gaps[-1], "host_ms": 1e3 * sorted(host)[len(host) // 2],
             "warmup_s_incl_compile": first, **prof}  # fmt: skip
+
+
+def spin_gpu(device: str, seconds: float = 1.0) -> None:
+    """Keep the GPU busy for ``seconds`` so its clocks are up before timing (an idle H200 starts
+    at a low SM clock; without this the first variant measured is the slowest)."""
+    if device != "cuda":
+        return
+    a = torch.randn(4096, 4096, device=device, dtype=torch.bfloat16)
+    t0 = time.perf_counter()
+    while time.perf_counter() - t0 < seconds:
+        for _ in range(20):
+            a @ a
+        torch.cuda.synchronize()
 
 
 def profile_steps(step, device: str, n: int) -> dict:
@@ -155,11 +178,24 @@ def profile_steps(step, device: str, n: int) -> dict:
         "profiled_step_ms": wall_ms,
         "gpu_kernel_ms_per_step": gpu_ms,
         "gpu_busy_pct": 100 * gpu_ms / wall_ms,
-        "top_gpu_ms_per_step": {e.key[:80]: round(dev(e) / 1e3 / n, 4) for e in top_gpu},
-        "top_host_self_ms_per_step": {
-            e.key[:80]: round(e.self_cpu_time_total / 1e3 / n, 3) for e in top_cpu
-        },
+        "top_gpu_ms_per_step": _by_name(top_gpu, lambda e: dev(e) / 1e3 / n, 4),
+        "top_host_self_ms_per_step": _by_name(
+            top_cpu, lambda e: e.self_cpu_time_total / 1e3 / n, 3
+        ),
     }
+
+
+def _by_name(events, ms, digits: int) -> dict[str, float]:
+    """{name: ms}; FlashInfer's template names share long prefixes, so a truncated name gets a
+    #2, #3 suffix instead of overwriting another kernel's entry."""
+    out: dict[str, float] = {}
+    for e in events:
+        name, i = e.key[:100], 1
+        while name in out:
+            i += 1
+            name = f"{e.key[:100]} #{i}"
+        out[name] = round(ms(e), digits)
+    return out
 
 
 GRAPHS = " + CUDA graphs"
@@ -252,8 +288,10 @@ def main() -> None:
               f"kernel {args.kernel}, {args.steps} steps", ""]  # fmt: skip
     lines += ["host ms/step: time for a step to return without waiting for the GPU; GPU busy: kernel time per "
               "step (torch.profiler) over the profiled step time. Low GPU busy = host/launch-bound.", ""]  # fmt: skip
-    lines += ["| batch x ctx | variant | step ms | tokens/s | host ms/step | GPU kernel ms (busy %) | x vs eager unfused | x vs all-bf16 (same graph mode) | first steps s (compile) |",
-              "|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
+    lines += ["step ms: mean over the timed steps; median / max: per step on the GPU's timeline (a stall "
+              "shows as max >> median).", ""]  # fmt: skip
+    lines += ["| batch x ctx | variant | step ms | median / max | tokens/s | host ms/step | GPU kernel ms (busy %) | x vs eager unfused | x vs all-bf16 (same graph mode) | first steps s (compile) |",
+              "|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
     ok = [r for r in rows if "step_ms" in r]
     base = {r["ctx"]: r for r in ok if r["variant"] == "eager unfused (fp8)"}
     bf16 = {
@@ -264,7 +302,7 @@ def main() -> None:
     for r in rows:
         if "error" in r:
             lines.append(
-                f"| {r['batch']} x {r['ctx']} | {r['variant']} | failed: {r['error']} | | | | | | |"
+                f"| {r['batch']} x {r['ctx']} | {r['variant']} | failed: {r['error']} | | | | | | | |"
             )
             continue
         x = f"{base[r['ctx']]['step_ms'] / r['step_ms']:.1f}" if r["ctx"] in base else "-"
@@ -275,7 +313,7 @@ def main() -> None:
             if "gpu_busy_pct" in r
             else "-"
         )
-        lines.append(f"| {r['batch']} x {r['ctx']} | {r['variant']} | {r['step_ms']:.3f} | {r['tokens_per_s']:.0f} "
+        lines.append(f"| {r['batch']} x {r['ctx']} | {r['variant']} | {r['step_ms']:.3f} | {r['step_median_ms']:.3f} / {r['step_max_ms']:.2f} | {r['tokens_per_s']:.0f} "
                      f"| {r['host_ms']:.3f} | {busy} | {x} | {xb} | {r['warmup_s_incl_compile']:.1f} |")  # fmt: skip
     for r in rows:  # where the time goes, per variant and context
         for k in ("top_gpu_ms_per_step", "top_host_self_ms_per_step"):

@@ -717,6 +717,120 @@ def _() -> object:
     return capabilities.capabilities("flashinfer", "cpu")
 
 
+# --- CUDA graphs: DecodeGraphRunner ------------------------------------------------------------
+
+
+def graph_runner(**kw):
+    """A fresh 1-layer model (page size 4, 32 pages) and a capture=False runner for it, with
+    sequence "a" at 4 tokens and "b" at 16."""
+    from torch_kvq.attention.graph_runner import DecodeGraphRunner
+
+    model = build(
+        "llama-tiny", KVCacheConfig("fp8", page_size=4), num_pages=32, num_hidden_layers=1
+    )
+    args = dict(batch_sizes=(1, 2), max_context=16, capture=False) | kw
+    runner = DecodeGraphRunner(model, **args)
+    model.allocator.append("a", 4)
+    model.allocator.append("b", 16)
+    return model, runner
+
+
+def graph_step(n_ids: int, make_md: Callable[[object], object]) -> object:
+    model, runner = graph_runner()
+    return runner(torch.zeros(n_ids, dtype=torch.long), make_md(model))
+
+
+def one_token_batch(page: int, page_size: int = 4):
+    from torch_kvq.attention import BatchMetadata
+
+    return BatchMetadata.build([[page]], [1], [1], page_size)
+
+
+@case("graphs.prefill-batch")
+def _() -> object:
+    return graph_step(2, lambda m: m.allocator.build_batch([("a", 2)]))
+
+
+@case("graphs.batch-too-large")
+def _() -> object:
+    from torch_kvq.attention import BatchMetadata
+
+    return graph_step(3, lambda m: BatchMetadata.build([[20], [21], [22]], [1] * 3, [1] * 3, 4))
+
+
+@case("graphs.context-too-long")
+def _() -> object:
+    return graph_step(1, lambda m: m.allocator.build_batch([("b", 1)]))
+
+
+@case("graphs.page-size")
+def _() -> object:
+    return graph_step(1, lambda m: one_token_batch(20, page_size=8))
+
+
+@case("graphs.page-out-of-range")
+def _() -> object:
+    return graph_step(1, lambda m: one_token_batch(40))
+
+
+@case("graphs.scratch-page")
+def _() -> object:
+    model, runner = graph_runner()
+    return runner(torch.zeros(1, dtype=torch.long), one_token_batch(runner.scratch_page))
+
+
+@case("graphs.input-ids")
+def _() -> object:
+    return graph_step(2, lambda m: one_token_batch(20))
+
+
+@case("graphs.configure-kv-after")
+def _() -> object:
+    model, runner = graph_runner()
+    model.configure_kv(KVCacheConfig(page_size=4))
+    model.allocator.append("c", 1)
+    return runner(torch.zeros(1, dtype=torch.long), model.allocator.build_batch([("c", 1)]))
+
+
+@case("graphs.batch-sizes")
+def _() -> object:
+    return graph_runner(batch_sizes=(0, 2))
+
+
+@case("graphs.max-context")
+def _() -> object:
+    return graph_runner(max_context=0)
+
+
+@case("graphs.kernel-not-capturable")
+def _() -> object:
+    return graph_runner(capture=True)
+
+
+@case("graphs.capture-on-cpu")
+def _() -> object:
+    from torch_kvq.attention.graph_runner import DecodeGraphRunner
+
+    model = build("llama-tiny", KVCacheConfig(), num_pages=8, num_hidden_layers=1)
+    model.kernel = FlashInferKernel()
+    return DecodeGraphRunner(model, batch_sizes=(1,), max_context=8)
+
+
+@case("graphs.flashinfer-prefill")
+def _() -> object:
+    from torch_kvq.attention.metadata import GraphShape
+
+    md = PageAllocator(4, 16).build_batch([("a", 3)])
+    with fake_gpu(), forward_context(md, fi_specs(), FlashInferKernel(), graph=GraphShape(1, 4)):
+        return None
+
+
+@case("graphs.generate-other-model")
+def _() -> object:
+    model, runner = graph_runner()
+    return gen([[1, 2]], 2, decode=runner)
+
+
 # --- models and generation ------------------------------------------------------------------
 
 

@@ -23,6 +23,13 @@ PROMPTS = {0: 5, 1: 9, 2: 3, 3: 12}
 SCHEDULE = [(0, 1, 2), (0, 1, 2), (1,), (0, 1, 2, 3), (3, 0), (2, 3, 1)]
 
 
+# Padded batches change the GEMM shapes, so k / v may differ in the last fp32 bits; a value that
+# sits on an e4m3 rounding boundary then lands one FP8 step away (<= 1/8 relative, 2^-9 absolute
+# near zero), which moves the logits by ~1e-4.
+CPU_LOGIT_TOL = 1e-3
+CPU_CACHE_TOL = dict(atol=2e-3, rtol=0.125)
+
+
 def _twins(cfg=MIXED, num_pages=64, **kw):
     """Two identical models; the direct one reserves a page like the runner's scratch page so
     page ids agree."""
@@ -50,10 +57,10 @@ def _run_schedule(direct, graphed, runner, fn_direct=None, device="cpu"):
     gens = [torch.Generator().manual_seed(0) for _ in range(2)]
     _prefill(direct, PROMPTS, gens[0])
     _prefill(graphed, PROMPTS, gens[1])
-    errs = []
+    errs, gen = [], torch.Generator().manual_seed(1)
     for seqs in SCHEDULE:
-        ids = torch.randint(0, direct.config.vocab_size, (len(seqs),)).to(device)
-        want = _direct_step(direct, fn_direct or direct, ids, seqs)
+        ids = torch.randint(0, direct.config.vocab_size, (len(seqs),), generator=gen).to(device)
+        want = _direct_step(direct, direct if fn_direct is None else fn_direct, ids, seqs)
         md = graphed.allocator.build_batch([(s, 1) for s in seqs], device="cpu")
         got = runner(ids, md)
         assert got.shape == want.shape
@@ -81,8 +88,8 @@ def test_padded_steps_match_direct_calls():
     direct, graphed = _twins()
     runner = DecodeGraphRunner(graphed, batch_sizes=(2, 4), max_context=32, capture=False)
     errs = _run_schedule(direct, graphed, runner)
-    assert max(errs) < 1e-4, errs
-    _assert_caches_match(direct, graphed, runner.scratch_page, atol=1e-5)
+    assert max(errs) < CPU_LOGIT_TOL, errs
+    _assert_caches_match(direct, graphed, runner.scratch_page, **CPU_CACHE_TOL)
     assert runner.captured_sizes == ()  # capture=False never captures
     assert graphed.allocator.pages(PAD_SEQUENCE) == (runner.scratch_page,)
 
@@ -94,95 +101,37 @@ def test_compiled_model_through_the_runner():
     compiled = torch.compile(graphed, backend=make_kvq_backend(inner="eager"))
     runner = DecodeGraphRunner(graphed, compiled, batch_sizes=(2, 4), max_context=32, capture=False)
     errs = _run_schedule(direct, graphed, runner)
-    assert max(errs) < 1e-4, errs
-    _assert_caches_match(direct, graphed, runner.scratch_page, atol=1e-5)
+    assert max(errs) < CPU_LOGIT_TOL, errs
+    _assert_caches_match(direct, graphed, runner.scratch_page, **CPU_CACHE_TOL)
 
 
-@pytest.fixture(scope="module")
-def ready():
-    model = build_model("gemma3-tiny", MIXED, num_pages=32, dtype=torch.float32)
-    runner = DecodeGraphRunner(model, batch_sizes=(1, 2), max_context=16, capture=False)
-    model.allocator.append("a", 4)
-    model.allocator.append("b", 16)
-    return model, runner
-
-
-def _decode_md(model, seqs, device="cpu"):
-    return model.allocator.build_batch([(s, 1) for s in seqs], device=device)
-
-
-BAD_STEPS = {
-    "prefill": (
-        lambda m: m.allocator.build_batch([("a", 2)]),
-        2,
-        "decode-only batches .* query lengths \\[2\\]",
-    ),
-    "too many": (
-        lambda m: BatchMetadata.build([[20], [21], [22]], [1, 1, 1], [1, 1, 1], 4),
-        3,
-        "batch of 3 sequences exceeds the largest captured batch size 2",
-    ),
-    "too long": (lambda m: _decode_md(m, ["b"]), 1, "has 17 tokens, more than max_context 16"),
-    "page size": (
-        lambda m: BatchMetadata.build([[20]], [1], [1], 8),
-        1,
-        "metadata page_size 8, expected 4",
-    ),
-    "page range": (
-        lambda m: BatchMetadata.build([[40]], [1], [1], 4),
-        1,
-        "uses KV page 40 but the caches have 32 pages",
-    ),
-    "scratch page": (
-        lambda m: BatchMetadata.build([[0]], [1], [1], 4),
-        1,
-        "page 0, the runner's scratch page",
-    ),
-    "ids shape": (lambda m: BatchMetadata.build([[20]], [1], [1], 4), 2, "1-D int tensor of 1"),
-}
-
-
-@pytest.mark.parametrize("case", list(BAD_STEPS))
-def test_bad_batches_raise_and_change_nothing(ready, case):
-    model, runner = ready
-    make_md, n_ids, msg = BAD_STEPS[case]
-    md = make_md(model)
-    caches = [a.kv_cache.clone() for a in model.attention_layers]
-    with pytest.raises(ValueError, match=msg):
-        runner(torch.zeros(n_ids, dtype=torch.long), md)
-    for a, c in zip(model.attention_layers, caches):
+def test_a_refused_batch_changes_nothing_and_the_next_step_runs():
+    """Every refusal is checked before any buffer is touched (the messages: docs/errors.md,
+    section CUDA graphs): the caches stay bit-identical and the slot still serves."""
+    direct, graphed = _twins()
+    runner = DecodeGraphRunner(graphed, batch_sizes=(2, 4), max_context=16, capture=False)
+    gens = [torch.Generator().manual_seed(0) for _ in range(2)]
+    _prefill(direct, {0: 5, 1: 16}, gens[0])
+    _prefill(graphed, {0: 5, 1: 16}, gens[1])
+    ids = torch.tensor([3, 4])
+    runner(ids[:1], graphed.allocator.build_batch([(0, 1)], device="cpu"))  # slot 2 in use
+    _direct_step(direct, direct, ids[:1], [0])
+    caches = [a.kv_cache.clone() for a in graphed.attention_layers]
+    graphed.allocator.append(1, 1)  # sequence 1 at 17 tokens: over max_context
+    md = BatchMetadata._from_host(
+        torch.cat([torch.tensor(graphed.allocator.pages(s), dtype=torch.int32) for s in (0, 1)]),
+        [len(graphed.allocator.pages(s)) for s in (0, 1)],
+        [graphed.allocator.seq_len(s) for s in (0, 1)], [1, 1], 4, "cpu",
+    )  # fmt: skip
+    with pytest.raises(ValueError, match="more than max_context 16"):
+        runner(ids, md)
+    for a, c in zip(graphed.attention_layers, caches):
         assert torch.equal(a.kv_cache.view(torch.uint8), c.view(torch.uint8))
-
-
-def test_configure_kv_after_building_the_runner_is_refused():
-    model = build_model("gemma3-tiny", MIXED, num_pages=16, dtype=torch.float32)
-    runner = DecodeGraphRunner(model, batch_sizes=(1,), max_context=8, capture=False)
-    model.configure_kv(KVCacheConfig(page_size=4))
-    model.allocator.append("a", 1)
-    with pytest.raises(RuntimeError, match="configure_kv.*Build a new runner"):
-        runner(torch.zeros(1, dtype=torch.long), _decode_md(model, ["a"]))
-
-
-@pytest.mark.parametrize(
-    "kw, msg",
-    [
-        (dict(batch_sizes=(), max_context=8), "batch_sizes must be positive ints"),
-        (dict(batch_sizes=(0, 2), max_context=8), "batch_sizes must be positive ints"),
-        (dict(batch_sizes=(2,), max_context=0), "max_context must be a positive int, got 0"),
-        (dict(batch_sizes=(2,), max_context=8), "ReferenceKernel.* cannot be captured"),
-    ],
-)
-def test_bad_runner_arguments(kw, msg):
-    model = build_model("gemma3-tiny", MIXED, num_pages=16, dtype=torch.float32)
-    with pytest.raises(ValueError, match=msg):
-        DecodeGraphRunner(model, **kw)
-
-
-def test_capture_needs_a_cuda_model():
-    model = build_model("gemma3-tiny", MIXED, num_pages=16, dtype=torch.float32)
-    model.kernel.supports_cuda_graphs = True  # pretend: the device check comes next
-    with pytest.raises(ValueError, match="needs the model on a CUDA device, it is on cpu"):
-        DecodeGraphRunner(model, batch_sizes=(2,), max_context=8)
+    direct.allocator.append(1, 1)
+    graphed.allocator.free(1), direct.allocator.free(1)
+    got = runner(ids[:1], graphed.allocator.build_batch([(0, 1)], device="cpu"))
+    want = _direct_step(direct, direct, ids[:1], [0])
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=0)
 
 
 def test_xqa_block_table_gather():

@@ -2,7 +2,9 @@
 
 ``generate(model, prompts, max_new_tokens, forward=None)``; ``forward`` may be a compiled
 callable, e.g. ``torch.compile(model, backend=kvq_backend)``; the model still provides the
-allocator and the forward context. Pages are freed at the end, also on error.
+allocator and the forward context. ``decode=DecodeGraphRunner(model, ...)`` runs the decode steps
+through CUDA graphs (the prefill still goes through ``forward``). Pages are freed at the end, also
+on error.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
+from torch_kvq.attention.graph_runner import DecodeGraphRunner
 from torch_kvq.models.base import PagedDecoder
 
 Forward = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
@@ -51,6 +54,7 @@ def generate(
     *,
     force_tokens: Sequence[Sequence[int]] | None = None,
     on_step: Callable[[int, int, float], None] | None = None,
+    decode: DecodeGraphRunner | None = None,
 ) -> GenerateResult:
     """Greedy decoding of ``prompts`` (sequences of different lengths, one batch).
 
@@ -58,6 +62,7 @@ def generate(
     the argmax, so two models can be compared along the same path; ``tokens`` then equals it and
     ``logits.argmax(-1)`` is the model's own choice. ``on_step(done, total, seconds)`` is called
     after each forward pass (the prefill is step 1 of ``max_new_tokens``) with its wall time.
+    ``decode``, a ``DecodeGraphRunner`` built for ``model``, runs every decode step.
     """
     vocab = model.config.vocab_size
     if not isinstance(prompts, (list, tuple)) or not prompts:
@@ -76,6 +81,12 @@ def generate(
                 f"lengths {[len(f) for f in force_tokens]}"
             )
         _check_ids("force_tokens", force_tokens, vocab)
+    if decode is not None and decode.model is not model:
+        raise ValueError(
+            f"decode is a DecodeGraphRunner for another model ({type(decode.model).__name__} "
+            f"{getattr(decode.model, 'prefix', '?')!r}), expected one built for this model "
+            f"({getattr(model, 'prefix', '?')!r})"
+        )
     run = forward if forward is not None else model
     dev = model.device
     seq_ids = [object() for _ in prompts]  # unique keys: other sequences may share the allocator
@@ -103,11 +114,14 @@ def generate(
                 tokens[i].append(int(t))
             if step + 1 == max_new_tokens:
                 break
-            md = model.allocator.build_batch([(sid, 1) for sid in seq_ids], dev)
             ids = torch.tensor(chosen, dtype=torch.long, device=dev)
-            with model.forward_context(md):
-                t0 = time.perf_counter()
-                last = run(ids, md.positions)
+            t0 = time.perf_counter()
+            if decode is not None:  # the runner reads the batch's host fields only
+                last = decode(ids, model.allocator.build_batch([(s, 1) for s in seq_ids], "cpu"))
+            else:
+                md = model.allocator.build_batch([(sid, 1) for sid in seq_ids], dev)
+                with model.forward_context(md):
+                    last = run(ids, md.positions)
             if on_step is not None:
                 on_step(step + 2, max_new_tokens, time.perf_counter() - t0)
     finally:

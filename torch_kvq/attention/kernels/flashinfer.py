@@ -127,6 +127,7 @@ class FlashInferKernel:
         self._xqa_ws: torch.Tensor | None = None
         self._wrappers: dict[tuple[GroupKey, GraphShape | None], Any] = {}
         self._xqa_graph_tables: dict[GraphShape, torch.Tensor] = {}
+        self._reasons: dict[LayerKVSpec, str | None] = {}
         self._planned_gen: dict[GroupKey, int] = {}
 
     def __repr__(self) -> str:
@@ -141,6 +142,15 @@ class FlashInferKernel:
             raise KernelUnsupportedError(f"layer {spec.name!r}: {self!r} cannot serve it: {why}")
 
     def _unsupported_reason(self, spec: LayerKVSpec) -> str | None:
+        """Memoized per spec: every input (spec, GPU, this configuration) is fixed for a process,
+        and this runs for every layer on every step."""
+        try:
+            return self._reasons[spec]
+        except KeyError:
+            why = self._reasons[spec] = self._find_unsupported_reason(spec)
+            return why
+
+    def _find_unsupported_reason(self, spec: LayerKVSpec) -> str | None:
         if not torch.cuda.is_available():
             return "FlashInfer needs a CUDA GPU and torch.cuda.is_available() is False"
         arch = torch.cuda.get_device_capability()
