@@ -779,6 +779,13 @@ def _() -> object:
     return runner(torch.zeros(1, dtype=torch.long), one_token_batch(runner.scratch_page))
 
 
+@case("graphs.closed")
+def _() -> object:
+    model, runner = graph_runner()
+    runner.close()
+    return runner(torch.zeros(1, dtype=torch.long), model.allocator.build_batch([("a", 1)]))
+
+
 @case("graphs.input-ids")
 def _() -> object:
     return graph_step(2, lambda m: one_token_batch(20))

@@ -91,7 +91,9 @@ def test_padded_steps_match_direct_calls():
     assert max(errs) < CPU_LOGIT_TOL, errs
     _assert_caches_match(direct, graphed, runner.scratch_page, **CPU_CACHE_TOL)
     assert runner.captured_sizes == ()  # capture=False never captures
-    assert graphed.allocator.pages(PAD_SEQUENCE) == (runner.scratch_page,)
+    assert graphed.allocator.pages(runner.pad_sequence) == (runner.scratch_page,)
+    runner.close()
+    assert runner.pad_sequence not in graphed.allocator.sequences
 
 
 def test_compiled_model_through_the_runner():

@@ -108,12 +108,10 @@ def test_decode_steps_through_a_graph_runner_match(fp32_model):
     padded path on the CPU: 3 prompts in a 4-slot)."""
     from torch_kvq.attention.graph_runner import DecodeGraphRunner
 
-    runner = DecodeGraphRunner(fp32_model, batch_sizes=(4,), max_context=32, capture=False)
-    try:
+    with DecodeGraphRunner(fp32_model, batch_sizes=(4,), max_context=32, capture=False) as runner:
+        assert fp32_model.allocator.num_free_pages == 31  # its scratch page
         plain = generate(fp32_model, PROMPTS, 5)
         graphed = generate(fp32_model, PROMPTS, 5, decode=runner)
         assert graphed.tokens == plain.tokens
         torch.testing.assert_close(graphed.logits, plain.logits, atol=1e-4, rtol=0)
-    finally:
-        fp32_model.allocator.free("torch_kvq.graph_padding")
-    assert fp32_model.allocator.num_free_pages == 32
+    assert fp32_model.allocator.num_free_pages == 32  # close() gave it back

@@ -25,7 +25,9 @@ the way to debug a graph-only difference, and what the CPU tests exercise.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable, Mapping, Sequence
+from types import TracebackType
 from typing import Any
 
 import torch
@@ -33,8 +35,11 @@ import torch
 from torch_kvq.attention.context import forward_context
 from torch_kvq.attention.metadata import BatchMetadata, GraphShape, host_parts
 
-PAD_SEQUENCE = "torch_kvq.graph_padding"  # the allocator sequence that owns the scratch page
+PAD_SEQUENCE = (
+    "torch_kvq.graph_padding"  # + ".N": the allocator sequence owning runner N's scratch page
+)
 DEFAULT_BATCH_SIZES = (1, 2, 4, 8, 16, 32, 64)
+_runner_ids = itertools.count(1)
 
 
 class _Slot:
@@ -118,7 +123,8 @@ class DecodeGraphRunner:
     Graphs are captured lazily, on a size's first batch (two warm-up runs, then capture, in a
     shared memory pool). Every kernel must have ``supports_cuda_graphs``; the reference kernel
     does not (use ``capture=False``). After ``model.configure_kv`` the runner refuses to run: its
-    graphs hold the old caches.
+    graphs hold the old caches. ``close()`` (or leaving ``with runner:``) frees the scratch page
+    and the graphs.
     """
 
     def __init__(
@@ -161,12 +167,33 @@ class DecodeGraphRunner:
         alloc = model.allocator
         self.page_size: int = alloc.page_size
         self.max_pages_per_seq = -(-max_context // self.page_size)
-        if PAD_SEQUENCE not in alloc.sequences:
-            alloc.append(PAD_SEQUENCE, 1)
-        self.scratch_page: int = alloc.pages(PAD_SEQUENCE)[0]
+        self.pad_sequence = f"{PAD_SEQUENCE}.{next(_runner_ids)}"
+        alloc.append(self.pad_sequence, 1)
+        self._allocator = alloc
+        self.scratch_page: int = alloc.pages(self.pad_sequence)[0]
         self.num_pages = min(int(a.kv_cache.shape[0]) for a in model.attention_layers)
         self._slots: dict[int, _Slot] = {}
         self._pool: Any = None
+        self._closed = False
+
+    def close(self) -> None:
+        """Free the scratch page and drop the graphs and buffers; later calls raise."""
+        if self.pad_sequence in self._allocator.sequences:
+            self._allocator.free(self.pad_sequence)
+        self._slots.clear()
+        self._pool = None
+        self._closed = True
+
+    def __enter__(self) -> DecodeGraphRunner:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()
 
     @property
     def captured_sizes(self) -> tuple[int, ...]:
@@ -214,6 +241,8 @@ class DecodeGraphRunner:
 
     def _check(self, input_ids: torch.Tensor, md: BatchMetadata) -> int:
         """The checks the ops would make while tracing, made per step; returns the slot size."""
+        if self._closed:
+            raise RuntimeError("this DecodeGraphRunner was closed; build a new one")
         if self.model.kv_specs is not self._specs:
             raise RuntimeError(
                 "the model's KV configuration changed (configure_kv) after this DecodeGraphRunner "
@@ -254,6 +283,6 @@ class DecodeGraphRunner:
         if bool((md.kv_indices_host == self.scratch_page).any()):
             raise ValueError(
                 f"the batch uses page {self.scratch_page}, the runner's scratch page for padding "
-                f"(owned by allocator sequence {PAD_SEQUENCE!r})"
+                f"(owned by allocator sequence {self.pad_sequence!r})"
             )
         return next(s for s in self.batch_sizes if s >= b)
