@@ -35,9 +35,8 @@ import torch
 from torch_kvq.attention.context import forward_context
 from torch_kvq.attention.metadata import BatchMetadata, GraphShape, host_parts
 
-PAD_SEQUENCE = (
-    "torch_kvq.graph_padding"  # + ".N": the allocator sequence owning runner N's scratch page
-)
+# runner N's scratch page belongs to the allocator sequence f"{PAD_SEQUENCE}.{N}"
+PAD_SEQUENCE = "torch_kvq.graph_padding"
 DEFAULT_BATCH_SIZES = (1, 2, 4, 8, 16, 32, 64)
 _runner_ids = itertools.count(1)
 
@@ -150,12 +149,12 @@ class DecodeGraphRunner:
         self._specs = model.kv_specs
         kernels = model.kernel if isinstance(model.kernel, Mapping) else {"*": model.kernel}
         if capture:
-            bad = {
-                n: k for n, k in kernels.items() if not getattr(k, "supports_cuda_graphs", False)
-            }
+            bad = sorted(
+                {repr(k) for k in kernels.values() if not getattr(k, "supports_cuda_graphs", False)}
+            )
             if bad:
                 raise ValueError(
-                    f"kernel(s) {sorted({repr(k) for k in bad.values()})} cannot be captured in a "
+                    f"kernel(s) {bad} cannot be captured in a "
                     "CUDA graph (supports_cuda_graphs is not True); use FlashInferKernel or "
                     "capture=False"
                 )
@@ -208,7 +207,7 @@ class DecodeGraphRunner:
             shape = GraphShape(size, self.max_pages_per_seq)
             slot = self._slots[size] = _Slot(shape, self.page_size, self.device)
         with torch.no_grad():
-            static_md = slot.fill(metadata, input_ids.to(torch.int64), self.scratch_page)
+            static_md = slot.fill(metadata, input_ids, self.scratch_page)  # copy_ casts the ids
             kernel = self.model.kernel
             with forward_context(static_md, self._specs, kernel, graph=slot.shape):
                 if slot.copied is not None:

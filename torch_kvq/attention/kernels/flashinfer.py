@@ -317,9 +317,14 @@ class FlashInferKernel:
         cols = torch.arange(width, dtype=torch.int32, device=dev)
         starts, counts = md.kv_indptr[:-1, None], (md.kv_indptr[1:] - md.kv_indptr[:-1])[:, None]
         idx = (starts + cols).clamp_(max=md.kv_indices.numel() - 1).long()
-        table = torch.where(cols < counts, md.kv_indices[idx], 0)
-        if graph is not None:
-            table = self._xqa_graph_tables.setdefault(graph, table).copy_(table)
+        out = None
+        if graph is not None:  # written in place: the captured graph reads this buffer
+            out = self._xqa_graph_tables.get(graph)
+            if out is None:
+                out = self._xqa_graph_tables[graph] = torch.empty_like(idx, dtype=torch.int32)
+            out = out.view(-1)
+        table = torch.index_select(md.kv_indices, 0, idx.view(-1), out=out).view(idx.shape)
+        table.masked_fill_(cols >= counts, 0)
         return _XQATables(
             block_tables=table, seq_lens=md.seq_lens, max_seq_len=width * md.page_size
         )
