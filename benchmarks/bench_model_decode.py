@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from gpu_common import environment, write_results  # noqa: E402
+from gpu_common import copy_bandwidth, environment, write_results  # noqa: E402
 
 import torch_kvq  # noqa: E402
 from torch_kvq.attention import Attention  # noqa: E402
@@ -156,9 +156,24 @@ def spin_gpu(device: str, seconds: float = 1.0) -> None:
         torch.cuda.synchronize()
 
 
+# kernel kinds by name, first match wins; attention splits by the KV dtype in FlashInfer's template
+# names (XQA, "kernel_mha", runs only on FP8 caches here)
+KERNEL_KINDS = (
+    ("attention_fp8_kv", ("kernel_mha", "__nv_fp8")),
+    ("attention_bf16_kv", ("flashinfer::", "MergeState")),
+    ("gemm", ("nvjet", "gemm", "cutlass", "xmma", "splitKreduce")),
+)
+
+
+def kernel_kind(name: str) -> str:
+    return next((k for k, keys in KERNEL_KINDS if any(x in name for x in keys)), "other")
+
+
 def profile_steps(step, device: str, n: int) -> dict:
-    """torch.profiler over ``n`` steps: GPU kernel time per step (sum of kernels' self device
-    time) against the step's wall time, and the top host ops by self CPU time (syncs show here)."""
+    """torch.profiler over ``n`` steps: GPU kernel time per step (kernels only, by kind and the
+    top 30 kernels with calls per step) against the step's wall time, and the top host ops by
+    self CPU time (syncs show here)."""
+    from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device == "cuda" else [])
@@ -170,18 +185,41 @@ def profile_steps(step, device: str, n: int) -> dict:
         sync(device)
     wall_ms = (time.perf_counter() - t0) * 1e3 / n
     events = prof.key_averages()
+    kernels = [e for e in events if e.device_type == DeviceType.CUDA]
     dev = lambda e: getattr(e, "self_device_time_total", 0) or getattr(e, "self_cuda_time_total", 0)  # noqa: E731
-    gpu_ms = sum(dev(e) for e in events) / 1e3 / n
-    top_gpu = sorted(events, key=dev, reverse=True)[:8]
+    gpu_ms = sum(dev(e) for e in kernels) / 1e3 / n
+    by_kind: dict[str, float] = {}
+    for e in kernels:
+        kind = kernel_kind(e.key)
+        by_kind[kind] = by_kind.get(kind, 0.0) + dev(e) / 1e3 / n
+    top = sorted(kernels, key=dev, reverse=True)[:30]
     top_cpu = sorted(events, key=lambda e: e.self_cpu_time_total, reverse=True)[:10]
     return {
         "profiled_step_ms": wall_ms,
         "gpu_kernel_ms_per_step": gpu_ms,
         "gpu_busy_pct": 100 * gpu_ms / wall_ms,
-        "top_gpu_ms_per_step": _by_name(top_gpu, lambda e: dev(e) / 1e3 / n, 4),
+        "gpu_ms_by_kind": {k: round(v, 4) for k, v in sorted(by_kind.items())},
+        "kernels_per_step": [
+            [e.key[:160], round(dev(e) / 1e3 / n, 4), e.count / n, kernel_kind(e.key)] for e in top
+        ],
         "top_host_self_ms_per_step": _by_name(
             top_cpu, lambda e: e.self_cpu_time_total / 1e3 / n, 3
         ),
+    }
+
+
+def kernel_time_bound(fp8: dict, bf16: dict, weight_bytes: int, copy_gbps: float) -> dict:
+    """How far FP8 KV can take this model's step: the measured ratio of GPU kernel time
+    (all-bf16 / FP8), and the ratio if the GEMMs read the weights at copy bandwidth and every
+    kernel that is neither attention nor GEMM were free (attention as measured)."""
+    floor_ms = weight_bytes / (copy_gbps * 1e9) * 1e3
+    attn = lambda r: sum(v for k, v in r["gpu_ms_by_kind"].items() if k.startswith("attention"))  # noqa: E731
+    return {
+        "weights_at_copy_bw_ms": round(floor_ms, 4),
+        "attention_ms": {"fp8": round(attn(fp8), 4), "bf16": round(attn(bf16), 4)},
+        "kernel_ms": {"fp8": fp8["gpu_kernel_ms_per_step"], "bf16": bf16["gpu_kernel_ms_per_step"]},
+        "measured_kernel_ratio": bf16["gpu_kernel_ms_per_step"] / fp8["gpu_kernel_ms_per_step"],
+        "ratio_if_rest_at_bound": (attn(bf16) + floor_ms) / (attn(fp8) + floor_ms),
     }
 
 
@@ -240,13 +278,16 @@ def main() -> None:
     )
     args = ap.parse_args()
     env = environment()
-    rows = []
+    copy = copy_bandwidth() if args.device == "cuda" else None
+    rows, weight_bytes = [], 0
     pages = args.batch * (-(-(max(args.ctx) + args.steps + 8) // 16)) + 16
     for label, kv, kernel, how in variants(args):
         if args.only and not any(o in label for o in args.only):
             continue
         try:
             model = build(args.preset, kv, kernel, pages, args.device, args.tiny)
+            # every weight is read once per decode step (the embedding is tied to the LM head)
+            weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
             fill_caches(model)
             fn = {"kvq": lambda m: torch.compile(m, backend=torch_kvq.kvq_backend),
                   "inductor": torch.compile, "eager": lambda m: m}[how](model)  # fmt: skip
@@ -316,12 +357,33 @@ def main() -> None:
         lines.append(f"| {r['batch']} x {r['ctx']} | {r['variant']} | {r['step_ms']:.3f} | {r['step_median_ms']:.3f} / {r['step_max_ms']:.2f} | {r['tokens_per_s']:.0f} "
                      f"| {r['host_ms']:.3f} | {busy} | {x} | {xb} | {r['warmup_s_incl_compile']:.1f} |")  # fmt: skip
     for r in rows:  # where the time goes, per variant and context
-        for k in ("top_gpu_ms_per_step", "top_host_self_ms_per_step"):
+        for k in ("gpu_ms_by_kind", "top_host_self_ms_per_step"):
             if k in r:
                 lines.append(f"- {r['variant']} @ {r['ctx']} {k}: {r[k]}")
+    bounds = {}
+    kinds = {(r["variant"], r["ctx"]): r for r in ok if "gpu_ms_by_kind" in r}
+    for ctx in args.ctx:
+        fp8_r = kinds.get((f"kvq_backend (fp8, XQA){GRAPHS}", ctx))
+        bf16_r = kinds.get((f"all-bf16, kvq_backend{GRAPHS}", ctx))
+        if fp8_r and bf16_r and copy:
+            bounds[ctx] = b = kernel_time_bound(fp8_r, bf16_r, weight_bytes, copy["GBps"])
+            lines.append(
+                f"- {args.batch} x {ctx}, GPU kernel time all-bf16 / FP8 (XQA), with graphs: "
+                f"measured {b['measured_kernel_ratio']:.3f}x ({b['kernel_ms']['bf16']:.3f} / "
+                f"{b['kernel_ms']['fp8']:.3f} ms); with the GEMMs at copy bandwidth "
+                f"({weight_bytes / 1e9:.2f} GB of weights: {b['weights_at_copy_bw_ms']:.3f} ms) "
+                f"and all other non-attention kernels free: {b['ratio_if_rest_at_bound']:.3f}x"
+            )
     write_results(
         "bench_model_decode",
-        {"env": env, "args": vars(args), "rows": rows},
+        {
+            "env": env,
+            "args": vars(args),
+            "copy_bandwidth": copy,
+            "weight_bytes": weight_bytes,
+            "kernel_time_bound": bounds,
+            "rows": rows,
+        },  # fmt: skip
         "\n".join(lines) + "\n",
     )
 

@@ -7,11 +7,13 @@
 #   KVQ_GPU_TESTS=tests/attention/test_flashinfer_kernel.py KVQ_PYTEST_K="not slow" bash scripts/gpu_run.sh tests
 #   KVQ_MODEL_ARGS="--ctx 16384 --steps 10" bash scripts/gpu_run.sh model
 #   bash scripts/gpu_run.sh hostprof         # cProfile of a CUDA-graph decode step (not in the default)
+#   bash scripts/gpu_run.sh cpusuite         # the CPU suite (README command) on this image's torch, GPU hidden
 #
 # Needs .whl/ (carried): flashinfer_python-0.6.18.post1 and apache_tvm_ffi (flashinfer's other
 # requirements are either on the image or not imported by the kernels used here).
 # Outputs: $OUT/gpu_test_log.txt (pytest -m gpu), $OUT/run_log.txt (everything else),
-# $OUT/{bench_decode_attention,xqa_accuracy,bench_model_decode,profile_graph_step}.json.
+# $OUT/{bench_decode_attention,xqa_accuracy,bench_model_decode,profile_graph_step}.json,
+# $OUT/cpu_suite_log.txt (cpusuite).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/out}
@@ -38,7 +40,9 @@ for step in ${*:-tests attn xqa model}; do
     xqa) python3 benchmarks/xqa_accuracy.py 2>&1 | tee -a "$LOG" ;;
     model) python3 benchmarks/bench_model_decode.py ${KVQ_MODEL_ARGS:-} 2>&1 | tee -a "$LOG" ;;
     hostprof) python3 benchmarks/profile_graph_step.py ${KVQ_HOSTPROF_ARGS:-} 2>&1 | tee -a "$LOG" ;;
-    *) echo "unknown step $step (expected tests, attn, xqa, model, hostprof)" | tee -a "$LOG"; status=2; continue ;;
+    cpusuite) CUDA_VISIBLE_DEVICES= python3 -m pytest -q -m "not gpu and not slow" -p no:cacheprovider \
+                -n "${KVQ_CPU_WORKERS:-14}" -rfEs tests/ 2>&1 | tail -40 | tee "$OUT/cpu_suite_log.txt" ;;
+    *) echo "unknown step $step (expected tests, attn, xqa, model, hostprof, cpusuite)" | tee -a "$LOG"; status=2; continue ;;
   esac
   rc=${PIPESTATUS[0]}
   echo "=== $step exit $rc $(date -u +%T)" | tee -a "$LOG"

@@ -1,0 +1,72 @@
+"""Property test on the GPU: compiled (kvq passes) equals eager on FlashInfer.
+
+The same check as ``test_fuzz_equivalence.py`` (KV caches bit-identical, per-layer attention
+outputs within the fusions' rounding, the report fusing exactly the quantized layers), with both
+runs on ``FlashInferKernel``: eager takes the unfused form (dequantize the whole FP8 cache, then
+bf16 attention), compiled the fused FP8-KV read. Shapes are drawn from what FlashInfer serves
+(head size 128, bf16 / fp16) so the 16 JIT modules involved are built once, up front, in
+parallel. FlashInfer's fa2 never writes FP8 output, so a model's output quant stays unfused.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from test_fuzz_equivalence import COMMON, SCALES, LayerShape, Structure, run_case, workloads
+
+from torch_kvq.spec import AttentionLayerInfo, KVCacheConfig, resolve_layer_specs
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU and FlashInfer"),
+]
+HEAD = 128
+
+
+@st.composite
+def flashinfer_structures(draw: st.DrawFn) -> Structure:
+    n = draw(st.integers(1, 3))
+    layers = []
+    for _ in range(n):
+        kv, group = draw(st.sampled_from([1, 2])), draw(st.sampled_from([1, 2, 4]))
+        window = draw(st.one_of(st.none(), st.integers(1, 9)))
+        soft_cap = draw(st.sampled_from([None, None, 4.0]))
+        layers.append(LayerShape(kv * group, kv, HEAD, window, soft_cap))
+    skipped = draw(st.sets(st.integers(0, n - 1), max_size=n - 1))
+    skip = [(draw(st.sampled_from(["idx", "neg", "name", "glob"])), i) for i in sorted(skipped)]
+    return Structure(
+        layers=tuple(layers),
+        kv_cache_dtype=draw(st.sampled_from(["fp8"] * 4 + ["auto"])),
+        skip=tuple(skip),
+        scales=(draw(SCALES), draw(SCALES)),
+        layer_scales=(),
+        dtype=draw(st.sampled_from(["bf16", "bf16", "fp16"])),
+        quant_form=draw(st.sampled_from(["op", "torch"])),
+        out_quant=draw(st.one_of(st.none(), st.tuples(st.sampled_from(["op", "torch"]), SCALES))),
+        page_size=draw(st.sampled_from([1, 4, 16])),
+    )
+
+
+@pytest.fixture(scope="module")
+def kernel_factory():
+    """FlashInferKernel (tensor-core decode, unfused form too), its modules prebuilt: every
+    (dtype, kv dtype, sliding, soft-cap) at head size 128."""
+    from torch_kvq.attention.kernels import FlashInferKernel
+    from torch_kvq.attention.kernels.flashinfer_jit import prebuild
+
+    infos = [
+        AttentionLayerInfo(f"p.{w}.{c}", 2, 1, HEAD, sliding_window=w, logits_soft_cap=c)
+        for w in (None, 4)
+        for c in (None, 4.0)
+    ]
+    for dtype in (torch.bfloat16, torch.float16):
+        prebuild(FlashInferKernel(), resolve_layer_specs(KVCacheConfig("fp8"), infos, dtype))
+    return FlashInferKernel
+
+
+@settings(max_examples=20, derandomize=True, **COMMON)
+@given(structure=flashinfer_structures(), steps=workloads(), seed=st.integers(0, 2**16))
+def test_compiled_equals_eager_on_flashinfer(kernel_factory, structure, steps, seed) -> None:
+    run_case(structure, steps, seed, kernel=kernel_factory, device="cuda")
