@@ -5,13 +5,14 @@
 #   bash scripts/gpu_run.sh                  # tests attn xqa model
 #   bash scripts/gpu_run.sh tests attn xqa   # any subset, in that order
 #   KVQ_GPU_TESTS=tests/attention/test_flashinfer_kernel.py KVQ_PYTEST_K="not slow" bash scripts/gpu_run.sh tests
+#   KVQ_PYTEST_M="gpu and slow" bash scripts/gpu_run.sh tests   # the slow GPU tests (FlashInfer fuzz)
 #   KVQ_MODEL_ARGS="--ctx 16384 --steps 10" bash scripts/gpu_run.sh model
 #   bash scripts/gpu_run.sh hostprof         # cProfile of a CUDA-graph decode step (not in the default)
 #   bash scripts/gpu_run.sh cpusuite         # the CPU suite (README command) on this image's torch, GPU hidden
 #
 # Needs .whl/ (carried): flashinfer_python-0.6.18.post1 and apache_tvm_ffi (flashinfer's other
 # requirements are either on the image or not imported by the kernels used here).
-# Outputs: $OUT/gpu_test_log.txt (pytest -m gpu), $OUT/run_log.txt (everything else),
+# Outputs: $OUT/gpu_test_log.txt (pytest -m "gpu and not slow"), $OUT/run_log.txt (everything else),
 # $OUT/{bench_decode_attention,xqa_accuracy,bench_model_decode,profile_graph_step}.json,
 # $OUT/cpu_suite_log.txt (cpusuite).
 set -uo pipefail
@@ -34,7 +35,7 @@ status=0
 for step in ${*:-tests attn xqa model}; do
   echo "=== $step $(date -u +%T)" | tee -a "$LOG"
   case $step in
-    tests) python3 -m pytest -m gpu -v -rfEs --durations=20 -p no:cacheprovider --continue-on-collection-errors \
+    tests) python3 -m pytest -m "${KVQ_PYTEST_M:-gpu and not slow}" -v -rfEs --durations=20 -p no:cacheprovider --continue-on-collection-errors \
              -k "${KVQ_PYTEST_K:-}" ${KVQ_GPU_TESTS:-tests/} 2>&1 | tee "$OUT/gpu_test_log.txt" ;;
     attn) python3 benchmarks/bench_decode_attention.py 2>&1 | tee -a "$LOG" ;;
     xqa) python3 benchmarks/xqa_accuracy.py 2>&1 | tee -a "$LOG" ;;
