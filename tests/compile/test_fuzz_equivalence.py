@@ -174,7 +174,8 @@ class FuzzModel(nn.Module):
         y = torch.zeros_like(x)
         outs = []
         for i, (attn, sp) in enumerate(zip(self.attn, self.specs)):
-            wq, wk, wv, wo = self.w[4 * i : 4 * i + 4]
+            # one index at a time: torch 2.11's Dynamo cannot trace slicing a ParameterList
+            wq, wk, wv, wo = (self.w[4 * i + j] for j in range(4))
             q = (x @ wq).view(t, sp.num_heads, sp.head_size)
             k = (x @ wk).view(t, sp.num_kv_heads, sp.head_size)
             v = (x @ wv).view(t, sp.num_kv_heads, sp.head_size)

@@ -146,6 +146,7 @@ def test_dumps_are_named_after_the_passes(tmp_path):
 def test_inductors_fake_tensor_updater_fills_the_new_nodes():
     """What Inductor does after the custom post pass: ``incremental_update()`` computes
     ``meta["val"]`` for the nodes the fusions created (we never write it ourselves)."""
+    import torch._inductor.fx_passes.reinplace  # noqa: F401 - torch 2.11's updater reads it unimported
     from torch._guards import detect_fake_mode
     from torch._inductor.fx_utils import FakeTensorUpdater
     from torch._inductor.virtualized import V
