@@ -18,7 +18,7 @@ layers when the model has one.
 from __future__ import annotations
 
 import itertools
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import pytest
@@ -86,8 +86,16 @@ SCALES = st.floats(0.004, 0.08, allow_nan=False)
 
 
 @st.composite
-def structures(draw: st.DrawFn) -> Structure:
-    n = draw(st.integers(1, 4))
+def structures(
+    draw: st.DrawFn,
+    max_layers: int = 4,
+    head_sizes: Sequence[int] = (8, 16),
+    soft_caps: Sequence[float | None] = (None, None, 4.0),
+    dtypes: Sequence[str] = ("bf16", "bf16", "fp16", "fp32"),
+    page_sizes: Sequence[int] = (1, 2, 4, 8, 16),
+) -> Structure:
+    """A random model structure; the arguments narrow it (the FlashInfer variant: its shapes)."""
+    n = draw(st.integers(1, max_layers))
     layers = []
     for _ in range(n):
         kv, group = draw(st.sampled_from([1, 2])), draw(st.sampled_from([1, 2, 4]))
@@ -95,9 +103,9 @@ def structures(draw: st.DrawFn) -> Structure:
             LayerShape(
                 num_heads=kv * group,
                 num_kv_heads=kv,
-                head_size=draw(st.sampled_from([8, 16])),
+                head_size=draw(st.sampled_from(head_sizes)),
                 window=draw(st.one_of(st.none(), st.integers(1, 9))),
-                soft_cap=draw(st.sampled_from([None, None, 4.0])),
+                soft_cap=draw(st.sampled_from(soft_caps)),
             )
         )
     skipped = draw(st.sets(st.integers(0, n - 1), max_size=n - 1))  # keep one layer FP8 mostly
@@ -111,10 +119,10 @@ def structures(draw: st.DrawFn) -> Structure:
         skip=tuple(draw(st.permutations(skip))),
         scales=(draw(SCALES), draw(SCALES)),
         layer_scales=tuple((i, draw(SCALES), draw(SCALES)) for i in sorted(scaled)),
-        dtype=draw(st.sampled_from(["bf16", "bf16", "fp16", "fp32"])),
+        dtype=draw(st.sampled_from(dtypes)),
         quant_form=draw(st.sampled_from(["op", "torch"])),
         out_quant=draw(st.one_of(st.none(), st.tuples(st.sampled_from(["op", "torch"]), SCALES))),
-        page_size=draw(st.sampled_from([1, 2, 4, 8, 16])),
+        page_size=draw(st.sampled_from(page_sizes)),
     )
 
 
