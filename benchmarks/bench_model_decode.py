@@ -8,6 +8,10 @@ enter ``model.forward_context`` (plans), run the model. tokens/s = B / step time
 the time for the host to return from a step without waiting for the GPU: when it is close to the
 step time, the step is launch-bound. "+ CUDA graphs" variants run each step through
 ``DecodeGraphRunner`` (one graph captured for the batch size, then plan + replay per step).
+With ``--profile-steps`` (default 3) each row also gets its GPU kernel time per step split by
+kind (``kernel_kind``: FP8-KV attention, bf16-KV attention, GEMM, other) and the top 30 kernels;
+when both "+ CUDA graphs" rows of FP8/XQA and all-bf16 ran, ``kernel_time_bound`` gives their
+kernel-time ratio and the ratio with the GEMMs at copy bandwidth and the other kernels free.
 
 Uses ``torch_kvq.models.build_model`` ("gemma3-tiny" with the size overrides below),
 ``model(input_ids, positions)``, ``model.forward_context(metadata)``, ``model.allocator`` and
