@@ -439,6 +439,11 @@ def _() -> object:
     return batch([[-1]], [2], [2])
 
 
+@case("metadata.slot-overflow")
+def _() -> object:
+    return batch([[2**27]], [1], [1], page_size=16)
+
+
 @case("metadata.page-size-zero")
 def _() -> object:
     return batch([[0]], [2], [2], page_size=0)

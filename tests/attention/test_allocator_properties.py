@@ -91,6 +91,8 @@ class AllocatorMachine(RuleBasedStateMachine):
         if self.pages_needed(requests) > self.alloc.num_free_pages:
             return self.refuse(requests)
         md = self.alloc.build_batch(requests)
+        # the batch's page table is the allocator's (its per-sequence tensors are extended in place)
+        assert md.page_tables == tuple(self.alloc.pages(sid) for sid, _ in requests)
         t = md.num_tokens
         q = torch.randn(t, HEADS, D, generator=self.gen)
         k = torch.randn(t, KV_HEADS, D, generator=self.gen)

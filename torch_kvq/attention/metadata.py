@@ -135,21 +135,28 @@ class BatchMetadata:
         device: torch.device | str,
     ) -> BatchMetadata:
         parts = host_parts(kv_indices, counts, kv_lens, qo_lens, page_size)
-        packed = torch.cat(parts)
+        top = int(parts[5].max())  # slots grow with page ids; positions stay below them
+        if top >= 2**31:
+            raise ValueError(
+                f"slot {top} (page id x page_size {page_size} + offset) does not fit int32; "
+                "page ids x page_size must stay below 2**31"
+            )
+        # one int32 block, one copy; slots and positions widen to int64 on the device
+        i32 = torch.int32
+        packed = torch.cat([p.to(i32) for p in parts])
         if torch.device(device).type == "cuda":
             packed = packed.pin_memory().to(device, non_blocking=True)
         else:
             packed = packed.to(device)
         a, b, c, d, e, f, g = packed.split([p.numel() for p in parts])
-        i32 = torch.int32
         return cls(
-            qo_indptr=a.to(i32),
-            kv_indptr=b.to(i32),
-            kv_indices=c.to(i32),
-            kv_last_page_len=d.to(i32),
-            seq_lens=e.to(i32),
-            slot_mapping=f,
-            positions=g,
+            qo_indptr=a,
+            kv_indptr=b,
+            kv_indices=c,
+            kv_last_page_len=d,
+            seq_lens=e,
+            slot_mapping=f.to(torch.int64),
+            positions=g.to(torch.int64),
             page_size=page_size,
             qo_lens=tuple(int(n) for n in qo_lens),
             kv_lens=tuple(int(n) for n in kv_lens),
@@ -165,8 +172,9 @@ def host_parts(
     qo_lens: list[int],
     page_size: int,
 ) -> list[torch.Tensor]:
-    """The metadata's device tensors, computed on the host (int64, vectorized, unchecked):
-    [qo_indptr, kv_indptr, kv_indices, kv_last_page_len, seq_lens, slot_mapping, positions]."""
+    """The metadata's device tensors, computed on the host (vectorized, unchecked): [qo_indptr,
+    kv_indptr, kv_indices, kv_last_page_len, seq_lens, slot_mapping, positions], int64 except
+    ``kv_indices``, returned as given (int32). Slots must fit int32 (the packed copy is int32)."""
     i64 = torch.int64
     qo = torch.tensor(qo_lens, dtype=i64)
     kv = torch.tensor(kv_lens, dtype=i64)
@@ -177,10 +185,10 @@ def host_parts(
     T = int(qo_indptr[-1])
     seq_of_token = torch.repeat_interleave(torch.arange(len(qo_lens)), qo, output_size=T)
     positions = (kv - qo)[seq_of_token] + torch.arange(T) - qo_indptr[:-1][seq_of_token]
-    page = kv_indices.to(i64)[kv_indptr[:-1][seq_of_token] + positions // page_size]
+    page = kv_indices[kv_indptr[:-1][seq_of_token] + positions // page_size].to(i64)
     slots = page * page_size + positions % page_size
     last = kv - (n_pages - 1) * page_size
-    return [qo_indptr, kv_indptr, kv_indices.to(i64), last, kv, slots, positions]
+    return [qo_indptr, kv_indptr, kv_indices, last, kv, slots, positions]
 
 
 def _page_tensor(i: int, pages: Sequence[int] | torch.Tensor) -> torch.Tensor:
@@ -277,11 +285,13 @@ class PageAllocator:
             )
         for sid, n in requests:
             pages = self._pages.setdefault(sid, [])
-            new = self._pages_needed(sid, n)
-            for _ in range(new):
-                pages.append(self._free.pop())
-            if new or sid not in self._tensors:
+            added = [self._free.pop() for _ in range(self._pages_needed(sid, n))]
+            pages.extend(added)
+            old = self._tensors.get(sid)
+            if old is None:
                 self._tensors[sid] = torch.tensor(pages, dtype=torch.int32)
+            elif added:  # extend in C, not rebuild from the Python list (a long context: ~1k ids)
+                self._tensors[sid] = torch.cat([old, torch.tensor(added, dtype=torch.int32)])
             self._lens[sid] = self._lens.get(sid, 0) + n
 
     def free(self, seq_id: Hashable) -> None:
