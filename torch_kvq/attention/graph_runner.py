@@ -83,11 +83,7 @@ class _Slot:
             self.copied.synchronize()  # the previous step's copies have left the host twins
         n32 = 4 * b + 2 + idx.numel()
         c = self.stride
-        i32 = torch.int32
-        torch.cat(
-            [qo.to(i32), kv_ptr.to(i32), last.to(i32), seq_lens.to(i32), idx],
-            out=self.host_i32[:n32],
-        )
+        torch.cat([qo, kv_ptr, last, seq_lens, idx], out=self.host_i32[:n32])
         self.host_i64[:b] = slots
         self.host_i64[c : c + b] = positions
         self.i32[:n32].copy_(self.host_i32[:n32], non_blocking=True)

@@ -135,15 +135,8 @@ class BatchMetadata:
         device: torch.device | str,
     ) -> BatchMetadata:
         parts = host_parts(kv_indices, counts, kv_lens, qo_lens, page_size)
-        top = int(parts[5].max())  # slots grow with page ids; positions stay below them
-        if top >= 2**31:
-            raise ValueError(
-                f"slot {top} (page id x page_size {page_size} + offset) does not fit int32; "
-                "page ids x page_size must stay below 2**31"
-            )
         # one int32 block, one copy; slots and positions widen to int64 on the device
-        i32 = torch.int32
-        packed = torch.cat([p.to(i32) for p in parts])
+        packed = torch.cat(parts)
         if torch.device(device).type == "cuda":
             packed = packed.pin_memory().to(device, non_blocking=True)
         else:
@@ -172,9 +165,9 @@ def host_parts(
     qo_lens: list[int],
     page_size: int,
 ) -> list[torch.Tensor]:
-    """The metadata's device tensors, computed on the host (vectorized, unchecked): [qo_indptr,
-    kv_indptr, kv_indices, kv_last_page_len, seq_lens, slot_mapping, positions], int64 except
-    ``kv_indices``, returned as given (int32). Slots must fit int32 (the packed copy is int32)."""
+    """The metadata's device tensors, computed on the host (vectorized), all int32: [qo_indptr,
+    kv_indptr, kv_indices (as given), kv_last_page_len, seq_lens, slot_mapping, positions].
+    ValueError if a slot does not fit int32; nothing else is checked."""
     i64 = torch.int64
     qo = torch.tensor(qo_lens, dtype=i64)
     kv = torch.tensor(kv_lens, dtype=i64)
@@ -188,7 +181,15 @@ def host_parts(
     page = kv_indices[kv_indptr[:-1][seq_of_token] + positions // page_size].to(i64)
     slots = page * page_size + positions % page_size
     last = kv - (n_pages - 1) * page_size
-    return [qo_indptr, kv_indptr, kv_indices, last, kv, slots, positions]
+    top = int(slots.max())  # slots grow with page ids; positions stay below them
+    if top >= 2**31:
+        raise ValueError(
+            f"slot {top} (page id x page_size {page_size} + offset) does not fit int32; "
+            "page ids x page_size must stay below 2**31"
+        )
+    i32 = torch.int32
+    small = [t.to(i32) for t in (qo_indptr, kv_indptr, last, kv, slots, positions)]
+    return [*small[:2], kv_indices, *small[2:]]
 
 
 def _page_tensor(i: int, pages: Sequence[int] | torch.Tensor) -> torch.Tensor:
@@ -272,20 +273,20 @@ class PageAllocator:
         ids = [sid for sid, _ in requests]
         if len(set(ids)) != len(ids):
             raise ValueError(f"a batch names a sequence twice: {ids}")
-        need = 0
         for sid, n in requests:
             if isinstance(n, bool) or not isinstance(n, int) or n < 1:
                 raise ValueError(f"sequence {sid!r}: token count must be a positive int, got {n!r}")
-            need += self._pages_needed(sid, n)
+        needs = [self._pages_needed(sid, n) for sid, n in requests]
+        need = sum(needs)
         if need > len(self._free):
             raise OutOfPagesError(
                 f"out of KV pages: the batch needs {need} new pages of {self.page_size} tokens, "
                 f"{len(self._free)} of {self.num_pages} are free; free finished sequences or "
                 "allocate a larger cache. Nothing was allocated."
             )
-        for sid, n in requests:
+        for (sid, n), new in zip(requests, needs):
             pages = self._pages.setdefault(sid, [])
-            added = [self._free.pop() for _ in range(self._pages_needed(sid, n))]
+            added = [self._free.pop() for _ in range(new)]
             pages.extend(added)
             old = self._tensors.get(sid)
             if old is None:
