@@ -9,10 +9,17 @@
 #   KVQ_MODEL_ARGS="--ctx 16384 --steps 10" bash scripts/gpu_run.sh model
 #   bash scripts/gpu_run.sh hostprof         # cProfile of a CUDA-graph decode step (not in the default)
 #   bash scripts/gpu_run.sh cpusuite         # the CPU suite (README command) on this image's torch, GPU hidden
+#   bash scripts/gpu_run.sh tests jitpack    # ... then pack the FlashInfer modules built here
+#
+# FlashInfer compiles its kernels on first use (minutes on a bare machine). ``jitpack`` packs the
+# modules built so far into $OUT/flashinfer_jit.tar.xz with a STAMP (flashinfer, torch and nvcc
+# versions); unpacked into .jit/ here and carried (carry=[".whl", ".jit"]), a later run installs
+# them as FlashInfer's AOT modules when the STAMP matches, and builds only what is missing:
+#   mkdir -p .jit && tar -xJf <files_at>/flashinfer_jit.tar.xz -C .jit
 #
 # Needs .whl/ (carried): flashinfer_python-0.6.18.post1 and apache_tvm_ffi (flashinfer's other
 # requirements are either on the image or not imported by the kernels used here).
-# Outputs: $OUT/gpu_test_log.txt (pytest -m "gpu and not slow"), $OUT/run_log.txt (everything else),
+# Outputs: $OUT/gpu_test_log.txt (pytest -m "gpu and not slow"; name set by KVQ_TEST_LOG), $OUT/run_log.txt (everything else),
 # $OUT/{bench_decode_attention,xqa_accuracy,bench_model_decode,profile_graph_step}.json,
 # $OUT/cpu_suite_log.txt (cpusuite).
 set -uo pipefail
@@ -31,19 +38,39 @@ export CUDA_HOME=${CUDA_HOME:-/usr/local/cuda} MAX_JOBS=${MAX_JOBS:-16}
 } 2>&1 | tee -a "$LOG" || exit 1
 export PYTHONPATH=/tmp/site:$PWD
 python3 -c "import torch, flashinfer; print('torch', torch.__version__, 'flashinfer', flashinfer.__version__)" 2>&1 | tee -a "$LOG"
+stamp() {
+  python3 -c "import torch, flashinfer; print('flashinfer', flashinfer.__version__, 'torch', torch.__version__)"
+  "$CUDA_HOME/bin/nvcc" --version | tail -1; echo "arch $FLASHINFER_CUDA_ARCH_LIST"
+}
+if [ -f .jit/STAMP ]; then
+  if [ "$(cat .jit/STAMP)" = "$(stamp)" ]; then
+    mkdir -p /tmp/site/flashinfer/data/aot && cp -r .jit/aot/. /tmp/site/flashinfer/data/aot/
+    echo "prebuilt FlashInfer modules from .jit: $(ls .jit/aot | wc -l)" | tee -a "$LOG"
+  else
+    echo "ignoring .jit: built for $(cat .jit/STAMP | tr '\n' ' ') not $(stamp | tr '\n' ' ')" | tee -a "$LOG"
+  fi
+fi
 status=0
 for step in ${*:-tests attn xqa model}; do
   echo "=== $step $(date -u +%T)" | tee -a "$LOG"
   case $step in
     tests) python3 -m pytest -m "${KVQ_PYTEST_M:-gpu and not slow}" -v -rfEs --durations=20 -p no:cacheprovider --continue-on-collection-errors \
-             -k "${KVQ_PYTEST_K:-}" ${KVQ_GPU_TESTS:-tests/} 2>&1 | tee "$OUT/gpu_test_log.txt" ;;
+             -k "${KVQ_PYTEST_K:-}" ${KVQ_GPU_TESTS:-tests/} 2>&1 | tee "$OUT/${KVQ_TEST_LOG:-gpu_test_log.txt}" ;;
     attn) python3 benchmarks/bench_decode_attention.py 2>&1 | tee -a "$LOG" ;;
     xqa) python3 benchmarks/xqa_accuracy.py 2>&1 | tee -a "$LOG" ;;
     model) python3 benchmarks/bench_model_decode.py ${KVQ_MODEL_ARGS:-} 2>&1 | tee -a "$LOG" ;;
     hostprof) python3 benchmarks/profile_graph_step.py ${KVQ_HOSTPROF_ARGS:-} 2>&1 | tee -a "$LOG" ;;
+    jitpack) jit=$(python3 -c "import flashinfer.jit.env as e; print(e.FLASHINFER_JIT_DIR)")
+             rm -rf /tmp/jitpack && mkdir -p /tmp/jitpack/aot && stamp > /tmp/jitpack/STAMP
+             for so in "$jit"/*/*.so /tmp/site/flashinfer/data/aot/*/*.so; do
+               [ -f "$so" ] && mkdir -p "/tmp/jitpack/aot/$(basename "$(dirname "$so")")" && cp "$so" "/tmp/jitpack/aot/$(basename "$(dirname "$so")")/"
+             done
+             du -sh /tmp/jitpack/aot | tee -a "$LOG"
+             tar -C /tmp/jitpack -cf - STAMP aot | xz -T0 -6 > "$OUT/flashinfer_jit.tar.xz"
+             ls -la "$OUT/flashinfer_jit.tar.xz" | tee -a "$LOG" ;;
     cpusuite) CUDA_VISIBLE_DEVICES= python3 -m pytest -q -m "not gpu and not slow" -p no:cacheprovider \
                 -n "${KVQ_CPU_WORKERS:-14}" -rfEs tests/ 2>&1 | tail -40 | tee "$OUT/cpu_suite_log.txt" ;;
-    *) echo "unknown step $step (expected tests, attn, xqa, model, hostprof, cpusuite)" | tee -a "$LOG"; status=2; continue ;;
+    *) echo "unknown step $step (expected tests, attn, xqa, model, hostprof, cpusuite, jitpack)" | tee -a "$LOG"; status=2; continue ;;
   esac
   rc=${PIPESTATUS[0]}
   echo "=== $step exit $rc $(date -u +%T)" | tee -a "$LOG"

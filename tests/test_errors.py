@@ -15,6 +15,7 @@ import functools
 import itertools
 import math
 import re
+import sys
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -710,6 +711,41 @@ def _() -> object:
     md = PageAllocator(4, 16).build_batch([("a", 3)])
     with fake_gpu(), forward_context(md, specs, FlashInferKernel(phases="decode")):
         return None
+
+
+def kv_write_args(dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
+    """A [pages 2, 2, page 16, KH 8, D 16] cache and one token's k / v, slot 0."""
+    cache = torch.zeros(2, 2, 16, 8, 16, dtype=dtype)
+    k = v = torch.ones(1, 8, 16, dtype=torch.bfloat16)
+    return cache, k, v, torch.zeros(1, dtype=torch.int64)
+
+
+@case("kernel.write-no-triton")
+def _() -> object:
+    from torch_kvq.attention.kernels import kv_write
+
+    kv_write._triton_kernel.cache_clear()
+    try:
+        with mock.patch.dict(sys.modules, {"triton": None, "triton.language": None}):
+            return kv_write.write_kv_triton(*kv_write_args(torch.bfloat16))
+    finally:
+        kv_write._triton_kernel.cache_clear()
+
+
+@case("kernel.write-cache-not-dense")
+def _() -> object:
+    from torch_kvq.attention.kernels.kv_write import write_kv_triton
+
+    cache, k, v, slots = kv_write_args(torch.bfloat16)
+    cache = cache.transpose(-1, -2).contiguous().transpose(-1, -2)  # same shape, D outermost
+    return write_kv_triton(cache, k, v, slots)
+
+
+@case("kernel.write-quant-into-bf16-cache")
+def _() -> object:
+    from torch_kvq.attention.kernels.kv_write import write_kv_triton
+
+    return write_kv_triton(*kv_write_args(torch.bfloat16), scales=(1.0, 1.0))
 
 
 @case("kernel.flashinfer-bad-option")

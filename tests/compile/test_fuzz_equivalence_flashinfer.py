@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from hypothesis import given, settings
+from hypothesis import Phase, given, settings
 from hypothesis import strategies as st
 from test_fuzz_equivalence import COMMON, run_case, structures, workloads
 
@@ -53,7 +53,8 @@ def kernel_factory():
     return FlashInferKernel
 
 
-@settings(max_examples=8, derandomize=True, **COMMON)
+# no shrinking: each shrink step is a new compile and FlashInfer run; a failure is reported as drawn
+@settings(max_examples=8, derandomize=True, phases=(Phase.explicit, Phase.generate), **COMMON)
 @given(structure=FLASHINFER_STRUCTURES, steps=workloads(), seed=st.integers(0, 2**16))
 def test_compiled_equals_eager_on_flashinfer(kernel_factory, structure, steps, seed) -> None:
     run_case(structure, steps, seed, kernel=kernel_factory, device="cuda")

@@ -23,7 +23,7 @@ from torch import Tensor
 
 from torch_kvq.attention.context import get_forward_context
 from torch_kvq.attention.kernels.base import quantize_fp8 as _quantize_fp8
-from torch_kvq.attention.kernels.base import write_kv
+from torch_kvq.attention.kernels.kv_write import write_kv
 from torch_kvq.attention.metadata import BatchMetadata
 from torch_kvq.spec import FP8_DTYPE, LayerKVSpec, check_scale
 
@@ -145,15 +145,14 @@ def _(k: Tensor, v: Tensor, kv_cache: Tensor, layer_name: str) -> None:
 def quant_cache_write(
     k: Tensor, v: Tensor, kv_cache: Tensor, k_scale: float, v_scale: float, layer_name: str
 ) -> None:
-    """Fused: quantize model-dtype k/v [T, KH, D] with static scales and write the FP8 cache."""
+    """Fused: quantize model-dtype k/v [T, KH, D] with static scales and write the FP8 cache (one
+    Triton kernel on CUDA: ``kernels/kv_write.py``)."""
     ctx = get_forward_context()
     spec = ctx.spec(layer_name)
     _check_fp8_layer(spec, "quant_cache_write")
     _check_kv_args(spec, k, v, kv_cache, spec.model_dtype, ctx.metadata.num_tokens)
     _check_fp8_cache(spec, kv_cache, ctx.metadata, k_scale, v_scale)
-    write_kv(
-        kv_cache, _quantize_fp8(k, k_scale), _quantize_fp8(v, v_scale), ctx.metadata.slot_mapping
-    )
+    write_kv(kv_cache, k, v, ctx.metadata.slot_mapping, (k_scale, v_scale))
 
 
 @quant_cache_write.register_fake

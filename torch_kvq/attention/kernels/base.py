@@ -55,14 +55,3 @@ class AttentionKernel(Protocol):
 def quantize_fp8(x: torch.Tensor, scale: float) -> torch.Tensor:
     """Static per-tensor FP8 quantization: ``clamp(x / scale, -448, 448)`` in fp32, cast to e4m3."""
     return (x.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
-
-
-def write_kv(
-    kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor
-) -> None:
-    """Scatter k/v [T, kv_heads, head_size] into ``kv_cache`` at flat ``slot_mapping`` [T] slots."""
-    page_size = kv_cache.shape[2]
-    pages = torch.div(slot_mapping, page_size, rounding_mode="floor")
-    offsets = slot_mapping - pages * page_size
-    kv_cache[pages, 0, offsets] = k
-    kv_cache[pages, 1, offsets] = v
