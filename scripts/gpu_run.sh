@@ -13,9 +13,9 @@
 #
 # FlashInfer compiles its kernels on first use (minutes on a bare machine). ``jitpack`` packs the
 # modules built so far into $OUT/flashinfer_jit.tar.xz with a STAMP (flashinfer, torch and nvcc
-# versions); unpacked into .jit/ here and carried (carry=[".whl", ".jit"]), a later run installs
+# versions); copied into .jit/ here and carried (carry=[".whl", ".jit"]), a later run installs
 # them as FlashInfer's AOT modules when the STAMP matches, and builds only what is missing:
-#   mkdir -p .jit && tar -xJf <files_at>/flashinfer_jit.tar.xz -C .jit
+#   mkdir -p .jit && cp <files_at>/flashinfer_jit.tar.xz .jit/
 #
 # Needs .whl/ (carried): flashinfer_python-0.6.18.post1 and apache_tvm_ffi (flashinfer's other
 # requirements are either on the image or not imported by the kernels used here).
@@ -42,12 +42,13 @@ stamp() {
   python3 -c "import torch, flashinfer; print('flashinfer', flashinfer.__version__, 'torch', torch.__version__)"
   "$CUDA_HOME/bin/nvcc" --version | tail -1; echo "arch $FLASHINFER_CUDA_ARCH_LIST"
 }
-if [ -f .jit/STAMP ]; then
-  if [ "$(cat .jit/STAMP)" = "$(stamp)" ]; then
-    mkdir -p /tmp/site/flashinfer/data/aot && cp -r .jit/aot/. /tmp/site/flashinfer/data/aot/
-    echo "prebuilt FlashInfer modules from .jit: $(ls .jit/aot | wc -l)" | tee -a "$LOG"
+if [ -f .jit/flashinfer_jit.tar.xz ]; then
+  rm -rf /tmp/jit && mkdir -p /tmp/jit && tar -xJf .jit/flashinfer_jit.tar.xz -C /tmp/jit
+  if [ "$(cat /tmp/jit/STAMP)" = "$(stamp)" ]; then
+    mkdir -p /tmp/site/flashinfer/data/aot && cp -r /tmp/jit/aot/. /tmp/site/flashinfer/data/aot/
+    echo "prebuilt FlashInfer modules from .jit: $(ls /tmp/jit/aot | wc -l)" | tee -a "$LOG"
   else
-    echo "ignoring .jit: built for $(cat .jit/STAMP | tr '\n' ' ') not $(stamp | tr '\n' ' ')" | tee -a "$LOG"
+    echo "ignoring .jit: built for $(tr '\n' ' ' < /tmp/jit/STAMP) not $(stamp | tr '\n' ' ')" | tee -a "$LOG"
   fi
 fi
 status=0

@@ -160,9 +160,10 @@ def _triton_kernel() -> Any:
         k = tl.load(k_ptr + token * k_stride_t + i, mask=mask)
         v = tl.load(v_ptr + token * v_stride_t + i, mask=mask)
         if QUANT:
-            nan = tl.PropagateNan.ALL
-            k = tl.clamp(k.to(tl.float32) * k_mul, -FP8_MAX, FP8_MAX, propagate_nan=nan)
-            v = tl.clamp(v.to(tl.float32) * v_mul, -FP8_MAX, FP8_MAX, propagate_nan=nan)
+            k = k.to(tl.float32) * k_mul
+            v = v.to(tl.float32) * v_mul
+            k = tl.clamp(k, -FP8_MAX, FP8_MAX, propagate_nan=tl.PropagateNan.ALL)
+            v = tl.clamp(v, -FP8_MAX, FP8_MAX, propagate_nan=tl.PropagateNan.ALL)
             k = k.to(tl.float8e4nv, fp_downcast_rounding="rtne")
             v = v.to(tl.float8e4nv, fp_downcast_rounding="rtne")
         dst = cache_ptr + page * c_stride_page + offset * c_stride_slot + i
