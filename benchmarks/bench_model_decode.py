@@ -23,11 +23,18 @@ Uses ``torch_kvq.models.build_model`` ("gemma3-tiny" with the size overrides bel
 from __future__ import annotations
 
 import argparse
+import gc
+import os
 import sys
 import time
 from pathlib import Path
 
-import torch
+# Inductor compiles in-process: its pool of compile workers (one Python + torch import per core)
+# otherwise boots in the background while the first variant is timed, and steals its host CPU
+# (seen on the H200, 2026-11-29: the first variant's host time per step 2.5 -> 6 ms).
+os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
+
+import torch  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from gpu_common import copy_bandwidth, environment, write_results  # noqa: E402
@@ -118,6 +125,8 @@ def run(
             step()
         sync(device)
         first = time.perf_counter() - t0
+        gc.collect()  # as serving engines do after warm-up: no collector pause inside the timing
+        gc.freeze()
         spin_gpu(device)
         cuda = device == "cuda"
         marks = [torch.cuda.Event(enable_timing=True) for _ in range(steps + 1)] if cuda else []

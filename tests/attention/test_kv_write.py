@@ -42,7 +42,7 @@ def _bytes(x: torch.Tensor) -> torch.Tensor:
 @pytest.mark.parametrize(("kh", "d"), [(8, 128), (1, 64), (3, 96), (2, 256)])
 def test_triton_write_equals_aten(dtype, quant, page_size, kh, d) -> None:
     scales = (0.37, 1.0 / 3.0) if quant else None
-    cache, k, v, slots = _case(dtype, quant, page_size, kh, d, t=37, pages=8, seed=kh * d)
+    cache, k, v, slots = _case(dtype, quant, page_size, kh, d, t=37, pages=64, seed=kh * d)
     want = cache.clone()
     write_kv_torch(want, k, v, slots, scales)
     write_kv_triton(cache, k, v, slots, scales)
