@@ -142,7 +142,10 @@ def run(
         sync(device)
         step_s = (time.perf_counter() - t0) / steps
         # per-step time on the GPU's timeline (start to next start): the median ignores a stall
-        gaps = sorted(a.elapsed_time(b) for a, b in zip(marks, marks[1:])) or [step_s * 1e3]
+        timeline = [a.elapsed_time(b) for a, b in zip(marks, marks[1:])]
+        gaps = sorted(timeline) or [step_s * 1e3]
+        slow = sorted(range(len(timeline)), key=timeline.__getitem__)[-5:][::-1]
+        host_slow = sorted(range(len(host)), key=host.__getitem__)[-5:][::-1]
         try:
             prof = profile_steps(step, device, profile) if profile else {}
         except Exception as e:  # noqa: BLE001 - the timing above stands; say why there is no profile
@@ -153,6 +156,10 @@ def run(
     return {"variant": label, "batch": batch, "ctx": ctx, "step_ms": step_s * 1e3,
             "tokens_per_s": batch / step_s, "step_median_ms": gaps[len(gaps) // 2],
             "step_max_ms": gaps[-1], "host_ms": 1e3 * sorted(host)[len(host) // 2],
+            # (step index, ms) of the 5 slowest steps on the GPU timeline and on the host: a
+            # multiple of 16 apart = every sequence taking a new page (page size 16) at once
+            "slowest_steps": [(i, round(timeline[i], 3)) for i in slow],
+            "slowest_host_steps": [(i, round(1e3 * host[i], 3)) for i in host_slow],
             "warmup_s_incl_compile": first, **prof}  # fmt: skip
 
 
