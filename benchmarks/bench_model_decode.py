@@ -287,6 +287,10 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=32)
     ap.add_argument("--ctx", type=int, nargs="+", default=[4096, 16384])
     ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument(
+        "--warmup", type=int, default=10,
+        help="untimed steps first (with 3, the first 2 timed graph steps at 32 x 16k took 35-67 ms)",
+    )  # fmt: skip
     ap.add_argument("--kernel", choices=["flashinfer", "reference"], default="flashinfer")
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--tiny", action="store_true", help="the preset's own tiny size (smoke run)")
@@ -300,7 +304,10 @@ def main() -> None:
     env = environment()
     copy = copy_bandwidth() if args.device == "cuda" else None
     rows, weight_bytes = [], 0
-    pages = args.batch * (-(-(max(args.ctx) + args.steps + 8) // 16)) + 16
+    pages = (
+        args.batch * (-(-(max(args.ctx) + args.warmup + args.steps + args.profile_steps + 8) // 16))
+        + 16
+    )
     for label, kv, kernel, how in variants(args):
         if args.only and not any(o in label for o in args.only):
             continue
@@ -313,7 +320,7 @@ def main() -> None:
                   "inductor": torch.compile, "eager": lambda m: m}[how](model)  # fmt: skip
             if label.endswith(GRAPHS):
                 fn = DecodeGraphRunner(
-                    model, fn, batch_sizes=(args.batch,), max_context=max(args.ctx) + args.steps + args.profile_steps + 8,
+                    model, fn, batch_sizes=(args.batch,), max_context=max(args.ctx) + args.warmup + args.steps + args.profile_steps + 8,
                     capture=args.device == "cuda",
                 )  # fmt: skip
         except Exception as e:  # noqa: BLE001 - recorded, the other variants still run
@@ -330,7 +337,7 @@ def main() -> None:
                         args.batch,
                         ctx,
                         args.steps,
-                        3,
+                        args.warmup,
                         args.device,
                         args.profile_steps,
                     )
