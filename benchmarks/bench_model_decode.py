@@ -12,6 +12,9 @@ With ``--profile-steps`` (default 3) each row also gets its GPU kernel time per 
 kind (``kernel_kind``: FP8-KV attention, bf16-KV attention, GEMM, other) and the top 30 kernels;
 when both "+ CUDA graphs" rows of FP8/XQA and all-bf16 ran, ``kernel_time_bound`` gives their
 kernel-time ratio and the ratio with the GEMMs at copy bandwidth and the other kernels free.
+Each variant runs ``--warmup`` untimed steps first (default 10) and records its 5 slowest steps.
+``--fuse-projections`` runs every variant on ``model.fuse_projections()`` (q/k/v and gate/up as
+one GEMM each).
 
 Uses ``torch_kvq.models.build_model`` ("gemma3-tiny" with the size overrides below),
 ``model(input_ids, positions)``, ``model.forward_context(metadata)``, ``model.allocator`` and
@@ -62,7 +65,9 @@ BENCH_OVERRIDES = dict(
 )
 
 
-def build(preset: str, kv: KVCacheConfig, kernel, num_pages: int, device: str, tiny: bool):
+def build(
+    preset: str, kv: KVCacheConfig, kernel, num_pages: int, device: str, tiny: bool, fuse=False
+):
     from torch_kvq.models import build_model
 
     overrides = BENCH_OVERRIDES if preset == "gemma3-tiny" and not tiny else {}
@@ -76,6 +81,8 @@ def build(preset: str, kv: KVCacheConfig, kernel, num_pages: int, device: str, t
         kernel=kernel,
         **overrides,
     )
+    if fuse:
+        model.fuse_projections()  # q/k/v and gate/up: one GEMM each
     if isinstance(kernel, FlashInferKernel):
         from torch_kvq.attention.kernels import flashinfer_jit
 
@@ -288,6 +295,10 @@ def main() -> None:
     ap.add_argument("--ctx", type=int, nargs="+", default=[4096, 16384])
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument(
+        "--fuse-projections", action="store_true",
+        help="model.fuse_projections(): q/k/v and gate/up as one GEMM each (every variant)",
+    )  # fmt: skip
+    ap.add_argument(
         "--warmup", type=int, default=10,
         help="untimed steps first (with 3, the first 2 timed graph steps at 32 x 16k took 35-67 ms)",
     )  # fmt: skip
@@ -312,7 +323,9 @@ def main() -> None:
         if args.only and not any(o in label for o in args.only):
             continue
         try:
-            model = build(args.preset, kv, kernel, pages, args.device, args.tiny)
+            model = build(
+                args.preset, kv, kernel, pages, args.device, args.tiny, args.fuse_projections
+            )
             # every weight is read once per decode step (the embedding is tied to the LM head)
             weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
             fill_caches(model)
@@ -353,7 +366,8 @@ def main() -> None:
             torch.cuda.empty_cache()
     lines = ["## Model decode step (FlashInfer)", ""] + [f"- {k}: {v}" for k, v in env.items()]
     lines += [f"- preset {args.preset} {'(tiny)' if args.tiny else '(BENCH_OVERRIDES)'}, "
-              f"kernel {args.kernel}, {args.steps} steps", ""]  # fmt: skip
+              f"kernel {args.kernel}, {args.steps} steps after {args.warmup} warm-up steps"
+              f"{', projections fused' if args.fuse_projections else ''}", ""]  # fmt: skip
     lines += ["host ms/step: time for a step to return without waiting for the GPU; GPU busy: kernel time per "
               "step (torch.profiler) over the profiled step time. Low GPU busy = host/launch-bound.", ""]  # fmt: skip
     lines += ["step ms: mean over the timed steps; median / max: per step on the GPU's timeline (a stall "

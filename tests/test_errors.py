@@ -933,6 +933,13 @@ def _() -> object:
     return tiny_llama()(torch.tensor([[1, 2]]), torch.tensor([[0, 1]]))
 
 
+@case("model.load-after-fuse")
+def _() -> object:
+    model = tiny_llama()
+    model.fuse_projections()
+    return model.load_hf_state_dict({})
+
+
 @case("generate.empty-prompt")
 def _() -> object:
     return gen([[1, 2], []], 2)

@@ -69,6 +69,24 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return x * cos[:, None, :] + rotated * sin[:, None, :]
 
 
+def fused_linear(parts: list[nn.Linear]) -> nn.Linear:
+    """One ``nn.Linear`` whose output is the concatenation of ``parts``' outputs (weights and
+    biases concatenated along the output dim): one GEMM instead of ``len(parts)``."""
+    first = parts[0]
+    out = nn.Linear(
+        first.in_features,
+        sum(p.out_features for p in parts),
+        bias=first.bias is not None,
+        dtype=first.weight.dtype,
+        device=first.weight.device,
+    )
+    with torch.no_grad():
+        out.weight.copy_(torch.cat([p.weight for p in parts]))
+        if out.bias is not None:
+            out.bias.copy_(torch.cat([p.bias for p in parts]))  # type: ignore[misc]
+    return out
+
+
 class GatedMLP(nn.Module):
     """``down(act(gate(x)) * up(x))``: SwiGLU (silu) or GeGLU (gelu tanh)."""
 
@@ -78,12 +96,22 @@ class GatedMLP(nn.Module):
         self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, **kw)
         self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, **kw)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, **kw)
+        self.gate_up_proj: nn.Linear | None = None  # set by fuse(): gate and up in one GEMM
         self.act = cfg.hidden_act
 
+    def fuse(self) -> None:
+        """Replace gate_proj / up_proj by one ``gate_up_proj`` (same outputs, one GEMM)."""
+        if self.gate_up_proj is None:
+            self.gate_up_proj = fused_linear([self.gate_proj, self.up_proj])
+            self.gate_proj = self.up_proj = None  # type: ignore[assignment]
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate = self.gate_proj(x)
+        if self.gate_up_proj is not None:
+            gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        else:
+            gate, up = self.gate_proj(x), self.up_proj(x)
         gate = F.silu(gate) if self.act == "silu" else F.gelu(gate, approximate="tanh")
-        return self.down_proj(gate * self.up_proj(x))
+        return self.down_proj(gate * up)
 
 
 class SelfAttention(nn.Module):
@@ -106,6 +134,7 @@ class SelfAttention(nn.Module):
         self.k_proj = nn.Linear(cfg.hidden_size, cfg.num_kv_heads * cfg.head_dim, **kw)
         self.v_proj = nn.Linear(cfg.hidden_size, cfg.num_kv_heads * cfg.head_dim, **kw)
         self.o_proj = nn.Linear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, **kw)
+        self.qkv_proj: nn.Linear | None = None  # set by fuse(): q, k and v in one GEMM
         self.q_norm: RMSNorm | None = None
         self.k_norm: RMSNorm | None = None
         if qk_norm:
@@ -113,11 +142,22 @@ class SelfAttention(nn.Module):
             self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, True, dtype, device)
         self.attn: Attention | None = None
 
+    def fuse(self) -> None:
+        """Replace q/k/v_proj by one ``qkv_proj`` (same outputs, one GEMM). k and v are then
+        strided views of its output; the cache write reads them in place."""
+        if self.qkv_proj is None:
+            self.qkv_proj = fused_linear([self.q_proj, self.k_proj, self.v_proj])
+            self.q_proj = self.k_proj = self.v_proj = None  # type: ignore[assignment]
+
     def forward(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        t = h.shape[0]
-        q = self.q_proj(h).view(t, self.num_heads, self.head_dim)
-        k = self.k_proj(h).view(t, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(h).view(t, self.num_kv_heads, self.head_dim)
+        t, kv = h.shape[0], self.num_kv_heads * self.head_dim
+        if self.qkv_proj is not None:
+            q, k, v = self.qkv_proj(h).split([self.num_heads * self.head_dim, kv, kv], dim=-1)
+        else:
+            q, k, v = self.q_proj(h), self.k_proj(h), self.v_proj(h)
+        q = q.view(t, self.num_heads, self.head_dim)
+        k = k.view(t, self.num_kv_heads, self.head_dim)
+        v = v.view(t, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
@@ -231,11 +271,29 @@ class PagedDecoder(nn.Module):
 
     # --- weights ----------------------------------------------------------------------------
 
+    @property
+    def projections_fused(self) -> bool:
+        return any(layer.self_attn.qkv_proj is not None for layer in self.layers)
+
+    def fuse_projections(self) -> None:
+        """Fuse each layer's q/k/v projections into one GEMM and gate/up into one, as serving
+        engines do (vLLM's QKVParallelLinear / MergedColumnParallelLinear). The outputs are the
+        same products; fewer, larger GEMMs. Load weights first: ``load_hf_state_dict`` takes
+        transformers' unfused names only. Idempotent."""
+        for layer in self.layers:
+            layer.self_attn.fuse()
+            layer.mlp.fuse()
+
     def load_hf_state_dict(self, state_dict: Mapping[str, torch.Tensor]) -> None:
         """Load a transformers ``*ForCausalLM`` state dict (keys ``model.*`` and ``lm_head.weight``).
 
         Every parameter must be given with its shape; unknown keys are an error.
         """
+        if self.projections_fused:
+            raise ValueError(
+                f"{type(self).__name__}'s projections are fused (fuse_projections()); "
+                "load_hf_state_dict takes transformers' unfused weights: load them first"
+            )
         own = self.state_dict()
         given: dict[str, torch.Tensor] = {}
         for key, value in state_dict.items():
