@@ -64,7 +64,8 @@ for step in ${*:-tests attn xqa model}; do
     jitpack) jit=$(python3 -c "import flashinfer.jit.env as e; print(e.FLASHINFER_JIT_DIR)")
              rm -rf /tmp/jitpack && mkdir -p /tmp/jitpack/aot && stamp > /tmp/jitpack/STAMP
              for so in "$jit"/*/*.so /tmp/site/flashinfer/data/aot/*/*.so; do
-               [ -f "$so" ] && mkdir -p "/tmp/jitpack/aot/$(basename "$(dirname "$so")")" && cp "$so" "/tmp/jitpack/aot/$(basename "$(dirname "$so")")/"
+               [ -f "$so" ] || continue
+               dst=/tmp/jitpack/aot/$(basename "$(dirname "$so")"); mkdir -p "$dst" && cp "$so" "$dst/"
              done
              du -sh /tmp/jitpack/aot | tee -a "$LOG"
              tar -C /tmp/jitpack -cf - STAMP aot | xz -T0 -6 > "$OUT/flashinfer_jit.tar.xz"

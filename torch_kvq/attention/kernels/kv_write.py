@@ -61,7 +61,7 @@ def write_kv_torch(
 
 
 @functools.lru_cache(maxsize=1024)
-def cuda_reciprocal(scale: float) -> float:
+def _cuda_reciprocal(scale: float) -> float:
     """``float32(1) / float32(scale)``: the multiplier aten's CUDA ``x / scale`` uses."""
     one = torch.ones((), dtype=torch.float32)
     return float(one / torch.tensor(scale, dtype=torch.float32))
@@ -88,7 +88,7 @@ def write_kv_triton(
     kernel = _triton_kernel()
     if t == 0:
         return
-    k_mul, v_mul = (cuda_reciprocal(s) for s in scales) if scales is not None else (1.0, 1.0)
+    k_mul, v_mul = (_cuda_reciprocal(s) for s in scales) if scales is not None else (1.0, 1.0)
     kernel[(t,)](
         k,
         v,
@@ -104,14 +104,14 @@ def write_kv_triton(
         kv_cache.shape[2],
         KH=kh,
         D=d,
-        BLOCK=triton_next_pow2(kh * d),
+        BLOCK=_next_pow2(kh * d),
         QUANT=scales is not None,
         FP8_MAX=FP8_MAX,
         num_warps=4 if kh * d <= 2048 else 8,
     )
 
 
-def triton_next_pow2(n: int) -> int:
+def _next_pow2(n: int) -> int:
     return 1 << (n - 1).bit_length()
 
 
