@@ -2,10 +2,17 @@
 # Set up a bare H200 (the device tool's machine) from the carried wheels, run the GPU tests and
 # the benchmarks, and write logs and JSON results to $OUT.
 #
-#   bash scripts/gpu_run.sh                  # tests attn xqa model
+#   KVQ_COMMIT=<hash> bash scripts/gpu_run.sh   # tests attn xqa model: the GPU gate, then benchmarks
 #   bash scripts/gpu_run.sh tests attn xqa   # any subset, in that order
 #   KVQ_GPU_TESTS=tests/attention/test_flashinfer_kernel.py KVQ_PYTEST_K="not slow" bash scripts/gpu_run.sh tests
-#   KVQ_PYTEST_M="gpu and slow" bash scripts/gpu_run.sh tests   # the slow GPU tests (FlashInfer fuzz)
+#   KVQ_PYTEST_M="gpu and not slow" bash scripts/gpu_run.sh tests   # a subset of the GPU tests
+#
+# The GPU gate: ``tests`` runs every GPU test (``-m gpu``, slow included) unless told otherwise and
+# writes $OUT/gpu_suite.txt: ``commit <hash>`` (``git rev-parse HEAD`` where .git is there, else
+# $KVQ_COMMIT: the device machine gets the working tree without .git), a sha256 of torch_kvq/'s
+# files (``python3 scripts/tree_sha.py torch_kvq`` here must print the same), date, GPU, torch,
+# flashinfer and CUDA versions, the command and pytest's closing line. Commit it as
+# benchmarks/results/gpu_suite.txt; it counts only with a clean tree at that commit.
 #   KVQ_MODEL_ARGS="--ctx 16384 --steps 10" bash scripts/gpu_run.sh model
 #   bash scripts/gpu_run.sh hostprof         # cProfile of a CUDA-graph decode step (not in the default)
 #   bash scripts/gpu_run.sh cpusuite         # the CPU suite (README command) on this image's torch, GPU hidden
@@ -19,7 +26,7 @@
 #
 # Needs .whl/ (carried): flashinfer_python-0.6.18.post1 and apache_tvm_ffi (flashinfer's other
 # requirements are either on the image or not imported by the kernels used here).
-# Outputs: $OUT/gpu_test_log.txt (pytest -m "gpu and not slow"; name set by KVQ_TEST_LOG), $OUT/run_log.txt (everything else),
+# Outputs: $OUT/gpu_suite.txt and $OUT/gpu_test_log.txt (pytest -m gpu; name set by KVQ_TEST_LOG), $OUT/run_log.txt (everything else),
 # $OUT/{bench_decode_attention,xqa_accuracy,bench_model_decode,profile_graph_step}.json,
 # $OUT/cpu_suite_log.txt (cpusuite).
 set -uo pipefail
@@ -51,12 +58,28 @@ if [ -f .jit/flashinfer_jit.tar.xz ]; then
     echo "ignoring .jit: built for $(tr '\n' ' ' < /tmp/jit/STAMP) not $(stamp | tr '\n' ' ')" | tee -a "$LOG"
   fi
 fi
+suite_record() {  # $1: the pytest command, $2: its log
+  echo "commit $(git rev-parse HEAD 2>/dev/null || echo "${KVQ_COMMIT:-unknown}")"
+  echo "torch_kvq sha256 $(python3 scripts/tree_sha.py torch_kvq)"
+  echo "date $(date -u '+%Y-%m-%d %H:%M UTC')"
+  echo "gpu $(nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | head -1)"
+  python3 -c "import sys, torch, flashinfer, triton; print('python', sys.version.split()[0]); print('torch', torch.__version__, 'cuda', torch.version.cuda); print('flashinfer', flashinfer.__version__, 'triton', triton.__version__)"
+  echo "nvcc $("$CUDA_HOME/bin/nvcc" --version | tail -1)"
+  echo "command $1"
+  echo "result $(grep -E '^=+ .*(passed|failed|error).* =+$' "$2" | tail -1)"
+}
 status=0
 for step in ${*:-tests attn xqa model}; do
   echo "=== $step $(date -u +%T)" | tee -a "$LOG"
   case $step in
-    tests) python3 -m pytest -m "${KVQ_PYTEST_M:-gpu and not slow}" -v -rfEs --durations=20 -p no:cacheprovider --continue-on-collection-errors \
-             -k "${KVQ_PYTEST_K:-}" ${KVQ_GPU_TESTS:-tests/} 2>&1 | tee "$OUT/${KVQ_TEST_LOG:-gpu_test_log.txt}" ;;
+    tests) marks=${KVQ_PYTEST_M:-gpu}
+           cmd="python3 -m pytest -m \"$marks\" -k \"${KVQ_PYTEST_K:-}\" ${KVQ_GPU_TESTS:-tests/}"
+           python3 -m pytest -m "$marks" -v -rfEs --durations=20 -p no:cacheprovider --continue-on-collection-errors \
+             -k "${KVQ_PYTEST_K:-}" ${KVQ_GPU_TESTS:-tests/} 2>&1 | tee "$OUT/${KVQ_TEST_LOG:-gpu_test_log.txt}"
+           rc=${PIPESTATUS[0]}
+           suite_record "$cmd" "$OUT/${KVQ_TEST_LOG:-gpu_test_log.txt}" > "$OUT/gpu_suite.txt"
+           cat "$OUT/gpu_suite.txt" | tee -a "$LOG"
+           (exit $rc) ;;
     attn) python3 benchmarks/bench_decode_attention.py 2>&1 | tee -a "$LOG" ;;
     xqa) python3 benchmarks/xqa_accuracy.py 2>&1 | tee -a "$LOG" ;;
     model) python3 benchmarks/bench_model_decode.py ${KVQ_MODEL_ARGS:-} 2>&1 | tee -a "$LOG" ;;

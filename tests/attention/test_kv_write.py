@@ -1,9 +1,12 @@
 """The cache write: the Triton kernel (CUDA) writes exactly the bytes of the aten form.
 
-``write_kv_triton`` against ``write_kv_torch`` (its oracle) and against the unfused eager form
-(``kvq.quantize_fp8`` then the plain write), bit for bit, over model dtypes, page sizes, head
-shapes (a non-power-of-two head size too), strided k / v, and every bf16 bit pattern. On the CPU,
-``write_kv`` is the aten form (the rest of the suite covers it); these run on the GPU.
+``write_kv_triton`` against ``write_kv_torch`` (its oracle) and against the unfused eager op path
+itself (``kvq.quantize_fp8`` and the torch-native expression, then the plain ``kvq.cache_write``
+kernel), bit for bit, over model dtypes, page sizes, head shapes (a non-power-of-two head size
+too), strided k / v, every bf16 bit pattern, and scales whose fp32 reciprocal is inexact (0.03,
+0.0341: where a multiply by the reciprocal and a true division round to different FP8 values).
+On the CPU, ``write_kv`` is the aten form (the rest of the suite covers it); the probe that tells
+how aten divides is checked on the CPU too.
 """
 
 from __future__ import annotations
@@ -11,13 +14,43 @@ from __future__ import annotations
 import pytest
 import torch
 
+from torch_kvq.attention import ops as _ops  # noqa: F401  (registers torch.ops.kvq.*)
+from torch_kvq.attention.kernels import kv_write
 from torch_kvq.attention.kernels.base import quantize_fp8
 from torch_kvq.attention.kernels.kv_write import write_kv, write_kv_torch, write_kv_triton
+from torch_kvq.attention.layer import torch_quantize_fp8
 from torch_kvq.spec import FP8_DTYPE
 
-gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (Triton kernel)")
-pytestmark = [pytest.mark.gpu, gpu]
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+# 0.03 and 0.0341: the scales of the GPU failures of issue 12 (1.5 / 0.03 is an FP8 tie that the
+# reciprocal form rounds the other way); 0.02 and 1 / 3: scales where both forms agree.
+TIE_SCALES = (0.03, 0.0341, 0.02, 1.0 / 3.0)
+QUANT_FORMS = {
+    "op": lambda x, s: torch.ops.kvq.quantize_fp8(x, s),
+    "torch": torch_quantize_fp8,
+}
+
+
+def test_division_candidates_reproduce_cpu_aten() -> None:
+    """The float64 reference of a correctly rounded fp32 division equals aten's CPU division."""
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(1 << 16, generator=g) * 40
+    for scale in TIE_SCALES + (13.0, 7.7e-3):
+        want = x / scale
+        got = kv_write._division_candidates(x, scale)["div"]
+        assert torch.equal(got.view(torch.int32), want.view(torch.int32)), scale
+
+
+def test_the_two_forms_differ_on_a_tie() -> None:
+    """The probe can tell the forms apart: 1.5 / 0.03 is 50 exactly (an FP8 tie, rounds to 48),
+    1.5 * float32(1 / 0.03) is one fp32 step above it (rounds to 52)."""
+    c = kv_write._division_candidates(torch.tensor([1.5]), 0.03)
+    assert c["div"].item() == 50.0 and c["rcp"].item() > 50.0
+    assert c["div"].to(FP8_DTYPE).item() == 48.0 and c["rcp"].to(FP8_DTYPE).item() == 52.0
+
+
+def test_cpu_probe_finds_true_division() -> None:
+    assert kv_write.aten_scalar_division(torch.device("cpu")) == "div"
 
 
 def _case(dtype, quant, page_size, kh, d, t, pages, seed):
@@ -38,6 +71,8 @@ def _bytes(x: torch.Tensor) -> torch.Tensor:
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("quant", [True, False])
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (Triton kernel)")
 @pytest.mark.parametrize("page_size", [1, 16])
 @pytest.mark.parametrize(("kh", "d"), [(8, 128), (1, 64), (3, 96), (2, 256)])
 def test_triton_write_equals_aten(dtype, quant, page_size, kh, d) -> None:
@@ -50,17 +85,37 @@ def test_triton_write_equals_aten(dtype, quant, page_size, kh, d) -> None:
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("scale", [1.0, 0.1, 3.0, 7.7e-3, 123.456])
-def test_fused_quant_write_equals_unfused_form(dtype, scale) -> None:
-    """The fused op's write equals eager ``kvq.quantize_fp8`` then the plain write, int32 slots."""
+@pytest.mark.parametrize("scale", [1.0, 0.1, 3.0, 7.7e-3, 123.456, *TIE_SCALES])
+@pytest.mark.parametrize("form", sorted(QUANT_FORMS))
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (Triton kernel)")
+def test_fused_quant_write_equals_unfused_op_path(dtype, scale, form) -> None:
+    """The fused write equals the eager op path it replaces: the layer's quant (``kvq.quantize_fp8``
+    or the torch expression) then the plain (unquantized) write, int32 slots."""
+    quant = QUANT_FORMS[form]
     cache, k, v, slots = _case(dtype, True, 16, 8, 128, t=64, pages=16, seed=7)
     want = cache.clone()
-    write_kv_torch(want, quantize_fp8(k, scale), quantize_fp8(v, 2 * scale), slots)
-    write_kv(cache, k, v, slots.to(torch.int32), (scale, 2 * scale))
+    write_kv(want, quant(k, scale), quant(v, 1.5 * scale), slots)
+    write_kv(cache, k, v, slots.to(torch.int32), (scale, 1.5 * scale))
     assert torch.equal(_bytes(cache), _bytes(want))
 
 
-@pytest.mark.parametrize("scale", [1.0, 0.0625, 0.3])
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (Triton kernel)")
+def test_probe_matches_aten_on_the_tie() -> None:
+    """Whichever form the probe found, aten's eager quant of 1.5 / 0.03 equals the kernel's."""
+    form = kv_write.aten_scalar_division(torch.device("cuda", torch.cuda.current_device()))
+    x = torch.full((1, 1, 16), 1.5, dtype=torch.bfloat16, device="cuda")
+    eager = quantize_fp8(x, 0.03).float()[0, 0, 0].item()
+    assert eager == {"div": 48.0, "rcp": 52.0}[form]
+    cache = torch.zeros(1, 2, 1, 1, 16, dtype=FP8_DTYPE, device="cuda")
+    write_kv_triton(cache, x, x, torch.zeros(1, dtype=torch.int64, device="cuda"), (0.03, 0.03))
+    assert cache.float().flatten().unique().tolist() == [eager]
+
+
+@pytest.mark.parametrize("scale", [1.0, 0.0625, 0.3, *TIE_SCALES])
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (Triton kernel)")
 def test_every_bf16_value_quantizes_like_aten(scale) -> None:
     """All 65536 bf16 bit patterns (zeros, subnormals, the rounding ties, ±inf; NaNs only need
     to stay NaN) as one [64, 8, 128] batch."""
@@ -79,6 +134,8 @@ def test_every_bf16_value_quantizes_like_aten(scale) -> None:
     assert bool(same.all()), f"{int((~same).sum())} bytes differ"
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (Triton kernel)")
 def test_empty_batch_writes_nothing() -> None:
     cache, k, v, slots = _case(torch.bfloat16, True, 16, 8, 128, t=4, pages=2, seed=0)
     before = cache.clone()

@@ -7,17 +7,23 @@
 one Triton kernel per layer (one program per token: slot -> page and offset, load k and v, quantize,
 store both); on the CPU it is ``write_kv_torch`` (aten: quantize, page/offset, two index_puts).
 
-Both write the same bytes. Quantization is ``quantize_fp8``'s: ``clamp(x.float() / scale, ±448)``
-cast to e4m3 with round-to-nearest-even, computed as aten computes ``x.float() / scale`` on the
-cache's device. On CUDA aten multiplies by the fp32 reciprocal ``float(1) / float(scale)``
-(``div_true_kernel_cuda`` with a CPU scalar), so the kernel does the same; bit-equality with the
-unfused eager form is tested on the GPU (tests/attention/test_kv_write.py).
+Both write the bytes of the unfused form they replace: ``quantize_fp8``, i.e.
+``clamp(x.float() / scale, ±448)`` cast to e4m3 with round-to-nearest-even, computed as aten
+computes ``x.float() / scale`` (a Python-float divisor) on the cache's device. How aten divides a
+CUDA tensor by a Python scalar is a property of the torch build, not of the GPU: older builds
+multiply by the fp32 reciprocal (``div_true_kernel_cuda``'s CPU-scalar shortcut), builds with
+pytorch/pytorch#191495 fixed divide correctly rounded (torch 2.11.0+cu130 on the H200 does). The
+two differ by one FP8 step wherever ``x / scale`` lands on an FP8 rounding tie (e.g.
+``1.5 / 0.03``), so the kernel does not assume either: ``aten_scalar_division(device)`` measures
+it once per device on probe values and the kernel follows it; a build that matches neither form is
+refused (``KernelUnsupportedError``), never approximated. Bit-equality with the eager op path is
+tested on the GPU (tests/attention/test_kv_write.py).
 """
 
 from __future__ import annotations
 
 import functools
-from typing import Any
+from typing import Any, Literal
 
 import torch
 
@@ -60,11 +66,56 @@ def write_kv_torch(
     kv_cache[pages, 1, offsets] = v
 
 
-@functools.lru_cache(maxsize=1024)
-def _cuda_reciprocal(scale: float) -> float:
-    """``float32(1) / float32(scale)``: the multiplier aten's CUDA ``x / scale`` uses."""
-    one = torch.ones((), dtype=torch.float32)
-    return float(one / torch.tensor(scale, dtype=torch.float32))
+ScalarDivision = Literal["div", "rcp"]
+# (x, scale) probes: exact quotients (169 / 13, 1.5 / 0.03 = 50, an FP8 tie) and random values,
+# with scales whose fp32 reciprocal is inexact (0.03, 0.0341, 13) or exact-looking (0.3, 1 / 3).
+_PROBE_SCALES = (13.0, 0.03, 0.0341, 0.3, 1.0 / 3.0, 7.7e-3, 123.456)
+
+
+def _f32(x: float) -> float:
+    return float(torch.tensor(x, dtype=torch.float32))
+
+
+def _fp32_reciprocal(scale: float) -> float:
+    """``float32(1) / float32(scale)``, correctly rounded: the multiplier of the ``"rcp"`` form."""
+    return float((torch.tensor(1.0, dtype=torch.float64) / _f32(scale)).float())
+
+
+def _division_candidates(x: torch.Tensor, scale: float) -> dict[str, torch.Tensor]:
+    """fp32 ``x / scale`` both ways, on the CPU in float64 then rounded once (exact for both: a
+    quotient of two fp32 values rounds correctly through float64, and an fp32 product is exact)."""
+    x64 = x.double()
+    return {
+        "div": (x64 / _f32(scale)).float(),
+        "rcp": (x64 * _fp32_reciprocal(scale)).float(),
+    }
+
+
+@functools.cache
+def aten_scalar_division(device: torch.device) -> ScalarDivision:
+    """How aten computes ``x.float() / scale`` for a Python-float ``scale`` on ``device``:
+    ``"div"`` (correctly rounded) or ``"rcp"`` (``x * float32(1 / scale)``). Measured once per
+    device on probe values; raises ``KernelUnsupportedError`` if aten matches neither form."""
+    if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+        raise KernelUnsupportedError(
+            f"the cache write's rounding probe for {device} cannot run inside CUDA graph capture; "
+            "run one uncaptured step first (DecodeGraphRunner's warm-up runs do)"
+        )
+    gen = torch.Generator().manual_seed(0)
+    x = torch.cat([torch.tensor([169.0, 1.5, -3.0, 48.0]), torch.randn(4096, generator=gen) * 40])
+    found: set[str] = {"div", "rcp"}
+    for scale in _PROBE_SCALES:
+        got = (x.to(device) / scale).cpu()
+        for form, want in _division_candidates(x, scale).items():
+            if not torch.equal(got.view(torch.int32), want.view(torch.int32)):
+                found.discard(form)
+    if not found:
+        raise KernelUnsupportedError(
+            f"aten's x / scale on {device} (torch {torch.__version__}) is neither correctly "
+            "rounded nor a multiply by the fp32 reciprocal; the fused FP8 cache write cannot "
+            "reproduce it bit for bit"
+        )
+    return "div" if "div" in found else "rcp"
 
 
 def write_kv_triton(
@@ -88,14 +139,20 @@ def write_kv_triton(
     kernel = _triton_kernel()
     if t == 0:
         return
-    k_mul, v_mul = (_cuda_reciprocal(s) for s in scales) if scales is not None else (1.0, 1.0)
+    division = aten_scalar_division(kv_cache.device) if scales is not None else "div"
+    if scales is None:
+        k_op, v_op = 1.0, 1.0
+    elif division == "div":
+        k_op, v_op = (_f32(s) for s in scales)
+    else:
+        k_op, v_op = (_fp32_reciprocal(s) for s in scales)
     kernel[(t,)](
         k,
         v,
         kv_cache,
         slot_mapping,
-        k_mul,
-        v_mul,
+        k_op,
+        v_op,
         k.stride(0),
         v.stride(0),
         kv_cache.stride(0),
@@ -106,6 +163,7 @@ def write_kv_triton(
         D=d,
         BLOCK=_next_pow2(kh * d),
         QUANT=scales is not None,
+        DIVIDE=division == "div",
         FP8_MAX=FP8_MAX,
         num_warps=4 if kh * d <= 2048 else 8,
     )
@@ -137,8 +195,8 @@ def _triton_kernel() -> Any:
         v_ptr,
         cache_ptr,
         slot_ptr,
-        k_mul,
-        v_mul,
+        k_op,
+        v_op,
         k_stride_t,
         v_stride_t,
         c_stride_page,
@@ -149,6 +207,7 @@ def _triton_kernel() -> Any:
         D: tl.constexpr,
         BLOCK: tl.constexpr,
         QUANT: tl.constexpr,
+        DIVIDE: tl.constexpr,
         FP8_MAX: tl.constexpr,
     ):
         token = tl.program_id(0).to(tl.int64)
@@ -159,9 +218,13 @@ def _triton_kernel() -> Any:
         mask = i < KH * D
         k = tl.load(k_ptr + token * k_stride_t + i, mask=mask)
         v = tl.load(v_ptr + token * v_stride_t + i, mask=mask)
-        if QUANT:
-            k = k.to(tl.float32) * k_mul
-            v = v.to(tl.float32) * v_mul
+        if QUANT:  # aten's x.float() / scale: correctly rounded, or times the fp32 reciprocal
+            if DIVIDE:
+                k = tl.math.div_rn(k.to(tl.float32), k_op)
+                v = tl.math.div_rn(v.to(tl.float32), v_op)
+            else:
+                k = k.to(tl.float32) * k_op
+                v = v.to(tl.float32) * v_op
             k = tl.clamp(k, -FP8_MAX, FP8_MAX, propagate_nan=tl.PropagateNan.ALL)
             v = tl.clamp(v, -FP8_MAX, FP8_MAX, propagate_nan=tl.PropagateNan.ALL)
             k = k.to(tl.float8e4nv, fp_downcast_rounding="rtne")
