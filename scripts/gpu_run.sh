@@ -8,8 +8,8 @@
 #   KVQ_PYTEST_M="gpu and not slow" bash scripts/gpu_run.sh tests   # a subset of the GPU tests
 #
 # The GPU gate: ``tests`` runs every GPU test (``-m gpu``, slow included) unless told otherwise and
-# writes $OUT/gpu_suite.txt: ``commit <hash>`` (``git rev-parse HEAD`` where .git is there, else
-# $KVQ_COMMIT: the device machine gets the working tree without .git), a sha256 of torch_kvq/'s
+# writes $OUT/gpu_suite.txt: ``commit <hash>`` ($KVQ_COMMIT, else ``git rev-parse HEAD``: the
+# device machine's copy of .git need not be the tree's HEAD), a sha256 of torch_kvq/'s
 # files (``python3 scripts/tree_sha.py torch_kvq`` here must print the same), date, GPU, torch,
 # flashinfer and CUDA versions, the command and pytest's closing line. Commit it as
 # benchmarks/results/gpu_suite.txt; it counts only with a clean tree at that commit.
@@ -59,7 +59,7 @@ if [ -f .jit/flashinfer_jit.tar.xz ]; then
   fi
 fi
 suite_record() {  # $1: the pytest command, $2: its log
-  echo "commit $(git rev-parse HEAD 2>/dev/null || echo "${KVQ_COMMIT:-unknown}")"
+  echo "commit ${KVQ_COMMIT:-$(git rev-parse HEAD 2>/dev/null || echo unknown)}"
   echo "torch_kvq sha256 $(python3 scripts/tree_sha.py torch_kvq)"
   echo "date $(date -u '+%Y-%m-%d %H:%M UTC')"
   echo "gpu $(nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | head -1)"

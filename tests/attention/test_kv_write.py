@@ -16,7 +16,6 @@ import torch
 
 from torch_kvq.attention import ops as _ops  # noqa: F401  (registers torch.ops.kvq.*)
 from torch_kvq.attention.kernels import kv_write
-from torch_kvq.attention.kernels.base import quantize_fp8
 from torch_kvq.attention.kernels.kv_write import write_kv, write_kv_torch, write_kv_triton
 from torch_kvq.attention.layer import torch_quantize_fp8
 from torch_kvq.spec import FP8_DTYPE
@@ -41,12 +40,15 @@ def test_division_candidates_reproduce_cpu_aten() -> None:
         assert torch.equal(got.view(torch.int32), want.view(torch.int32)), scale
 
 
-def test_the_two_forms_differ_on_a_tie() -> None:
-    """The probe can tell the forms apart: 1.5 / 0.03 is 50 exactly (an FP8 tie, rounds to 48),
-    1.5 * float32(1 / 0.03) is one fp32 step above it (rounds to 52)."""
+def test_the_forms_differ_on_a_tie() -> None:
+    """1.5 / 0.03 is 50 exactly (an FP8 tie, rounds to 48), and so is 1.5 * float32(1 / 0.03) in
+    fp32; 1.5 times the fp32 reciprocal of float32(0.03) is one fp32 step above (52): the bytes
+    the GPU suite found differing in issue 12 (aten's CUDA form is "rcp", the kernel used "rcp32")."""
     c = kv_write._division_candidates(torch.tensor([1.5]), 0.03)
-    assert c["div"].item() == 50.0 and c["rcp"].item() > 50.0
-    assert c["div"].to(FP8_DTYPE).item() == 48.0 and c["rcp"].to(FP8_DTYPE).item() == 52.0
+    assert c["div"].item() == c["rcp"].item() == 50.0 < c["rcp32"].item()
+    assert kv_write._operand("rcp", 0.03) < kv_write._operand("rcp32", 0.03)
+    fp8 = {form: v.to(FP8_DTYPE).item() for form, v in c.items()}
+    assert fp8 == {"div": 48.0, "rcp": 48.0, "rcp32": 52.0}
 
 
 def test_cpu_probe_finds_true_division() -> None:
@@ -102,15 +104,15 @@ def test_fused_quant_write_equals_unfused_op_path(dtype, scale, form) -> None:
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (Triton kernel)")
-def test_probe_matches_aten_on_the_tie() -> None:
-    """Whichever form the probe found, aten's eager quant of 1.5 / 0.03 equals the kernel's."""
-    form = kv_write.aten_scalar_division(torch.device("cuda", torch.cuda.current_device()))
-    x = torch.full((1, 1, 16), 1.5, dtype=torch.bfloat16, device="cuda")
-    eager = quantize_fp8(x, 0.03).float()[0, 0, 0].item()
-    assert eager == {"div": 48.0, "rcp": 52.0}[form]
-    cache = torch.zeros(1, 2, 1, 1, 16, dtype=FP8_DTYPE, device="cuda")
-    write_kv_triton(cache, x, x, torch.zeros(1, dtype=torch.int64, device="cuda"), (0.03, 0.03))
-    assert cache.float().flatten().unique().tolist() == [eager]
+def test_probe_form_is_aten_division() -> None:
+    """The form the probe found reproduces aten's CUDA ``x.float() / scale`` on fresh values."""
+    device = torch.device("cuda", torch.cuda.current_device())
+    form = kv_write.aten_scalar_division(device)
+    x = torch.randn(1 << 16, generator=torch.Generator().manual_seed(5)) * 40
+    for scale in TIE_SCALES:
+        got = (x.to(device) / scale).cpu()
+        want = kv_write._division_candidates(x, scale)[form]
+        assert torch.equal(got.view(torch.int32), want.view(torch.int32)), (form, scale)
 
 
 @pytest.mark.parametrize("scale", [1.0, 0.0625, 0.3, *TIE_SCALES])

@@ -9,15 +9,16 @@ store both); on the CPU it is ``write_kv_torch`` (aten: quantize, page/offset, t
 
 Both write the bytes of the unfused form they replace: ``quantize_fp8``, i.e.
 ``clamp(x.float() / scale, ±448)`` cast to e4m3 with round-to-nearest-even, computed as aten
-computes ``x.float() / scale`` (a Python-float divisor) on the cache's device. How aten divides a
-CUDA tensor by a Python scalar is a property of the torch build, not of the GPU: older builds
-multiply by the fp32 reciprocal (``div_true_kernel_cuda``'s CPU-scalar shortcut), builds with
-pytorch/pytorch#191495 fixed divide correctly rounded (torch 2.11.0+cu130 on the H200 does). The
-two differ by one FP8 step wherever ``x / scale`` lands on an FP8 rounding tie (e.g.
-``1.5 / 0.03``), so the kernel does not assume either: ``aten_scalar_division(device)`` measures
-it once per device on probe values and the kernel follows it; a build that matches neither form is
-refused (``KernelUnsupportedError``), never approximated. Bit-equality with the eager op path is
-tested on the GPU (tests/attention/test_kv_write.py).
+computes ``x.float() / scale`` (a Python-float divisor) on the cache's device. That is a property
+of the torch build and device, so the kernel does not assume it: ``aten_scalar_division(device)``
+measures it once per device on probe values and the kernel follows it; a build that matches none
+of the known forms is refused (``KernelUnsupportedError``), never approximated. Seen: the CPU
+divides correctly rounded (``"div"``); CUDA on torch 2.11.0+cu130 (H200) multiplies by
+``float32(1 / scale)`` with the reciprocal taken in float64 (``"rcp"``), not by the fp32
+reciprocal of ``float32(scale)`` (``"rcp32"``) that this kernel first assumed: the two differ for
+scales such as 0.03 (33.3333321 vs 33.3333359), and one FP8 step apart wherever ``x / scale`` lands
+on a rounding tie (``1.5 / 0.03``). Bit-equality with the eager op path is tested on the GPU
+(tests/attention/test_kv_write.py).
 """
 
 from __future__ import annotations
@@ -66,9 +67,9 @@ def write_kv_torch(
     kv_cache[pages, 1, offsets] = v
 
 
-ScalarDivision = Literal["div", "rcp"]
+ScalarDivision = Literal["div", "rcp", "rcp32"]
 # (x, scale) probes: exact quotients (169 / 13, 1.5 / 0.03 = 50, an FP8 tie) and random values,
-# with scales whose fp32 reciprocal is inexact (0.03, 0.0341, 13) or exact-looking (0.3, 1 / 3).
+# with scales where the candidate forms round differently (0.03, 0.0341, 13, 0.3, 123.456).
 _PROBE_SCALES = (13.0, 0.03, 0.0341, 0.3, 1.0 / 3.0, 7.7e-3, 123.456)
 
 
@@ -76,26 +77,33 @@ def _f32(x: float) -> float:
     return float(torch.tensor(x, dtype=torch.float32))
 
 
-def _fp32_reciprocal(scale: float) -> float:
-    """``float32(1) / float32(scale)``, correctly rounded: the multiplier of the ``"rcp"`` form."""
+def _operand(form: ScalarDivision, scale: float) -> float:
+    """The fp32 operand of each form: the divisor (``"div"``) or the multiplier: ``float32(1 /
+    scale)`` with ``1 / scale`` in float64 (``"rcp"``), or ``float32(1) / float32(scale)`` in fp32
+    (``"rcp32"``)."""
+    if form == "div":
+        return _f32(scale)
+    if form == "rcp":
+        return _f32(1.0 / scale)
     return float((torch.tensor(1.0, dtype=torch.float64) / _f32(scale)).float())
 
 
 def _division_candidates(x: torch.Tensor, scale: float) -> dict[str, torch.Tensor]:
-    """fp32 ``x / scale`` both ways, on the CPU in float64 then rounded once (exact for both: a
+    """fp32 ``x / scale`` in each form, computed on the CPU in float64 and rounded once (exact: a
     quotient of two fp32 values rounds correctly through float64, and an fp32 product is exact)."""
     x64 = x.double()
     return {
-        "div": (x64 / _f32(scale)).float(),
-        "rcp": (x64 * _fp32_reciprocal(scale)).float(),
+        "div": (x64 / _operand("div", scale)).float(),
+        "rcp": (x64 * _operand("rcp", scale)).float(),
+        "rcp32": (x64 * _operand("rcp32", scale)).float(),
     }
 
 
 @functools.cache
 def aten_scalar_division(device: torch.device) -> ScalarDivision:
-    """How aten computes ``x.float() / scale`` for a Python-float ``scale`` on ``device``:
-    ``"div"`` (correctly rounded) or ``"rcp"`` (``x * float32(1 / scale)``). Measured once per
-    device on probe values; raises ``KernelUnsupportedError`` if aten matches neither form."""
+    """How aten computes ``x.float() / scale`` for a Python-float ``scale`` on ``device``, one of
+    ``_division_candidates``' forms (the first that matches every probe). Measured once per
+    device; raises ``KernelUnsupportedError`` if aten matches none of them."""
     if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
         raise KernelUnsupportedError(
             f"the cache write's rounding probe for {device} cannot run inside CUDA graph capture; "
@@ -103,19 +111,19 @@ def aten_scalar_division(device: torch.device) -> ScalarDivision:
         )
     gen = torch.Generator().manual_seed(0)
     x = torch.cat([torch.tensor([169.0, 1.5, -3.0, 48.0]), torch.randn(4096, generator=gen) * 40])
-    found: set[str] = {"div", "rcp"}
+    found = ["div", "rcp", "rcp32"]
     for scale in _PROBE_SCALES:
         got = (x.to(device) / scale).cpu()
         for form, want in _division_candidates(x, scale).items():
-            if not torch.equal(got.view(torch.int32), want.view(torch.int32)):
-                found.discard(form)
+            if form in found and not torch.equal(got.view(torch.int32), want.view(torch.int32)):
+                found.remove(form)
     if not found:
         raise KernelUnsupportedError(
-            f"aten's x / scale on {device} (torch {torch.__version__}) is neither correctly "
-            "rounded nor a multiply by the fp32 reciprocal; the fused FP8 cache write cannot "
-            "reproduce it bit for bit"
+            f"aten's x / scale on {device} (torch {torch.__version__}) matches none of the forms "
+            "the fused FP8 cache write knows (a correctly rounded division, or a multiply by "
+            "float32(1 / scale) from float64 or fp32); it cannot reproduce it bit for bit"
         )
-    return "div" if "div" in found else "rcp"
+    return found[0]  # type: ignore[return-value]
 
 
 def write_kv_triton(
@@ -140,12 +148,7 @@ def write_kv_triton(
     if t == 0:
         return
     division = aten_scalar_division(kv_cache.device) if scales is not None else "div"
-    if scales is None:
-        k_op, v_op = 1.0, 1.0
-    elif division == "div":
-        k_op, v_op = (_f32(s) for s in scales)
-    else:
-        k_op, v_op = (_fp32_reciprocal(s) for s in scales)
+    k_op, v_op = (_operand(division, s) for s in scales) if scales is not None else (1.0, 1.0)
     kernel[(t,)](
         k,
         v,
@@ -218,7 +221,7 @@ def _triton_kernel() -> Any:
         mask = i < KH * D
         k = tl.load(k_ptr + token * k_stride_t + i, mask=mask)
         v = tl.load(v_ptr + token * v_stride_t + i, mask=mask)
-        if QUANT:  # aten's x.float() / scale: correctly rounded, or times the fp32 reciprocal
+        if QUANT:  # aten's x.float() / scale: correctly rounded, or times a reciprocal
             if DIVIDE:
                 k = tl.math.div_rn(k.to(tl.float32), k_op)
                 v = tl.math.div_rn(v.to(tl.float32), v_op)
