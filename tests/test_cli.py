@@ -122,3 +122,38 @@ def test_console_script_points_at_main():
     text = (Path(__file__).parents[1] / "pyproject.toml").read_text()
     assert re.search(r'^kvq = "torch_kvq\.cli:main"$', text, re.M)
     assert callable(cli.main)
+
+
+@pytest.mark.parametrize("arch", ["h200", "sm75", "SM90"])
+def test_inspect_refuses_an_unknown_arch(capsys, arch):
+    code, out, err = run_main(capsys, "inspect", "--arch", arch)
+    assert code == 2 and not out
+    assert f"kvq inspect: error: unknown arch '{arch}'; expected one of ['cpu', 'sm80'," in err, err
+    assert "'sm90'" in err
+
+
+def test_inspect_shows_layers_the_kernel_cannot_serve_and_fails(capsys):
+    """The presets' head size 32 is not one FlashInfer serves: every layer is shown NOT SERVED
+    (the default kernel for sm90, said so) and the command exits 2 naming the reason."""
+    code, out, err = run_main(capsys, "inspect", "--arch", "sm90")
+    assert code == 2
+    assert "kernel flashinfer (the default shown for sm90; compiles never pick one" in out
+    not_served = [line for line in out.splitlines() if "NOT SERVED: head size 32" in line]
+    assert len(not_served) == 6, out
+    assert "kernel 'flashinfer' on sm90 cannot serve 6 of 6 layers" in err, err
+    assert "expected one of (64, 128, 256)" in err
+
+
+def test_inspect_head_dim_and_a_partly_served_model(capsys):
+    code, out, err = run_main(capsys, "inspect", "--arch", "sm90", "--head-dim", "128")
+    assert code == 0, err
+    assert "NOT SERVED" not in out and "quant+write, dequant+attention" in out
+    # XQA on sm86: the bf16 (sliding) layers are served, the FP8 ones are not
+    code, out, err = run_main(
+        capsys, "inspect", "--arch", "sm86", "--kernel", "flashinfer-xqa", "--head-dim", "128"
+    )
+    assert code == 2
+    assert out.count("NOT SERVED: quant mode 'fp8_per_tensor' is not supported") == 2, out
+    assert "cannot serve 2 of 6 layers" in err
+    code, _, err = run_main(capsys, "inspect", "--head-dim", "0")
+    assert code == 2 and "--head-dim must be a positive int, got 0" in err

@@ -82,6 +82,11 @@ def model_from_args(args: argparse.Namespace, kv_config=None, num_pages: int = 6
             overrides["layer_types"] = [
                 "full_attention" if i % 3 == 2 else "sliding_attention" for i in range(args.layers)
             ]
+    head_dim = getattr(args, "head_dim", None)  # only ``kvq inspect`` has --head-dim
+    if head_dim is not None:
+        if head_dim < 1:
+            raise CommandError(f"--head-dim must be a positive int, got {head_dim}")
+        overrides["head_dim"] = head_dim
     kv = kv_config if kv_config is not None else kv_config_from_args(args)
     return build_model(args.preset, kv, seed=args.seed, num_pages=num_pages, **overrides)
 

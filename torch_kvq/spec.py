@@ -12,13 +12,15 @@ import enum
 import fnmatch
 import math
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, fields
 
 import torch
 
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = 448.0  # largest finite float8_e4m3fn value
 SUPPORTED_PAGE_SIZES = (1, 2, 4, 8, 16, 32, 64, 128)
+# the model (activation / query) dtypes a layer may have; kernels may serve fewer (capabilities.py)
+MODEL_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 SKIP_RULE_FORMS = (
     "an int layer index (negative counts from the end)",
     "'sliding_window' (every layer with a sliding window)",
@@ -156,7 +158,12 @@ class AttentionLayerInfo:
 
 @dataclass(frozen=True)
 class LayerKVSpec:
-    """The resolved, frozen per-layer KV spec. The only thing later code reads per layer."""
+    """The resolved, frozen per-layer KV spec. The only thing later code reads per layer.
+
+    ``sm_scale``, the softmax scale, left out (``None``) means ``1 / sqrt(head_size)``; it is
+    resolved on construction, so the stored value is always the scale attention uses. A scale
+    that is not a positive finite float is a ``ValueError`` (never a silent uniform attention).
+    """
 
     name: str
     index: int
@@ -169,10 +176,23 @@ class LayerKVSpec:
     page_size: int
     sliding_window: int | None = None
     logits_soft_cap: float | None = None
-    sm_scale: float = field(default=0.0)
+    sm_scale: float | None = None  # None -> head_size ** -0.5; a float once constructed
     k_scale: float = 1.0
     v_scale: float = 1.0
     skip_reason: str | None = None  # which skip rule kept this layer unquantized
+
+    def __post_init__(self) -> None:
+        if self.sm_scale is None:
+            hs = self.head_size
+            if isinstance(hs, bool) or not isinstance(hs, int) or hs <= 0:
+                raise ValueError(
+                    f"layer {self.name!r}: the default sm_scale is 1 / sqrt(head_size), and "
+                    f"head_size must be a positive int, got {hs!r}"
+                )
+            object.__setattr__(self, "sm_scale", hs**-0.5)
+        else:
+            scale = check_scale(self.sm_scale, f"layer {self.name!r}: sm_scale")
+            object.__setattr__(self, "sm_scale", scale)
 
     @property
     def is_quantized(self) -> bool:
@@ -254,7 +274,7 @@ def resolve_layer_specs(
     """
     if not isinstance(config, KVCacheConfig):
         raise ValueError(f"config must be a KVCacheConfig, got {type(config).__name__}")
-    if model_dtype not in (torch.bfloat16, torch.float16, torch.float32):
+    if model_dtype not in MODEL_DTYPES:
         raise ValueError(
             f"model_dtype {model_dtype} unsupported; expected bfloat16, float16 or float32"
         )
@@ -293,7 +313,7 @@ def resolve_layer_specs(
                 page_size=config.page_size,
                 sliding_window=info.sliding_window,
                 logits_soft_cap=info.logits_soft_cap,
-                sm_scale=info.sm_scale if info.sm_scale is not None else info.head_size**-0.5,
+                sm_scale=info.sm_scale,  # None -> LayerKVSpec's default, head_size ** -0.5
                 k_scale=float(k_scale) if quantized else 1.0,
                 v_scale=float(v_scale) if quantized else 1.0,
                 skip_reason=(

@@ -13,6 +13,7 @@ import sys
 import pytest
 import torch
 
+from tests.attention.conftest import VIEW_LAYOUTS, as_cache_view, as_view, check_ops_on_views
 from torch_kvq.attention import PageAllocator, ReferenceKernel, forward_context
 from torch_kvq.attention.kernels import FlashInferKernel, KernelUnsupportedError
 from torch_kvq.attention.kernels import capabilities as caps
@@ -221,6 +222,55 @@ def test_compiled_fused_ops_match_eager(built) -> None:
 
 
 # -- GPU: contract ------------------------------------------------------------------------------
+
+
+@pytest.mark.gpu
+@needs_gpu
+@pytest.mark.parametrize("layout", VIEW_LAYOUTS)
+def test_opcheck_every_op_on_views(built, fp8_safe_allclose, layout: str) -> None:
+    """tests/attention/test_ops.py's view test on the GPU: q / k / v (and caches) as
+    non-contiguous views through FlashInfer (fa2 on a mixed batch, XQA decode with FP8 output) and
+    the Triton cache write. Each op returns a new contiguous tensor, its fake says so (opcheck)."""
+    ops = torch.ops.kvq
+    bf16, fp8 = MIXED[0], MIXED[1]
+    sc = Scenario([bf16, fp8], "mixed", seed=3)
+    t, ks, vs = sc.md.num_tokens, fp8.k_scale, fp8.v_scale
+    k, v = (torch.randn(t, 2, D, device="cuda", dtype=torch.bfloat16) for _ in "kv")
+    kq, vq = ops.quantize_fp8(k, ks), ops.quantize_fp8(v, vs)
+    c16, c8 = sc.caches[bf16.name], sc.caches[fp8.name]
+    q16, q8 = sc.q[bf16.name], sc.q[fp8.name]
+    kv_, vv, kqv, vqv, q16v, q8v = (as_view(x, layout) for x in (k, v, kq, vq, q16, q8))
+    cases = [
+        (ops.quantize_fp8, (kv_, ks), (k, ks)),
+        (
+            ops.dequantize_kv_cache,
+            (as_cache_view(c8), ks, vs, torch.bfloat16),
+            (c8, ks, vs, torch.bfloat16),
+        ),
+        (ops.cache_write, (kqv, vqv, as_cache_view(c8), fp8.name), (kq, vq, c8, fp8.name)),
+        (ops.cache_write, (kv_, vv, as_cache_view(c16), bf16.name), (k, v, c16, bf16.name)),
+        (
+            ops.quant_cache_write,
+            (kv_, vv, as_cache_view(c8), ks, vs, fp8.name),
+            (k, v, c8, ks, vs, fp8.name),
+        ),
+    ]
+    attention = [
+        (ops.paged_attention, (q16v, c16, bf16.name), (q16, c16, bf16.name)),
+        (ops.paged_attention_fp8, (q8v, c8, ks, vs, fp8.name), (q8, c8, ks, vs, fp8.name)),
+    ]
+    with forward_context(sc.md, sc.specs, FlashInferKernel(unfused_attention=False)):
+        check_ops_on_views(cases)
+        check_ops_on_views(attention, exact=False)
+    spec = XQA[0]
+    sc = Scenario([spec], "decode", seed=4)
+    q = sc.q[spec.name]
+    args = (sc.caches[spec.name], spec.k_scale, spec.v_scale, spec.name, OUT_SCALE)
+    xqa = FlashInferKernel(fp8_decode="xqa", phases="decode", unfused_attention=False)
+    with forward_context(sc.md, sc.specs, xqa):
+        check_ops_on_views(
+            [(ops.paged_attention_fp8, (as_view(q, layout), *args), (q, *args))], exact=False
+        )
 
 
 @pytest.mark.gpu

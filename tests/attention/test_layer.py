@@ -215,3 +215,31 @@ def test_calibration_amax_over_448(alloc) -> None:
     assert ks == pytest.approx(8.96 / 448, rel=1e-2) and vs == pytest.approx(0.5 / 448)
     with pytest.raises(ValueError, match="no torch_kvq Attention layers"):
         calibrate_kv_scales(torch.nn.Linear(2, 2), lambda: None)
+
+
+@pytest.mark.parametrize(
+    ("which", "bad", "match"),
+    [
+        ("v", float("nan"), "v amax nan"),
+        ("v", float("inf"), "v amax inf"),
+        ("k", 0.0, "k amax 0.0"),
+    ],
+)
+def test_calibration_refuses_an_amax_without_scale(
+    alloc, which: str, bad: float, match: str
+) -> None:
+    """v with NaN / inf in a second step (after a finite one), or k all zeros in every step: an
+    error naming the layer and k or v, never a silent scale of 1.0."""
+    specs, attns = make_layers(KVCacheConfig(page_size=4), n=1)
+    md = alloc.build_batch([("a", 5)])
+    good = torch.randn(5, 2, 32).bfloat16()
+    poison = torch.full_like(good, bad)
+    steps = [(good, good), (good, poison)] if which == "v" else [(poison, good)] * 2
+
+    def run() -> None:
+        with forward_context(md, specs, ReferenceKernel()):
+            for k, v in steps:
+                attns[0](torch.randn(5, 8, 32).bfloat16(), k, v)
+
+    with pytest.raises(ValueError, match=rf"layer '{specs[0].name}': {match} gives no FP8 scale"):
+        calibrate_kv_scales(torch.nn.ModuleList(attns), run)

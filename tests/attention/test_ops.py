@@ -5,7 +5,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.attention.conftest import make_layers
+from tests.attention.conftest import (
+    VIEW_LAYOUTS,
+    as_cache_view,
+    as_view,
+    check_ops_on_views,
+    make_layers,
+)
 from torch_kvq.attention import PageAllocator, ReferenceKernel, forward_context
 from torch_kvq.spec import FP8_DTYPE, KVCacheConfig
 
@@ -28,17 +34,7 @@ def setup():
         yield specs, attns, q, k, v
 
 
-def test_opcheck_every_op(setup, monkeypatch) -> None:
-    # opcheck's schema check compares inputs before/after with torch.allclose, which has no CPU
-    # kernel for float8 (torch 2.13). Compare fp8 tensors bitwise instead; the check stays as strict.
-    allclose = torch.allclose
-
-    def fp8_safe_allclose(a, b, *args, **kwargs):
-        if a.dtype == FP8_DTYPE:
-            return torch.equal(a.view(torch.uint8), b.view(torch.uint8))
-        return allclose(a, b, *args, **kwargs)
-
-    monkeypatch.setattr(torch, "allclose", fp8_safe_allclose)
+def test_opcheck_every_op(setup, fp8_safe_allclose) -> None:
     (skip, quant), (a_skip, a_quant), q, k, v = setup
     kq, vq = ops.quantize_fp8(k, 0.04), ops.quantize_fp8(v, 0.03)
     cases = [
@@ -53,6 +49,48 @@ def test_opcheck_every_op(setup, monkeypatch) -> None:
     ]
     for op, args in cases:
         torch.library.opcheck(op, args)
+
+
+@pytest.mark.parametrize("layout", VIEW_LAYOUTS)
+def test_opcheck_every_op_on_views(setup, fp8_safe_allclose, layout: str) -> None:
+    """q / k / v (and caches) as non-contiguous views: each op returns a new contiguous tensor
+    whatever the layout, its fake says exactly that (opcheck compares strides), and the values
+    equal those computed from contiguous inputs."""
+    (skip, quant), (a_skip, a_quant), q, k, v = setup
+    ops.cache_write(k, v, a_skip.kv_cache, skip.name)  # some history in both caches
+    ops.quant_cache_write(k, v, a_quant.kv_cache, 0.04, 0.03, quant.name)
+    kq, vq = ops.quantize_fp8(k, 0.04), ops.quantize_fp8(v, 0.03)
+    c8, c16 = a_quant.kv_cache, a_skip.kv_cache
+    qv, kv_, vv, kqv, vqv = (as_view(x, layout) for x in (q, k, v, kq, vq))
+    cases = [
+        (ops.quantize_fp8, (kv_, 0.04), (k, 0.04)),
+        (ops.quantize_fp8, (kv_.float(), 0.04), (k.float(), 0.04)),
+        (
+            ops.dequantize_kv_cache,
+            (as_cache_view(c8), 0.04, 0.03, torch.bfloat16),
+            (c8, 0.04, 0.03, torch.bfloat16),
+        ),
+        (ops.cache_write, (kqv, vqv, as_cache_view(c8), quant.name), (kq, vq, c8, quant.name)),
+        (ops.cache_write, (kv_, vv, as_cache_view(c16), skip.name), (k, v, c16, skip.name)),
+        (
+            ops.quant_cache_write,
+            (kv_, vv, as_cache_view(c8), 0.04, 0.03, quant.name),
+            (k, v, c8, 0.04, 0.03, quant.name),
+        ),
+        (ops.paged_attention, (qv, c16, skip.name), (q, c16, skip.name)),
+        (ops.paged_attention, (qv, as_cache_view(c16), skip.name), (q, c16, skip.name)),
+        (
+            ops.paged_attention_fp8,
+            (qv, c8, 0.04, 0.03, quant.name),
+            (q, c8, 0.04, 0.03, quant.name),
+        ),
+        (
+            ops.paged_attention_fp8,
+            (qv, as_cache_view(c8), 0.04, 0.03, quant.name, 0.01),
+            (q, c8, 0.04, 0.03, quant.name, 0.01),
+        ),
+    ]
+    check_ops_on_views(cases)
 
 
 def test_fused_write_equals_quantize_then_write(setup) -> None:

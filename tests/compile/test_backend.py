@@ -231,3 +231,80 @@ def test_dynamo_recompiles_when_a_layers_spec_changes():
         rep.per_layer[bf16.name]["fuse_dequant_attention"] == "kept bf16 (not quantized: mode none)"
     )
     assert_fp8_close(out, eager)
+
+
+# -- which kernel: given (object, name, mapping), else the forward context's, never guessed ------
+
+
+@pytest.mark.parametrize(
+    "kernel,match",
+    [
+        (123, r"kernel must be an attention kernel \(an AttentionKernel such as .*got 123"),
+        ("flashinfer-fast", r"kernel 'flashinfer-fast': unknown kernel 'flashinfer-fast'; the"),
+        ({"a.attn": 1.5}, r"kernel for layer 'a.attn' must be an attention kernel.*got 1.5"),
+        (NamedKernel("not-in-table"), r"unknown kernel 'not-in-table'; the capability table"),
+        (object(), r"kernel must be an attention kernel"),
+    ],
+)
+def test_make_kvq_backend_refuses_what_is_not_a_kernel(kernel, match):
+    with pytest.raises(ValueError, match=match):
+        make_kvq_backend(kernel=kernel)
+
+
+def test_kernel_objects_and_names_are_accepted():
+    from torch_kvq.attention.kernels import FlashInferKernel
+
+    xqa = FlashInferKernel(fp8_decode="xqa", phases="decode")
+    assert make_kvq_backend(kernel=xqa).kernel_names == "flashinfer-xqa-decode"
+    assert make_kvq_backend(kernel="flashinfer").kernel_names == "flashinfer"
+    both = make_kvq_backend(kernel={"a": ReferenceKernel(), "b": "flashinfer-decode"})
+    assert both.kernel_names == {"a": "reference", "b": "flashinfer-decode"}
+
+
+@pytest.mark.parametrize(
+    "fp8_decode,phases,output_quant",
+    [("xqa", "decode", True), ("xqa", "any", False), ("tensor_cores", "decode", False)],
+)
+def test_a_kernel_object_brings_its_capabilities(monkeypatch, fp8_decode, phases, output_quant):
+    """make_kvq_backend(kernel=FlashInferKernel(...)) stamps the layers with that configuration's
+    row: on sm90 only the decode-only XQA kernel claims (and gets) the output-quant fusion. The
+    arch is pretended; the graph runs on the CPU with the reference kernel."""
+    from torch_kvq.attention.kernels import FlashInferKernel
+    from torch_kvq.attention.kernels import capabilities as caps
+
+    monkeypatch.setattr(caps, "device_arch", lambda device: "sm90")
+    specs = make_specs(2, "fp8", head_size=64)
+    model = AttnQuantModel(specs, 8, "op")
+    md = PageAllocator(8, 16).build_batch([(0, 3)])
+    kernel = FlashInferKernel(fp8_decode=fp8_decode, phases=phases)
+    backend = make_kvq_backend(inner="eager", kernel=kernel)
+    torch._dynamo.reset()
+    with torch.no_grad(), forward_context(md, specs, ReferenceKernel()):
+        torch.compile(model, backend=backend)(*qkv(3, (8, 2), 64, torch.bfloat16))
+    rep = backend.managers[-1].last
+    assert {info["kernel"] for info in rep.layers.values()} == {kernel.name}
+    assert {info["arch"] for info in rep.layers.values()} == {"sm90"}
+    assert rep.layers_fused("dequant+attn") == tuple(s.name for s in specs)
+    assert rep.layers_fused("output quant") == (
+        tuple(s.name for s in specs) if output_quant else ()
+    )
+
+
+def test_no_kernel_and_no_forward_context_is_an_error():
+    model, md, inputs = small_case("op")
+    torch._dynamo.reset()
+    with torch.no_grad(), pytest.raises(Exception) as info:
+        torch.compile(model, backend=make_kvq_backend(inner="eager"))(*inputs)
+    msg = str(info.value)
+    assert f"no kernel for attention layer '{model.specs[0].name}'" in msg
+    assert "no forward context is active" in msg
+    assert "make_kvq_backend(kernel=...)" in msg and "inside forward_context(...)" in msg
+    torch._dynamo.reset()
+    with torch.no_grad(), forward_context(md, model.specs[:1], ReferenceKernel()):
+        with pytest.raises(Exception, match=r"the active forward context has no kernel for it"):
+            torch.compile(model, backend=make_kvq_backend(inner="eager"))(*inputs)
+    torch._dynamo.reset()
+    backend = make_kvq_backend(inner="eager", kernel="reference")  # given: compiles without one
+    with torch.no_grad(), pytest.raises(RuntimeError, match=r"no kvq forward context is set"):
+        torch.compile(model, backend=backend)(*inputs)  # (running the ops still needs one)
+    assert backend.managers[-1].last.layers_fused("dequant+attn")

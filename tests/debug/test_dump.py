@@ -117,6 +117,8 @@ def test_inspect_table_and_json(capsys) -> None:
                 "--kernel",
                 "flashinfer-xqa-decode",
                 "--no-skip",
+                "--head-dim",
+                "128",  # FlashInfer's head sizes are 64, 128, 256; the presets have 32
             ]
         )
         == 0
@@ -127,7 +129,7 @@ def test_inspect_table_and_json(capsys) -> None:
         r["output_quant"].startswith("fusable") and r["kernel"] == "flashinfer-xqa-decode"
         for r in rows
     )
-    assert rows[0]["cache_bytes_per_token"] * 2 == 2 * 2 * 32 * 2  # fp8: half of bf16
+    assert rows[0]["cache_bytes_per_token"] * 2 == 2 * 2 * 128 * 2  # fp8: half of bf16
 
 
 def test_inspect_unknown_kernel(capsys) -> None:

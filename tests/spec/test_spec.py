@@ -193,6 +193,19 @@ def test_specs_are_frozen_and_hashable() -> None:
     hash(KVCacheConfig("fp8", skip_layers=[0, "sliding_window"]))
 
 
+def test_directly_built_spec_gets_the_real_softmax_scale() -> None:
+    """No silent 0.0 (uniform attention): left out, sm_scale is 1 / sqrt(head_size), stored."""
+    args = ("x", 0, KVQuantMode.NONE, torch.bfloat16, torch.bfloat16, 4, 2, 64, 16)
+    assert LayerKVSpec(*args).sm_scale == 64**-0.5 == 0.125
+    assert LayerKVSpec(*args, sm_scale=1).sm_scale == 1.0
+    assert dataclasses.replace(LayerKVSpec(*args), sm_scale=0.5).sm_scale == 0.5
+    for bad in (0.0, -0.1, math.nan, math.inf, "0.1"):
+        with pytest.raises(ValueError, match="layer 'x': sm_scale must be a positive finite float"):
+            LayerKVSpec(*args, sm_scale=bad)
+    (resolved,) = resolve_layer_specs(KVCacheConfig(), [AttentionLayerInfo("x", 4, 2, 64)])
+    assert resolved.sm_scale == 0.125
+
+
 def test_spec_table_key_changes_with_config() -> None:
     a = spec_table_key(resolve_layer_specs(KVCacheConfig("fp8"), layers()))
     b = spec_table_key(resolve_layer_specs(KVCacheConfig("fp8", skip_layers=(0,)), layers()))

@@ -14,6 +14,11 @@ Fused (what the passes produce)::
 
 A skipped layer is ``cache_write`` + ``paged_attention`` on its model-dtype cache. Ops look up
 the batch and kernel in the forward context by layer name; every output shape is static.
+
+Every op that returns a tensor returns a new contiguous one (``_new_output``), whatever the
+strides of its inputs: q / k / v are often views (Hugging Face attention hands over a transposed
+[B, H, S, D] tensor). Each fake returns exactly what its real implementation returns (shape, dtype
+and strides), so Inductor's stride assertions and ``torch.library.opcheck`` hold for any layout.
 """
 
 from __future__ import annotations
@@ -26,6 +31,12 @@ from torch_kvq.attention.kernels.base import quantize_fp8 as _quantize_fp8
 from torch_kvq.attention.kernels.kv_write import write_kv
 from torch_kvq.attention.metadata import BatchMetadata
 from torch_kvq.spec import FP8_DTYPE, LayerKVSpec, check_scale
+
+
+def _new_output(like: Tensor, dtype: torch.dtype) -> Tensor:
+    """A new contiguous tensor of ``like``'s shape on its device: every tensor-returning op's
+    output, allocated alike by the real implementations and the fakes."""
+    return torch.empty(like.shape, dtype=dtype, device=like.device)
 
 
 def _check(cond: bool, msg: str) -> None:
@@ -98,12 +109,12 @@ def _check_fp8_cache(
 def quantize_fp8(x: Tensor, scale: float) -> Tensor:
     """Static per-tensor FP8 (e4m3) quantization; x any shape -> same shape, float8_e4m3fn."""
     check_scale(scale, "quantize_fp8 scale")
-    return _quantize_fp8(x, scale)
+    return _quantize_fp8(x, scale, out=_new_output(x, FP8_DTYPE))
 
 
 @quantize_fp8.register_fake
 def _(x: Tensor, scale: float) -> Tensor:
-    return torch.empty_like(x, dtype=FP8_DTYPE)
+    return _new_output(x, FP8_DTYPE)
 
 
 @torch.library.custom_op("kvq::dequantize_kv_cache", mutates_args=())
@@ -118,12 +129,13 @@ def dequantize_kv_cache(
     check_scale(k_scale, "dequantize_kv_cache k_scale")
     check_scale(v_scale, "dequantize_kv_cache v_scale")
     scales = torch.tensor([k_scale, v_scale], dtype=torch.float32, device=kv_cache.device)
-    return (kv_cache.float() * scales.view(1, 2, 1, 1, 1)).to(out_dtype)
+    out = _new_output(kv_cache, out_dtype)
+    return out.copy_(kv_cache.float() * scales.view(1, 2, 1, 1, 1))
 
 
 @dequantize_kv_cache.register_fake
 def _(kv_cache: Tensor, k_scale: float, v_scale: float, out_dtype: torch.dtype) -> Tensor:
-    return torch.empty_like(kv_cache, dtype=out_dtype)
+    return _new_output(kv_cache, out_dtype)
 
 
 @torch.library.custom_op("kvq::cache_write", mutates_args=("kv_cache",))
@@ -179,7 +191,7 @@ def paged_attention(q: Tensor, kv_cache: Tensor, layer_name: str) -> Tensor:
 
 @paged_attention.register_fake
 def _(q: Tensor, kv_cache: Tensor, layer_name: str) -> Tensor:
-    return torch.empty_like(q)
+    return _new_output(q, q.dtype)
 
 
 @torch.library.custom_op("kvq::paged_attention_fp8", mutates_args=())
@@ -216,7 +228,7 @@ def _(
     layer_name: str,
     output_scale: float | None = None,
 ) -> Tensor:
-    return torch.empty_like(q, dtype=FP8_DTYPE if output_scale is not None else q.dtype)
+    return _new_output(q, FP8_DTYPE if output_scale is not None else q.dtype)
 
 
 ATTENTION_OPS = (torch.ops.kvq.paged_attention.default, torch.ops.kvq.paged_attention_fp8.default)

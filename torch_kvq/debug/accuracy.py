@@ -16,7 +16,7 @@ from dataclasses import asdict, dataclass
 import torch
 
 from torch_kvq.attention import Attention, calibrate_kv_scales, ref_attention
-from torch_kvq.attention.calibration import amax_to_scale
+from torch_kvq.attention.calibration import layer_kv_scales
 from torch_kvq.attention.kernels.base import quantize_fp8
 from torch_kvq.spec import KVCacheConfig, LayerKVSpec, resolve_layer_specs
 
@@ -187,7 +187,7 @@ def layer_accuracy(
         q, k, v = captured[spec.name]
         ks, vs = spec.k_scale, spec.v_scale
         if calibrate:
-            ks, vs = amax_to_scale(float(k.abs().max())), amax_to_scale(float(v.abs().max()))
+            ks, vs = layer_kv_scales(spec.name, float(k.abs().max()), float(v.abs().max()))
         ref = _attend(spec, q, k, v, lens)
         k8 = quantize_fp8(k, ks).float() * ks
         v8 = quantize_fp8(v, vs).float() * vs

@@ -3,7 +3,10 @@
 For each attention layer: type, mode, cache dtype, cache bytes per token, the kernel that serves
 it on the chosen arch, and what the passes will fuse. The fusion column comes from the same
 ``KVQStamp`` decisions the passes use (``make_stamp`` + the capability table), so it cannot
-disagree with what a compile does.
+disagree with what a compile does; whether the kernel serves a layer at all (arch, dtype, head
+size, page size) comes from the same table its own ``check_supported`` reads. An arch the table
+does not know is refused. A layer the kernel cannot serve is shown as "NOT SERVED" and the
+command then fails (exit 2): a ``forward_context`` with that kernel would refuse the model.
 """
 
 from __future__ import annotations
@@ -11,35 +14,61 @@ from __future__ import annotations
 import argparse
 import json
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from torch_kvq.attention.kernels import capabilities as caps
 from torch_kvq.passes.manager import make_stamp
 from torch_kvq.spec import LayerKVSpec, format_spec_table
 
+if TYPE_CHECKING:
+    from torch_kvq.cli import CommandError
+
 
 def layer_plan(
     specs: Sequence[LayerKVSpec], kernel: str | None = None, arch: str = "cpu"
 ) -> list[dict[str, Any]]:
-    """One row per layer: the spec's fields plus ``kernel``, ``fuses`` and ``output_quant``."""
+    """One row per layer: the spec's fields plus ``kernel``, ``default_kernel`` (True when
+    ``kernel`` is None and ``capabilities.default_kernel(arch)`` was shown), ``not_served`` (why
+    the kernel cannot serve the layer, else None), ``fuses`` and ``output_quant``. ValueError for
+    an arch the capability table does not know, or one the kernel has no row for."""
+    caps.check_arch(arch)
+    name = kernel or caps.default_kernel(arch)
     rows = []
     for spec in specs:
-        stamp = make_stamp(spec, kernel or caps.default_kernel(arch), arch)
+        why = caps.unsupported_reason(name, arch, spec)
+        stamp = make_stamp(spec, name, arch)
         kv_block, out_block = stamp.kv_block(), stamp.output_block()
+        fuses = "quant+write, dequant+attention" if kv_block is None else kv_block
         rows.append(
             {
                 **spec.as_dict(),
                 "attention_type": spec.attention_type,
                 "cache_bytes_per_token": spec.cache_bytes_per_token,
                 "kernel": stamp.kernel,
+                "default_kernel": kernel is None,
                 "arch": arch,
-                "fuses": "quant+write, dequant+attention" if kv_block is None else kv_block,
+                "not_served": why,
+                "fuses": f"NOT SERVED: {why}" if why else fuses,
                 "output_quant": "fusable (kernel writes FP8 output)"
-                if out_block is None
+                if out_block is None and why is None
                 else "not fused",
             }
         )
     return rows
+
+
+def unserved_error(rows: Sequence[dict[str, Any]]) -> CommandError | None:
+    """The error ``kvq inspect`` exits with when its kernel cannot serve some layers, else None."""
+    from torch_kvq.cli import CommandError
+
+    bad = [r for r in rows if r["not_served"]]
+    if not bad:
+        return None
+    return CommandError(
+        f"kernel {bad[0]['kernel']!r} on {bad[0]['arch']} cannot serve {len(bad)} of {len(rows)} "
+        f"layers (layer {bad[0]['name']!r}: {bad[0]['not_served']}); forward_context(...) with "
+        "it would raise KernelUnsupportedError. Choose another --kernel or --arch"
+    )
 
 
 def format_plan(specs: Sequence[LayerKVSpec], rows: Sequence[dict[str, Any]]) -> str:
@@ -70,10 +99,16 @@ def add_parser(sub: Any) -> None:
     p.add_argument(
         "--kernel",
         default=None,
-        help=f"kernel name (default: per arch); known: {', '.join(caps.known_kernels())}",
+        help="kernel name (default: a per-arch default, for display: reference on cpu, "
+        f"flashinfer on GPUs); known: {', '.join(caps.known_kernels())}",
     )
     p.add_argument(
-        "--arch", default="cpu", help="device arch to plan for: cpu (default), sm90, ..."
+        "--arch",
+        default="cpu",
+        help=f"device arch to plan for (default cpu); known: {', '.join(caps.known_archs())}",
+    )
+    p.add_argument(
+        "--head-dim", type=int, default=None, help="override the preset's head size (e.g. 128)"
     )
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
     p.set_defaults(func=run)
@@ -82,6 +117,7 @@ def add_parser(sub: Any) -> None:
 def run(args: argparse.Namespace) -> int:
     from torch_kvq.cli import kv_config_from_args, model_from_args
 
+    caps.check_arch(args.arch)  # ValueError listing the known archs
     kv = kv_config_from_args(args)
     model = model_from_args(args, kv, num_pages=1)  # weights are not used; one page per layer
     if args.kernel is not None:
@@ -89,9 +125,18 @@ def run(args: argparse.Namespace) -> int:
     rows = layer_plan(model.kv_specs, args.kernel, args.arch)
     if args.json:
         print(json.dumps(rows, indent=2, default=str))
+        err = unserved_error(rows)
+        if err is not None:
+            raise err
         return 0
+    kernel = rows[0]["kernel"] + (
+        f" (the default shown for {args.arch}; compiles never pick one: choose with --kernel)"
+        if args.kernel is None
+        else ""
+    )
     print(
-        f"kvq inspect: preset {args.preset}, kv_cache_dtype={kv.kv_cache_dtype!r}, skip_layers={kv.skip_layers}, arch {args.arch}"
+        f"kvq inspect: preset {args.preset}, kv_cache_dtype={kv.kv_cache_dtype!r}, "
+        f"skip_layers={kv.skip_layers}, arch {args.arch}, kernel {kernel}"
     )
     print()
     print(format_plan(model.kv_specs, rows))
@@ -103,4 +148,7 @@ def run(args: argparse.Namespace) -> int:
         f"(all-{str(model.dtype).replace('torch.', '')}: "
         f"{sum(2 * s.num_kv_heads * s.head_size * s.model_dtype.itemsize for s in model.kv_specs)})"
     )
+    err = unserved_error(rows)
+    if err is not None:
+        raise err
     return 0

@@ -23,9 +23,13 @@ from torch_kvq.attention.kernels.reference import ReferenceKernel
 from torch_kvq.attention.layer import Attention, QuantForm
 from torch_kvq.attention.metadata import BatchMetadata, PageAllocator
 from torch_kvq.models.config import DecoderConfig, RopeSpec, read_config
-from torch_kvq.spec import AttentionLayerInfo, KVCacheConfig, LayerKVSpec, resolve_layer_specs
-
-MODEL_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+from torch_kvq.spec import (
+    MODEL_DTYPES,
+    AttentionLayerInfo,
+    KVCacheConfig,
+    LayerKVSpec,
+    resolve_layer_specs,
+)
 
 
 class RMSNorm(nn.Module):

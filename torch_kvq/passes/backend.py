@@ -3,8 +3,11 @@
 ``torch.compile(model, backend=kvq_backend)``: the backend scans the Dynamo graph for kvq ops'
 ``layer_name`` arguments, resolves those layers' specs (live-layer registry), their device arch,
 and the kernel serving each (the ``kernel`` option, else the kernel of the active forward
-context, else ``capabilities.default_kernel``), builds a ``KVQPassManager`` for exactly those
-layers and hands the graph to Inductor with the manager as ``post_grad_custom_post_pass``.
+context; with neither it refuses: it never guesses a kernel from the device), builds a
+``KVQPassManager`` for exactly those layers and hands the graph to Inductor with the manager as
+``post_grad_custom_post_pass``. A kernel is named by its capability-table key: a kernel object's
+``name`` (``FlashInferKernel(fp8_decode="xqa", phases="decode").name`` is
+``"flashinfer-xqa-decode"``, whose row claims FP8 output on sm90) or the name itself.
 
 ``make_kvq_backend(inner="eager")`` runs the same post-grad-shaped graph without Inductor
 codegen: AOTAutograd with Inductor's decompositions and input mutations kept in the graph
@@ -27,6 +30,7 @@ from torch import fx
 from torch_kvq.attention import registry
 from torch_kvq.attention.context import get_forward_context
 from torch_kvq.attention.kernels import capabilities as caps
+from torch_kvq.attention.kernels.base import AttentionKernel
 from torch_kvq.passes import report
 from torch_kvq.passes.manager import DEFAULT_PASSES, KVQPassManager
 from torch_kvq.spec import LayerKVSpec
@@ -35,6 +39,36 @@ logger = logging.getLogger("torch_kvq")
 INNER = ("inductor", "eager")
 DUMP_ENV = "TORCH_KVQ_DUMP_DIR"  # dump folder when make_kvq_backend(dump_dir=None)
 _memo: dict[str, str] = {}
+KernelChoice = str | AttentionKernel | Mapping[str, str | AttentionKernel] | None
+
+
+def kernel_name(value: object, what: str = "kernel") -> str:
+    """The capability-table name of a kernel object (its ``name``) or of a kernel name; a
+    ValueError naming ``value`` for anything else or a name the table does not know."""
+    if isinstance(value, str):
+        name = value
+    elif isinstance(value, AttentionKernel) and isinstance(value.name, str):
+        name = value.name
+    else:
+        raise ValueError(
+            f"{what} must be an attention kernel (an AttentionKernel such as FlashInferKernel(...)) "
+            f"or a kernel name in {list(caps.known_kernels())}, got {value!r}"
+        )
+    if name not in caps.known_kernels():
+        raise ValueError(
+            f"{what} {value!r}: unknown kernel {name!r}; the capability table knows "
+            f"{list(caps.known_kernels())}"
+        )
+    return name
+
+
+def _kernel_names(kernel: KernelChoice) -> str | dict[str, str] | None:
+    """``make_kvq_backend``'s ``kernel`` as table names: one, per layer, or None."""
+    if kernel is None:
+        return None
+    if isinstance(kernel, Mapping):
+        return {layer: kernel_name(k, f"kernel for layer {layer!r}") for layer, k in kernel.items()}
+    return kernel_name(kernel)
 
 
 def graph_layers(gm: fx.GraphModule) -> dict[str, torch.device | None]:
@@ -75,9 +109,10 @@ class KVQBackend:
         inner: str = "inductor",
         passes: Sequence[str] = DEFAULT_PASSES,
         dump_dir: str | Path | None = None,
-        kernel: str | Mapping[str, str] | None = None,
+        kernel: KernelChoice = None,
         config_patches: Mapping[str, Any] | None = None,
     ) -> None:
+        self.kernel_names = _kernel_names(kernel)
         if inner not in INNER:
             raise ValueError(f"inner compiler {inner!r} unknown; expected one of {INNER}")
         if config_patches and "post_grad_custom_post_pass" in config_patches:
@@ -105,25 +140,35 @@ class KVQBackend:
                 raise ValueError(f"the graph uses attention layer {layer!r}: {e.args[0]}") from None
             specs.append(spec)
             archs[layer] = caps.device_arch(device) if device is not None else "cpu"
-            kernels[layer] = self._kernel_name(layer, archs[layer])
+            kernels[layer] = self._kernel_name(layer)
         dump_dir = self.dump_dir if self.dump_dir is not None else os.environ.get(DUMP_ENV) or None
         return KVQPassManager(
             specs, kernel=kernels, arch=archs, passes=self.passes, dump_dir=dump_dir
         )
 
-    def _kernel_name(self, layer: str, arch: str) -> str:
-        if isinstance(self.kernel, str):
-            return self.kernel
-        if isinstance(self.kernel, Mapping):
-            if layer not in self.kernel:
+    def _kernel_name(self, layer: str) -> str:
+        names = self.kernel_names
+        if isinstance(names, str):
+            return names
+        if isinstance(names, dict):
+            if layer not in names:
                 raise ValueError(f"kernel mapping has no entry for layer {layer!r}")
-            return self.kernel[layer]
+            return names[layer]
         try:
-            kernels = get_forward_context().kernels
+            k = get_forward_context().kernels.get(layer)
+            missing = "the active forward context has no kernel for it"
         except RuntimeError:
-            kernels = {}
-        k = kernels.get(layer)
-        return getattr(k, "name", None) or caps.default_kernel(arch)
+            k, missing = None, "no forward context is active"
+        if k is None:
+            raise ValueError(
+                f"no kernel for attention layer {layer!r}: make_kvq_backend was given none and "
+                f"{missing}. Pass make_kvq_backend(kernel=...) (a kernel such as "
+                "FlashInferKernel(...), a kernel name, or a mapping layer -> either), or run the "
+                "compiled model's first call inside forward_context(...)"
+            )
+        # the context already runs ``k`` (duck-typed): only its table name matters here
+        name = getattr(k, "name", None)
+        return kernel_name(k if not isinstance(name, str) else name, f"layer {layer!r}'s kernel")
 
     def __call__(self, gm: fx.GraphModule, example_inputs: Sequence[Any]) -> Callable[..., Any]:
         manager = self.manager_for(gm)
@@ -236,12 +281,14 @@ def make_kvq_backend(
     inner: str = "inductor",
     passes: Sequence[str] = DEFAULT_PASSES,
     dump_dir: str | Path | None = None,
-    kernel: str | Mapping[str, str] | None = None,
+    kernel: KernelChoice = None,
     config_patches: Mapping[str, Any] | None = None,
 ) -> KVQBackend:
     """A kvq backend: ``inner`` ``"inductor"`` (default) or ``"eager"`` (passes, no codegen);
-    ``passes`` (names, in order); ``dump_dir`` (per-pass before/after dumps); ``kernel`` (name,
-    or layer -> name, overriding the forward context's); ``config_patches`` (extra Inductor config)."""
+    ``passes`` (names, in order); ``dump_dir`` (per-pass before/after dumps); ``kernel`` (a kernel
+    object such as ``FlashInferKernel(...)``, a kernel name, or a mapping layer -> either,
+    overriding the forward context's; None: the forward context's, an error without one);
+    ``config_patches`` (extra Inductor config)."""
     return KVQBackend(
         inner=inner, passes=passes, dump_dir=dump_dir, kernel=kernel, config_patches=config_patches
     )

@@ -7,7 +7,7 @@ global cache dtype. Helpers here only *read* graphs; each pass module does its o
 from __future__ import annotations
 
 from collections.abc import Iterator, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, ClassVar, Protocol
 
 import torch
@@ -29,6 +29,7 @@ AUTO_FUNCTIONALIZED = (
     torch.ops.higher_order.auto_functionalized,
     torch.ops.higher_order.auto_functionalized_v2,
 )
+# dtypes a float cast in a graph may produce (cast matching); not the model dtypes (spec.MODEL_DTYPES)
 FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 VIEW_OPS = (
     torch.ops.aten.view.default,
@@ -62,7 +63,8 @@ class KVQStamp:
     ``fp8_kv``: the layer is quantized and its kernel reads its FP8 cache in place with a
     model-dtype query (quant+write and dequant+attention may be fused). ``fp8_output``: the kernel
     also writes FP8 output for it (an output quant may be fused). ``fused`` names the fusions
-    that produced this node (empty for nodes of the original graph).
+    that produced this node (empty for nodes of the original graph). ``limit``: why the layer is
+    outside the kernel's capability row for its shape (head size, ...), else None.
     """
 
     spec: LayerKVSpec
@@ -71,6 +73,7 @@ class KVQStamp:
     fp8_kv: bool
     fp8_output: bool
     fused: tuple[str, ...] = ()
+    limit: str | None = None
 
     @property
     def layer(self) -> str:
@@ -90,6 +93,8 @@ class KVQStamp:
         kept = self.kept_reason()
         if kept is not None:
             return kept
+        if self.limit is not None:
+            return f"not fused: kernel {self.kernel!r} on {self.arch} cannot serve it: {self.limit}"
         if not self.fp8_kv:
             return (
                 f"not fused: kernel {self.kernel!r} on {self.arch} does not read "
@@ -110,9 +115,7 @@ class KVQStamp:
         return None
 
     def with_fused(self, what: str) -> KVQStamp:
-        return KVQStamp(
-            self.spec, self.kernel, self.arch, self.fp8_kv, self.fp8_output, (*self.fused, what)
-        )
+        return replace(self, fused=(*self.fused, what))
 
 
 def get_stamp(node: fx.Node) -> KVQStamp | None:

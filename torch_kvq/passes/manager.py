@@ -48,11 +48,16 @@ DEFAULT_PASSES: tuple[str, ...] = tuple(PASSES)
 
 
 def make_stamp(spec: LayerKVSpec, kernel: str, arch: str) -> KVQStamp:
-    """The stamp of one layer: its spec plus what its kernel on ``arch`` can do for it."""
+    """The stamp of one layer: its spec plus what its kernel on ``arch`` can do for it, from the
+    capability table the kernel's own ``check_supported`` reads (ValueError: unknown kernel, or
+    an arch it has no row for)."""
     q = spec.model_dtype
-    fp8_kv = spec.is_quantized and caps.supports(kernel, arch, spec.mode, q, False)
+    limit = caps.layer_limit(kernel, arch, spec)
+    fp8_kv = (
+        spec.is_quantized and limit is None and caps.supports(kernel, arch, spec.mode, q, False)
+    )
     fp8_out = fp8_kv and caps.supports(kernel, arch, spec.mode, q, True)
-    return KVQStamp(spec=spec, kernel=kernel, arch=arch, fp8_kv=fp8_kv, fp8_output=fp8_out)
+    return KVQStamp(spec, kernel, arch, fp8_kv=fp8_kv, fp8_output=fp8_out, limit=limit)
 
 
 def _per_layer(
@@ -80,8 +85,8 @@ class KVQPassManager(CustomGraphPass):
 
     Args:
         specs: the ``LayerKVSpec`` of every attention layer the graph may contain.
-        kernel: kernel name serving each layer (one name or layer -> name); None picks
-            ``capabilities.default_kernel(arch)``.
+        kernel: kernel name serving each layer (one name or layer -> name); None is
+            ``"reference"`` (the pure-torch kernel, which has a row for every arch).
         arch: device arch of each layer (``"cpu"``, ``"sm90"``, ...; one or layer -> arch).
         passes: pass names in order (default ``DEFAULT_PASSES``); fusions need ``annotate`` first.
         dump_dir: if set, write ``<dump_dir>/graph_NNN/<pass>.before.py`` / ``.after.py`` and
@@ -111,7 +116,7 @@ class KVQPassManager(CustomGraphPass):
         self.stamps: dict[str, KVQStamp] = {}
         for s in self.specs:
             a = archs[s.name] or "cpu"
-            self.stamps[s.name] = make_stamp(s, kernels[s.name] or caps.default_kernel(a), a)
+            self.stamps[s.name] = make_stamp(s, kernels[s.name] or "reference", a)
         if isinstance(passes, str):
             raise ValueError(f"passes must be a sequence of pass names, got the string {passes!r}")
         unknown = [p for p in passes if p not in PASSES]

@@ -7,7 +7,7 @@ layer's ``LayerKVSpec`` and the capability table, never from a global cache dtyp
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 import torch
 
@@ -21,7 +21,10 @@ class KernelUnsupportedError(RuntimeError):
     """A kernel was asked to serve a layer (or device) it cannot serve. We never fall back."""
 
 
+@runtime_checkable
 class AttentionKernel(Protocol):
+    """What the ops call; ``name`` is the kernel's key in the capability table (capabilities.py)."""
+
     name: str
     # True if, planned with ``ctx.graph`` set, every device tensor ``attend`` reads lives in a
     # buffer that the next plan for the same shape refills in place (so a CUDA graph can replay).
@@ -49,9 +52,16 @@ class AttentionKernel(Protocol):
         [pages, 2, page_size, kv_heads, head_size] in the model dtype (scales 1.0) or FP8 (read
         in place with ``k_scale`` / ``v_scale``). Returns [T, num_heads, head_size] in the model
         dtype, or float8_e4m3fn scaled by ``1 / output_scale`` when ``output_scale`` is given.
+        The output is a new contiguous tensor whatever q's strides (a transposed view included):
+        the ops' fake implementations promise exactly that to the compiler.
         """
 
 
-def quantize_fp8(x: torch.Tensor, scale: float) -> torch.Tensor:
-    """Static per-tensor FP8 quantization: ``clamp(x / scale, -448, 448)`` in fp32, cast to e4m3."""
-    return (x.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+def quantize_fp8(x: torch.Tensor, scale: float, out: torch.Tensor | None = None) -> torch.Tensor:
+    """Static per-tensor FP8 quantization: ``clamp(x / scale, -448, 448)`` in fp32, cast to e4m3.
+
+    ``out`` (float8_e4m3fn, x's shape) receives the result: the same cast (``.to`` is a copy_), so
+    the same bits, in ``out``'s layout instead of one that follows x's strides.
+    """
+    y = (x.float() / scale).clamp(-FP8_MAX, FP8_MAX)
+    return y.to(torch.float8_e4m3fn) if out is None else out.copy_(y)

@@ -1,37 +1,79 @@
-"""Which kernel serves which layers where: the table the fusion passes consult.
+"""Which kernel serves which layers where: the one table that the kernels' own support checks
+(``FlashInferKernel.check_supported``) and the fusion passes (``make_stamp``) both read.
 
-Each kernel name maps to rows per device arch (``"cpu"``, ``"sm90"``, ..., or ``"*"`` for any).
-A row is the set of ``(quant mode, q dtype, fp8 output)`` combinations the kernel runs:
+Each kernel name has one ``ArchRow`` per device arch (``"cpu"``, ``"sm90"``, ..., or ``"*"`` for
+any arch). A row holds:
 
-- ``(FP8_PER_TENSOR, bf16, False)``: it reads an FP8 paged cache in place with a bf16 query
-  (so quant+write and dequant+attention may be fused for such a layer);
-- ``(FP8_PER_TENSOR, bf16, True)``: it also writes FP8 output through ``output_scale`` (so a
-  static FP8 quant of the attention output may be fused). Claim this only where the kernel
-  really writes FP8 output for every batch shape the compiled graph serves (prefill and decode).
+- ``combos``: the ``(quant mode, q dtype, fp8 output)`` combinations the kernel runs.
+  ``(NONE, bf16, False)``: attention over a bf16 cache with a bf16 query;
+  ``(FP8_PER_TENSOR, bf16, False)``: it reads an FP8 paged cache in place with a bf16 query (so
+  quant+write and dequant+attention may be fused for such a layer);
+  ``(FP8_PER_TENSOR, bf16, True)``: it also writes FP8 output through ``output_scale`` (so a static
+  FP8 quant of the attention output may be fused). Claim this only where the kernel really writes
+  FP8 output for every batch shape the compiled graph serves (prefill and decode).
+- ``head_sizes``: the head sizes it runs (None: any);
+- ``fp8_page_sizes`` / ``fp8_soft_cap``: limits on quantized layers only (XQA's page sizes, and no
+  logit soft-cap), None / True for none.
 
-Other engineers add rows (FlashInfer per GPU arch) with ``register_capabilities``.
+A kernel serves a layer when its row has ``(layer mode, model dtype, False)`` and the layer is
+within the row's limits: ``unsupported_reason`` says why not. An arch with no row (and no ``"*"``
+row) is a ``ValueError`` naming the arch and the archs the kernel has rows for, in the kernel's
+check (``KernelUnsupportedError``) and at compile time alike: a kernel is never assumed to run on
+an arch nobody checked. Add rows with ``register_capabilities``.
 """
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterable
+from dataclasses import dataclass
 from itertools import product
 
 import torch
 
-from torch_kvq.spec import KVQuantMode
+from torch_kvq.spec import MODEL_DTYPES, KVQuantMode, LayerKVSpec
 
 Combo = tuple[KVQuantMode, torch.dtype, bool]  # (quant mode, q dtype, fp8 output)
 
-MODEL_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 ANY_ARCH = "*"
 
-_TABLE: dict[str, dict[str, frozenset[Combo]]] = {
-    "reference": {ANY_ARCH: frozenset(product(KVQuantMode, MODEL_DTYPES, (False, True)))},
+
+@dataclass(frozen=True)
+class ArchRow:
+    """What one kernel runs on one arch (see the module docstring)."""
+
+    combos: frozenset[Combo]
+    head_sizes: frozenset[int] | None = None  # None: any head size
+    fp8_page_sizes: frozenset[int] | None = None  # page sizes of quantized layers; None: any
+    fp8_soft_cap: bool = True  # quantized layers may have a logit soft-cap
+
+
+_TABLE: dict[str, dict[str, ArchRow]] = {
+    "reference": {ANY_ARCH: ArchRow(frozenset(product(KVQuantMode, MODEL_DTYPES, (False, True))))},
 }
 
 
-def register_capabilities(kernel: str, arch: str, combos: Iterable[Combo]) -> None:
+def _sizes(what: str, kernel: str, arch: str, sizes: Iterable[int] | None) -> frozenset[int] | None:
+    if sizes is None:
+        return None
+    out = frozenset(sizes) if not isinstance(sizes, (str, bytes)) else frozenset()
+    if not out or any(isinstance(n, bool) or not isinstance(n, int) or n < 1 for n in out):
+        raise ValueError(
+            f"{what} of kernel {kernel!r} on {arch!r} must be a non-empty collection of positive "
+            f"ints or None, got {sizes!r}"
+        )
+    return out
+
+
+def register_capabilities(
+    kernel: str,
+    arch: str,
+    combos: Iterable[Combo],
+    *,
+    head_sizes: Iterable[int] | None = None,
+    fp8_page_sizes: Iterable[int] | None = None,
+    fp8_soft_cap: bool = True,
+) -> None:
     """Set the row of ``kernel`` on ``arch`` (replacing an existing one)."""
     if not isinstance(kernel, str) or not kernel:
         raise ValueError(f"kernel name must be a non-empty string, got {kernel!r}")
@@ -48,11 +90,38 @@ def register_capabilities(kernel: str, arch: str, combos: Iterable[Combo]) -> No
                 f"capability {combo!r} of kernel {kernel!r}: expected (KVQuantMode, q dtype in "
                 f"{MODEL_DTYPES}, bool fp8 output)"
             )
-    _TABLE.setdefault(kernel, {})[arch] = rows
+    row = ArchRow(
+        rows,
+        _sizes("head_sizes", kernel, arch, head_sizes),
+        _sizes("fp8_page_sizes", kernel, arch, fp8_page_sizes),
+        bool(fp8_soft_cap),
+    )
+    _TABLE.setdefault(kernel, {})[arch] = row
 
 
 def known_kernels() -> tuple[str, ...]:
     return tuple(sorted(_TABLE))
+
+
+def _arch_order(arch: str) -> tuple[int, int, str]:
+    m = re.fullmatch(r"sm(\d+)", arch)
+    return (0, 0, arch) if arch == "cpu" else (1, int(m[1]), arch) if m else (2, 0, arch)
+
+
+def known_archs() -> tuple[str, ...]:
+    """``"cpu"`` and every arch some kernel has its own row for, in arch order."""
+    archs = {a for rows in _TABLE.values() for a in rows if a != ANY_ARCH} | {"cpu"}
+    return tuple(sorted(archs, key=_arch_order))
+
+
+def check_arch(arch: str) -> str:
+    """``arch`` if the table knows it (``known_archs``), else a ValueError listing those."""
+    if arch not in known_archs():
+        raise ValueError(
+            f"unknown arch {arch!r}; expected one of {list(known_archs())} (an arch like "
+            "'sm90' is the GPU's compute capability, 'cpu' the CPU)"
+        )
+    return arch
 
 
 def device_arch(device: torch.device | str) -> str:
@@ -66,8 +135,8 @@ def device_arch(device: torch.device | str) -> str:
     raise ValueError(f"device {dev} unsupported; expected a cpu or cuda device")
 
 
-def capabilities(kernel: str, arch: str) -> frozenset[Combo]:
-    """The combos ``kernel`` supports on ``arch`` (the exact arch row, else its ``"*"`` row)."""
+def arch_row(kernel: str, arch: str) -> ArchRow:
+    """The row of ``kernel`` on ``arch`` (its exact arch row, else its ``"*"`` row)."""
     rows = _TABLE.get(kernel)
     if rows is None:
         raise ValueError(
@@ -78,8 +147,14 @@ def capabilities(kernel: str, arch: str) -> frozenset[Combo]:
     if ANY_ARCH in rows:
         return rows[ANY_ARCH]
     raise ValueError(
-        f"kernel {kernel!r} has no capability row for arch {arch!r}; it has rows for {sorted(rows)}"
+        f"kernel {kernel!r} has no capability row for arch {arch!r}; it has rows for "
+        f"{sorted(rows, key=_arch_order)}"
     )
+
+
+def capabilities(kernel: str, arch: str) -> frozenset[Combo]:
+    """The combos ``kernel`` supports on ``arch`` (the exact arch row, else its ``"*"`` row)."""
+    return arch_row(kernel, arch).combos
 
 
 def supports(
@@ -89,9 +164,50 @@ def supports(
     return (mode, q_dtype, fp8_output) in capabilities(kernel, arch)
 
 
+def _either(items: Iterable[str]) -> str:
+    items = list(items)
+    return items[0] if len(items) == 1 else f"{', '.join(items[:-1])} or {items[-1]}"
+
+
+def layer_limit(kernel: str, arch: str, spec: LayerKVSpec) -> str | None:
+    """Why ``spec``'s shape is outside the row's limits (head size; for quantized layers page
+    size and soft-cap), else None."""
+    row = arch_row(kernel, arch)
+    if row.head_sizes is not None and spec.head_size not in row.head_sizes:
+        return (
+            f"head size {spec.head_size} is not supported; expected one of "
+            f"{tuple(sorted(row.head_sizes))}"
+        )
+    if spec.is_quantized and row.fp8_page_sizes and spec.page_size not in row.fp8_page_sizes:
+        return (
+            f"page size {spec.page_size} is not supported for FP8 caches; expected one of "
+            f"{tuple(sorted(row.fp8_page_sizes))}"
+        )
+    if spec.is_quantized and spec.logits_soft_cap and not row.fp8_soft_cap:
+        return "a logit soft-cap is not supported for FP8 caches"
+    return None
+
+
+def unsupported_reason(kernel: str, arch: str, spec: LayerKVSpec) -> str | None:
+    """Why ``kernel`` on ``arch`` cannot serve ``spec``'s layer, else None. ValueError for an
+    unknown kernel or an arch the kernel has no row for."""
+    combos = [c for c in capabilities(kernel, arch) if not c[2]]
+    modes = [m for m in KVQuantMode if any(c[0] is m for c in combos)]
+    if spec.mode not in modes:
+        return (
+            f"quant mode {spec.mode.value!r} is not supported; expected "
+            f"{_either(repr(m.value) for m in modes) if modes else 'a row that lists one'}"
+        )
+    dtypes = [d for d in MODEL_DTYPES if (spec.mode, d, False) in combos]
+    if spec.model_dtype not in dtypes:
+        names = _either(str(d).removeprefix("torch.") for d in dtypes)
+        return f"model dtype {spec.model_dtype} is not supported; expected {names}"
+    return layer_limit(kernel, arch, spec)
+
+
 def default_kernel(arch: str) -> str:
-    """The kernel a layer on ``arch`` uses unless told otherwise: reference on CPU; on a GPU the
-    first non-reference kernel with a row for that arch, else reference."""
+    """For display only (``kvq inspect`` without ``--kernel``); compiles never guess a kernel.
+    Reference on CPU; on a GPU the first non-reference kernel with a row for that arch."""
     if arch != "cpu":
         for name in known_kernels():
             if name != "reference" and arch in _TABLE[name]:
@@ -109,17 +225,28 @@ def default_kernel(arch: str) -> str:
 # Prefill / mixed batches run fa2 (BatchPrefillWithPagedKVCacheWrapper), which rejects FP8 output,
 # so only a decode-only kernel whose FP8 decode is XQA claims FP8 output, and only on sm90 (the
 # arch where XQA's FP8-output path was run and checked). fa2 and the tensor-core decode wrapper
-# run on sm80+; the archs below other than sm90 are FlashInfer's documented support, not tested.
-_FI_ARCHS = ("sm80", "sm86", "sm89", "sm90", "sm100", "sm120")
-_FI_BASE = frozenset(
-    product(
-        (KVQuantMode.NONE, KVQuantMode.FP8_PER_TENSOR), (torch.bfloat16, torch.float16), (False,)
-    )
-)
+# run on sm80+ with head sizes 64 / 128 / 256 and bf16 / fp16 queries; XQA (FP8 caches on the
+# "-xqa" configurations) runs on sm90, sm100/103 and sm120/121 (FlashInfer's xqa.py), pages of 16 to
+# 128 tokens, no logit soft-cap; on sm8x the "-xqa" configurations serve model-dtype layers only.
+# sm90 is the arch we measured; the others are FlashInfer's documented support, not tested here.
+_FI_ARCHS = ("sm80", "sm86", "sm87", "sm89", "sm90", "sm100", "sm103", "sm120", "sm121")
+_XQA_ARCHS = ("sm90", "sm100", "sm103", "sm120", "sm121")
+_FI_HEAD_SIZES = (64, 128, 256)
+_XQA_PAGE_SIZES = (16, 32, 64, 128)
+_FI_DTYPES = (torch.bfloat16, torch.float16)
+_FI_NONE = frozenset(product((KVQuantMode.NONE,), _FI_DTYPES, (False,)))
+_FI_BASE = _FI_NONE | frozenset(product((KVQuantMode.FP8_PER_TENSOR,), _FI_DTYPES, (False,)))
 for _arch in _FI_ARCHS:
     for _name in ("flashinfer", "flashinfer-decode"):
-        register_capabilities(_name, _arch, _FI_BASE)
-for _arch in ("sm90", "sm100", "sm120"):  # XQA needs sm90+
-    register_capabilities("flashinfer-xqa", _arch, _FI_BASE)
+        register_capabilities(_name, _arch, _FI_BASE, head_sizes=_FI_HEAD_SIZES)
+    _xqa = _arch in _XQA_ARCHS
     _fp8_out = {(KVQuantMode.FP8_PER_TENSOR, torch.bfloat16, True)} if _arch == "sm90" else set()
-    register_capabilities("flashinfer-xqa-decode", _arch, _FI_BASE | _fp8_out)
+    for _name, _extra in (("flashinfer-xqa", set()), ("flashinfer-xqa-decode", _fp8_out)):
+        register_capabilities(
+            _name,
+            _arch,
+            (_FI_BASE | _extra) if _xqa else _FI_NONE,
+            head_sizes=_FI_HEAD_SIZES,
+            fp8_page_sizes=_XQA_PAGE_SIZES,
+            fp8_soft_cap=False,
+        )

@@ -18,6 +18,10 @@ Per batch, outside the graph, ``plan`` groups the layers by everything a FlashIn
     6.7e-2 with peaked attention, and with V of non-zero mean an output shrink that grows with
     context (-0.4% at 1k, -2.3% at 4k, -10% at 16k). Opt in knowingly.
 
+What a configuration serves (archs, q dtypes, head sizes, XQA's page sizes and soft-cap) is the
+capability table's row for its ``name`` on the GPU's arch (kernels/capabilities.py): the
+``check_supported`` here and the fusion passes read that one table.
+
 Shapes: q [T, QH, D] in the layer's model dtype; cache [pages, 2, page_size, KH, D] (NHD);
 output [T, QH, D] in the model dtype, or float8_e4m3fn (``out / output_scale``) on XQA decode.
 Sliding window: our query at p sees keys p - window < k <= p, FlashInfer's
@@ -37,9 +41,10 @@ from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 
+from torch_kvq.attention.kernels import capabilities as caps
 from torch_kvq.attention.kernels.base import KernelUnsupportedError
 from torch_kvq.attention.metadata import GraphShape
-from torch_kvq.spec import FP8_DTYPE, KVQuantMode, LayerKVSpec
+from torch_kvq.spec import FP8_DTYPE, LayerKVSpec
 
 if TYPE_CHECKING:
     from torch_kvq.attention.context import ForwardContext
@@ -47,11 +52,6 @@ if TYPE_CHECKING:
 
 FP8Decode = Literal["tensor_cores", "xqa"]
 Phases = Literal["any", "decode"]
-HEAD_SIZES = (64, 128, 256)
-XQA_PAGE_SIZES = (16, 32, 64, 128)
-MODEL_DTYPES = (torch.bfloat16, torch.float16)
-MIN_ARCH = (8, 0)  # fa2
-XQA_ARCHS = ((9, 0), (10, 0), (10, 3), (12, 0), (12, 1))
 DEFAULT_WORKSPACE_BYTES = 256 * 1024 * 1024
 _generation = itertools.count(1)
 
@@ -150,36 +150,34 @@ class FlashInferKernel:
             why = self._reasons[spec] = self._find_unsupported_reason(spec)
             return why
 
+    def arch(self) -> str:
+        """The arch this kernel runs on: its device's once planned, else the current CUDA device's."""
+        return caps.device_arch(self._device or torch.device("cuda"))
+
     def _find_unsupported_reason(self, spec: LayerKVSpec) -> str | None:
+        """The capability table's answer (kernels/capabilities.py) for this configuration's name
+        on this GPU's arch; an arch without a row is refused, naming the archs that have one."""
         if not torch.cuda.is_available():
             return "FlashInfer needs a CUDA GPU and torch.cuda.is_available() is False"
-        arch = torch.cuda.get_device_capability()
-        if arch < MIN_ARCH:
-            return f"GPU compute capability {arch} is below {MIN_ARCH} (fa2 needs sm80+)"
-        if spec.mode not in (KVQuantMode.NONE, KVQuantMode.FP8_PER_TENSOR):
-            return f"quant mode {spec.mode.value!r} is not supported; expected 'none' or 'fp8_per_tensor'"
-        if spec.model_dtype not in MODEL_DTYPES:
-            return f"model dtype {spec.model_dtype} is not supported; expected bfloat16 or float16"
-        if spec.head_size not in HEAD_SIZES:
-            return f"head size {spec.head_size} is not supported; expected one of {HEAD_SIZES}"
-        if spec.is_quantized and self.fp8_decode == "xqa":
-            if arch not in XQA_ARCHS:
-                return f"fp8_decode='xqa' needs one of {XQA_ARCHS}, this GPU is {arch}"
-            if spec.page_size not in XQA_PAGE_SIZES:
-                return f"fp8_decode='xqa' needs page size in {XQA_PAGE_SIZES}, got {spec.page_size}"
-            if spec.logits_soft_cap:
-                return "fp8_decode='xqa' has no logit soft-cap; use fp8_decode='tensor_cores'"
-        return None
+        arch = self.arch()
+        try:
+            why = caps.unsupported_reason(self.name, arch, spec)
+        except ValueError as e:  # no row for this arch
+            return str(e)
+        if why is None:
+            return None
+        if self.fp8_decode == "xqa" and spec.is_quantized:
+            plain = self.name.replace("-xqa", "")
+            if caps.unsupported_reason(plain, arch, spec) is None:
+                why += f"; FlashInferKernel(fp8_decode='tensor_cores', phases={self.phases!r}) serves it"
+        return f"{why} (capability row {self.name!r} on {arch})"
 
     def fp8_output_supported(self, spec: LayerKVSpec) -> bool:
         """True if the capability table says this kernel configuration writes FP8 output for
         ``spec`` on this GPU in every phase it serves (so the passes may fuse the output quant)."""
-        from torch_kvq.attention.kernels.capabilities import device_arch, supports
-
-        if not torch.cuda.is_available() or self._unsupported_reason(spec):
+        if self._unsupported_reason(spec):
             return False
-        arch = device_arch(torch.device("cuda", torch.cuda.current_device()))
-        return supports(self.name, arch, spec.mode, spec.model_dtype, True)
+        return caps.supports(self.name, self.arch(), spec.mode, spec.model_dtype, True)
 
     def variant(self, spec: LayerKVSpec, phase: str, kv_dtype: torch.dtype | None = None) -> str:
         """Which FlashInfer kernel serves ``spec`` in ``phase`` ("prefill" | "decode")."""
@@ -363,6 +361,8 @@ class FlashInferKernel:
                 f"layer {spec.name!r}: the FlashInfer plan of this forward context was replaced by a "
                 "later plan of the same FlashInferKernel; nested forward contexts need separate kernels"
             )
+        # q may be any view (a transposed [B, H, S, D] one from Hugging Face); the kernels want
+        # dense [T, QH, D] rows. The output is always a new contiguous tensor (the ops' fakes say so).
         q = q.contiguous()
         if key.kernel == "xqa":
             return self._run_xqa(ctx, spec, q, kv_cache, k_scale, v_scale, output_scale)
@@ -392,7 +392,9 @@ class FlashInferKernel:
 
         tables: _XQATables = ctx.plans[(id(self), "xqa_tables")]
         o_scale = 1.0 if output_scale is None else float(output_scale)
-        out = torch.empty_like(q, dtype=FP8_DTYPE if output_scale is not None else q.dtype)
+        out = torch.empty(
+            q.shape, dtype=FP8_DTYPE if output_scale is not None else q.dtype, device=q.device
+        )
         return trtllm_batch_decode_with_kv_cache(
             q, kv_cache, self._xqa_ws, tables.block_tables, tables.seq_lens, tables.max_seq_len,
             bmm1_scale=k_scale * spec.sm_scale,
