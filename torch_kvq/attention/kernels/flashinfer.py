@@ -35,8 +35,10 @@ captured once replays for any batch of that shape (``DecodeGraphRunner``).
 
 from __future__ import annotations
 
+import importlib
 import itertools
 from dataclasses import dataclass
+from types import ModuleType
 from typing import TYPE_CHECKING, Any, Literal
 
 import torch
@@ -49,6 +51,19 @@ from torch_kvq.spec import FP8_DTYPE, LayerKVSpec
 if TYPE_CHECKING:
     from torch_kvq.attention.context import ForwardContext
     from torch_kvq.attention.metadata import BatchMetadata
+
+
+def import_flashinfer(module: str = "flashinfer") -> ModuleType:
+    """``import flashinfer`` (or one of its modules), or a ``KernelUnsupportedError`` saying what
+    to install: FlashInfer is an optional extra (``pip install 'torch-kvq[flashinfer]'``)."""
+    try:
+        return importlib.import_module(module)
+    except ImportError as e:
+        raise KernelUnsupportedError(
+            f"the FlashInfer kernel needs flashinfer-python ({module} cannot be imported: {e}); "
+            "install it with pip install 'torch-kvq[flashinfer]' on a machine with a CUDA build "
+            "of torch"
+        ) from e
 
 FP8Decode = Literal["tensor_cores", "xqa"]
 Phases = Literal["any", "decode"]
@@ -261,8 +276,7 @@ class FlashInferKernel:
     def _plan_wrapper(
         self, key: GroupKey, md: BatchMetadata, host: _HostIndptrs, graph: GraphShape | None
     ) -> Any:
-        import flashinfer
-
+        flashinfer = import_flashinfer()
         wrapper = self._wrappers.get((key, graph))
         if wrapper is None:
             if key.kernel == "prefill":
@@ -388,8 +402,9 @@ class FlashInferKernel:
         v_scale: float,
         output_scale: float | None,
     ) -> torch.Tensor:
-        from flashinfer.decode import trtllm_batch_decode_with_kv_cache
-
+        trtllm_batch_decode_with_kv_cache = import_flashinfer(
+            "flashinfer.decode"
+        ).trtllm_batch_decode_with_kv_cache
         tables: _XQATables = ctx.plans[(id(self), "xqa_tables")]
         o_scale = 1.0 if output_scale is None else float(output_scale)
         out = torch.empty(

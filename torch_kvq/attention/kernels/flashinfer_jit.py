@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from torch_kvq.attention.kernels.flashinfer import FlashInferKernel, GroupKey
+from torch_kvq.attention.kernels.flashinfer import FlashInferKernel, GroupKey, import_flashinfer
 from torch_kvq.spec import FP8_DTYPE, LayerKVSpec
 
 
@@ -44,8 +44,10 @@ def jit_specs(
     fp8_output: bool = False,
 ) -> dict[str, Any]:
     """FlashInfer ``JitSpec`` per module name; ``fp8_output`` adds XQA's FP8-output modules."""
-    from flashinfer.jit.attention.modules import gen_batch_prefill_module
-    from flashinfer.jit.xqa import gen_xqa_module
+    gen_batch_prefill_module = import_flashinfer(
+        "flashinfer.jit.attention.modules"
+    ).gen_batch_prefill_module
+    gen_xqa_module = import_flashinfer("flashinfer.jit.xqa").gen_xqa_module
 
     out: dict[str, Any] = {}
     for key, page_size in group_keys(kernel, specs, phases):
