@@ -346,6 +346,25 @@ def _() -> object:
     )
 
 
+def direct_spec(**kw) -> object:
+    """A ``LayerKVSpec`` built directly (not by ``resolve_layer_specs``)."""
+    from torch_kvq.spec import KVQuantMode, LayerKVSpec
+
+    args = dict(name="x", index=0, mode=KVQuantMode.NONE, storage_dtype=torch.bfloat16)
+    args.update(model_dtype=torch.bfloat16, num_heads=4, num_kv_heads=2, head_size=16)
+    return LayerKVSpec(**{**args, "page_size": 16, **kw})
+
+
+@case("spec.sm-scale-zero")
+def _() -> object:
+    return direct_spec(sm_scale=0.0)
+
+
+@case("spec.default-sm-scale-bad-head-size")
+def _() -> object:
+    return direct_spec(head_size=0)
+
+
 # --- Attention layers and the layer registry ----------------------------------------------------
 
 
@@ -644,6 +663,16 @@ def _() -> object:
     return capabilities.device_arch("meta")
 
 
+@case("kernel.unknown-arch")
+def _() -> object:
+    return capabilities.check_arch("h200")
+
+
+@case("kernel.bad-row-limit")
+def _() -> object:
+    return capabilities.register_capabilities("bad", "cpu", [], head_sizes=(0,))
+
+
 def fi_specs(head_size: int = 64, dtype: torch.dtype = torch.bfloat16, page_size: int = 16, **info):
     cfg = KVCacheConfig("fp8", page_size=page_size)
     layer = AttentionLayerInfo(f"fi{next(_uid)}.attn", HEADS, KV_HEADS, head_size, **info)
@@ -671,6 +700,18 @@ def _() -> object:
 def _() -> object:
     with fake_gpu(arch=(7, 5)):
         return FlashInferKernel().check_supported(fi_specs()[0])
+
+
+@case("kernel.flashinfer-unknown-arch")
+def _() -> object:
+    with fake_gpu(arch=(11, 0)):
+        return FlashInferKernel().check_supported(fi_specs()[0])
+
+
+@case("kernel.flashinfer-xqa-fp8-before-sm90")
+def _() -> object:
+    with fake_gpu(arch=(8, 6)):
+        return FlashInferKernel(fp8_decode="xqa").check_supported(fi_specs()[0])
 
 
 @case("kernel.flashinfer-cpu-tensors")
@@ -751,6 +792,14 @@ def _() -> object:
 @case("kernel.flashinfer-bad-option")
 def _() -> object:
     return FlashInferKernel(fp8_decode="fast")  # type: ignore[arg-type]
+
+
+@case("kernel.flashinfer-not-installed")
+def _() -> object:
+    from torch_kvq.attention.kernels.flashinfer import import_flashinfer
+
+    with mock.patch.dict(sys.modules, {"flashinfer": None}):  # None: import raises ImportError
+        return import_flashinfer()
 
 
 @case("kernel.flashinfer-no-cpu-row")
@@ -1109,9 +1158,256 @@ def _() -> object:
     return make_kvq_backend(config_patches={"post_grad_custom_post_pass": None})
 
 
+@case("graph.backend-kernel-not-a-kernel")
+def _() -> object:
+    from torch_kvq.passes import make_kvq_backend
+
+    return make_kvq_backend(kernel=123)  # type: ignore[arg-type]
+
+
+@case("graph.backend-kernel-unknown-name")
+def _() -> object:
+    from torch_kvq.passes import make_kvq_backend
+
+    return make_kvq_backend(kernel="flashinfer-fast")
+
+
+@case("graph.backend-kernel-mapping-value")
+def _() -> object:
+    from torch_kvq.passes import make_kvq_backend
+
+    return make_kvq_backend(kernel={"m.layers.0.attn": 1.5})  # type: ignore[dict-item]
+
+
+def compile_in(specs: list | None) -> object:
+    """The first call of the captured() model compiled with no kernel given, in a forward
+    context entered for ``specs`` (None: outside any context)."""
+    from torch_kvq.passes import make_kvq_backend
+
+    model, md, inputs, _ = captured()
+    torch._dynamo.reset()
+    try:
+        with contextlib.ExitStack() as stack:
+            stack.enter_context(torch.no_grad())
+            if specs is not None:
+                stack.enter_context(forward_context(md, specs, ReferenceKernel()))
+            return torch.compile(model, backend=make_kvq_backend(inner="eager"))(*inputs)
+    finally:
+        torch._dynamo.reset()
+
+
+@case("graph.compile-no-kernel")
+def _() -> object:
+    return compile_in(None)
+
+
+@case("graph.compile-context-lacks-layer")
+def _() -> object:
+    return compile_in(captured()[0].specs[:1])
+
+
+@case("graph.manager-kernel-no-row-for-arch")
+def _() -> object:
+    from torch_kvq.passes import KVQPassManager
+
+    return KVQPassManager(captured()[0].specs, kernel="flashinfer", arch="sm110")
+
+
+# --- kvq inspect -------------------------------------------------------------------------------
+
+
+def inspect(*argv: str) -> object:
+    from torch_kvq.cli import build_parser
+
+    args = build_parser().parse_args(["inspect", *argv])
+    return args.func(args)
+
+
+@case("inspect.layers-not-served")
+def _() -> object:
+    return inspect("--arch", "sm90")
+
+
+@case("inspect.head-dim-zero")
+def _() -> object:
+    return inspect("--head-dim", "0")
+
+
 @case("calibration.no-attention-layers")
 def _() -> object:
     return calibrate_kv_scales(torch.nn.Linear(2, 2), lambda: None)
+
+
+@case("calibration.amax-nan")
+def _() -> object:
+    from torch_kvq.attention import amax_to_scale
+
+    return amax_to_scale(math.nan)
+
+
+def calibrate_with(layer: int, which: str, value: float) -> object:
+    """``calibrate_kv_scales`` over one step of ``env()`` where ``layer``'s k or v is all
+    ``value`` but for one element of 1.0 (all of it for value 0.0)."""
+    e = env()
+    bad = torch.full_like(e.k, value)
+    if value != 0.0:
+        bad[0, 0, 0] = 1.0
+
+    def run() -> None:
+        with e.ctx():
+            for i, a in enumerate(e.attns):
+                k = bad if (i, which) == (layer, "k") else e.k
+                v = bad if (i, which) == (layer, "v") else e.v
+                a(e.q, k, v)
+
+    return calibrate_kv_scales(torch.nn.ModuleList(e.attns), run)
+
+
+@case("calibration.k-all-zeros")
+def _() -> object:
+    return calibrate_with(1, "k", 0.0)
+
+
+@case("calibration.v-nan")
+def _() -> object:
+    return calibrate_with(0, "v", math.nan)
+
+
+# --- Hugging Face models: KVQCausalLM.from_hf and generate through the paged cache --------------
+
+_HF_BASE = dict(
+    vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+    num_attention_heads=2, num_key_value_heads=1, head_dim=16, pad_token_id=0, bos_token_id=1,
+    eos_token_id=2,
+)  # fmt: skip
+
+
+def _hf(
+    arch: str = "Llama", dtype: torch.dtype = torch.float32, **extra: object
+) -> torch.nn.Module:
+    """A tiny random-weight transformers ``{arch}ForCausalLM`` (2 layers), eval mode."""
+    import transformers
+
+    config_cls = getattr(transformers, f"{arch}TextConfig", None) or getattr(
+        transformers, f"{arch}Config"
+    )
+    model_cls = getattr(transformers, f"{arch}ForCausalLM")
+    kwargs = {k: v for k, v in {**_HF_BASE, **extra}.items() if v is not None}  # None: drop
+    return model_cls._from_config(config_cls(**kwargs)).to(dtype).eval()
+
+
+def _attach(model: torch.nn.Module, **kw: object):
+    from torch_kvq.integrations.transformers import KVQCausalLM
+
+    return KVQCausalLM.from_hf(model, KVCacheConfig(page_size=4), num_pages=16, **kw)
+
+
+@case("hf.encoder-decoder")
+def _() -> object:
+    import transformers
+
+    cfg = transformers.T5Config(
+        vocab_size=64, d_model=32, d_kv=8, d_ff=64, num_layers=1, num_heads=2
+    )
+    return _attach(transformers.T5ForConditionalGeneration(cfg).eval())
+
+
+@case("hf.mla")
+def _() -> object:
+    mla = dict(
+        head_dim=None, num_key_value_heads=2, q_lora_rank=None, kv_lora_rank=16,
+        qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=4, n_routed_experts=2,
+        num_experts_per_tok=1, moe_intermediate_size=16, first_k_dense_replace=2, n_group=1,
+        topk_group=1,
+    )  # fmt: skip
+    return _attach(_hf("DeepseekV3", **mla))
+
+
+@case("hf.attention-sinks")
+def _() -> object:
+    return _attach(_hf("GptOss", num_local_experts=2, num_experts_per_tok=1, sliding_window=4))
+
+
+@case("hf.chunked-attention")
+def _() -> object:
+    chunked = dict(attention_chunk_size=4, num_local_experts=1, intermediate_size_mlp=64)
+    return _attach(_hf("Llama4", **chunked))
+
+
+@case("hf.non-causal")
+def _() -> object:
+    return _attach(_hf("Gemma3", use_bidirectional_attention=True))
+
+
+@case("hf.kv-sharing")
+def _() -> object:
+    shared = dict(
+        num_hidden_layers=4, num_kv_shared_layers=2, sliding_window=4, laurel_rank=4,
+        layer_types=["sliding_attention", "full_attention"] * 2, altup_num_inputs=2,
+        hidden_size_per_layer_input=8, vocab_size_per_layer_input=64,
+        activation_sparsity_pattern=[0.0] * 4,
+    )  # fmt: skip
+    return _attach(_hf("Gemma3n", **shared))
+
+
+@case("hf.dynamic-rope")
+def _() -> object:
+    return _attach(_hf("Llama", rope_scaling={"rope_type": "dynamic", "factor": 2.0}))
+
+
+@case("hf.model-dtype")
+def _() -> object:
+    return _attach(_hf("Llama", dtype=torch.float64))
+
+
+@case("hf.already-attached")
+def _() -> object:
+    model = _hf()
+    _attach(model)
+    return _attach(model)
+
+
+@case("hf.kv-scales-per-head")
+def _() -> object:
+    scales = {f"model.layers.0.self_attn.{x}_scale": torch.ones(2) for x in "kv"}
+    return _attach(_hf(), kv_scales_from=scales)
+
+
+@case("hf.hf-cache-double-write")
+def _() -> object:
+    from transformers import DynamicCache
+
+    model = _hf()
+    _attach(model)
+    return model(torch.tensor([[3, 4]]), cache=DynamicCache(config=model.config), use_cache=True)
+
+
+@case("hf.use-cache-double-write")
+def _() -> object:
+    model = _hf()
+    _attach(model)
+    return model(torch.tensor([[3, 4]]))
+
+
+@case("hf.batch-not-flat")
+def _() -> object:
+    model = _hf()
+    lm = _attach(model)
+    md = lm.allocator.build_batch([("a", 2), ("b", 2)])
+    with lm.forward_context(md):
+        return model(torch.tensor([[3, 4], [5, 6]]), use_cache=False)
+
+
+@case("hf.generate-right-padding")
+def _() -> object:
+    ids, mask = torch.tensor([[3, 4, 0], [5, 6, 7]]), torch.tensor([[1, 1, 0], [1, 1, 1]])
+    return _attach(_hf()).generate(ids, attention_mask=mask, max_new_tokens=2, do_sample=False)
+
+
+@case("hf.generate-beam-search")
+def _() -> object:
+    ids = torch.tensor([[3, 4, 5]])
+    return _attach(_hf()).generate(ids, num_beams=2, max_new_tokens=3, do_sample=False)
 
 
 # --- the tests ----------------------------------------------------------------------------------

@@ -1,0 +1,43 @@
+"""``kvq inspect --hf-config`` (a config.json on the meta device: no weights) and
+``kvq demo --hf FAMILY`` (a tiny random-weight transformers model)."""
+
+from __future__ import annotations
+
+import json
+
+from torch_kvq import cli
+from torch_kvq.integrations.hf_tiny import tiny_hf_config
+
+
+def run_main(capsys, *argv: str) -> tuple[int, str, str]:
+    try:
+        code = cli.main(list(argv))
+    except SystemExit as e:  # argparse usage errors
+        code = e.code
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_inspect_hf_config_plans_every_layer_without_weights(capsys, tmp_path):
+    big = dict(hidden_size=4096, intermediate_size=16384, head_dim=128, num_attention_heads=32)
+    tiny_hf_config("gemma3", num_key_value_heads=16, **big).save_pretrained(tmp_path)
+    code, out, err = run_main(capsys, "inspect", "--hf-config", str(tmp_path), "--json")
+    assert code == 0, err
+    rows = json.loads(out)
+    assert [r["name"] for r in rows] == [f"model.layers.{i}.self_attn" for i in range(4)]
+    assert [r["mode"] for r in rows] == ["none", "none", "fp8_per_tensor", "none"]
+    assert {(r["num_heads"], r["num_kv_heads"], r["head_size"]) for r in rows} == {(32, 16, 128)}
+    code, out, err = run_main(capsys, "inspect", "--hf-config", str(tmp_path / "config.json"))
+    assert code == 0 and "1 of 4 layers quantized" in out, err
+
+
+def test_inspect_hf_config_missing(capsys, tmp_path):
+    code, _, err = run_main(capsys, "inspect", "--hf-config", str(tmp_path))
+    assert code == 2 and "no such config.json (nothing is downloaded)" in err, err
+
+
+def test_demo_hf_family(capsys):
+    code, out, err = run_main(capsys, "demo", "--hf", "qwen2", "--max-new-tokens", "2")
+    assert code == 0, err
+    assert "transformers qwen2" in out and "fused quant+write 2, dequant+attn 2" in out, out
+    assert "max |logit diff| vs kv 'auto'" in out

@@ -1,0 +1,75 @@
+"""HF models on the GPU through FlashInfer: a Gemma-3-shaped model (head 256, 5 local : 1 global,
+window 1024) with its sliding layers skipped, compiled with the kvq passes and real Inductor, gives
+the eager tokens; the report fuses exactly the global (FP8) layers.
+
+Eager runs the unfused form on FlashInfer (dequantize the whole FP8 cache, bf16 attention), the
+compiled model the fused FP8 read, and Inductor changes the rest of the model's bf16 numerics, so
+the compiled run is teacher-forced with eager's tokens and its argmax must equal eager's token
+wherever eager's top-2 logit margin exceeds 2 x the tolerance of tests/compile/test_mixed_model.py
+(0.04 of the largest logit); the prompts (1100, 300, 40 tokens) cross the window.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from torch_kvq import KVCacheConfig
+from torch_kvq.integrations.transformers import KVQCausalLM
+from torch_kvq.models import generate, randomize_weights_
+from torch_kvq.passes import make_kvq_backend
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU and FlashInfer"),
+]
+WINDOW = 1024
+PROMPT_LENS = (1100, 300, 40)
+
+
+def gemma3_shaped() -> torch.nn.Module:
+    import transformers
+
+    cfg = transformers.Gemma3TextConfig(
+        vocab_size=512, hidden_size=256, intermediate_size=512, num_hidden_layers=6,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=256, query_pre_attn_scalar=256,
+        sliding_window=WINDOW, layer_types=["sliding_attention"] * 5 + ["full_attention"],
+        max_position_embeddings=4096, pad_token_id=0, bos_token_id=1, eos_token_id=2,
+    )  # fmt: skip
+    cfg._attn_implementation = "eager"
+    model = transformers.Gemma3ForCausalLM(cfg).to(device="cuda", dtype=torch.bfloat16).eval()
+    randomize_weights_(model, 0, norm_offset=True)
+    return model
+
+
+def test_gemma3_shaped_on_flashinfer_compiled_equals_eager() -> None:
+    from torch_kvq.attention.kernels import FlashInferKernel
+    from torch_kvq.attention.kernels.flashinfer_jit import prebuild
+
+    kv = KVCacheConfig("fp8", skip_layers=("sliding_window",), page_size=16)
+    kernel = FlashInferKernel()
+    lm = KVQCausalLM.from_hf(gemma3_shaped(), kv, num_pages=160, kernel=kernel)
+    specs = {s.name: s for s in lm.kv_specs}
+    assert [s.is_quantized for s in specs.values()] == [False] * 5 + [True]
+    assert {s.sliding_window for s in specs.values()} == {WINDOW, None}
+    assert {s.head_size for s in specs.values()} == {256}
+    prebuild(kernel, lm.kv_specs)
+    g = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(3, 512, (n,), generator=g).tolist() for n in PROMPT_LENS]
+    eager = generate(lm, prompts, 6)
+    backend = make_kvq_backend(kernel=kernel)
+    compiled = torch.compile(lm, backend=backend, fullgraph=True)
+    out = generate(lm, prompts, 6, compiled, force_tokens=eager.tokens)
+    logits, ref = out.logits.float().cpu(), eager.logits.float().cpu()
+    tol = 0.04 * ref.abs().max().item()
+    assert (logits - ref).abs().max().item() <= tol
+    top2 = ref.topk(2, dim=-1).values
+    clear = (top2[..., 0] - top2[..., 1]) > 2 * tol
+    assert clear.any()
+    assert torch.equal(logits.argmax(-1)[clear], ref.argmax(-1)[clear])
+    fp8 = {n for n, s in specs.items() if s.is_quantized}
+    for manager in backend.managers:
+        rep = manager.last
+        assert set(rep.layers_fused("quant+write")) == fp8
+        assert set(rep.layers_fused("dequant+attn")) == fp8
+        assert rep.ops_after["kvq.paged_attention"] == 5

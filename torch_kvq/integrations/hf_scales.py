@@ -1,0 +1,93 @@
+"""Per-layer FP8 KV scales from a checkpoint, in the layouts FP8-KV exporters write.
+
+Scalar tensors under each attention module (``P`` = its HF path, e.g. ``model.layers.0.self_attn``):
+
+- ``P.k_scale`` / ``P.v_scale``: compressed-tensors (llm-compressor) and recent ModelOpt exports;
+- ``P.k_proj.k_scale`` / ``P.v_proj.v_scale``: ModelOpt;
+- ``P.k_proj.output_scale`` / ``P.v_proj.output_scale``: older compressed-tensors exports;
+- ``P.attn.k_scale`` / ``P.attn.v_scale`` and ``P.qkv_proj.k_scale`` / ``...v_scale``: vLLM-style;
+- ``P.kv_scale`` (or ``P.attn.kv_scale``): one scale for both (older FP8 checkpoints).
+
+A scale is the dequantization factor (``real = fp8 * scale``), the convention of
+``LayerKVSpec.k_scale``. Only per-tensor scales (one element) are accepted.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+
+import torch
+
+ScaleSource = str | Path | Mapping[str, torch.Tensor]
+K_KEYS = ("k_scale", "k_proj.k_scale", "k_proj.output_scale", "attn.k_scale", "qkv_proj.k_scale")
+V_KEYS = ("v_scale", "v_proj.v_scale", "v_proj.output_scale", "attn.v_scale", "qkv_proj.v_scale")
+BOTH_KEYS = ("kv_scale", "attn.kv_scale")
+
+
+def _read(source: ScaleSource, wanted: set[str]) -> dict[str, torch.Tensor]:
+    """The tensors of ``wanted`` keys that ``source`` holds (files are read key by key)."""
+    if isinstance(source, Mapping):
+        return {k: v for k, v in source.items() if k in wanted}
+    path = Path(source)
+    files = sorted(path.glob("*.safetensors")) if path.is_dir() else [path]
+    if not files or not all(f.is_file() for f in files):
+        raise ValueError(f"no safetensors checkpoint at {str(path)!r}")
+    from safetensors import safe_open
+
+    found: dict[str, torch.Tensor] = {}
+    for f in files:
+        with safe_open(str(f), framework="pt") as fh:
+            for key in set(fh.keys()) & wanted:
+                found[key] = fh.get_tensor(key)
+    return found
+
+
+def _scalar(key: str, t: torch.Tensor) -> float:
+    if t.numel() != 1:
+        raise ValueError(
+            f"checkpoint scale {key!r} has shape {tuple(t.shape)}; only per-tensor (one-element) "
+            "KV scales are supported"
+        )
+    return float(t.float().reshape(()))
+
+
+def _pick(path: str, keys: Sequence[str], found: Mapping[str, torch.Tensor]) -> float | None:
+    vals = {
+        f"{path}.{k}": _scalar(f"{path}.{k}", found[f"{path}.{k}"])
+        for k in keys
+        if f"{path}.{k}" in found
+    }
+    if len(set(vals.values())) > 1:
+        raise ValueError(f"layer {path!r}: the checkpoint gives different scales {vals}")
+    return next(iter(vals.values()), None)
+
+
+def checkpoint_kv_scales(
+    source: ScaleSource, paths: Sequence[str]
+) -> dict[str, tuple[float, float]]:
+    """HF attention path -> (k_scale, v_scale) for every path in ``paths`` the checkpoint covers.
+
+    ValueError if it covers none, gives a layer only one of k / v, or holds non-scalar scales.
+    """
+    wanted = {f"{p}.{k}" for p in paths for k in (*K_KEYS, *V_KEYS, *BOTH_KEYS)}
+    found = _read(source, wanted)
+    out: dict[str, tuple[float, float]] = {}
+    for p in paths:
+        both = _pick(p, BOTH_KEYS, found)
+        k = _pick(p, K_KEYS, found)
+        v = _pick(p, V_KEYS, found)
+        k, v = (k if k is not None else both), (v if v is not None else both)
+        if k is None and v is None:
+            continue
+        if k is None or v is None:
+            raise ValueError(
+                f"layer {p!r}: the checkpoint has a {'v' if k is None else 'k'} scale only"
+            )
+        out[p] = (k, v)
+    if not out:
+        raise ValueError(
+            f"no KV scales in the checkpoint for any attention layer; looked for keys like "
+            f"{paths[0]}.k_scale / {paths[0]}.k_proj.output_scale / {paths[0]}.kv_scale"
+        )
+    return out

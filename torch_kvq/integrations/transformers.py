@@ -1,0 +1,291 @@
+"""Bring your own model: an unmodified Hugging Face transformers decoder on the per-layer paged KV
+cache, compiled with the kvq passes (``KVQCausalLM.from_hf``).
+
+As the serving engines do it (vLLM's and SGLang's Transformers backends, TensorRT-LLM
+AutoDeploy's transformers mode): register an attention function with
+``transformers.AttentionInterface``, switch the model's (text) config to it, give every HF
+attention module its own ``torch_kvq.Attention(spec, num_pages)`` (submodule ``kvq_attn``: the
+paged cache is a module buffer, so it flows through the compiled graph), and call the model with
+one flat token batch ``[1, T]``, explicit ``position_ids`` and ``use_cache=False`` inside the
+forward context. Layer facts (heads, KV heads, head size, scaling, sliding window, soft-cap) are
+what HF really passes, recorded by a one-token dry run (``hf_attention.py``).
+
+Layer names are the HF module paths of the attention modules, e.g. ``model.layers.3.self_attn``
+(``model.language_model.layers.3.self_attn`` in a multimodal model). Skip rules and ``kv_scales``
+use them: ``"sliding_window"`` / ``"full_attention"`` (a layer is sliding when HF passes it a
+window: ``layer_types`` / ``sliding_window`` of the config), indices, globs such as
+``"model.layers.1*"``, exact names. When another live model already uses those names, the first
+component gets a suffix (``model_1.layers.3.self_attn``), as the project's own decoders do;
+``prefix=`` picks it.
+
+Multimodal models: only the text decoder is attached (its config is switched and its attention
+layers get paged caches); vision / audio towers keep their own attention and are never called by
+``forward``, which takes token ids. Refused at attach (``hf_checks.py``): encoder-decoder models,
+MLA, attention sinks, chunked attention, non-causal layers, cross-layer KV sharing, dynamic RoPE.
+
+``lm = KVQCausalLM.from_hf(hf_model, kv_config, num_pages=...)`` mirrors ``PagedDecoder``:
+``kv_specs``, ``configure_kv``, ``allocator``, ``forward_context``, ``attention_layers``,
+``forward(input_ids [T], positions [T]) -> logits [T, vocab]`` fp32, so
+``torch_kvq.models.generate``, ``DecodeGraphRunner``, ``calibrate_kv_scales`` and
+``torch.compile(lm, backend=kvq_backend)`` work unchanged. ``lm.generate(input_ids,
+attention_mask=..., **kw)`` runs HF's own ``generate`` through the paged cache (``hf_generate.py``).
+Tested with transformers 5.24.0 and 4.57.6 (CPU, torch 2.13); the code paths also ran on 4.54.1.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable, Mapping
+from contextlib import AbstractContextManager
+from dataclasses import replace
+from typing import Any
+
+import torch
+from torch import nn
+
+from torch_kvq.attention import registry
+from torch_kvq.attention.context import ForwardContext, forward_context
+from torch_kvq.attention.kernels.base import AttentionKernel
+from torch_kvq.attention.kernels.reference import ReferenceKernel
+from torch_kvq.attention.layer import Attention, QuantForm
+from torch_kvq.attention.metadata import BatchMetadata, PageAllocator
+from torch_kvq.integrations import hf_attention as hfa
+from torch_kvq.integrations.hf_checks import check_layer, check_model
+from torch_kvq.integrations.hf_generate import KVQPagedCache, install_forward
+from torch_kvq.integrations.hf_scales import ScaleSource, checkpoint_kv_scales
+from torch_kvq.spec import AttentionLayerInfo, KVCacheConfig, LayerKVSpec, resolve_layer_specs
+
+MODEL_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+def _layer_names(paths: list[str], prefix: str | None) -> list[str]:
+    """HF module paths, or with their first component replaced when taken / ``prefix`` given."""
+    if prefix is None and not any(registry.is_live(p) for p in paths):
+        return paths
+    heads = {p.split(".", 1)[0] for p in paths}
+    new = {h: prefix if prefix is not None else registry.unique_prefix(h) for h in heads}
+    return [new[p.split(".", 1)[0]] + p[len(p.split(".", 1)[0]) :] for p in paths]
+
+
+class KVQCausalLM(nn.Module):
+    """An HF causal LM served by torch-kvq's per-layer paged KV cache (see the module docstring).
+
+    forward(input_ids [T], positions [T]) -> logits [T, vocab] fp32, for the sequences of the
+    ``BatchMetadata`` in the active forward context (``lm.forward_context(md)``), concatenated
+    along T in its order.
+    """
+
+    def __init__(
+        self,
+        hf_model: nn.Module,
+        calls: list[hfa.HFAttentionCall],
+        paths: list[str],
+        kv_config: KVCacheConfig,
+        num_pages: int,
+        *,
+        prefix: str | None,
+        kernel: AttentionKernel | Mapping[str, AttentionKernel] | None,
+        quant_form: QuantForm,
+    ) -> None:
+        super().__init__()
+        self.hf = hf_model
+        self.config = hf_model.config.get_text_config(decoder=True)
+        self.dtype: torch.dtype = hf_model.dtype
+        self.device = next(hf_model.parameters()).device
+        self.num_pages = num_pages
+        self.kernel = kernel if kernel is not None else ReferenceKernel()
+        self.quant_form: QuantForm = quant_form
+        self._hf_attn = [c.module for c in calls]  # plain list: not registered twice
+        self.layer_paths = dict(zip(_layer_names(paths, prefix), paths))  # name -> HF path
+        self.prefix = next(iter(self.layer_paths)).split(".", 1)[0]
+        self._calls = calls
+        self._specs: tuple[LayerKVSpec, ...] = ()
+        self.configure_kv(kv_config)
+        self._old_impl = self.config._attn_implementation
+        self.config._attn_implementation = hfa.SERVE
+        self._hf_forward = install_forward(self)
+
+    @classmethod
+    def from_hf(
+        cls,
+        hf_model: nn.Module,
+        kv_config: KVCacheConfig,
+        *,
+        num_pages: int,
+        kernel: AttentionKernel | Mapping[str, AttentionKernel] | None = None,
+        prefix: str | None = None,
+        quant_form: QuantForm = "op",
+        kv_scales_from: ScaleSource | None = None,
+    ) -> KVQCausalLM:
+        """Attach ``hf_model`` (a transformers ``*ForCausalLM`` or multimodal ``*ForConditional
+        Generation``, eval mode) to per-layer paged caches of ``num_pages`` pages each.
+
+        ``kv_scales_from``: a safetensors file, a folder of them, or a state dict holding FP8-KV
+        checkpoint scales (``...self_attn.k_scale`` / ``v_scale``, ``k_proj.output_scale``, ...);
+        they become ``kv_config.kv_scales`` (which must then be empty). Raises ValueError naming
+        the layer and the feature for what the paged cache cannot serve; nothing is attached then.
+        """
+        hfa.register()
+        if getattr(hf_model, "_kvq_attached", False):
+            raise ValueError(f"{type(hf_model).__name__} is already attached; detach() it first")
+        if isinstance(num_pages, bool) or not isinstance(num_pages, int) or num_pages < 1:
+            raise ValueError(f"num_pages must be a positive int, got {num_pages!r}")
+        if hf_model.dtype not in MODEL_DTYPES:
+            raise ValueError(f"model dtype {hf_model.dtype} unsupported; expected {MODEL_DTYPES}")
+        text_config = hf_model.config.get_text_config(decoder=True)
+        check_model(hf_model, text_config)
+        dev = next(hf_model.parameters()).device
+        one = torch.zeros(1, 1, dtype=torch.long, device=dev)
+        calls = hfa.record_calls(
+            hf_model,
+            text_config,
+            lambda: hf_model(input_ids=one, position_ids=one, use_cache=False),
+        )
+        names = {id(m): n for n, m in hf_model.named_modules()}
+        if not calls:
+            raise ValueError(
+                f"{type(hf_model).__name__}: no layer called the attention interface in a one-token "
+                "dry run; the model does not dispatch through transformers.AttentionInterface"
+            )
+        paths = [names.get(id(c.module), "?") for c in calls]
+        if len(set(paths)) != len(paths) or "?" in paths:
+            raise ValueError(f"attention modules called more than once or not found: {paths}")
+        for call, path in zip(calls, paths):
+            check_layer(call, path, text_config)
+        if kv_scales_from is not None:
+            if kv_config.kv_scales:
+                raise ValueError("give kv_config.kv_scales or kv_scales_from, not both")
+            kv_config = _with_scales(kv_config, checkpoint_kv_scales(kv_scales_from, paths))
+        lm = cls(
+            hf_model,
+            calls,
+            paths,
+            kv_config,
+            num_pages,
+            prefix=prefix,
+            kernel=kernel,
+            quant_form=quant_form,
+        )
+        hf_model._kvq_attached = True
+        return lm
+
+    # --- KV cache (PagedDecoder's API) -------------------------------------------------------
+
+    def layer_infos(self) -> list[AttentionLayerInfo]:
+        """What HF passed each attention layer in the dry run (no quantization choices)."""
+        return [
+            AttentionLayerInfo(
+                name=name,
+                num_heads=c.num_heads,
+                num_kv_heads=c.num_kv_heads,
+                head_size=c.head_size,
+                sliding_window=c.sliding_window,
+                logits_soft_cap=c.softcap,
+                sm_scale=c.scaling,
+            )
+            for name, c in zip(self.layer_paths, self._calls)
+        ]
+
+    def configure_kv(self, kv_config: KVCacheConfig) -> None:
+        """Re-resolve the per-layer specs and replace every ``Attention`` (fresh, empty caches) and
+        the page allocator. On a bad config nothing changes (ValueError). ``kv_scales`` keyed by
+        HF path are accepted too when the names carry a prefix."""
+        specs = resolve_layer_specs(self._rekey(kv_config), self.layer_infos(), self.dtype)
+        for mod in self._hf_attn:
+            old = getattr(mod, hfa.ATTN_ATTR, None)
+            if old is not None:
+                registry.unregister(old)
+                delattr(mod, hfa.ATTN_ATTR)
+        for mod, spec in zip(self._hf_attn, specs):
+            setattr(
+                mod, hfa.ATTN_ATTR, Attention(spec, self.num_pages, self.device, self.quant_form)
+            )
+        self.kv_config = kv_config
+        self._specs = specs
+        self.allocator = PageAllocator(self.num_pages, kv_config.page_size)
+
+    def _rekey(self, cfg: KVCacheConfig) -> KVCacheConfig:
+        by_path = {p: n for n, p in self.layer_paths.items() if n != p}
+        if not by_path:
+            return cfg
+        scales = tuple((by_path.get(k, k), v) for k, v in cfg.kv_scales)  # type: ignore[arg-type]
+        return _with_scales(cfg, dict(scales))
+
+    @property
+    def kv_specs(self) -> tuple[LayerKVSpec, ...]:
+        return self._specs
+
+    @property
+    def attention_layers(self) -> list[Attention]:
+        return [getattr(m, hfa.ATTN_ATTR) for m in self._hf_attn]
+
+    def forward_context(self, metadata: BatchMetadata) -> AbstractContextManager[ForwardContext]:
+        """``attention.forward_context`` with this model's specs and kernel(s)."""
+        return forward_context(metadata, self._specs, self.kernel)
+
+    # --- forward -----------------------------------------------------------------------------
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """input_ids [T], positions [T] (int) -> logits [T, vocab] fp32."""
+        if input_ids.dim() != 1 or tuple(positions.shape) != tuple(input_ids.shape):
+            raise ValueError(
+                f"expected input_ids [T] and positions [T], got {tuple(input_ids.shape)} and "
+                f"{tuple(positions.shape)}"
+            )
+        out = self.hf(input_ids=input_ids[None], position_ids=positions[None], use_cache=False)
+        return out.logits[0].float()
+
+    def compiled_forward(
+        self, backend: Any = None, **compile_kwargs: Any
+    ) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+        """``torch.compile(self, backend=backend or kvq_backend, fullgraph=True, **kw)``, called
+        with the token dim marked dynamic: one graph serves the prefill and every decode step
+        with T >= 2 tokens (T = 1 gets a second graph: Dynamo specializes sizes 0 and 1)."""
+        if backend is None:
+            from torch_kvq.passes import kvq_backend as backend
+        compile_kwargs.setdefault("fullgraph", True)
+        fn = torch.compile(self, backend=backend, **compile_kwargs)
+
+        def run(input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+            if input_ids.shape[0] > 1:
+                torch._dynamo.mark_dynamic(input_ids, 0)
+                torch._dynamo.mark_dynamic(positions, 0)
+            return fn(input_ids, positions)
+
+        return run
+
+    # --- HF generate through the paged cache ---------------------------------------------------
+
+    def paged_cache(self) -> KVQPagedCache:
+        """A fresh placeholder cache for one ``hf_model.generate`` call (a context manager)."""
+        return KVQPagedCache(self)
+
+    @torch.no_grad()
+    def generate(self, input_ids: torch.Tensor, **kwargs: Any) -> Any:
+        """``hf_model.generate(input_ids, **kwargs)`` on the paged cache (left padding only);
+        every page is freed afterwards."""
+        params = inspect.signature(self._hf_forward).parameters
+        key = "cache" if "cache" in params else "past_key_values"
+        with self.paged_cache() as cache:
+            return self.hf.generate(input_ids, **{key: cache}, **kwargs)
+
+    def detach(self) -> nn.Module:
+        """Give the HF model back as it was (attention implementation, forward, no kvq layers)."""
+        for mod in self._hf_attn:
+            attn = getattr(mod, hfa.ATTN_ATTR, None)
+            if attn is not None:
+                registry.unregister(attn)
+                delattr(mod, hfa.ATTN_ATTR)
+        self.config._attn_implementation = self._old_impl
+        self.hf.__dict__.pop("forward", None)
+        self.hf._kvq_attached = False
+        return self.hf
+
+
+def _with_scales(
+    cfg: KVCacheConfig, scales: Mapping[str | int, tuple[float, float]]
+) -> KVCacheConfig:
+    return replace(cfg, kv_scales=tuple(scales.items()))
+
+
+__all__ = ["KVQCausalLM", "KVQPagedCache"]
