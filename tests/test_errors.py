@@ -645,6 +645,35 @@ def _() -> object:
         return ops.paged_attention_fp8(e.q, e.attns[1].kv_cache, 0.05, 0.05, e.specs[1].name, 0.0)
 
 
+@case("ops.quant-write-ts-scale-bf16")
+def _() -> object:
+    e = env()
+    k_scale, v_scale = torch.tensor(0.05, dtype=torch.bfloat16), torch.tensor(0.05)
+    with e.ctx():
+        return ops.quant_cache_write_ts(
+            e.k, e.v, e.attns[1].kv_cache, k_scale, v_scale, e.specs[1].name
+        )
+
+
+@case("ops.quant-write-ts-scale-two-elements")
+def _() -> object:
+    e = env()
+    k_scale, v_scale = torch.tensor(0.05), torch.tensor([0.05, 0.05])
+    with e.ctx():
+        return ops.quant_cache_write_ts(
+            e.k, e.v, e.attns[1].kv_cache, k_scale, v_scale, e.specs[1].name
+        )
+
+
+@case("ops.fp8-attention-two-output-scales")
+def _() -> object:
+    e = env()
+    with e.ctx():
+        return ops.paged_attention_fp8(
+            e.q, e.attns[1].kv_cache, 0.05, 0.05, e.specs[1].name, 0.1, torch.tensor(0.1)
+        )
+
+
 # --- kernels and calibration -----------------------------------------------------------------
 
 
@@ -787,6 +816,14 @@ def _() -> object:
     from torch_kvq.attention.kernels.kv_write import write_kv_triton
 
     return write_kv_triton(*kv_write_args(torch.bfloat16), scales=(1.0, 1.0))
+
+
+@case("kernel.write-scale-device")
+def _() -> object:
+    from torch_kvq.attention.kernels.kv_write import write_kv_triton
+
+    scales = (torch.tensor(0.1, device="meta"), torch.tensor(0.1, device="meta"))
+    return write_kv_triton(*kv_write_args(torch.float8_e4m3fn), scales=scales)
 
 
 @case("kernel.flashinfer-bad-option")
@@ -1302,6 +1339,16 @@ def _attach(model: torch.nn.Module, **kw: object):
     return KVQCausalLM.from_hf(model, KVCacheConfig(page_size=4), num_pages=16, **kw)
 
 
+@contextlib.contextmanager
+def _detached(lm) -> Iterator[None]:
+    """Detach ``lm`` afterwards: its layer names are free again at once, even while the raised
+    error's traceback keeps the model alive (other tests' models take the plain ``model.*``)."""
+    try:
+        yield
+    finally:
+        lm.detach()
+
+
 @case("hf.encoder-decoder")
 def _() -> object:
     import transformers
@@ -1362,9 +1409,9 @@ def _() -> object:
 
 @case("hf.already-attached")
 def _() -> object:
-    model = _hf()
-    _attach(model)
-    return _attach(model)
+    lm = _attach(_hf())
+    with _detached(lm):
+        return _attach(lm.hf)
 
 
 @case("hf.kv-scales-per-head")
@@ -1377,37 +1424,38 @@ def _() -> object:
 def _() -> object:
     from transformers import DynamicCache
 
-    model = _hf()
-    _attach(model)
-    return model(torch.tensor([[3, 4]]), cache=DynamicCache(config=model.config), use_cache=True)
+    lm = _attach(_hf())
+    with _detached(lm):
+        return lm.hf(torch.tensor([[3, 4]]), cache=DynamicCache(config=lm.config), use_cache=True)
 
 
 @case("hf.use-cache-double-write")
 def _() -> object:
-    model = _hf()
-    _attach(model)
-    return model(torch.tensor([[3, 4]]))
+    lm = _attach(_hf())
+    with _detached(lm):
+        return lm.hf(torch.tensor([[3, 4]]))
 
 
 @case("hf.batch-not-flat")
 def _() -> object:
-    model = _hf()
-    lm = _attach(model)
+    lm = _attach(_hf())
     md = lm.allocator.build_batch([("a", 2), ("b", 2)])
-    with lm.forward_context(md):
-        return model(torch.tensor([[3, 4], [5, 6]]), use_cache=False)
+    with _detached(lm), lm.forward_context(md):
+        return lm.hf(torch.tensor([[3, 4], [5, 6]]), use_cache=False)
 
 
 @case("hf.generate-right-padding")
 def _() -> object:
     ids, mask = torch.tensor([[3, 4, 0], [5, 6, 7]]), torch.tensor([[1, 1, 0], [1, 1, 1]])
-    return _attach(_hf()).generate(ids, attention_mask=mask, max_new_tokens=2, do_sample=False)
+    with _detached(lm := _attach(_hf())):
+        return lm.generate(ids, attention_mask=mask, max_new_tokens=2, do_sample=False)
 
 
 @case("hf.generate-beam-search")
 def _() -> object:
     ids = torch.tensor([[3, 4, 5]])
-    return _attach(_hf()).generate(ids, num_beams=2, max_new_tokens=3, do_sample=False)
+    with _detached(lm := _attach(_hf())):
+        return lm.generate(ids, num_beams=2, max_new_tokens=3, do_sample=False)
 
 
 # --- the tests ----------------------------------------------------------------------------------

@@ -143,3 +143,75 @@ def test_empty_batch_writes_nothing() -> None:
     before = cache.clone()
     write_kv_triton(cache, k[:0], v[:0], slots[:0], (1.0, 1.0))
     assert torch.equal(_bytes(cache), _bytes(before))
+
+
+# -- tensor scales (kvq::quant_cache_write_ts): a 0-d / 1-element float32 buffer as the scale ----
+
+
+def test_cpu_tensor_scale_write_is_the_unfused_expression() -> None:
+    """On the CPU the tensor-scale write is ``(x.float() / scale_tensor)`` itself, bit for bit."""
+    g = torch.Generator().manual_seed(2)
+    k = (torch.randn(9, 2, 32, generator=g) * 40).to(torch.bfloat16)
+    v = (torch.randn(9, 2, 32, generator=g) * 40).to(torch.bfloat16)
+    cache = torch.zeros(2, 2, 16, 2, 32, dtype=FP8_DTYPE)
+    want = cache.clone()
+    slots = torch.arange(3, 12)
+    ks, vs = torch.tensor(0.03), torch.tensor([0.0341])
+    write_kv(want, torch_quantize_fp8(k, ks), torch_quantize_fp8(v, vs), slots)
+    write_kv(cache, k, v, slots, (ks, vs))
+    assert torch.equal(_bytes(cache), _bytes(want))
+
+
+def test_cpu_probe_tensor_scale_is_true_division() -> None:
+    assert kv_write.aten_scalar_division(torch.device("cpu"), "tensor") == "div"
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("scale", [1.0, 0.1, 3.0, 7.7e-3, 123.456, *TIE_SCALES])
+@pytest.mark.parametrize(("where", "shape"), [("cuda", ()), ("cuda", (1,)), ("cpu", ())])
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (Triton kernel)")
+def test_fused_tensor_scale_write_equals_unfused(dtype, scale, where, shape) -> None:
+    """Scales as float32 tensors on the GPU (loaded by the kernel) or on the CPU (aten treats a
+    0-d CPU tensor like a Python scalar): the bytes of the unfused ``x.float() / scale_tensor``."""
+    cache, k, v, slots = _case(dtype, True, 16, 8, 128, t=64, pages=16, seed=11)
+    ks = torch.full(shape, scale, dtype=torch.float32, device=where)
+    vs = torch.full(shape, 1.5 * scale, dtype=torch.float32, device=where)
+    want = cache.clone()
+    write_kv(want, torch_quantize_fp8(k, ks), torch_quantize_fp8(v, vs), slots)
+    write_kv(cache, k, v, slots.to(torch.int32), (ks, vs))
+    assert torch.equal(_bytes(cache), _bytes(want))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (Triton kernel)")
+def test_one_element_cpu_scale_is_refused_like_aten() -> None:
+    """aten takes only a 0-d CPU tensor as a scalar: a [1] one fails in the unfused form, and the
+    fused write refuses it too."""
+    cache, k, v, slots = _case(torch.bfloat16, True, 16, 8, 128, t=8, pages=4, seed=1)
+    ks = vs = torch.tensor([0.1])
+    with pytest.raises(RuntimeError):
+        torch_quantize_fp8(k, ks)
+    with pytest.raises(ValueError, match="both 0-d on the CPU"):
+        write_kv(cache, k, v, slots, (ks, vs))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (Triton kernel)")
+def test_tensor_scale_write_follows_the_buffer_and_captures() -> None:
+    """The kernel reads the scale tensor when it runs: a CUDA graph captured once replays with the
+    buffer's current value (no host sync, no baked constant)."""
+    cache, k, v, slots = _case(torch.bfloat16, True, 16, 8, 128, t=32, pages=8, seed=4)
+    ks = torch.tensor(0.03, device="cuda")
+    vs = torch.tensor(0.0341, device="cuda")
+    write_kv(cache.clone(), k, v, slots, (ks, vs))  # warm-up: the probe runs outside capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        write_kv(cache, k, v, slots, (ks, vs))
+    for s in (0.02, 0.3):
+        ks.fill_(s)
+        vs.fill_(2 * s)
+        graph.replay()
+        want = cache.clone()  # the unfused form with the same (device tensor) scales
+        write_kv_torch(want, torch_quantize_fp8(k, ks), torch_quantize_fp8(v, vs), slots)
+        assert torch.equal(_bytes(cache), _bytes(want)), s

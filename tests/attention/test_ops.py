@@ -46,6 +46,14 @@ def test_opcheck_every_op(setup, fp8_safe_allclose) -> None:
         (ops.paged_attention.default, (q, a_skip.kv_cache, skip.name)),
         (ops.paged_attention_fp8.default, (q, a_quant.kv_cache, 0.04, 0.03, quant.name)),
         (ops.paged_attention_fp8.default, (q, a_quant.kv_cache, 0.04, 0.03, quant.name, 0.01)),
+        (
+            ops.quant_cache_write_ts.default,
+            (k, v, a_quant.kv_cache.clone(), torch.tensor(0.04), torch.tensor([0.03]), quant.name),
+        ),
+        (
+            ops.paged_attention_fp8.default,
+            (q, a_quant.kv_cache, 0.04, 0.03, quant.name, None, torch.tensor(0.01)),
+        ),
     ]
     for op, args in cases:
         torch.library.opcheck(op, args)
@@ -100,6 +108,19 @@ def test_fused_write_equals_quantize_then_write(setup) -> None:
     ops.quant_cache_write(k, v, c2, 0.04, 0.03, quant.name)
     assert torch.equal(c1.view(torch.uint8), c2.view(torch.uint8))
     assert c1.view(torch.uint8).any()
+
+
+def test_tensor_scale_ops_equal_their_float_forms(setup) -> None:
+    """On the CPU aten divides by a float32 tensor as by the Python float: same bytes, same output."""
+    (_, quant), (_, a_quant), q, k, v = setup
+    c1, c2 = a_quant.kv_cache.clone(), a_quant.kv_cache.clone()
+    ops.quant_cache_write(k, v, c1, 0.04, 0.03, quant.name)
+    ops.quant_cache_write_ts(k, v, c2, torch.tensor(0.04), torch.tensor(0.03), quant.name)
+    assert torch.equal(c1.view(torch.uint8), c2.view(torch.uint8))
+    want = ops.paged_attention_fp8(q, c1, 0.04, 0.03, quant.name, 0.01)
+    got = ops.paged_attention_fp8(q, c1, 0.04, 0.03, quant.name, None, torch.tensor(0.01))
+    assert got.dtype == torch.float8_e4m3fn
+    assert torch.equal(got.view(torch.uint8), want.view(torch.uint8))
 
 
 def test_fused_attention_equals_unfused(setup) -> None:

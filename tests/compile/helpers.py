@@ -250,7 +250,12 @@ def torch_quant(x, scale):
 
 
 def mul_quant(x, scale):
-    return (x * (1.0 / scale)).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+    return (x.float() * (1.0 / scale)).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+
+
+def model_dtype_quant(x, scale):
+    """Not fusable bit for bit: ``x / scale`` in bf16 rounds to bf16 before the FP8 cast."""
+    return (x / scale).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
 
 
 def clamp240_quant(x, scale):

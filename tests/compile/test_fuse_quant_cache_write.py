@@ -9,6 +9,7 @@ from tests.compile.helpers import (
     capture_graph,
     clamp240_quant,
     manual_case,
+    model_dtype_quant,
     mul_quant,
     nodes_of,
     run_passes,
@@ -66,6 +67,17 @@ def test_torch_native_div_and_mul_forms(kv_quant):
     assert fused.kwargs["v_scale"] == pytest.approx(spec.v_scale, rel=1e-12)
     assert fused.kwargs["k"].op == "placeholder"
     assert not nodes_of(gm, CACHE_WRITE)
+
+
+def test_quant_computed_in_the_model_dtype_is_not_fused():
+    """``(k / s)`` on a bf16 k rounds the quotient to bf16 before the FP8 cast: the fused fp32
+    write would store other bytes for some values, so it stays unfused with that reason."""
+    model, md, inputs = manual_case(kv_quant=model_dtype_quant)
+    gm = capture_graph(model, inputs, md)
+    manager = run_passes(gm, model.specs, PASSES)
+    assert not nodes_of(gm, QUANT_CACHE_WRITE)
+    decision = manager.last.per_layer[model.specs[0].name]["fuse_quant_cache_write"]
+    assert "it scales in torch.bfloat16" in decision, decision
 
 
 def test_other_clamp_bounds_are_not_fused():

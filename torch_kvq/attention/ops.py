@@ -12,6 +12,14 @@ Fused (what the passes produce)::
     kvq.quant_cache_write(k, v, kv_cache, k_scale, v_scale, layer)
     out = kvq.paged_attention_fp8(q, kv_cache, k_scale, v_scale, layer, output_scale)
 
+Where the model's static quant divides by a *tensor* scale (a 0-d or 1-element float32 buffer or
+parameter, a graph input, as vLLM's ``layer._k_scale`` / the o_proj input scale), the fused ops
+take that tensor and read it on the device at run time (no ``.item()``, no host sync), so changing
+the buffer in place changes what a compiled graph computes::
+
+    kvq.quant_cache_write_ts(k, v, kv_cache, k_scale_t, v_scale_t, layer)
+    out = kvq.paged_attention_fp8(q, kv_cache, k_scale, v_scale, layer, output_scale_tensor=s_t)
+
 A skipped layer is ``cache_write`` + ``paged_attention`` on its model-dtype cache. Ops look up
 the batch and kernel in the forward context by layer name; every output shape is static.
 
@@ -174,6 +182,49 @@ def _(
     return None
 
 
+def _check_scale_tensor(spec: LayerKVSpec, what: str, t: Tensor, like: Tensor) -> None:
+    """A run-time scale tensor: float32, one element, on ``like``'s device or (0-d, which aten takes
+    as a scalar) on the CPU. Its value is not checked (reading it would sync the device); the
+    unfused form does not check it either."""
+    _check(
+        t.dtype == torch.float32 and t.numel() == 1,
+        f"layer {spec.name!r}: {what} must be a float32 tensor of one element, got "
+        f"{t.dtype} of shape {tuple(t.shape)}",
+    )
+    _check(
+        t.device == like.device or (t.device.type == "cpu" and t.dim() == 0),
+        f"layer {spec.name!r}: {what} is a tensor of shape {tuple(t.shape)} on {t.device}; "
+        f"expected one on {like.device}, or a 0-d one on the CPU",
+    )
+
+
+@torch.library.custom_op("kvq::quant_cache_write_ts", mutates_args=("kv_cache",))
+def quant_cache_write_ts(
+    k: Tensor, v: Tensor, kv_cache: Tensor, k_scale: Tensor, v_scale: Tensor, layer_name: str
+) -> None:
+    """``quant_cache_write`` with the static scales as tensors read at run time: the same bytes as
+    ``(k.float() / k_scale).clamp(-448, 448).to(float8_e4m3fn)`` (likewise v) written unfused."""
+    ctx = get_forward_context()
+    spec = ctx.spec(layer_name)
+    _check_fp8_layer(spec, "quant_cache_write_ts")
+    _check_kv_args(spec, k, v, kv_cache, spec.model_dtype, ctx.metadata.num_tokens)
+    _check(
+        kv_cache.dtype == FP8_DTYPE,
+        f"layer {spec.name!r}: cache dtype {kv_cache.dtype}, expected float8_e4m3fn",
+    )
+    _check_capacity(spec, kv_cache, ctx.metadata)
+    _check_scale_tensor(spec, "k_scale", k_scale, kv_cache)
+    _check_scale_tensor(spec, "v_scale", v_scale, kv_cache)
+    write_kv(kv_cache, k, v, ctx.metadata.slot_mapping, (k_scale, v_scale))
+
+
+@quant_cache_write_ts.register_fake
+def _(
+    k: Tensor, v: Tensor, kv_cache: Tensor, k_scale: Tensor, v_scale: Tensor, layer_name: str
+) -> None:
+    return None
+
+
 @torch.library.custom_op("kvq::paged_attention", mutates_args=())
 def paged_attention(q: Tensor, kv_cache: Tensor, layer_name: str) -> Tensor:
     """Attention over a model-dtype paged cache. q [T, QH, D] -> [T, QH, D] in q's dtype."""
@@ -202,11 +253,13 @@ def paged_attention_fp8(
     v_scale: float,
     layer_name: str,
     output_scale: float | None = None,
+    output_scale_tensor: Tensor | None = None,
 ) -> Tensor:
     """Fused: attention reading the FP8 paged cache in place with k/v scales.
 
     q [T, QH, D] model dtype -> [T, QH, D] in q's dtype, or float8_e4m3fn (``out / output_scale``)
-    when ``output_scale`` is given.
+    when ``output_scale`` (a float) or ``output_scale_tensor`` (a 0-d / 1-element float32 tensor,
+    read on the device at run time) is given; at most one of the two.
     """
     ctx = get_forward_context()
     spec = ctx.spec(layer_name)
@@ -214,9 +267,18 @@ def paged_attention_fp8(
     _check_q(spec, q, ctx.metadata.num_tokens)
     _check_cache(spec, kv_cache)
     _check_fp8_cache(spec, kv_cache, ctx.metadata, k_scale, v_scale)
+    scale: float | Tensor | None = output_scale
     if output_scale is not None:
         check_scale(output_scale, f"layer {layer_name!r}: output_scale")
-    return ctx.kernel(layer_name).attend(ctx, spec, q, kv_cache, k_scale, v_scale, output_scale)
+    if output_scale_tensor is not None:
+        _check(
+            output_scale is None,
+            f"layer {layer_name!r}: paged_attention_fp8 got both output_scale and "
+            "output_scale_tensor; give at most one",
+        )
+        _check_scale_tensor(spec, "output_scale_tensor", output_scale_tensor, q)
+        scale = output_scale_tensor
+    return ctx.kernel(layer_name).attend(ctx, spec, q, kv_cache, k_scale, v_scale, scale)
 
 
 @paged_attention_fp8.register_fake
@@ -227,9 +289,15 @@ def _(
     v_scale: float,
     layer_name: str,
     output_scale: float | None = None,
+    output_scale_tensor: Tensor | None = None,
 ) -> Tensor:
-    return _new_output(q, FP8_DTYPE if output_scale is not None else q.dtype)
+    fp8 = output_scale is not None or output_scale_tensor is not None
+    return _new_output(q, FP8_DTYPE if fp8 else q.dtype)
 
 
 ATTENTION_OPS = (torch.ops.kvq.paged_attention.default, torch.ops.kvq.paged_attention_fp8.default)
-WRITE_OPS = (torch.ops.kvq.cache_write.default, torch.ops.kvq.quant_cache_write.default)
+WRITE_OPS = (
+    torch.ops.kvq.cache_write.default,
+    torch.ops.kvq.quant_cache_write.default,
+    torch.ops.kvq.quant_cache_write_ts.default,
+)

@@ -34,7 +34,10 @@ def node_kind(node: fx.Node) -> str:
 
 def _label(node: fx.Node) -> str:
     label = op_label(node).replace("kvq.", "")
-    if label == "paged_attention_fp8" and op_args(node).get("output_scale") is not None:
+    if label == "paged_attention_fp8" and (
+        op_args(node).get("output_scale") is not None
+        or op_args(node).get("output_scale_tensor") is not None
+    ):
         label += " (fp8 out)"
     return label
 

@@ -25,6 +25,7 @@ from torch_kvq.passes.common import (
     DEQUANTIZE,
     META_KEY,
     QUANT_CACHE_WRITE,
+    QUANT_CACHE_WRITE_TS,
     VIEW_OPS,
     KVQStamp,
     PassContext,
@@ -116,7 +117,7 @@ def _check_unquantized(node: fx.Node, stamp: KVQStamp) -> None:
                     f"layer {spec.name!r} is {kept} but graph node {node.name!r} writes FP8 into its "
                     f"cache: {arg_name} has dtype {dtype or FP8_DTYPE}, expected {spec.model_dtype}"
                 )
-    elif op in (QUANT_CACHE_WRITE, DEQUANTIZE, ATTENTION_FP8):
+    elif op in (QUANT_CACHE_WRITE, QUANT_CACHE_WRITE_TS, DEQUANTIZE, ATTENTION_FP8):
         raise ValueError(
             f"layer {spec.name!r} is {kept} but graph node {node.name!r} runs {op_label(node)} on "
             "it, an op for FP8 caches only"

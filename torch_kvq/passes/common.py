@@ -23,6 +23,7 @@ QUANTIZE = KVQ.quantize_fp8.default
 DEQUANTIZE = KVQ.dequantize_kv_cache.default
 CACHE_WRITE = KVQ.cache_write.default
 QUANT_CACHE_WRITE = KVQ.quant_cache_write.default
+QUANT_CACHE_WRITE_TS = KVQ.quant_cache_write_ts.default
 ATTENTION = KVQ.paged_attention.default
 ATTENTION_FP8 = KVQ.paged_attention_fp8.default
 AUTO_FUNCTIONALIZED = (
@@ -65,6 +66,7 @@ class KVQStamp:
     also writes FP8 output for it (an output quant may be fused). ``fused`` names the fusions
     that produced this node (empty for nodes of the original graph). ``limit``: why the layer is
     outside the kernel's capability row for its shape (head size, ...), else None.
+    ``fp8_output_tensor_scale``: the kernel also takes that output scale as a run-time tensor.
     """
 
     spec: LayerKVSpec
@@ -74,6 +76,7 @@ class KVQStamp:
     fp8_output: bool
     fused: tuple[str, ...] = ()
     limit: str | None = None
+    fp8_output_tensor_scale: bool = False
 
     @property
     def layer(self) -> str:
@@ -102,8 +105,9 @@ class KVQStamp:
             )
         return None
 
-    def output_block(self) -> str | None:
-        """Why an output quant may not be fused into this layer's attention, or None."""
+    def output_block(self, tensor_scale: bool = False) -> str | None:
+        """Why an output quant (whose scale is a run-time tensor if ``tensor_scale``) may not be
+        fused into this layer's attention, or None."""
         blocked = self.kv_block()
         if blocked is not None:
             return blocked
@@ -111,6 +115,11 @@ class KVQStamp:
             return (
                 f"not fused: kernel {self.kernel!r} on {self.arch} does not write FP8 output for "
                 f"{self.spec.mode.value} with {short_dtype(self.spec.model_dtype)} q"
+            )
+        if tensor_scale and not self.fp8_output_tensor_scale:
+            return (
+                f"not fused: the output quant's scale is a tensor, and kernel {self.kernel!r} on "
+                f"{self.arch} takes the FP8 output scale only as a Python float"
             )
         return None
 
@@ -233,22 +242,49 @@ def _number(x: object) -> float | None:
     return float(x)
 
 
+def scale_tensor(x: object, value: object = None) -> fx.Node | None:
+    """``x`` if it is a graph value holding a run-time scale: a float32 tensor of one element
+    (a 0-d buffer or parameter, lifted to a graph input) with no more dims than ``value`` (so the
+    division keeps ``value``'s shape), per ``meta["val"]``."""
+    return x if isinstance(x, fx.Node) and _scale_tensor_problem(x, value) is None else None
+
+
+def _scale_tensor_problem(x: fx.Node, value: object) -> str | None:
+    val = x.meta.get("val")
+    if not isinstance(val, torch.Tensor):
+        return f"divides by {x.name}, whose value the graph does not record"
+    ndim = value.meta.get("val") if isinstance(value, fx.Node) else None
+    ndim = ndim.dim() if isinstance(ndim, torch.Tensor) else None
+    if val.dtype != torch.float32 or val.numel() != 1 or (ndim is not None and val.dim() > ndim):
+        return (
+            f"divides by a {short_dtype(val.dtype)} tensor of shape {tuple(val.shape)} "
+            f"({x.name}); a run-time scale must be a float32 tensor of one element"
+        )
+    return None
+
+
 @dataclass(frozen=True)
 class StaticQuant:
     """A matched static FP8 quant ``fp8(clamp(value / scale, -448, 448))``.
 
     ``value``: the node fed into the scaling (for the torch form, before the div/mul; float casts
     before it are not included). ``nodes``: the quant's own nodes, the final FP8 node last.
+    ``scale``: a Python number, or the graph node of a run-time scale tensor (``scale_tensor``;
+    only the ``div`` form: ``value / scale_tensor``). A tensor is never read at compile time.
     """
 
     value: fx.Node
-    scale: float
+    scale: float | fx.Node
     nodes: tuple[fx.Node, ...]
     form: str  # "op" (kvq.quantize_fp8) | "div" | "mul"
 
     @property
     def out(self) -> fx.Node:
         return self.nodes[-1]
+
+    @property
+    def tensor_scale(self) -> fx.Node | None:
+        return self.scale if isinstance(self.scale, fx.Node) else None
 
 
 def _clamp_bounds(node: fx.Node) -> tuple[fx.Node, list[fx.Node], float, float] | None:
@@ -281,6 +317,10 @@ def match_static_fp8_quant(node: fx.Node) -> StaticQuant | None:
         kvq.quantize_fp8(value, scale)
         [casts] <- clamp_max(448) <- clamp_min(-448) <- [casts] <- div(value, scale)      (or clamp)
         ...                                                    <- mul(value, 1 / scale)
+        ...                                                    <- div(value, scale_tensor)
+
+    ``scale`` a positive finite Python number; ``scale_tensor`` a graph value (a 0-d / 1-element
+    float32 buffer or parameter): kept as a node, its value is never baked into the graph.
     """
     if node.op != "call_function" or node.target not in _QUANT_ENDS:
         return None
@@ -310,12 +350,72 @@ def match_static_fp8_quant(node: fx.Node) -> StaticQuant | None:
         a, b = inner.args[0], inner.args[1]
         if form == "mul" and isinstance(b, fx.Node) and _number(a) is not None:
             a, b = b, a
+        if form == "div" and isinstance(a, fx.Node) and scale_tensor(b, a) is not None:
+            if b is a:
+                return None
+            nodes.append(inner)
+            return StaticQuant(a, b, tuple(reversed(nodes)), form)
         c = _number(b)
         if c is None or not isinstance(a, fx.Node) or not c > 0.0 or c == float("inf"):
+            return None
+        if node_dtype(inner) not in (None, torch.float32):  # x / s rounded to bf16 / fp16 first
             return None
         nodes.append(inner)
         return StaticQuant(a, c if form == "div" else 1.0 / c, tuple(reversed(nodes)), form)
     return None
+
+
+def is_fp8_quant_end(node: object) -> bool:
+    """True for a node producing FP8: a ``kvq.quantize_fp8`` or a cast to float8_e4m3fn."""
+    return is_call(node, QUANTIZE) or _is_fp8_cast(node)
+
+
+def quant_mismatch(node: fx.Node) -> str:
+    """Why ``match_static_fp8_quant(node)`` does not match: the first step of the walk that fails
+    (for pass decisions; call it only where the match failed)."""
+    if node.op != "call_function" or node.target not in _QUANT_ENDS:
+        return f"is not a static FP8 quant (it comes from {op_label(node)})"
+    if node.target is QUANTIZE:
+        scale = op_args(node).get("scale")
+        return f"is not a static FP8 quant (kvq.quantize_fp8 with scale {scale!r})"
+    if not _is_fp8_cast(node):
+        return f"is not a static FP8 quant (it comes from {op_label(node)})"
+    inner, _ = skip_float_casts(node.args[0])
+    clamp = _clamp_bounds(inner)
+    if clamp is None:
+        return (
+            "is not a static FP8 quant (no clamp to +-448 before the FP8 cast, found "
+            f"{op_label(inner)})"
+        )
+    inner, _, lo, hi = clamp
+    if lo != -FP8_MAX or hi != FP8_MAX:
+        return f"is not a static FP8 quant (clamped to [{lo:g}, {hi:g}], expected [-448, 448])"
+    inner, _ = skip_float_casts(inner)
+    for target, form in _SCALINGS:
+        if not is_call(inner, target):
+            continue
+        a, b = inner.args[0], inner.args[1]
+        if form == "mul" and isinstance(b, fx.Node) and isinstance(a, fx.Node):
+            return (
+                "is not a static FP8 quant the passes fuse (it multiplies by a tensor; a tensor "
+                "scale is fused only as x / scale)"
+            )
+        if form == "div" and isinstance(b, fx.Node) and isinstance(a, fx.Node):
+            why = _scale_tensor_problem(b, a)
+            if why is not None:
+                return f"is not a static FP8 quant the passes fuse (it {why})"
+        dtype = node_dtype(inner)
+        if dtype not in (None, torch.float32) and _number(b if form == "div" else a) is not None:
+            return (
+                f"is not a static FP8 quant the passes fuse (it scales in {dtype}: the quotient "
+                "is rounded to that dtype before the FP8 cast, which the fused fp32 write would "
+                "not reproduce; write (x.float() / s))"
+            )
+        return f"is not a static FP8 quant (its scale {b!r} is not a positive finite number)"
+    return (
+        "is not a static FP8 quant (no division by a scale before the clamp, found "
+        f"{op_label(inner)})"
+    )
 
 
 def single_user_chain(nodes: list[fx.Node] | tuple[fx.Node, ...]) -> fx.Node | None:
@@ -333,6 +433,12 @@ def erase_dead(graph: fx.Graph, nodes: list[fx.Node] | tuple[fx.Node, ...]) -> N
             graph.erase_node(n)
 
 
+def has_output_scale(node: fx.Node) -> bool:
+    """True if a ``paged_attention_fp8`` node writes FP8 output (a float or a tensor scale)."""
+    args = op_args(node)
+    return args.get("output_scale") is not None or args.get("output_scale_tensor") is not None
+
+
 def count_ops(graph: fx.Graph) -> dict[str, int]:
     """kvq op counts (auto_functionalized writes counted as their op), plus ``fp8_cast`` (torch-native
     FP8 casts) and ``output_scale`` (fused attentions that write FP8 output)."""
@@ -342,7 +448,7 @@ def count_ops(graph: fx.Graph) -> dict[str, int]:
         op = functional_op(node)
         if getattr(op, "namespace", None) == "kvq":
             key = op_label(node)
-            if op is ATTENTION_FP8 and op_args(node).get("output_scale") is not None:
+            if op is ATTENTION_FP8 and has_output_scale(node):
                 counts["output_scale"] = counts.get("output_scale", 0) + 1
         elif _is_fp8_cast(node):
             key = "fp8_cast"

@@ -18,6 +18,12 @@ and the quant has no other user::
 
 Only ``paged_attention_fp8`` is fused (a skipped layer's ``kvq.paged_attention`` never is). For a
 quantized layer whose output is not statically quantized the decision says so.
+
+A quant dividing by a run-time scale tensor (``view / self.out_scale``, a 0-d / 1-element float32
+buffer or parameter: vLLM's test_fusion_attn.py form) becomes ``paged_attention_fp8(...,
+output_scale_tensor=out_scale)``: the tensor stays a graph input read at run time, never a baked
+constant. Only where the stamp says the kernel takes a tensor output scale (the capability row's
+``tensor_output_scale``: the reference kernel yes, FlashInfer XQA no, its ``o_scale`` is a float).
 """
 
 from __future__ import annotations
@@ -35,9 +41,12 @@ from torch_kvq.passes.common import (
     StaticQuant,
     erase_dead,
     get_stamp,
+    has_output_scale,
     is_call,
+    is_fp8_quant_end,
     match_static_fp8_quant,
     op_args,
+    quant_mismatch,
     single_user_chain,
     skip_float_casts,
 )
@@ -72,9 +81,9 @@ class FuseAttentionOutputQuantPass:
                 )
                 continue
             args = op_args(attn)
-            if args.get("output_scale") is not None:
+            if has_output_scale(attn):
                 continue
-            blocked = stamp.output_block()
+            blocked = stamp.output_block(tensor_scale=quant.tensor_scale is not None)
             if blocked is not None:
                 ctx.decide(stamp.layer, blocked)
                 continue
@@ -90,12 +99,8 @@ class FuseAttentionOutputQuantPass:
             matches += 1
         for node in graph.nodes:
             stamp = get_stamp(node)
-            if (
-                is_call(node, ATTENTION_FP8)
-                and stamp is not None
-                and op_args(node).get("output_scale") is None
-            ):
-                ctx.decide(stamp.layer, "not fused: no static FP8 quant of the attention output")
+            if is_call(node, ATTENTION_FP8) and stamp is not None and not has_output_scale(node):
+                ctx.decide(stamp.layer, _no_quant_reason(node))
             elif is_call(node, ATTENTION) and stamp is not None:
                 ctx.decide(
                     stamp.layer,
@@ -109,11 +114,13 @@ class FuseAttentionOutputQuantPass:
     ) -> None:
         stamp = get_stamp(attn)
         assert stamp is not None
+        scale = quant.tensor_scale
+        kwargs = {"output_scale": quant.scale} if scale is None else {"output_scale_tensor": scale}
         with graph.inserting_before(quant.out):
             out = graph.call_function(
                 ATTENTION_FP8,
                 (args["q"], args["kv_cache"], args["k_scale"], args["v_scale"], args["layer_name"]),
-                {"output_scale": quant.scale},
+                kwargs,
             )
             out.meta[META_KEY] = stamp.with_fused(DECISION)
             for view in between:
@@ -121,6 +128,23 @@ class FuseAttentionOutputQuantPass:
                     out = graph.call_function(view.target, (out, *view.args[1:]), dict(view.kwargs))
         quant.out.replace_all_uses_with(out)
         erase_dead(graph, [attn, *between, *quant.nodes])
+
+
+def _no_quant_reason(attn: fx.Node, depth: int = 8) -> str:
+    """The decision for an FP8 attention left without ``output_scale``: what the FP8 cast found
+    downstream of it (within ``depth`` nodes) is, else that there is none."""
+    frontier, seen = list(attn.users), set()
+    for _ in range(depth):
+        nxt = []
+        for node in frontier:
+            if node in seen or node.op != "call_function":
+                continue
+            seen.add(node)
+            if is_fp8_quant_end(node):
+                return f"not fused: the attention output's FP8 quant {quant_mismatch(node)}"
+            nxt.extend(node.users)
+        frontier = nxt
+    return "not fused: no static FP8 quant of the attention output"
 
 
 def _attention_before(quant: StaticQuant) -> tuple[fx.Node, list[fx.Node]] | None:

@@ -16,12 +16,20 @@ The quant is the ``kvq.quantize_fp8`` op or the torch-native expression (div or 
 
 The k / v fed to the fused write are the quant inputs, walked back through float casts to the
 layer's model dtype (the fused op quantizes in fp32 like ``kvq.quantize_fp8``).
+
+Where both quants divide by a run-time scale tensor (``(k.float() / self.k_scale).clamp(-448,
+448).to(fp8)`` with ``k_scale`` a 0-d / 1-element float32 buffer or parameter, a graph input), the
+write becomes ``kvq.quant_cache_write_ts(k, v, kv_cache, k_scale_node, v_scale_node, layer)``:
+the scale stays a graph value read at run time, never a constant, so changing the buffer changes
+what the compiled graph writes. The write is kernel-independent (kernels/kv_write.py), so this needs
+no capability bit. One scale a number and the other a tensor is left unfused (decision says so).
 """
 
 from __future__ import annotations
 
 from typing import ClassVar
 
+import torch
 from torch import fx
 
 from torch_kvq.passes.common import (
@@ -29,6 +37,7 @@ from torch_kvq.passes.common import (
     CACHE_WRITE,
     META_KEY,
     QUANT_CACHE_WRITE,
+    QUANT_CACHE_WRITE_TS,
     PassContext,
     StaticQuant,
     erase_dead,
@@ -38,7 +47,8 @@ from torch_kvq.passes.common import (
     is_call,
     match_static_fp8_quant,
     node_dtype,
-    op_label,
+    quant_mismatch,
+    short_dtype,
 )
 
 DECISION = "fused quant+write"
@@ -70,6 +80,15 @@ class FuseQuantCacheWritePass:
                 quants[arg] = found
             if len(quants) != 2:
                 continue
+            tensors = [quants[a][0].tensor_scale is not None for a in ("k", "v")]
+            if tensors[0] != tensors[1]:
+                which = "k" if tensors[0] else "v"
+                ctx.decide(
+                    stamp.layer,
+                    f"not fused: {which}'s quant scale is a tensor and the other's a Python number; "
+                    "the fused write takes both as numbers or both as tensors",
+                )
+                continue
             kwargs = {key: val for key, val in node.kwargs.items() if key not in ("k", "v")}
             fused_kwargs = {
                 "k": quants["k"][1],
@@ -78,8 +97,9 @@ class FuseQuantCacheWritePass:
                 "v_scale": quants["v"][0].scale,
                 **kwargs,
             }
+            op = QUANT_CACHE_WRITE_TS if tensors[0] else QUANT_CACHE_WRITE
             with graph.inserting_before(node):
-                fused = graph.call_function(node.target, (QUANT_CACHE_WRITE,), fused_kwargs)
+                fused = graph.call_function(node.target, (op,), fused_kwargs)
             fused.meta[META_KEY] = stamp.with_fused(DECISION)
             node.replace_all_uses_with(fused)
             graph.erase_node(node)
@@ -96,7 +116,14 @@ def _match(arg: object, model_dtype: object) -> tuple[StaticQuant, fx.Node, list
         return f"is {arg!r}, not a graph value"
     quant = match_static_fp8_quant(arg)
     if quant is None:
-        return f"is not a static FP8 quant (it comes from {op_label(arg)})"
+        return quant_mismatch(arg)
+    quotient = node_dtype(quant.nodes[0])
+    if quant.tensor_scale is not None and quotient not in (None, torch.float32):
+        return (
+            f"divides a {short_dtype(quotient)} value by its scale tensor (the quotient is "
+            f"rounded to {short_dtype(quotient)} before the FP8 cast), and the fused write "
+            "divides in fp32, so it would not write the same bytes; quantize x.float() / scale"
+        )
     source, casts = quant.value, []
     while node_dtype(source) != model_dtype:
         prev = float_cast_arg(source)

@@ -57,7 +57,16 @@ def make_stamp(spec: LayerKVSpec, kernel: str, arch: str) -> KVQStamp:
         spec.is_quantized and limit is None and caps.supports(kernel, arch, spec.mode, q, False)
     )
     fp8_out = fp8_kv and caps.supports(kernel, arch, spec.mode, q, True)
-    return KVQStamp(spec, kernel, arch, fp8_kv=fp8_kv, fp8_output=fp8_out, limit=limit)
+    fp8_out_t = fp8_out and caps.supports_tensor_output_scale(kernel, arch)
+    return KVQStamp(
+        spec,
+        kernel,
+        arch,
+        fp8_kv=fp8_kv,
+        fp8_output=fp8_out,
+        limit=limit,
+        fp8_output_tensor_scale=fp8_out_t,
+    )
 
 
 def _per_layer(
@@ -147,7 +156,10 @@ class KVQPassManager(CustomGraphPass):
         h.update(spec_table_key(self.specs).encode())
         for name in sorted(self.stamps):
             st = self.stamps[name]
-            h.update(f"\n{name}:{st.kernel}:{st.arch}:{st.fp8_kv}:{st.fp8_output}".encode())
+            h.update(
+                f"\n{name}:{st.kernel}:{st.arch}:{st.fp8_kv}:{st.fp8_output}:"
+                f"{st.fp8_output_tensor_scale}".encode()
+            )
         return h.hexdigest()
 
     def uuid(self) -> str:

@@ -44,21 +44,26 @@ class AttentionKernel(Protocol):
         kv_cache: torch.Tensor,
         k_scale: float,
         v_scale: float,
-        output_scale: float | None,
+        output_scale: float | torch.Tensor | None,
     ) -> torch.Tensor:
         """Paged attention for the batch's new tokens.
 
         q [T, num_heads, head_size] in ``spec.model_dtype``; kv_cache
         [pages, 2, page_size, kv_heads, head_size] in the model dtype (scales 1.0) or FP8 (read
         in place with ``k_scale`` / ``v_scale``). Returns [T, num_heads, head_size] in the model
-        dtype, or float8_e4m3fn scaled by ``1 / output_scale`` when ``output_scale`` is given.
+        dtype, or float8_e4m3fn scaled by ``1 / output_scale`` when ``output_scale`` is given (a
+        float, or a 0-d float32 tensor read on the device, only for kernels whose capability row
+        sets ``tensor_output_scale``).
         The output is a new contiguous tensor whatever q's strides (a transposed view included):
         the ops' fake implementations promise exactly that to the compiler.
         """
 
 
-def quantize_fp8(x: torch.Tensor, scale: float, out: torch.Tensor | None = None) -> torch.Tensor:
+def quantize_fp8(
+    x: torch.Tensor, scale: float | torch.Tensor, out: torch.Tensor | None = None
+) -> torch.Tensor:
     """Static per-tensor FP8 quantization: ``clamp(x / scale, -448, 448)`` in fp32, cast to e4m3.
+    ``scale`` is a Python float or a 1-element float32 tensor (divided as aten divides by it).
 
     ``out`` (float8_e4m3fn, x's shape) receives the result: the same cast (``.to`` is a copy_), so
     the same bits, in ``out``'s layout instead of one that follows x's strides.

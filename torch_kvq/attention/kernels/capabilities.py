@@ -14,6 +14,10 @@ any arch). A row holds:
 - ``head_sizes``: the head sizes it runs (None: any);
 - ``fp8_page_sizes`` / ``fp8_soft_cap``: limits on quantized layers only (XQA's page sizes, and no
   logit soft-cap), None / True for none.
+- ``tensor_output_scale``: where the row claims FP8 output, the kernel also takes the output scale
+  as a device tensor read at run time (a 0-d / 1-element float32 buffer or parameter), not only as
+  a Python float (so a static FP8 quant whose scale is such a tensor may be fused). The reference
+  kernel does; FlashInfer's XQA does not (its ``o_scale`` is a float).
 
 A kernel serves a layer when its row has ``(layer mode, model dtype, False)`` and the layer is
 within the row's limits: ``unsupported_reason`` says why not. An arch with no row (and no ``"*"``
@@ -46,10 +50,15 @@ class ArchRow:
     head_sizes: frozenset[int] | None = None  # None: any head size
     fp8_page_sizes: frozenset[int] | None = None  # page sizes of quantized layers; None: any
     fp8_soft_cap: bool = True  # quantized layers may have a logit soft-cap
+    tensor_output_scale: bool = False  # FP8 output with a run-time tensor scale, too
 
 
 _TABLE: dict[str, dict[str, ArchRow]] = {
-    "reference": {ANY_ARCH: ArchRow(frozenset(product(KVQuantMode, MODEL_DTYPES, (False, True))))},
+    "reference": {
+        ANY_ARCH: ArchRow(
+            frozenset(product(KVQuantMode, MODEL_DTYPES, (False, True))), tensor_output_scale=True
+        )
+    },
 }
 
 
@@ -73,6 +82,7 @@ def register_capabilities(
     head_sizes: Iterable[int] | None = None,
     fp8_page_sizes: Iterable[int] | None = None,
     fp8_soft_cap: bool = True,
+    tensor_output_scale: bool = False,
 ) -> None:
     """Set the row of ``kernel`` on ``arch`` (replacing an existing one)."""
     if not isinstance(kernel, str) or not kernel:
@@ -95,6 +105,7 @@ def register_capabilities(
         _sizes("head_sizes", kernel, arch, head_sizes),
         _sizes("fp8_page_sizes", kernel, arch, fp8_page_sizes),
         bool(fp8_soft_cap),
+        bool(tensor_output_scale),
     )
     _TABLE.setdefault(kernel, {})[arch] = row
 
@@ -164,6 +175,12 @@ def supports(
     return (mode, q_dtype, fp8_output) in capabilities(kernel, arch)
 
 
+def supports_tensor_output_scale(kernel: str, arch: str) -> bool:
+    """True if ``kernel`` on ``arch`` takes the FP8 output scale as a run-time tensor (where its
+    row claims FP8 output at all; ``supports(..., True)`` says where)."""
+    return arch_row(kernel, arch).tensor_output_scale
+
+
 def _either(items: Iterable[str]) -> str:
     items = list(items)
     return items[0] if len(items) == 1 else f"{', '.join(items[:-1])} or {items[-1]}"
@@ -229,6 +246,9 @@ def default_kernel(arch: str) -> str:
 # "-xqa" configurations) runs on sm90, sm100/103 and sm120/121 (FlashInfer's xqa.py), pages of 16 to
 # 128 tokens, no logit soft-cap; on sm8x the "-xqa" configurations serve model-dtype layers only.
 # sm90 is the arch we measured; the others are FlashInfer's documented support, not tested here.
+# No FlashInfer row sets tensor_output_scale: XQA's o_scale is a Python float in FlashInfer
+# 0.6.18 (its bmm1/bmm2 scales take tensors, o_scale does not), so a quant whose scale is a tensor
+# is left unfused there.
 _FI_ARCHS = ("sm80", "sm86", "sm87", "sm89", "sm90", "sm100", "sm103", "sm120", "sm121")
 _XQA_ARCHS = ("sm90", "sm100", "sm103", "sm120", "sm121")
 _FI_HEAD_SIZES = (64, 128, 256)

@@ -65,6 +65,7 @@ def import_flashinfer(module: str = "flashinfer") -> ModuleType:
             "of torch"
         ) from e
 
+
 FP8Decode = Literal["tensor_cores", "xqa"]
 Phases = Literal["any", "decode"]
 DEFAULT_WORKSPACE_BYTES = 256 * 1024 * 1024
@@ -351,7 +352,7 @@ class FlashInferKernel:
         kv_cache: torch.Tensor,
         k_scale: float,
         v_scale: float,
-        output_scale: float | None,
+        output_scale: float | torch.Tensor | None,
     ) -> torch.Tensor:
         """q [T, QH, D], kv_cache [pages, 2, page, KH, D] -> [T, QH, D] (see module docstring)."""
         plan = ctx.plans.get((id(self), spec.name, kv_cache.dtype))
@@ -378,6 +379,12 @@ class FlashInferKernel:
         # q may be any view (a transposed [B, H, S, D] one from Hugging Face); the kernels want
         # dense [T, QH, D] rows. The output is always a new contiguous tensor (the ops' fakes say so).
         q = q.contiguous()
+        if isinstance(output_scale, torch.Tensor):
+            raise KernelUnsupportedError(
+                f"layer {spec.name!r}: FlashInfer takes the FP8 output scale as a Python float only "
+                "(XQA's o_scale), but the graph passes a tensor (output_scale_tensor); the passes "
+                "must not fuse such a quant here (kernels/capabilities.py: tensor_output_scale)"
+            )
         if key.kernel == "xqa":
             return self._run_xqa(ctx, spec, q, kv_cache, k_scale, v_scale, output_scale)
         if output_scale is not None:

@@ -19,6 +19,18 @@ reciprocal of ``float32(scale)`` (``"rcp32"``) that this kernel first assumed: t
 scales such as 0.03 (33.3333321 vs 33.3333359), and one FP8 step apart wherever ``x / scale`` lands
 on a rounding tie (``1.5 / 0.03``). Bit-equality with the eager op path is tested on the GPU
 (tests/attention/test_kv_write.py).
+
+Tensor scales (``kvq::quant_cache_write_ts``: a 0-d or 1-element float32 tensor, the form a
+module buffer takes) follow the unfused ``x.float() / scale_tensor`` the same way, per where the
+scale lives. On the cache's device: aten's tensor / tensor division, which on CUDA was measured to
+be correctly rounded (H200, torch 2.11: benchmarks/results/h200_2026-11-30_aten_division_probe.txt,
+``cuda_t/t_vs_div32: 0``); ``aten_scalar_division(device, "tensor")`` checks that per device and the
+Triton kernel loads the scale from its pointer and divides with ``div_rn`` (no host sync, so CUDA
+graphs capture it and replay the buffer's current value); any other measured form is refused. A
+0-d CPU tensor with a CUDA cache is what aten treats like a Python scalar: its value (a CPU read,
+no device sync) goes the Python-float way, measured as ``"cpu_tensor"`` (note: like the unfused
+eager form, a CUDA graph captured then keeps the value it saw at capture). On the CPU the aten path
+(``write_kv_torch``) is the unfused expression itself.
 """
 
 from __future__ import annotations
@@ -31,17 +43,20 @@ import torch
 from torch_kvq.attention.kernels.base import KernelUnsupportedError, quantize_fp8
 from torch_kvq.spec import FP8_DTYPE, FP8_MAX
 
+Scales = tuple[float, float] | tuple[torch.Tensor, torch.Tensor]
+ScaleKind = Literal["float", "tensor", "cpu_tensor"]
+
 
 def write_kv(
     kv_cache: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
     slot_mapping: torch.Tensor,
-    scales: tuple[float, float] | None = None,
+    scales: Scales | None = None,
 ) -> None:
     """Scatter k/v [T, KH, D] into ``kv_cache`` at ``slot_mapping`` [T] slots.
 
-    ``scales`` = (k_scale, v_scale) quantizes model-dtype k/v into an FP8 cache; ``None`` writes
+    ``scales`` = (k_scale, v_scale), two floats or two float32 tensors, quantizes model-dtype k/v into an FP8 cache; ``None`` writes
     k/v already in the cache dtype. The device picks the implementation (see the module docstring).
     """
     if kv_cache.is_cuda:
@@ -55,7 +70,7 @@ def write_kv_torch(
     k: torch.Tensor,
     v: torch.Tensor,
     slot_mapping: torch.Tensor,
-    scales: tuple[float, float] | None = None,
+    scales: Scales | None = None,
 ) -> None:
     """``write_kv`` in aten ops (any device): the oracle for the Triton kernel."""
     if scales is not None:
@@ -100,10 +115,12 @@ def _division_candidates(x: torch.Tensor, scale: float) -> dict[str, torch.Tenso
 
 
 @functools.cache
-def aten_scalar_division(device: torch.device) -> ScalarDivision:
-    """How aten computes ``x.float() / scale`` for a Python-float ``scale`` on ``device``, one of
-    ``_division_candidates``' forms (the first that matches every probe). Measured once per
-    device; raises ``KernelUnsupportedError`` if aten matches none of them."""
+def aten_scalar_division(device: torch.device, kind: ScaleKind = "float") -> ScalarDivision:
+    """How aten computes ``x.float() / scale`` on ``device`` for a ``scale`` that is a Python float
+    (``kind="float"``), a 0-d float32 tensor on ``device`` (``"tensor"``) or one on the CPU
+    (``"cpu_tensor"``): one of ``_division_candidates``' forms (the first that matches every probe;
+    a tensor holds float32(scale), so its candidates start from that value). Measured once per
+    device and kind; raises ``KernelUnsupportedError`` if aten matches none of them."""
     if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
         raise KernelUnsupportedError(
             f"the cache write's rounding probe for {device} cannot run inside CUDA graph capture; "
@@ -113,13 +130,20 @@ def aten_scalar_division(device: torch.device) -> ScalarDivision:
     x = torch.cat([torch.tensor([169.0, 1.5, -3.0, 48.0]), torch.randn(4096, generator=gen) * 40])
     found = ["div", "rcp", "rcp32"]
     for scale in _PROBE_SCALES:
-        got = (x.to(device) / scale).cpu()
+        if kind != "float":
+            scale = _f32(scale)
+            div = torch.tensor(
+                scale, dtype=torch.float32, device=device if kind == "tensor" else "cpu"
+            )
+        else:
+            div = scale
+        got = (x.to(device) / div).cpu()
         for form, want in _division_candidates(x, scale).items():
             if form in found and not torch.equal(got.view(torch.int32), want.view(torch.int32)):
                 found.remove(form)
     if not found:
         raise KernelUnsupportedError(
-            f"aten's x / scale on {device} (torch {torch.__version__}) matches none of the forms "
+            f"aten's x / scale ({kind} scale) on {device} (torch {torch.__version__}) matches none of the forms "
             "the fused FP8 cache write knows (a correctly rounded division, or a multiply by "
             "float32(1 / scale) from float64 or fp32); it cannot reproduce it bit for bit"
         )
@@ -131,10 +155,11 @@ def write_kv_triton(
     k: torch.Tensor,
     v: torch.Tensor,
     slot_mapping: torch.Tensor,
-    scales: tuple[float, float] | None = None,
+    scales: Scales | None = None,
 ) -> None:
     """``write_kv`` as one Triton kernel (CUDA). The cache's last two dims must be dense (k / v are
-    copied first when theirs are not)."""
+    copied first when theirs are not). Tensor scales on the cache's device are loaded in the kernel
+    (no host sync); CPU tensor scales are read on the host (see the module docstring)."""
     if not _inner_dense(kv_cache):
         raise ValueError(
             f"write_kv_triton: kv_cache has strides {tuple(kv_cache.stride())}; expected its last "
@@ -144,11 +169,25 @@ def write_kv_triton(
     t, kh, d = k.shape
     if scales is not None and kv_cache.dtype != FP8_DTYPE:
         raise ValueError(f"write_kv_triton: quantizing needs an FP8 cache, got {kv_cache.dtype}")
+    kind = _scale_kind(kv_cache, scales)  # checks where tensor scales live (before any work)
     kernel = _triton_kernel()
     if t == 0:
         return
-    division = aten_scalar_division(kv_cache.device) if scales is not None else "div"
-    k_op, v_op = (_operand(division, s) for s in scales) if scales is not None else (1.0, 1.0)
+    division: ScalarDivision = "div"
+    k_op: Any = 1.0
+    v_op: Any = 1.0
+    if scales is not None:
+        division = aten_scalar_division(kv_cache.device, kind)
+        if kind == "tensor":  # loaded by the kernel from the device: no host sync
+            if division != "div":
+                raise KernelUnsupportedError(
+                    f"aten's x / scale_tensor on {kv_cache.device} (torch {torch.__version__}) is "
+                    f"not correctly rounded (it matches {division!r}); the fused cache write with a "
+                    "tensor scale divides correctly rounded and would not write the same bytes"
+                )
+            k_op, v_op = (torch.as_tensor(x).reshape(()) for x in scales)
+        else:  # a Python float, or a CPU tensor's value (a host read, no device sync)
+            k_op, v_op = (_operand(division, float(x)) for x in scales)
     kernel[(t,)](
         k,
         v,
@@ -167,8 +206,26 @@ def write_kv_triton(
         BLOCK=_next_pow2(kh * d),
         QUANT=scales is not None,
         DIVIDE=division == "div",
+        SCALE_PTR=kind == "tensor",
         FP8_MAX=FP8_MAX,
         num_warps=4 if kh * d <= 2048 else 8,
+    )
+
+
+def _scale_kind(kv_cache: torch.Tensor, scales: Scales | None) -> ScaleKind:
+    """``"float"`` for Python-float scales (or none), ``"tensor"`` for tensors on the cache's
+    device, ``"cpu_tensor"`` for 0-d tensors on the CPU with a cache elsewhere; else a ValueError."""
+    if scales is None or not isinstance(scales[0], torch.Tensor):
+        return "float"
+    devices = [x.device for x in scales]
+    if all(dev == kv_cache.device for dev in devices):
+        return "tensor"
+    if all(dev.type == "cpu" for dev in devices) and all(x.dim() == 0 for x in scales):
+        return "cpu_tensor"
+    raise ValueError(
+        f"write_kv_triton: k / v scale tensors on {[str(dev) for dev in devices]} of shapes "
+        f"{[tuple(x.shape) for x in scales]}; expected both on the cache's device "
+        f"({kv_cache.device}), or both 0-d on the CPU (aten takes only a 0-d CPU tensor as a scalar)"
     )
 
 
@@ -211,6 +268,7 @@ def _triton_kernel() -> Any:
         BLOCK: tl.constexpr,
         QUANT: tl.constexpr,
         DIVIDE: tl.constexpr,
+        SCALE_PTR: tl.constexpr,
         FP8_MAX: tl.constexpr,
     ):
         token = tl.program_id(0).to(tl.int64)
@@ -222,12 +280,18 @@ def _triton_kernel() -> Any:
         k = tl.load(k_ptr + token * k_stride_t + i, mask=mask)
         v = tl.load(v_ptr + token * v_stride_t + i, mask=mask)
         if QUANT:  # aten's x.float() / scale: correctly rounded, or times a reciprocal
-            if DIVIDE:
-                k = tl.math.div_rn(k.to(tl.float32), k_op)
-                v = tl.math.div_rn(v.to(tl.float32), v_op)
+            if SCALE_PTR:  # scale tensors on the device: read now (DIVIDE is then always set)
+                k_s = tl.load(k_op)
+                v_s = tl.load(v_op)
             else:
-                k = k.to(tl.float32) * k_op
-                v = v.to(tl.float32) * v_op
+                k_s = k_op
+                v_s = v_op
+            if DIVIDE:
+                k = tl.math.div_rn(k.to(tl.float32), k_s)
+                v = tl.math.div_rn(v.to(tl.float32), v_s)
+            else:
+                k = k.to(tl.float32) * k_s
+                v = v.to(tl.float32) * v_s
             k = tl.clamp(k, -FP8_MAX, FP8_MAX, propagate_nan=tl.PropagateNan.ALL)
             v = tl.clamp(v, -FP8_MAX, FP8_MAX, propagate_nan=tl.PropagateNan.ALL)
             k = k.to(tl.float8e4nv, fp_downcast_rounding="rtne")

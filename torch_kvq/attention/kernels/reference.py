@@ -45,7 +45,8 @@ def ref_attention(
 
 
 class ReferenceKernel:
-    """Serves every layer on any device; supports FP8 KV and FP8 output."""
+    """Serves every layer on any device; supports FP8 KV and FP8 output (with a float or a
+    run-time tensor output scale: tensor math on the device, no host sync)."""
 
     name = "reference"
     # attend slices per sequence with host lengths: a captured graph would bake them in
@@ -65,7 +66,7 @@ class ReferenceKernel:
         kv_cache: torch.Tensor,
         k_scale: float,
         v_scale: float,
-        output_scale: float | None,
+        output_scale: float | torch.Tensor | None,
     ) -> torch.Tensor:
         md = ctx.metadata
         out = torch.empty(q.shape, dtype=torch.float32, device=q.device)
