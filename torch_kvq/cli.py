@@ -101,6 +101,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for name in SUBCOMMANDS:
         importlib.import_module(name).add_parser(sub)
+    importlib.import_module("torch_kvq.integrations.hf_cli").extend(sub)  # --hf-config, --hf
     return parser
 
 

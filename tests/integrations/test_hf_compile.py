@@ -115,6 +115,8 @@ def test_inductor_gemma3_bf16_sliding_layers_skipped():
 def test_inductor_qwen3_moe_fp32():
     """fp32: in bf16 the router's top-k flips between near-tied experts under Inductor's numerics
     (a logit moved by 0.28), a property of bf16 MoE routing, not of the passes."""
+    if int(transformers.__version__.split(".")[0]) < 5:
+        pytest.skip("transformers 4.x loops over the experts a batch hits: no single graph")
     check_compiled(fp8_lm("qwen3_moe"), "inductor")
 
 

@@ -12,7 +12,9 @@ kv "auto" run fed the same tokens.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -84,6 +86,22 @@ def _meta_model(config: Any, layers: int | None) -> torch.nn.Module:
     return model.to(dtype if dtype in (torch.bfloat16, torch.float16) else torch.bfloat16).eval()
 
 
+@contextlib.contextmanager
+def _no_meta_autocast() -> Iterator[None]:
+    """transformers 4.x's rotary forward enters ``torch.autocast(device_type="meta")``, which
+    torch rejects ("unsupported scalarType"); 5.x skips autocast on meta. Same effect here."""
+    real = torch.autocast
+
+    def autocast(device_type: str, *a: Any, **kw: Any) -> Any:
+        return contextlib.nullcontext() if device_type == "meta" else real(device_type, *a, **kw)
+
+    torch.autocast = autocast  # type: ignore[assignment]
+    try:
+        yield
+    finally:
+        torch.autocast = real  # type: ignore[misc]
+
+
 def _inspect(args: argparse.Namespace) -> int:
     from torch_kvq.attention.kernels import capabilities as caps
     from torch_kvq.debug.plan import format_plan, layer_plan, unserved_error
@@ -94,7 +112,8 @@ def _inspect(args: argparse.Namespace) -> int:
     if args.kernel is not None:
         caps.capabilities(args.kernel, args.arch)
     hf = _meta_model(load_config(args.hf_config), args.layers)
-    lm = KVQCausalLM.from_hf(hf, kv, num_pages=1)
+    with _no_meta_autocast():
+        lm = KVQCausalLM.from_hf(hf, kv, num_pages=1)
     rows = layer_plan(lm.kv_specs, args.kernel, args.arch)
     if args.json:
         print(json.dumps(rows, indent=2, default=str))

@@ -62,9 +62,9 @@ def _layer_names(paths: list[str], prefix: str | None) -> list[str]:
     """HF module paths, or with their first component replaced when taken / ``prefix`` given."""
     if prefix is None and not any(registry.is_live(p) for p in paths):
         return paths
-    heads = {p.split(".", 1)[0] for p in paths}
-    new = {h: prefix if prefix is not None else registry.unique_prefix(h) for h in heads}
-    return [new[p.split(".", 1)[0]] + p[len(p.split(".", 1)[0]) :] for p in paths]
+    parts = [p.partition(".") for p in paths]  # (first component, ".", rest)
+    new = {h: prefix if prefix is not None else registry.unique_prefix(h) for h, _, _ in parts}
+    return [new[head] + dot + rest for head, dot, rest in parts]
 
 
 class KVQCausalLM(nn.Module):
