@@ -5,17 +5,8 @@ from __future__ import annotations
 
 import json
 
-from torch_kvq import cli
+from tests.test_cli import run_main
 from torch_kvq.integrations.hf_tiny import tiny_hf_config
-
-
-def run_main(capsys, *argv: str) -> tuple[int, str, str]:
-    try:
-        code = cli.main(list(argv))
-    except SystemExit as e:  # argparse usage errors
-        code = e.code
-    out, err = capsys.readouterr()
-    return code, out, err
 
 
 def test_inspect_hf_config_plans_every_layer_without_weights(capsys, tmp_path):
