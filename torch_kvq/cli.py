@@ -69,6 +69,12 @@ def kv_config_from_args(args: argparse.Namespace):  # -> KVCacheConfig
     )
 
 
+def model_label(args: argparse.Namespace) -> str:
+    """How the shared options name the model: ``preset X`` or ``transformers FAMILY (tiny)``."""
+    hf = getattr(args, "hf", None)
+    return f"transformers {hf} (tiny, random weights)" if hf else f"preset {args.preset}"
+
+
 def model_from_args(args: argparse.Namespace, kv_config=None, num_pages: int = 64):
     """Build the preset model the shared options describe (ValueError on bad config)."""
     from torch_kvq.models import build_model
@@ -88,6 +94,10 @@ def model_from_args(args: argparse.Namespace, kv_config=None, num_pages: int = 6
             raise CommandError(f"--head-dim must be a positive int, got {head_dim}")
         overrides["head_dim"] = head_dim
     kv = kv_config if kv_config is not None else kv_config_from_args(args)
+    if getattr(args, "hf", None) is not None:  # ``kvq dump / accuracy --hf FAMILY``
+        from torch_kvq.integrations.hf_cli import tiny_lm
+
+        return tiny_lm(args.hf, kv, args.seed, num_pages, overrides)
     return build_model(args.preset, kv, seed=args.seed, num_pages=num_pages, **overrides)
 
 

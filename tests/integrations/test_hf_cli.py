@@ -32,3 +32,28 @@ def test_demo_hf_family(capsys):
     assert code == 0, err
     assert "transformers qwen2" in out and "fused quant+write 2, dequant+attn 2" in out, out
     assert "max |logit diff| vs kv 'auto'" in out
+
+
+def test_accuracy_on_a_tiny_hf_model(capsys):
+    """``kvq accuracy --hf``: the per-layer FP8 error table of a transformers model."""
+    code, out, err = run_main(capsys, "accuracy", "--hf", "qwen2")
+    assert code == 0, err
+    assert "transformers qwen2 (tiny, random weights)" in out
+    rows = [line.split() for line in out.splitlines() if line[:5].strip().isdigit()]
+    assert [r[1] for r in rows] == ["sliding", "global"] * 2
+    assert [r[2] for r in rows] == ["none", "fp8_per_tensor"] * 2
+
+
+def test_dump_on_a_tiny_hf_model(capsys, tmp_path):
+    """``kvq dump --hf``: per-pass dumps of a transformers model; its FP8 layer fused."""
+    out_dir = tmp_path / "dump"
+    argv = ("dump", "--hf", "gemma3", "--out", str(out_dir), "--no-depyf", "--inner", "eager")
+    code, out, err = run_main(capsys, *argv)
+    assert code == 0, err
+    assert (out_dir / "index.html").is_file() and (out_dir / "plan.txt").is_file()
+    plan = (out_dir / "plan.txt").read_text()
+    fp8 = plan.count("fp8_per_tensor")
+    assert "model.layers.0.self_attn" in plan and fp8 >= 1
+    after = [line for line in out.splitlines() if line.startswith("ops after:")]
+    assert after and all(f"'kvq.quant_cache_write': {fp8}" in a for a in after), out
+    assert all("dequantize_kv_cache" not in a for a in after), out

@@ -44,7 +44,7 @@ def add_parser(sub: Any) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from torch_kvq.cli import CommandError, kv_config_from_args, model_from_args
+    from torch_kvq.cli import CommandError, kv_config_from_args, model_from_args, model_label
 
     for path in (args.plot, args.json):
         if path is not None and not path.parent.is_dir():
@@ -57,7 +57,7 @@ def run(args: argparse.Namespace) -> int:
     ]
     report = layer_accuracy(model, prompts, kv, args.threshold_db, args.calibrate)
     print(
-        f"kvq accuracy: preset {args.preset}, {len(prompts)} prompts of {PROMPT_LENS} tokens, kv config {kv}"
+        f"kvq accuracy: {model_label(args)}, {len(prompts)} prompts of {PROMPT_LENS} tokens, kv config {kv}"
     )
     print()
     print(report.format())

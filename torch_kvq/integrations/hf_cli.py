@@ -1,6 +1,7 @@
-"""``kvq inspect --hf-config PATH`` and ``kvq demo --hf FAMILY``: the ``kvq`` command on
-transformers models. ``extend(subparsers)`` adds the two options to the existing subcommands
-(``cli.build_parser`` calls it); transformers is imported only when one is used.
+"""``kvq inspect --hf-config PATH`` and ``kvq demo / dump / accuracy --hf FAMILY``: the ``kvq``
+command on transformers models. ``extend(subparsers)`` adds the options to the existing
+subcommands (``cli.build_parser`` calls it); transformers is imported only when one is used.
+``dump`` and ``accuracy`` build the model through ``cli.model_from_args``, which calls ``tiny_lm``.
 
 ``inspect --hf-config``: a local ``config.json`` (or a checkpoint folder holding one; nothing is
 downloaded), instantiated on the meta device (no memory, no weights), attached with a one-token
@@ -27,23 +28,43 @@ def extend(sub: Any) -> None:
     """Add ``--hf-config`` to ``kvq inspect`` and ``--hf`` to ``kvq demo`` (when present)."""
     from torch_kvq.integrations.hf_tiny import FAMILIES
 
+    family = dict(metavar="FAMILY", choices=sorted(FAMILIES))
     for name, flag, kw, runner in (
         ("inspect", "--hf-config", dict(metavar="PATH"), _inspect),
-        ("demo", "--hf", dict(metavar="FAMILY", choices=sorted(FAMILIES)), _demo),
+        ("demo", "--hf", family, _demo),
+        ("dump", "--hf", family, None),
+        ("accuracy", "--hf", family, None),
     ):
         p = sub.choices.get(name)
         if p is None:
             continue
         what = "a transformers config.json (or a folder with one) instead of --preset"
-        if name == "demo":
+        if name != "inspect":
             what = "a tiny random-weight transformers model of this family instead of --preset"
         p.add_argument(flag, default=None, help=what, **kw)
+        if runner is None:  # the subcommand's own runner builds the model (cli.model_from_args)
+            continue
         own = p.get_default("func")
         p.set_defaults(func=_either(flag.lstrip("-").replace("-", "_"), runner, own))
 
 
 def _either(attr: str, hf_runner: Any, own: Any) -> Any:
     return lambda args: hf_runner(args) if getattr(args, attr) is not None else own(args)
+
+
+def tiny_lm(
+    family: str, kv: KVCacheConfig, seed: int, num_pages: int, overrides: dict[str, Any]
+) -> Any:
+    """A tiny random-weight bf16 transformers model of ``family`` attached as a ``KVQCausalLM``."""
+    from torch_kvq.integrations.hf_tiny import tiny_hf_config, tiny_hf_model
+    from torch_kvq.integrations.transformers import KVQCausalLM
+
+    kw = {k: v for k, v in overrides.items() if k in ("num_hidden_layers", "head_dim")}
+    types = getattr(tiny_hf_config(family), "layer_types", None)
+    if "num_hidden_layers" in kw and types is not None:  # the family's pattern, cut or repeated
+        kw["layer_types"] = [types[i % len(types)] for i in range(kw["num_hidden_layers"])]
+    hf = tiny_hf_model(family, torch.bfloat16, seed, **kw)
+    return KVQCausalLM.from_hf(hf, kv, num_pages=num_pages)
 
 
 def _kv(args: argparse.Namespace) -> KVCacheConfig:
