@@ -67,6 +67,18 @@ def parse_kv_cache_dtype(
     return mode, (dtype if dtype is not None else model_dtype)
 
 
+def is_positive_int(value: object) -> bool:
+    """An ``int`` (not a ``bool``) of at least 1."""
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 1
+
+
+def check_positive_int(value: object, what: str) -> int:
+    """``value`` if it is a positive int, else ``ValueError("<what> must be a positive int, ...")``."""
+    if not is_positive_int(value):
+        raise ValueError(f"{what} must be a positive int, got {value!r}")
+    return value  # type: ignore[return-value]
+
+
 def check_scale(value: object, what: str) -> float:
     """Return ``value`` as a float if it is a finite positive number, else raise ValueError."""
     if isinstance(value, bool) or not isinstance(value, (int, float)):

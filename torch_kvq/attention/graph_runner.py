@@ -34,6 +34,7 @@ import torch
 
 from torch_kvq.attention.context import forward_context
 from torch_kvq.attention.metadata import BatchMetadata, GraphShape, host_parts
+from torch_kvq.spec import check_positive_int
 
 # runner N's scratch page belongs to the allocator sequence f"{PAD_SEQUENCE}.{N}"
 PAD_SEQUENCE = "torch_kvq.graph_padding"
@@ -138,8 +139,7 @@ class DecodeGraphRunner:
         sizes = tuple(batch_sizes)
         if not sizes or any(isinstance(b, bool) or not isinstance(b, int) or b < 1 for b in sizes):
             raise ValueError(f"batch_sizes must be positive ints, got {batch_sizes!r}")
-        if isinstance(max_context, bool) or not isinstance(max_context, int) or max_context < 1:
-            raise ValueError(f"max_context must be a positive int, got {max_context!r}")
+        check_positive_int(max_context, "max_context")
         self.model = model
         self.fn = fn if fn is not None else model
         self.batch_sizes = tuple(sorted(set(sizes)))

@@ -13,7 +13,7 @@ from torch import nn
 
 from torch_kvq.attention import ops as _ops  # noqa: F401  (registers torch.ops.kvq.*)
 from torch_kvq.attention import registry
-from torch_kvq.spec import FP8_MAX, LayerKVSpec
+from torch_kvq.spec import FP8_MAX, LayerKVSpec, check_positive_int
 
 QuantForm = Literal["op", "torch"]
 
@@ -41,8 +41,7 @@ class Attention(nn.Module):
         super().__init__()
         if quant_form not in ("op", "torch"):
             raise ValueError(f"quant_form {quant_form!r} unknown; expected 'op' or 'torch'")
-        if isinstance(num_pages, bool) or not isinstance(num_pages, int) or num_pages < 1:
-            raise ValueError(f"num_pages must be a positive int, got {num_pages!r}")
+        check_positive_int(num_pages, "num_pages")
         self.spec = spec
         self.layer_name = spec.name
         self.quant_form = quant_form

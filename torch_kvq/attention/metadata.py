@@ -13,6 +13,8 @@ from functools import cached_property
 
 import torch
 
+from torch_kvq.spec import check_positive_int
+
 
 class OutOfPagesError(RuntimeError):
     """Raised when a batch needs more KV pages than are free. Nothing was allocated."""
@@ -99,8 +101,7 @@ class BatchMetadata:
         Raises ValueError for mismatched counts, bad lengths, a page table of the wrong size, a
         negative page id, or a page used twice in the batch (two sequences would share KV).
         """
-        if isinstance(page_size, bool) or not isinstance(page_size, int) or page_size < 1:
-            raise ValueError(f"page_size must be a positive int, got {page_size!r}")
+        check_positive_int(page_size, "page_size")
         if not (len(page_tables) == len(kv_lens) == len(qo_lens)) or not qo_lens:
             raise ValueError(
                 f"inconsistent batch: {len(page_tables)} page tables, {len(kv_lens)} kv lengths, "
@@ -229,10 +230,8 @@ class PageAllocator:
     """
 
     def __init__(self, num_pages: int, page_size: int) -> None:
-        if isinstance(num_pages, bool) or not isinstance(num_pages, int) or num_pages < 1:
-            raise ValueError(f"num_pages must be a positive int, got {num_pages!r}")
-        if isinstance(page_size, bool) or not isinstance(page_size, int) or page_size < 1:
-            raise ValueError(f"page_size must be a positive int, got {page_size!r}")
+        check_positive_int(num_pages, "num_pages")
+        check_positive_int(page_size, "page_size")
         self.num_pages = num_pages
         self.page_size = page_size
         self._free: list[int] = list(range(num_pages - 1, -1, -1))  # pop() gives low ids first

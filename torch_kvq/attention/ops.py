@@ -293,11 +293,3 @@ def _(
 ) -> Tensor:
     fp8 = output_scale is not None or output_scale_tensor is not None
     return _new_output(q, FP8_DTYPE if fp8 else q.dtype)
-
-
-ATTENTION_OPS = (torch.ops.kvq.paged_attention.default, torch.ops.kvq.paged_attention_fp8.default)
-WRITE_OPS = (
-    torch.ops.kvq.cache_write.default,
-    torch.ops.kvq.quant_cache_write.default,
-    torch.ops.kvq.quant_cache_write_ts.default,
-)

@@ -24,8 +24,6 @@ from typing import Any
 import torch
 from torch import fx
 
-DUMP_ENV = "TORCH_KVQ_DUMP_DIR"
-
 
 def write_pass_extras(folder: Path, pass_name: str, graph: fx.Graph) -> None:
     """Beside ``<pass>.before.py`` / ``.after.py``: a unified diff and an SVG of the graph after."""

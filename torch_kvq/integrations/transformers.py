@@ -53,9 +53,14 @@ from torch_kvq.integrations import hf_attention as hfa
 from torch_kvq.integrations.hf_checks import check_layer, check_model
 from torch_kvq.integrations.hf_generate import KVQPagedCache, install_forward
 from torch_kvq.integrations.hf_scales import ScaleSource, checkpoint_kv_scales
-from torch_kvq.spec import AttentionLayerInfo, KVCacheConfig, LayerKVSpec, resolve_layer_specs
-
-MODEL_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+from torch_kvq.spec import (
+    MODEL_DTYPES,
+    AttentionLayerInfo,
+    KVCacheConfig,
+    LayerKVSpec,
+    check_positive_int,
+    resolve_layer_specs,
+)
 
 
 def _layer_names(paths: list[str], prefix: str | None) -> list[str]:
@@ -128,8 +133,7 @@ class KVQCausalLM(nn.Module):
         hfa.register()
         if getattr(hf_model, "_kvq_attached", False):
             raise ValueError(f"{type(hf_model).__name__} is already attached; detach() it first")
-        if isinstance(num_pages, bool) or not isinstance(num_pages, int) or num_pages < 1:
-            raise ValueError(f"num_pages must be a positive int, got {num_pages!r}")
+        check_positive_int(num_pages, "num_pages")
         if hf_model.dtype not in MODEL_DTYPES:
             raise ValueError(f"model dtype {hf_model.dtype} unsupported; expected {MODEL_DTYPES}")
         text_config = hf_model.config.get_text_config(decoder=True)

@@ -28,6 +28,7 @@ from torch_kvq.spec import (
     AttentionLayerInfo,
     KVCacheConfig,
     LayerKVSpec,
+    check_positive_int,
     resolve_layer_specs,
 )
 
@@ -194,8 +195,7 @@ class PagedDecoder(nn.Module):
         super().__init__()
         if dtype not in MODEL_DTYPES:
             raise ValueError(f"dtype {dtype} unsupported; expected one of {MODEL_DTYPES}")
-        if isinstance(num_pages, bool) or not isinstance(num_pages, int) or num_pages < 1:
-            raise ValueError(f"num_pages must be a positive int, got {num_pages!r}")
+        check_positive_int(num_pages, "num_pages")
         if prefix is not None and (
             not isinstance(prefix, str) or not prefix or prefix.endswith(".")
         ):

@@ -18,7 +18,6 @@ from collections.abc import Mapping, Sequence
 from functools import cache
 from pathlib import Path
 
-import torch
 from torch import fx
 from torch._inductor.custom_graph_pass import CustomGraphPass
 
@@ -248,9 +247,3 @@ def _graph_text(graph: fx.Graph) -> str:
     if isinstance(gm, fx.GraphModule):
         return gm.print_readable(print_output=False)
     return str(graph)
-
-
-def installed_manager() -> KVQPassManager | None:
-    """The manager currently set as Inductor's ``post_grad_custom_post_pass``, if it is ours."""
-    current = torch._inductor.config.post_grad_custom_post_pass
-    return current if isinstance(current, KVQPassManager) else None

@@ -433,7 +433,6 @@ class _HostIndptrs:
     qo_indptr: torch.Tensor
     kv_indptr: torch.Tensor
     last_page_len: torch.Tensor
-    kv_lens: torch.Tensor
 
     @classmethod
     def build(cls, md: BatchMetadata) -> _HostIndptrs:
@@ -445,7 +444,6 @@ class _HostIndptrs:
             qo_indptr=torch.tensor(qo, **i32),
             kv_indptr=torch.tensor(kv, **i32),
             last_page_len=torch.tensor(last, **i32),
-            kv_lens=torch.tensor(md.kv_lens, **i32),
         )
 
 
