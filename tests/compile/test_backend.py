@@ -308,3 +308,19 @@ def test_no_kernel_and_no_forward_context_is_an_error():
     with torch.no_grad(), pytest.raises(RuntimeError, match=r"no kvq forward context is set"):
         torch.compile(model, backend=backend)(*inputs)  # (running the ops still needs one)
     assert backend.managers[-1].last.layers_fused("dequant+attn")
+
+
+def test_report_memo_is_bounded(monkeypatch, tmp_path):
+    """The in-process memo of pass reports keeps the newest MEMO_SIZE entries (not one per
+    compiled graph forever); the copies beside the cache are still written."""
+    from torch_kvq.passes import backend as be
+    from torch_kvq.passes import report
+
+    monkeypatch.setattr(be, "_memo", type(be._memo)())
+    monkeypatch.setattr(be, "_memo_file", lambda key: tmp_path / f"{key}.json")
+    rep = report.GraphReport(-1, {}, {}, {}, {}, 0.0)
+    for i in range(be.MEMO_SIZE + 5):
+        be._remember(f"k{i}", rep)
+    assert len(be._memo) == be.MEMO_SIZE
+    assert "k0" not in be._memo and f"k{be.MEMO_SIZE + 4}" in be._memo
+    assert len(list(tmp_path.iterdir())) == be.MEMO_SIZE + 5

@@ -19,7 +19,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
-from collections import deque
+from collections import OrderedDict, deque
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -38,7 +38,10 @@ from torch_kvq.spec import LayerKVSpec
 logger = logging.getLogger("torch_kvq")
 INNER = ("inductor", "eager")
 DUMP_ENV = "TORCH_KVQ_DUMP_DIR"  # dump folder when make_kvq_backend(dump_dir=None)
-_memo: dict[str, str] = {}
+# pass reports of recent compiles, by graph key, for FX-graph-cache hits in this process (the
+# newest MEMO_SIZE; older ones are read back from the file beside Inductor's cache)
+MEMO_SIZE = 256
+_memo: OrderedDict[str, str] = OrderedDict()
 KernelChoice = str | AttentionKernel | Mapping[str, str | AttentionKernel] | None
 
 
@@ -240,6 +243,9 @@ def _memo_file(key: str) -> Path:
 def _remember(key: str, rep: report.GraphReport) -> None:
     text = rep.to_json()
     _memo[key] = text
+    _memo.move_to_end(key)
+    while len(_memo) > MEMO_SIZE:
+        _memo.popitem(last=False)
     try:
         path = _memo_file(key)
         path.parent.mkdir(parents=True, exist_ok=True)
