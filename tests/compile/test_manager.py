@@ -10,7 +10,7 @@ import sys
 import pytest
 import torch
 
-from tests.compile.helpers import capture_graph, nodes_of, run_passes, small_case
+from tests.compile.helpers import capture_graph, make_specs, nodes_of, run_passes, small_case
 from torch_kvq.passes import DEFAULT_PASSES, GraphReport, KVQPassManager, last_report
 from torch_kvq.passes.common import ATTENTION_FP8, QUANT_CACHE_WRITE, VIEW_OPS
 from torch_kvq.spec import AttentionLayerInfo, KVCacheConfig, resolve_layer_specs
@@ -170,3 +170,27 @@ def test_inductors_fake_tensor_updater_fills_the_new_nodes():
     for write in nodes_of(gm, QUANT_CACHE_WRITE):
         (getitem,) = write.users
         assert getitem.meta["val"].dtype == torch.float8_e4m3fn
+
+
+@pytest.mark.parametrize("edited", ["capabilities.py", "report.py", "spec.py"])
+def test_cache_key_covers_every_source_the_passes_run(monkeypatch, edited):
+    """Editing a helper module (not only a pass's own module or common.py) changes uuid(), so
+    Inductor's FX graph cache cannot serve a graph the edited code would compile differently."""
+    from pathlib import Path
+
+    from torch_kvq.passes import manager as m
+
+    specs = make_specs(1)
+    m._package_digest.cache_clear()
+    before = m.KVQPassManager(specs).uuid()
+    real = Path.read_bytes
+    monkeypatch.setattr(
+        Path, "read_bytes", lambda p: real(p) + (b"# edited" if p.name == edited else b"")
+    )
+    m._package_digest.cache_clear()
+    try:
+        after = m.KVQPassManager(specs).uuid()
+    finally:
+        monkeypatch.undo()
+        m._package_digest.cache_clear()
+    assert before != after

@@ -88,6 +88,23 @@ def _source_digest(module_name: str) -> str:
     return hashlib.sha256(inspect.getsource(sys.modules[module_name]).encode()).hexdigest()
 
 
+# what the passes' decisions and rewrites depend on beyond the passes package itself
+_DEPENDENCIES = ("spec.py", "attention/ops.py", "attention/kernels/capabilities.py")
+
+
+@cache
+def _package_digest() -> str:
+    """sha256 over every source file of ``torch_kvq/passes/`` and ``_DEPENDENCIES`` (read from
+    disk, so the same in every process whatever it imported): editing any helper module the
+    passes run changes the FX graph cache key."""
+    root = Path(__file__).resolve().parents[1]
+    files = sorted((root / "passes").glob("*.py")) + [root / d for d in _DEPENDENCIES]
+    h = hashlib.sha256()
+    for f in files:
+        h.update(f.relative_to(root).as_posix().encode() + b"\0" + f.read_bytes() + b"\0")
+    return h.hexdigest()
+
+
 class KVQPassManager(CustomGraphPass):
     """The kvq post-grad passes for exactly the layers in ``specs``.
 
@@ -148,8 +165,9 @@ class KVQPassManager(CustomGraphPass):
 
     def _compute_uuid(self) -> str:
         h = hashlib.sha256(b"torch_kvq.passes/1")
+        h.update(f"package:{_package_digest()}\n".encode())
         modules = {__name__, common.__name__, *(type(p).__module__ for p in self.passes)}
-        for mod in sorted(modules):
+        for mod in sorted(modules):  # passes from outside the package (user pass objects)
             h.update(f"{mod}:{_source_digest(mod)}\n".encode())
         h.update(repr(self.pass_names).encode())
         h.update(spec_table_key(self.specs).encode())
