@@ -37,6 +37,9 @@ def test_demo_default_gemma_fp8_with_sliding_layers_kept(capsys):
     assert "compile kvq-eager" in out and "fused quant+write" in out
     assert "[########################] 3/3 steps" in err and "all-bf16 eager" in err
     assert re.search(r"timings: all-bf16 eager [\d.]+ s; quantized \(kvq-eager\) [\d.]+ s", out)
+    # a newcomer reads why the generations repeat and what the CPU timings are not
+    assert "The weights are random" in out and "say nothing about speed on a GPU" in out
+    assert "then 1 decode step at" in out  # 3 new tokens: prefill, first decode, then one
 
 
 def test_demo_llama_with_repeated_skips(capsys):
@@ -159,3 +162,57 @@ def test_inspect_head_dim_and_a_partly_served_model(capsys):
     assert "cannot serve 2 of 6 layers" in err
     code, _, err = run_main(capsys, "inspect", "--head-dim", "0")
     assert code == 2 and "--head-dim must be a positive int, got 0" in err
+
+
+# ``kvq --help`` must stay fast: no torch (6-9 s to import) until a subcommand runs.
+_NO_TORCH = """
+import sys, argparse, importlib
+import torch_kvq.cli as c
+c.build_parser(load=[]).format_help()  # what ``kvq --help`` builds
+for name in ("demo", "inspect", "accuracy", "dump"):  # their parsers (``kvq <sub> --help``)
+    sub = argparse.ArgumentParser().add_subparsers()
+    importlib.import_module(c.SUBCOMMANDS[name][0]).add_parser(sub)
+    sub.choices[name].format_help()
+c.build_parser().format_help()  # every parser, with the --hf / --hf-config options added
+assert "torch" not in sys.modules, sorted(m for m in sys.modules if m.startswith("torch"))
+"""
+
+
+def test_help_imports_no_torch():
+    import subprocess
+
+    r = subprocess.run([sys.executable, "-c", _NO_TORCH], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+
+
+def test_help_lists_every_subcommand_without_loading_it(capsys):
+    code, out, _ = run_main(capsys, "--help")
+    assert code == 0
+    for name, (_, help_line) in cli.SUBCOMMANDS.items():
+        assert name in out and help_line.split()[0] in out
+
+
+def test_torch_free_copies_match_the_originals():
+    import argparse
+
+    from torch_kvq.debug import accuracy, accuracy_cmd
+    from torch_kvq.models import PRESETS
+    from torch_kvq.spec import SUPPORTED_PAGE_SIZES
+
+    assert cli.PRESET_NAMES == tuple(sorted(PRESETS))
+    assert cli.PAGE_SIZES == tuple(SUPPORTED_PAGE_SIZES)
+    assert accuracy_cmd.DEFAULT_THRESHOLD_DB == accuracy.DEFAULT_THRESHOLD_DB
+    parser = cli.build_parser()  # every subcommand's full parser
+    (sub,) = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+    helps = {a.dest: a.help for a in sub._choices_actions}
+    assert helps == {name: help_line for name, (_, help_line) in cli.SUBCOMMANDS.items()}
+
+
+def test_lazy_package_names():
+    import torch_kvq
+
+    assert torch_kvq.KVCacheConfig.__name__ == "KVCacheConfig"
+    assert callable(torch_kvq.kvq_backend)
+    assert set(torch_kvq.__all__) <= set(dir(torch_kvq))
+    with pytest.raises(AttributeError):
+        torch_kvq.no_such_name  # noqa: B018

@@ -1,7 +1,10 @@
 """The ``kvq`` command: ``kvq <subcommand> ...``.
 
 Each subcommand lives in its own module with ``add_parser(subparsers)``, which adds its parser and
-sets ``func`` (``args -> exit code``). To add one, write the module and list it in ``SUBCOMMANDS``.
+sets ``func`` (``args -> exit code``). To add one, write the module and list it in ``SUBCOMMANDS``
+(name -> module, one-line help). ``kvq --help`` imports none of those modules (nor torch): the
+subcommand list is built from ``SUBCOMMANDS``; only the subcommand named on the command line is
+imported and gets its full parser, so keep torch imports inside the runners.
 Bad input a subcommand finds late (a ``ValueError`` from our APIs, or a ``CommandError``) is
 printed as ``kvq <subcommand>: error: <message>`` with exit code 2, like argparse's own errors.
 """
@@ -11,14 +14,31 @@ from __future__ import annotations
 import argparse
 import importlib
 import sys
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 
-SUBCOMMANDS: tuple[str, ...] = (
-    "torch_kvq.demo",
-    "torch_kvq.debug.plan",
-    "torch_kvq.debug.dump",
-    "torch_kvq.debug.accuracy_cmd",
-)
+SUBCOMMANDS: dict[str, tuple[str, str]] = {  # name -> (module, the help its add_parser gives)
+    "demo": (
+        "torch_kvq.demo",
+        "generate with a small mixed FP8/bf16 KV-cache model and compare to all-bf16",
+    ),
+    "inspect": (
+        "torch_kvq.debug.plan",
+        "print the per-layer plan (mode, cache dtype, bytes, kernel, fusions) without running",
+    ),
+    "dump": (
+        "torch_kvq.debug.dump",
+        "compile a model with kvq_backend and write per-pass dumps, diffs, SVGs, depyf files",
+    ),
+    "accuracy": (
+        "torch_kvq.debug.accuracy_cmd",
+        "per-layer FP8 error vs the bf16 reference (max abs, relative, SQNR), suggested "
+        "skip_layers",
+    ),
+}
+# Copies of torch_kvq.models.PRESETS / torch_kvq.spec.SUPPORTED_PAGE_SIZES, so that building the
+# parsers imports no torch (tests/test_cli.py checks they match).
+PRESET_NAMES: tuple[str, ...] = ("gemma3-tiny", "llama-tiny")
+PAGE_SIZES: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64, 128)
 
 
 class CommandError(Exception):
@@ -35,12 +55,9 @@ def skip_rule(text: str) -> int | str:
 
 def add_model_args(p: argparse.ArgumentParser) -> None:
     """The model / KV-config options shared by ``inspect``, ``dump`` and ``accuracy``."""
-    from torch_kvq.models import PRESETS
-    from torch_kvq.spec import SUPPORTED_PAGE_SIZES
-
     p.add_argument(
         "--preset",
-        choices=sorted(PRESETS),
+        choices=PRESET_NAMES,
         default="gemma3-tiny",
         help="tiny model with fixed random weights (default %(default)s: 2 sliding : 1 global)",
     )
@@ -55,7 +72,7 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
         "glob (default: sliding_window)",
     )
     skip.add_argument("--no-skip", action="store_true", help="quantize every layer")
-    p.add_argument("--page-size", type=int, choices=SUPPORTED_PAGE_SIZES, default=16)
+    p.add_argument("--page-size", type=int, choices=PAGE_SIZES, default=16)
     p.add_argument("--layers", type=int, default=None, help="override the preset's layer count")
     p.add_argument("--seed", type=int, default=0, help="random weights and prompts")
 
@@ -101,7 +118,9 @@ def model_from_args(args: argparse.Namespace, kv_config=None, num_pages: int = 6
     return build_model(args.preset, kv, seed=args.seed, num_pages=num_pages, **overrides)
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(load: Iterable[str] | None = None) -> argparse.ArgumentParser:
+    """The ``kvq`` parser. ``load``: the subcommands to give their full parsers (importing their
+    modules); the others get a stub with just their help line. None (default): all of them."""
     from torch_kvq import __version__
 
     parser = argparse.ArgumentParser(
@@ -109,15 +128,25 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    for name in SUBCOMMANDS:
-        importlib.import_module(name).add_parser(sub)
-    importlib.import_module("torch_kvq.integrations.hf_cli").extend(sub)  # --hf-config, --hf
+    loaded = False
+    for name, (module, help_line) in SUBCOMMANDS.items():
+        if load is None or name in load:
+            importlib.import_module(module).add_parser(sub)
+            loaded = True
+        else:
+            sub.add_parser(name, help=help_line)
+    if loaded:
+        importlib.import_module("torch_kvq.integrations.hf_cli").extend(sub)  # --hf-config, --hf
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run ``kvq``; returns the exit code (argparse usage errors exit 2 via SystemExit)."""
-    args = build_parser().parse_args(argv)
+    argv = list(sys.argv[1:] if argv is None else argv)
+    # The top-level parser's only options (--help, --version) take no value, so the first
+    # non-option word is the subcommand: build only its parser.
+    chosen = next((a for a in argv if not a.startswith("-")), None)
+    args = build_parser(load=[chosen] if chosen in SUBCOMMANDS else []).parse_args(argv)
     try:
         return int(args.func(args) or 0)
     except (ValueError, CommandError) as e:

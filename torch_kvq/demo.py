@@ -13,10 +13,6 @@ import sys
 import time
 from typing import Any
 
-import torch
-
-from torch_kvq.spec import KVCacheConfig, format_spec_table
-
 COMPILE_MODES = ("off", "kvq", "kvq-eager")
 # kvq-eager: kvq_backend's passes on the real post-grad graph, then the FX graph runs without
 # Inductor codegen (~10 s). "kvq" adds Inductor (a ~45 s cold compile on 2 CPU cores).
@@ -35,11 +31,11 @@ def _positive_int(text: str) -> int:
 
 
 def add_parser(sub: Any) -> None:
-    from torch_kvq.cli import add_model_args
+    from torch_kvq.cli import SUBCOMMANDS, add_model_args
 
     p = sub.add_parser(
         "demo",
-        help="generate with a small mixed FP8/bf16 KV-cache model and compare to all-bf16",
+        help=SUBCOMMANDS["demo"][1],
         description="Generate with a small mixed FP8/bf16 KV-cache model (fixed random weights) "
         "and compare its logits with an all-bf16 run fed the same tokens.",
     )
@@ -89,8 +85,11 @@ def _progress(label: str, times: list[float] | None = None, width: int = 24):
 
 
 def run(args: argparse.Namespace) -> int:
+    import torch
+
     from torch_kvq.cli import kv_config_from_args, model_from_args
     from torch_kvq.models import generate
+    from torch_kvq.spec import KVCacheConfig, format_spec_table
 
     kv = kv_config_from_args(args)
     model = model_from_args(args, kv)  # ValueError on bad rules -> exit 2
@@ -136,6 +135,11 @@ def run(args: argparse.Namespace) -> int:
             print()
             print(report.format())
     print()
+    print(
+        "The weights are random (fixed seed), so the generated tokens mean nothing and often "
+        "repeat one token\n(e.g. [184, 184, ...]); what the demo checks is that the quantized "
+        "model agrees with all-bf16."
+    )
     agree = total = 0
     for i, p in enumerate(prompts):
         own = out.logits[i].argmax(-1).tolist()
@@ -161,7 +165,19 @@ def run(args: argparse.Namespace) -> int:
     first, rest = step_times[:2], step_times[2:]
     print(
         f"timings: all-bf16 eager {t1 - t0:.2f} s; quantized ({args.compile}) {t2 - t1:.2f} s: "
-        f"prefill + first decode {sum(first):.2f} s (each includes its compile), then "
-        f"{len(rest)} decode steps at {1000 * sum(rest) / max(1, len(rest)):.1f} ms each"
+        f"prefill + first decode {sum(first):.2f} s"
+        + (" (each includes its compile)" if args.compile != "off" else "")
+        + (
+            f", then {len(rest)} decode step{'s' if len(rest) != 1 else ''} at "
+            f"{1000 * sum(rest) / len(rest):.1f} ms each"
+            if rest
+            else ""
+        )
     )
+    device = next(model.parameters()).device
+    if device.type == "cpu":
+        print(
+            "(CPU timings with the reference kernel, a correctness path: they say nothing about "
+            "speed on a GPU.)"
+        )
     return 0

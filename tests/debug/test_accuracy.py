@@ -61,3 +61,20 @@ def test_bad_threshold(model_and_prompts) -> None:
     model, prompts, cfg = model_and_prompts
     with pytest.raises(ValueError, match="threshold_db must be a finite number"):
         layer_accuracy(model, prompts, cfg, threshold_db=float("nan"))
+
+
+def test_format_names_layers_and_marks_kept_rows(model_and_prompts) -> None:
+    model, prompts, cfg = model_and_prompts
+    text = layer_accuracy(model, prompts, cfg, threshold_db=0.0).format()
+    for spec in model.kv_specs:
+        (row,) = [line for line in text.splitlines() if f"  {spec.name}  " in line]
+        # a kept layer's error columns are what FP8 would cost, and its row says so
+        assert ("kept bf16" in row and "if it were quantized" in row) == (not spec.is_quantized)
+    assert "layers below it: none" in text
+    assert (
+        "suggested skip_layers: nothing to add (your config keeps layers 0, 1, 3, 4 in bf16)"
+        in text
+    )
+    flagged = layer_accuracy(model, prompts, cfg, threshold_db=100.0).format()
+    assert "layers below it: 0, 1, 2, 3, 4, 5" in flagged
+    assert "also keep layers 2, 5 unquantized" in flagged  # 0, 1, 3, 4 are kept already

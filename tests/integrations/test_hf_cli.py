@@ -40,8 +40,9 @@ def test_accuracy_on_a_tiny_hf_model(capsys):
     assert code == 0, err
     assert "transformers qwen2 (tiny, random weights)" in out
     rows = [line.split() for line in out.splitlines() if line[:5].strip().isdigit()]
-    assert [r[1] for r in rows] == ["sliding", "global"] * 2
-    assert [r[2] for r in rows] == ["none", "fp8_per_tensor"] * 2
+    assert [r[1] for r in rows] == [f"model.layers.{i}.self_attn" for i in range(4)]
+    assert [r[2] for r in rows] == ["sliding", "global"] * 2
+    assert [r[3] for r in rows] == ["kept", "fp8_per_tensor"] * 2  # "kept bf16"
 
 
 def test_dump_on_a_tiny_hf_model(capsys, tmp_path):

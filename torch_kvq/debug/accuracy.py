@@ -49,18 +49,51 @@ class AccuracyReport:
         return tuple(la.index for la in self.layers if la.flagged)
 
     def format(self) -> str:
-        head = f"{'idx':>3}  {'type':7}  {'mode':14}  {'k_scale':>8}  {'v_scale':>8}  {'max_abs':>9}  {'rel':>9}  {'SQNR dB':>7}"
-        rows = [head, "-" * len(head)]
-        for la in self.layers:
-            rows.append(
-                f"{la.index:>3}  {la.attention_type:7}  {la.configured_mode:14}  {la.k_scale:>8.3g}  "
-                f"{la.v_scale:>8.3g}  {la.max_abs:>9.3g}  {la.rel:>9.3g}  {la.sqnr_db:>7.1f}"
-                + ("  <- under threshold" if la.flagged else "")
-            )
-        rows.append(
-            f"threshold {self.threshold_db:.1f} dB ({self.scales} scales); suggested "
-            f"skip_layers={self.suggested_skip_layers}"
+        """The table, then what it suggests. Every layer is measured with FP8 k/v, also those the
+        config keeps unquantized: their error columns are what quantizing them would cost."""
+        width = max([len("layer")] + [len(la.name) for la in self.layers])
+        head = (
+            f"{'idx':>3}  {'layer':{width}}  {'type':7}  {'your config':14}  {'k_scale':>8}  "
+            f"{'v_scale':>8}  {'max_abs':>9}  {'rel':>9}  {'SQNR dB':>7}"
         )
+        error_cols = len(f"{'max_abs':>9}  {'rel':>9}  {'SQNR dB':>7}")
+        group = "FP8 k/v error vs bf16 k/v"
+        rows = [(" " * (len(head) - error_cols) + f"{group:^{error_cols}}").rstrip()]
+        rows += [head, "-" * len(head)]
+        for la in self.layers:
+            kept = la.configured_mode == "none"
+            note = "; ".join(
+                n
+                for n, on in (("if it were quantized", kept), ("under threshold", la.flagged))
+                if on
+            )
+            rows.append(
+                f"{la.index:>3}  {la.name:{width}}  {la.attention_type:7}  "
+                f"{'kept bf16' if kept else la.configured_mode:14}  {la.k_scale:>8.3g}  "
+                f"{la.v_scale:>8.3g}  {la.max_abs:>9.3g}  {la.rel:>9.3g}  {la.sqnr_db:>7.1f}"
+                + (f"  <- {note}" if note else "")
+            )
+        kept = [la.index for la in self.layers if la.configured_mode == "none"]
+        below = [la for la in self.layers if la.flagged]
+        add = [la.index for la in below if la.configured_mode != "none"]
+        rows.append("")
+        rows.append(
+            f"threshold {self.threshold_db:.1f} dB ({self.scales} scales); layers below it: "
+            + (", ".join(str(la.index) for la in below) if below else "none")
+        )
+        keeps = (
+            f"your config keeps layer{'s' if len(kept) != 1 else ''} "
+            f"{', '.join(map(str, kept))} in bf16"
+            if kept
+            else "your config quantizes every layer"
+        )
+        if add:
+            rows.append(
+                f"suggested skip_layers: also keep layer{'s' if len(add) != 1 else ''} "
+                f"{', '.join(map(str, add))} unquantized (add to your rules; {keeps})"
+            )
+        else:
+            rows.append(f"suggested skip_layers: nothing to add ({keeps})")
         return "\n".join(rows)
 
     def to_json(self) -> str:
@@ -75,31 +108,47 @@ class AccuracyReport:
         )
 
     def plot(self, path: str) -> None:
-        """A PNG bar chart of SQNR by layer, the threshold as a line."""
+        """A PNG bar chart of SQNR by layer, the threshold as a line; the y axis spans the data."""
         import matplotlib
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
+        from matplotlib.lines import Line2D
+        from matplotlib.patches import Patch
 
-        fig, ax = plt.subplots(figsize=(max(5, 0.5 * len(self.layers) + 2), 3.5))
-        colours = [
-            "#e65100" if la.flagged else ("#2e7d32" if la.configured_mode != "none" else "#1565c0")
-            for la in self.layers
-        ]
-        ax.bar([la.index for la in self.layers], [la.sqnr_db for la in self.layers], color=colours)
-        ax.axhline(
-            self.threshold_db,
-            color="k",
-            linestyle="--",
-            linewidth=1,
-            label=f"threshold {self.threshold_db:g} dB",
+        kinds = {  # colour, legend label; only the kinds present get a legend entry
+            "under": ("#e65100", "under threshold"),
+            "fp8": ("#2e7d32", "quantized by your config"),
+            "kept": ("#1565c0", "kept bf16 (error if it were quantized)"),
+        }
+
+        def kind(la: LayerAccuracy) -> str:
+            return "under" if la.flagged else ("kept" if la.configured_mode == "none" else "fp8")
+
+        fig, ax = plt.subplots(figsize=(max(6, 0.5 * len(self.layers) + 4.5), 3.5))
+        ax.bar(
+            [la.index for la in self.layers],
+            [la.sqnr_db for la in self.layers],
+            color=[kinds[kind(la)][0] for la in self.layers],
         )
-        ax.set_xlabel("layer")
-        ax.set_ylabel("FP8 attention SQNR (dB)")
-        ax.set_title("FP8 KV error per layer (orange: under threshold)")
-        ax.legend(loc="lower right")
+        ax.axhline(self.threshold_db, color="k", linestyle="--", linewidth=1)
+        finite = [la.sqnr_db for la in self.layers if math.isfinite(la.sqnr_db)]
+        values = [*finite, self.threshold_db]
+        lo, hi = min(values), max(values)
+        pad = max(1.0, 0.15 * (hi - lo))
+        ax.set_ylim(max(0.0, lo - pad), hi + pad)  # bars start below: the axis shows the spread
+        ax.set_xticks([la.index for la in self.layers])
+        ax.set_xlabel("layer index")
+        ax.set_ylabel("SQNR with FP8 k/v (dB)")
+        ax.set_title(f"FP8 k/v accuracy per layer: SQNR, higher is better ({self.scales} scales)")
+        present = [k for k in kinds if any(kind(la) == k for la in self.layers)]
+        handles = [Patch(color=kinds[k][0], label=kinds[k][1]) for k in present]
+        handles.append(
+            Line2D([], [], color="k", linestyle="--", label=f"threshold {self.threshold_db:g} dB")
+        )
+        ax.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=8)
         fig.tight_layout()
-        fig.savefig(path, dpi=100)
+        fig.savefig(path, dpi=100, bbox_inches="tight")
         plt.close(fig)
 
 

@@ -6,19 +6,16 @@ import argparse
 from pathlib import Path
 from typing import Any
 
-import torch
-
-from torch_kvq.debug.accuracy import DEFAULT_THRESHOLD_DB, layer_accuracy
-
 PROMPT_LENS = (24, 9, 40, 17)
+DEFAULT_THRESHOLD_DB = 30.0  # a copy of torch_kvq.debug.accuracy's, which imports torch
 
 
 def add_parser(sub: Any) -> None:
-    from torch_kvq.cli import add_model_args
+    from torch_kvq.cli import SUBCOMMANDS, add_model_args
 
     p = sub.add_parser(
         "accuracy",
-        help="per-layer FP8 error vs the bf16 reference (max abs, relative, SQNR), suggested skip_layers",
+        help=SUBCOMMANDS["accuracy"][1],
         description=(
             "Measure every attention layer in isolation on a sample batch: attention with FP8 k/v "
             "(the layer's scales, or calibrated ones) against attention with bf16 k/v."
@@ -28,7 +25,7 @@ def add_parser(sub: Any) -> None:
     p.add_argument(
         "--threshold-db",
         type=float,
-        default=DEFAULT_THRESHOLD_DB,
+        default=DEFAULT_THRESHOLD_DB,  # the same as torch_kvq.debug.accuracy's (a test checks)
         help="flag layers under this SQNR (default %(default)s)",
     )
     p.add_argument(
@@ -44,7 +41,10 @@ def add_parser(sub: Any) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    import torch
+
     from torch_kvq.cli import CommandError, kv_config_from_args, model_from_args, model_label
+    from torch_kvq.debug.accuracy import layer_accuracy
 
     for path in (args.plot, args.json):
         if path is not None and not path.parent.is_dir():
@@ -56,8 +56,17 @@ def run(args: argparse.Namespace) -> int:
         torch.randint(0, model.config.vocab_size, (n,), generator=gen).tolist() for n in PROMPT_LENS
     ]
     report = layer_accuracy(model, prompts, kv, args.threshold_db, args.calibrate)
+    if args.calibrate:
+        scales = "calibrated from the sample (amax / 448)"
+    else:
+        scales = f"default k {kv.default_k_scale:g}, v {kv.default_v_scale:g}"
+        if kv.kv_scales:
+            scales += f", {len(kv.kv_scales)} per-layer"
     print(
-        f"kvq accuracy: {model_label(args)}, {len(prompts)} prompts of {PROMPT_LENS} tokens, kv config {kv}"
+        f"kvq accuracy: {model_label(args)}, {len(prompts)} prompts of "
+        f"{', '.join(map(str, PROMPT_LENS))} tokens\n"
+        f"your config: kv_cache_dtype {kv.kv_cache_dtype!r}, skip_layers {kv.skip_layers or 'none'}, "
+        f"page_size {kv.page_size}; scales: {scales}"
     )
     print()
     print(report.format())

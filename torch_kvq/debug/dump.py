@@ -19,10 +19,10 @@ import contextlib
 import difflib
 import html
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
-from torch import fx
+if TYPE_CHECKING:  # torch is imported by the runner only: ``kvq dump --help`` stays fast
+    from torch import fx
 
 
 def write_pass_extras(folder: Path, pass_name: str, graph: fx.Graph) -> None:
@@ -121,6 +121,8 @@ def _prepare_out(out: Path) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    import torch
+
     from torch_kvq.cli import kv_config_from_args, model_from_args
     from torch_kvq.debug.plan import format_plan, layer_plan
     from torch_kvq.models import generate

@@ -16,12 +16,9 @@ import json
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
-from torch_kvq.attention.kernels import capabilities as caps
-from torch_kvq.passes.manager import make_stamp
-from torch_kvq.spec import LayerKVSpec, format_spec_table
-
-if TYPE_CHECKING:
+if TYPE_CHECKING:  # the real imports are inside the functions: ``kvq --help`` imports no torch
     from torch_kvq.cli import CommandError
+    from torch_kvq.spec import LayerKVSpec
 
 
 def layer_plan(
@@ -29,8 +26,12 @@ def layer_plan(
 ) -> list[dict[str, Any]]:
     """One row per layer: the spec's fields plus ``kernel``, ``default_kernel`` (True when
     ``kernel`` is None and ``capabilities.default_kernel(arch)`` was shown), ``not_served`` (why
-    the kernel cannot serve the layer, else None), ``fuses`` and ``output_quant``. ValueError for
+    the kernel cannot serve the layer, else None), ``fuses`` and ``output_quant`` (whether the
+    kernel could fuse an output quant: ``layer_plan`` does not know if the model has one). ValueError for
     an arch the capability table does not know, or one the kernel has no row for."""
+    from torch_kvq.attention.kernels import capabilities as caps
+    from torch_kvq.passes.manager import make_stamp
+
     caps.check_arch(arch)
     name = kernel or caps.default_kernel(arch)
     rows = []
@@ -49,12 +50,26 @@ def layer_plan(
                 "arch": arch,
                 "not_served": why,
                 "fuses": f"NOT SERVED: {why}" if why else fuses,
-                "output_quant": "fusable (kernel writes FP8 output)"
-                if out_block is None and why is None
-                else "not fused",
+                "output_quant": _output_quant(why, kv_block, out_block),
             }
         )
     return rows
+
+
+OUTPUT_QUANT_NOTE = (
+    "output quant: whether the kernel could fuse a static FP8 quant of the attention output, if "
+    "the model has one;\ninspect does not trace the model, and the preset models have none (a "
+    "compile reports 'not fused: no static FP8 quant of the attention output')."
+)
+
+
+def _output_quant(not_served: str | None, kv_block: str | None, out_block: str | None) -> str:
+    """The ``output_quant`` cell: what the kernel could do, not what the model has."""
+    if not_served is not None or kv_block is not None:
+        return "not fused"  # the "will fuse" column says why
+    if out_block is None:
+        return "fusable if the model has one (kernel writes FP8 output)"
+    return out_block.removeprefix("not fused: ")
 
 
 def unserved_error(rows: Sequence[dict[str, Any]]) -> CommandError | None:
@@ -72,6 +87,8 @@ def unserved_error(rows: Sequence[dict[str, Any]]) -> CommandError | None:
 
 
 def format_plan(specs: Sequence[LayerKVSpec], rows: Sequence[dict[str, Any]]) -> str:
+    from torch_kvq.spec import format_spec_table
+
     extra = {
         r["name"]: {
             "kernel": r["kernel"],
@@ -80,15 +97,15 @@ def format_plan(specs: Sequence[LayerKVSpec], rows: Sequence[dict[str, Any]]) ->
         }
         for r in rows
     }
-    return format_spec_table(specs, extra)
+    return format_spec_table(specs, extra) + "\n\n" + OUTPUT_QUANT_NOTE
 
 
 def add_parser(sub: Any) -> None:
-    from torch_kvq.cli import add_model_args
+    from torch_kvq.cli import SUBCOMMANDS, add_model_args
 
     p = sub.add_parser(
         "inspect",
-        help="print the per-layer plan (mode, cache dtype, bytes, kernel, fusions) without running",
+        help=SUBCOMMANDS["inspect"][1],
         description=(
             "Print, per attention layer, the attention type, KV quant mode, cache dtype, cache "
             "bytes per token, the kernel serving it on --arch, and what the passes will fuse. "
@@ -100,12 +117,13 @@ def add_parser(sub: Any) -> None:
         "--kernel",
         default=None,
         help="kernel name (default: a per-arch default, for display: reference on cpu, "
-        f"flashinfer on GPUs); known: {', '.join(caps.known_kernels())}",
+        "flashinfer on GPUs); an unknown name is refused with the list of known ones",
     )
     p.add_argument(
         "--arch",
         default="cpu",
-        help=f"device arch to plan for (default cpu); known: {', '.join(caps.known_archs())}",
+        help="device arch to plan for (default cpu); an unknown arch is refused with the list "
+        "of known ones",
     )
     p.add_argument(
         "--head-dim", type=int, default=None, help="override the preset's head size (e.g. 128)"
@@ -115,6 +133,7 @@ def add_parser(sub: Any) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from torch_kvq.attention.kernels import capabilities as caps
     from torch_kvq.cli import kv_config_from_args, model_from_args
 
     caps.check_arch(args.arch)  # ValueError listing the known archs

@@ -17,11 +17,12 @@ import contextlib
 import json
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
+if TYPE_CHECKING:  # torch is imported by the runners only: ``kvq <sub> --help`` stays fast
+    import torch
 
-from torch_kvq.spec import KVCacheConfig, format_spec_table
+    from torch_kvq.spec import KVCacheConfig
 
 
 def extend(sub: Any) -> None:
@@ -56,6 +57,8 @@ def tiny_lm(
     family: str, kv: KVCacheConfig, seed: int, num_pages: int, overrides: dict[str, Any]
 ) -> Any:
     """A tiny random-weight bf16 transformers model of ``family`` attached as a ``KVQCausalLM``."""
+    import torch
+
     from torch_kvq.integrations.hf_tiny import tiny_hf_config, tiny_hf_model
     from torch_kvq.integrations.transformers import KVQCausalLM
 
@@ -90,6 +93,7 @@ def load_config(path: str) -> Any:
 
 
 def _meta_model(config: Any, layers: int | None) -> torch.nn.Module:
+    import torch
     import transformers
 
     text = config.get_text_config(decoder=True)
@@ -111,6 +115,8 @@ def _meta_model(config: Any, layers: int | None) -> torch.nn.Module:
 def _no_meta_autocast() -> Iterator[None]:
     """transformers 4.x's rotary forward enters ``torch.autocast(device_type="meta")``, which
     torch rejects ("unsupported scalarType"); 5.x skips autocast on meta. Same effect here."""
+    import torch
+
     real = torch.autocast
 
     def autocast(device_type: str, *a: Any, **kw: Any) -> Any:
@@ -156,9 +162,12 @@ def _inspect(args: argparse.Namespace) -> int:
 
 
 def _demo(args: argparse.Namespace) -> int:
+    import torch
+
     from torch_kvq.integrations.hf_tiny import tiny_hf_model
     from torch_kvq.integrations.transformers import KVQCausalLM
     from torch_kvq.models import generate
+    from torch_kvq.spec import KVCacheConfig, format_spec_table
 
     kv = _kv(args)
     lm = KVQCausalLM.from_hf(tiny_hf_model(args.hf, torch.bfloat16, args.seed), kv, num_pages=64)

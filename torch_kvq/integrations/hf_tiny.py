@@ -8,10 +8,11 @@ Every family has 4 layers, 4 query / 2 KV heads of 16, vocab 256; the sliding fa
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
-from torch import nn
+if TYPE_CHECKING:  # torch is imported when a model is built (``kvq <sub> --help`` stays fast)
+    import torch
+    from torch import nn
 
 WINDOW = 8
 BASE: dict[str, Any] = dict(
@@ -84,14 +85,21 @@ def tiny_hf_config(family: str, **overrides: Any) -> Any:
 
 
 def tiny_hf_model(
-    family: str, dtype: torch.dtype = torch.float32, seed: int = 0, **overrides: Any
+    family: str, dtype: torch.dtype | None = None, seed: int = 0, **overrides: Any
 ) -> nn.Module:
-    """A fresh eager-attention ``*ForCausalLM`` with deterministic random weights, eval mode."""
+    """A fresh eager-attention ``*ForCausalLM`` with deterministic random weights, eval mode
+    (``dtype`` None: float32)."""
+    import torch
     import transformers
 
     from torch_kvq.models import randomize_weights_
 
     config = tiny_hf_config(family, **overrides)
-    model = getattr(transformers, FAMILIES[family][1])._from_config(config).to(dtype).eval()
+    model = (
+        getattr(transformers, FAMILIES[family][1])
+        ._from_config(config)
+        .to(dtype or torch.float32)
+        .eval()
+    )
     randomize_weights_(model, seed, norm_offset=family.startswith("gemma"))
     return model

@@ -81,11 +81,12 @@ class GraphReport:
                 if d.startswith("not fused")
             }
         )
+        n = len(self.layers)
         return (
-            f"kvq graph {self.graph_id}: {len(self.layers)} attention layers ({fp8} fp8, {kept} kept "
-            f"unquantized); fused quant+write {counts['quant+write']}, dequant+attn "
-            f"{counts['dequant+attn']}, output quant {counts['output quant']}; layers with a "
-            f"'not fused': {len(not_fused)}; passes {self.time_s * 1e3:.1f} ms"
+            f"kvq graph {self.graph_id}: {n} attention layer{'s' if n != 1 else ''} ({fp8} fp8, "
+            f"{kept} kept unquantized); fused quant+write {counts['quant+write']}, dequant+attn "
+            f"{counts['dequant+attn']}, output quant {counts['output quant']}; layers a fusion "
+            f"passed over (see why per layer): {len(not_fused)}; passes {self.time_s * 1e3:.1f} ms"
             + ("" if self.source == "passes" else f" ({self.source})")
         )
 
