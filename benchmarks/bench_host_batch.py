@@ -49,7 +49,7 @@ def main() -> None:
         t0 = time.perf_counter()
         md = model.allocator.build_batch([(i, 1) for i in range(b)], device="cpu")
         runner._check(ids, md)
-        slot.fill(md, ids, runner.scratch_page)
+        slot.fill(md, ids, runner.scratch_pages)
         times.append((time.perf_counter() - t0) * 1e3)
     times = times[1:]  # the first step warms up (its sequences reach ctx tokens)
     # step i (from 1) brings the sequences to ctx + i tokens: a new page when that token opens one

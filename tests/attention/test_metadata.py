@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from torch_kvq.attention.metadata import BatchMetadata, OutOfPagesError, PageAllocator
+from torch_kvq.attention.allocator import OutOfPagesError, PageAllocator
+from torch_kvq.attention.metadata import BatchMetadata
 
 
 def test_build_batch_layout() -> None:

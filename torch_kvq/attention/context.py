@@ -36,6 +36,10 @@ class ForwardContext:
                 f"{list(self.specs)[:4]}...); enter the context of the model that owns the layer"
             ) from None
 
+    def metadata_for(self, spec: LayerKVSpec) -> BatchMetadata:
+        """The page table the layer reads: its sliding window's group table, else the batch's."""
+        return self.metadata.for_window(spec.sliding_window)
+
     def kernel(self, layer_name: str) -> AttentionKernel:
         self.spec(layer_name)
         return self.kernels[layer_name]

@@ -25,6 +25,7 @@ the way to debug a graph-only difference, and what the CPU tests exercise.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from collections.abc import Callable, Mapping, Sequence
 from types import TracebackType
@@ -45,66 +46,89 @@ _runner_ids = itertools.count(1)
 class _Slot:
     """One batch size's fixed buffers, its graph and its output.
 
-    Device buffers: ``i32`` = qo_indptr [B+1] | kv_indptr [B+1] | last_page_len [B] |
-    seq_lens [B] | kv_indices [B * max_pages]; ``i64`` = slot_mapping [B] | positions [B] |
-    input_ids [B], each 16-byte aligned (compiled graphs take the last two as inputs). The two
-    have pinned host twins that stage the step's values.
+    Device buffers, one page table per cache group (the full table first, then each window's):
+    ``i32`` = qo_indptr [B+1], then per table kv_indptr [B+1] | last_page_len [B] | seq_lens [B],
+    then per table kv_indices [B * max_pages] (the full table's last, so a step copies only up to
+    its used end); ``i64`` = per table slot_mapping [B], then positions [B] | input_ids [B], each
+    16-byte aligned (compiled graphs take the last two as inputs). Both have pinned host twins
+    that stage the step's values.
     """
 
     def __init__(self, shape: GraphShape, page_size: int, device: torch.device) -> None:
-        b, w = shape.batch_size, shape.max_pages_per_seq
+        b = shape.batch_size
         self.shape = shape
         self.page_size = page_size
+        self.windows: tuple[int | None, ...] = (*(w for w, _ in shape.windows), None)
+        widths = [shape.for_window(w).max_pages_per_seq for w in self.windows]
+        self.index_at = [b + 1 + len(widths) * (3 * b + 1)]
+        for w in widths:
+            self.index_at.append(self.index_at[-1] + b * w)
         pin = device.type == "cuda"
-        self.i32 = torch.zeros(4 * b + 2 + b * w, dtype=torch.int32, device=device)
+        self.i32 = torch.zeros(self.index_at[-1], dtype=torch.int32, device=device)
         self.stride = c = b + b % 2  # 16-byte alignment of each int64 part
-        self.i64 = torch.zeros(3 * c, dtype=torch.int64, device=device)
+        n64 = len(widths) * c
+        self.i64 = torch.zeros(n64 + 2 * c, dtype=torch.int64, device=device)
         self.host_i32 = torch.zeros(self.i32.shape, dtype=torch.int32, pin_memory=pin)
         self.host_i64 = torch.zeros(self.i64.shape, dtype=torch.int64, pin_memory=pin)
         self.copied = torch.cuda.Event() if pin else None  # host twins are free again after it
-        self.input_ids = self.i64[2 * c : 2 * c + b]
-        self.positions = self.i64[c : c + b]
+        self.positions = self.i64[n64 : n64 + b]
+        self.input_ids = self.i64[n64 + c : n64 + c + b]
         self.graph: torch.cuda.CUDAGraph | None = None
         self.output: torch.Tensor | None = None
 
-    def fill(self, md: BatchMetadata, input_ids: torch.Tensor, scratch_page: int) -> BatchMetadata:
-        """Stage ``md`` padded to this slot's size, copy it to the device, return the metadata
-        whose device tensors are views of the fixed buffers."""
-        b = self.shape.batch_size
+    def fill(
+        self, md: BatchMetadata, input_ids: torch.Tensor, scratch: dict[int | None, int]
+    ) -> BatchMetadata:
+        """Stage ``md`` padded to this slot's size (padding rows: one token on the group's
+        ``scratch`` page), copy it to the device, return the metadata whose device tensors are
+        views of the fixed buffers."""
+        b, c = self.shape.batch_size, self.stride
         pad = b - md.num_seqs
-        counts = [*md.pages_per_seq, *([1] * pad)]
-        kv_lens = [*md.kv_lens, *([1] * pad)]
-        kv_indices = torch.cat(
-            [md.kv_indices_host, torch.full((pad,), scratch_page, dtype=torch.int32)]
-        )
-        qo, kv_ptr, idx, last, seq_lens, slots, positions = host_parts(
-            kv_indices, counts, kv_lens, [1] * b, self.page_size
-        )
         if self.copied is not None:
             self.copied.synchronize()  # the previous step's copies have left the host twins
-        n32 = 4 * b + 2 + idx.numel()
-        c = self.stride
-        torch.cat([qo, kv_ptr, last, seq_lens, idx], out=self.host_i32[:n32])
-        self.host_i64[:b] = slots
-        self.host_i64[c : c + b] = positions
-        self.i32[:n32].copy_(self.host_i32[:n32], non_blocking=True)
-        self.i64[: c + b].copy_(self.host_i64[: c + b], non_blocking=True)
+        h32, h64, v32, v64 = self.host_i32, self.host_i64, self.i32, self.i64
+        tables: dict[int | None, BatchMetadata] = {}
+        for t, window in enumerate(self.windows):
+            src = md.for_window(window)
+            counts = [*src.pages_per_seq, *([1] * pad)]
+            kv_lens = [*src.kv_lens, *([1] * pad)]
+            kv_indices = torch.cat(
+                [src.kv_indices_host, torch.full((pad,), scratch[window], dtype=torch.int32)]
+            )
+            qo, kv_ptr, idx, last, seq_lens, slots, positions = host_parts(
+                kv_indices, counts, kv_lens, [1] * b, self.page_size
+            )
+            o = b + 1 + t * (3 * b + 1)  # this table's kv_indptr | last | seq_lens
+            torch.cat([kv_ptr, last, seq_lens], out=h32[o : o + 3 * b + 1])
+            at = self.index_at[t]
+            h32[at : at + idx.numel()] = idx
+            h64[t * c : t * c + b] = slots
+            if window is None:
+                h32[: b + 1] = qo
+                h64[len(self.windows) * c : len(self.windows) * c + b] = positions
+                used = at + idx.numel()
+            tables[window] = BatchMetadata(
+                qo_indptr=v32[: b + 1],
+                kv_indptr=v32[o : o + b + 1],
+                kv_last_page_len=v32[o + b + 1 : o + 2 * b + 1],
+                seq_lens=v32[o + 2 * b + 1 : o + 3 * b + 1],
+                kv_indices=v32[at : at + idx.numel()],
+                slot_mapping=v64[t * c : t * c + b],
+                positions=self.positions,
+                page_size=self.page_size,
+                qo_lens=(1,) * b,
+                kv_lens=tuple(kv_lens),
+                pages_per_seq=tuple(counts),
+                kv_indices_host=kv_indices,
+            )
+        v32[:used].copy_(h32[:used], non_blocking=True)
+        n64 = len(self.windows) * c + b
+        v64[:n64].copy_(h64[:n64], non_blocking=True)
         self.input_ids[: md.num_seqs].copy_(input_ids, non_blocking=True)
-        v = self.i32
-        return BatchMetadata(
-            qo_indptr=v[: b + 1],
-            kv_indptr=v[b + 1 : 2 * b + 2],
-            kv_last_page_len=v[2 * b + 2 : 3 * b + 2],
-            seq_lens=v[3 * b + 2 : 4 * b + 2],
-            kv_indices=v[4 * b + 2 : n32],
-            slot_mapping=self.i64[:b],
-            positions=self.positions,
-            page_size=self.page_size,
-            qo_lens=(1,) * b,
-            kv_lens=tuple(kv_lens),
-            pages_per_seq=tuple(counts),
-            kv_indices_host=kv_indices,
-        )
+        full = tables.pop(None)
+        if not tables:
+            return full
+        return dataclasses.replace(full, windows=tuple(tables.items()))  # type: ignore[arg-type]
 
 
 class DecodeGraphRunner:
@@ -166,11 +190,23 @@ class DecodeGraphRunner:
         alloc = model.allocator
         self.page_size: int = alloc.page_size
         self.max_pages_per_seq = -(-max_context // self.page_size)
+        # a windowed table holds at most the pages of `window` tokens at any offset (+1)
+        windows = tuple(
+            (w, min(self.max_pages_per_seq, -(-w // self.page_size) + 1))
+            for w in getattr(alloc, "window_pages", {})
+        )
+        self._windows = windows
         self.pad_sequence = f"{PAD_SEQUENCE}.{next(_runner_ids)}"
         alloc.append(self.pad_sequence, 1)
         self._allocator = alloc
-        self.scratch_page: int = alloc.pages(self.pad_sequence)[0]
-        self.num_pages = min(int(a.kv_cache.shape[0]) for a in model.attention_layers)
+        tables: tuple[int | None, ...] = (None, *(w for w, _ in windows))
+        self.scratch_pages = {w: alloc.pages(self.pad_sequence, w)[0] for w in tables}
+        self.scratch_page: int = self.scratch_pages[None]
+        self.table_pages: dict[int | None, int] = {}  # the smallest cache reading each table
+        for a in model.attention_layers:
+            w = a.spec.sliding_window if a.spec.sliding_window in dict(windows) else None
+            n = int(a.kv_cache.shape[0])
+            self.table_pages[w] = min(n, self.table_pages.get(w, n))
         self._slots: dict[int, _Slot] = {}
         self._pool: Any = None
         self._closed = False
@@ -204,10 +240,10 @@ class DecodeGraphRunner:
         size = self._check(input_ids, metadata)
         slot = self._slots.get(size)
         if slot is None:
-            shape = GraphShape(size, self.max_pages_per_seq)
+            shape = GraphShape(size, self.max_pages_per_seq, self._windows)
             slot = self._slots[size] = _Slot(shape, self.page_size, self.device)
         with torch.no_grad():
-            static_md = slot.fill(metadata, input_ids, self.scratch_page)  # copy_ casts the ids
+            static_md = slot.fill(metadata, input_ids, self.scratch_pages)  # copy_ casts the ids
             kernel = self.model.kernel
             with forward_context(static_md, self._specs, kernel, graph=slot.shape):
                 if slot.copied is not None:
@@ -274,14 +310,29 @@ class DecodeGraphRunner:
                 f"sequence {i} of the batch has {longest} tokens, more than max_context "
                 f"{self.max_context} this runner was built for"
             )
-        if md.max_page_id >= self.num_pages:
-            raise ValueError(
-                f"the batch uses KV page {md.max_page_id} but the caches have {self.num_pages} "
-                "pages; size the PageAllocator to the layers' num_pages"
-            )
-        if bool((md.kv_indices_host == self.scratch_page).any()):
-            raise ValueError(
-                f"the batch uses page {self.scratch_page}, the runner's scratch page for padding "
-                f"(owned by allocator sequence {self.pad_sequence!r})"
-            )
+        for window, scratch in self.scratch_pages.items():
+            table = md.for_window(window)
+            where = "" if window is None else f" (the page table of window {window})"
+            if window is not None and table is md:
+                raise ValueError(
+                    f"the batch has no page table for window {window}, but the allocator this "
+                    "runner was built on has a pool for it; build the batch with that allocator"
+                )
+            pages = self.table_pages.get(window)
+            if pages is not None and table.max_page_id >= pages:
+                raise ValueError(
+                    f"the batch uses KV page {table.max_page_id}{where} but the caches have "
+                    f"{pages} pages; size the PageAllocator to the layers' num_pages"
+                )
+            if bool((table.kv_indices_host == scratch).any()):
+                raise ValueError(
+                    f"the batch uses page {scratch}{where}, the runner's scratch page for padding "
+                    f"(owned by allocator sequence {self.pad_sequence!r})"
+                )
+            width = GraphShape(b, self.max_pages_per_seq, self._windows).for_window(window)
+            if max(table.pages_per_seq) > width.max_pages_per_seq:
+                raise ValueError(
+                    f"a sequence of the batch has {max(table.pages_per_seq)} pages{where}, more "
+                    f"than the {width.max_pages_per_seq} this runner was built for"
+                )
         return next(s for s in self.batch_sizes if s >= b)

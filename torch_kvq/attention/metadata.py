@@ -1,23 +1,21 @@
-"""Paged-KV bookkeeping: a page allocator for many sequences and per-batch metadata.
+"""Per-batch paged-KV metadata: one ``BatchMetadata`` per forward pass, one page table per cache
+group inside it (the allocator is allocator.py).
 
 Layout follows FlashInfer: a layer's cache is ``[num_pages, 2, page_size, kv_heads, head_dim]``
-(NHD, K at index 0 and V at 1). Every layer shares the same page table, so one ``BatchMetadata``
-serves all layers of a forward pass.
+(NHD, K at index 0 and V at 1). Full-attention layers read the batch's own table; a sliding-window
+layer reads ``md.for_window(window)``: its group's table, which holds only the pages its window
+can still read, when the allocator gives that window a pool of its own, else the full table.
 """
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import cached_property
 
 import torch
 
 from torch_kvq.spec import check_positive_int
-
-
-class OutOfPagesError(RuntimeError):
-    """Raised when a batch needs more KV pages than are free. Nothing was allocated."""
 
 
 @dataclass(frozen=True)
@@ -28,6 +26,14 @@ class GraphShape:
 
     batch_size: int
     max_pages_per_seq: int
+    windows: tuple[tuple[int, int], ...] = ()  # (window, max pages per sequence) of windowed tables
+
+    def for_window(self, window: int | None) -> GraphShape:
+        """The shape of the table that layers of ``window`` read (see ``BatchMetadata.for_window``)."""
+        for w, pages in self.windows:
+            if w == window:
+                return GraphShape(self.batch_size, pages)
+        return self
 
 
 @dataclass(frozen=True)
@@ -43,7 +49,12 @@ class BatchMetadata:
         slot_mapping [T] int64: flat cache slot (page * page_size + offset) of each new token.
         positions [T] int64: position of each new token in its sequence.
     Host copies (``qo_lens``, ``kv_lens``, ``pages_per_seq``, ``kv_indices_host``) let planning
-    and the reference kernel avoid device syncs. Building is vectorized (no Python loop over
+    and the reference kernel avoid device syncs.
+
+    ``windows`` holds the tables of windowed cache groups, ``(window, BatchMetadata)``: the same
+    sequences and new tokens, but only the pages still inside the window, so their ``kv_lens``,
+    ``seq_lens`` and ``slot_mapping`` count from the first live page (attention is relative:
+    dropping whole leading pages shifts queries and keys alike); ``positions`` stay the tokens' own. Building is vectorized (no Python loop over
     pages or tokens) and moves everything to the device in one copy.
     """
 
@@ -59,6 +70,15 @@ class BatchMetadata:
     kv_lens: tuple[int, ...]
     pages_per_seq: tuple[int, ...]
     kv_indices_host: torch.Tensor  # [N] int32 on the CPU
+    windows: tuple[tuple[int, BatchMetadata], ...] = ()
+
+    def for_window(self, window: int | None) -> BatchMetadata:
+        """The table that layers with sliding window ``window`` read: their group's own when the
+        batch has one, else this one (the full table serves every window: the kernel masks)."""
+        for w, md in self.windows:
+            if w == window:
+                return md
+        return self
 
     @property
     def num_seqs(self) -> int:
@@ -220,104 +240,3 @@ def _check_pages(kv_indices: torch.Tensor, counts: list[int]) -> None:
                     "every page must belong to exactly one sequence"
                 )
             owner[p] = i
-
-
-class PageAllocator:
-    """Hands out KV pages to sequences: append tokens, free a sequence, reuse its pages.
-
-    Page tables are shared by every layer of a model. Allocation is all-or-nothing: a request that
-    does not fit raises ``OutOfPagesError`` and changes nothing.
-    """
-
-    def __init__(self, num_pages: int, page_size: int) -> None:
-        check_positive_int(num_pages, "num_pages")
-        check_positive_int(page_size, "page_size")
-        self.num_pages = num_pages
-        self.page_size = page_size
-        self._free: list[int] = list(range(num_pages - 1, -1, -1))  # pop() gives low ids first
-        self._pages: dict[Hashable, list[int]] = {}
-        self._lens: dict[Hashable, int] = {}
-        self._tensors: dict[Hashable, torch.Tensor] = {}  # page lists as int32, rebuilt on change
-
-    @property
-    def num_free_pages(self) -> int:
-        return len(self._free)
-
-    @property
-    def sequences(self) -> tuple[Hashable, ...]:
-        return tuple(self._pages)
-
-    def seq_len(self, seq_id: Hashable) -> int:
-        return self._lens[self._known(seq_id)]
-
-    def pages(self, seq_id: Hashable) -> tuple[int, ...]:
-        return tuple(self._pages[self._known(seq_id)])
-
-    def _known(self, seq_id: Hashable) -> Hashable:
-        if seq_id not in self._pages:
-            raise KeyError(f"unknown sequence {seq_id!r}; known: {list(self._pages)[:8]}")
-        return seq_id
-
-    def _pages_needed(self, seq_id: Hashable, num_tokens: int) -> int:
-        have = len(self._pages.get(seq_id, ()))
-        total = self._lens.get(seq_id, 0) + num_tokens
-        return max(0, -(-total // self.page_size) - have)
-
-    def append(self, seq_id: Hashable, num_tokens: int) -> None:
-        """Reserve room for ``num_tokens`` more tokens of ``seq_id`` (new ids start at 0)."""
-        self.append_many([(seq_id, num_tokens)])
-
-    def append_many(self, requests: Sequence[tuple[Hashable, int]]) -> None:
-        """Reserve for several sequences at once; all-or-nothing."""
-        ids = [sid for sid, _ in requests]
-        if len(set(ids)) != len(ids):
-            raise ValueError(f"a batch names a sequence twice: {ids}")
-        for sid, n in requests:
-            if isinstance(n, bool) or not isinstance(n, int) or n < 1:
-                raise ValueError(f"sequence {sid!r}: token count must be a positive int, got {n!r}")
-        needs = [self._pages_needed(sid, n) for sid, n in requests]
-        need = sum(needs)
-        if need > len(self._free):
-            raise OutOfPagesError(
-                f"out of KV pages: the batch needs {need} new pages of {self.page_size} tokens, "
-                f"{len(self._free)} of {self.num_pages} are free; free finished sequences or "
-                "allocate a larger cache. Nothing was allocated."
-            )
-        for (sid, n), new in zip(requests, needs):
-            pages = self._pages.setdefault(sid, [])
-            added = [self._free.pop() for _ in range(new)]
-            pages.extend(added)
-            old = self._tensors.get(sid)
-            if old is None:
-                self._tensors[sid] = torch.tensor(pages, dtype=torch.int32)
-            elif added:  # extend in C, not rebuild from the Python list (a long context: ~1k ids)
-                self._tensors[sid] = torch.cat([old, torch.tensor(added, dtype=torch.int32)])
-            self._lens[sid] = self._lens.get(sid, 0) + n
-
-    def free(self, seq_id: Hashable) -> None:
-        """Release a sequence's pages for reuse."""
-        pages = self._pages.pop(self._known(seq_id))
-        del self._lens[seq_id]
-        self._tensors.pop(seq_id, None)
-        self._free.extend(reversed(pages))
-
-    def build_batch(
-        self, requests: Sequence[tuple[Hashable, int]], device: torch.device | str = "cpu"
-    ) -> BatchMetadata:
-        """Reserve ``requests`` = [(seq_id, new_tokens), ...] and return the batch's metadata.
-
-        The new tokens of sequence i occupy ``qo_indptr[i]:qo_indptr[i+1]`` of the flat token axis.
-        """
-        self.append_many(requests)
-        ids = [sid for sid, _ in requests]
-        # The allocator's own tables are consistent by construction (sizes match the lengths,
-        # pages are owned once), so skip BatchMetadata.build's checks: this runs every step.
-        tables = [self._tensors[sid] for sid in ids]
-        return BatchMetadata._from_host(
-            torch.cat(tables),
-            [t.numel() for t in tables],
-            [self._lens[sid] for sid in ids],
-            [n for _, n in requests],
-            self.page_size,
-            device,
-        )

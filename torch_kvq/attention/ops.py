@@ -152,8 +152,8 @@ def cache_write(k: Tensor, v: Tensor, kv_cache: Tensor, layer_name: str) -> None
     ctx = get_forward_context()
     spec = ctx.spec(layer_name)
     _check_kv_args(spec, k, v, kv_cache, spec.storage_dtype, ctx.metadata.num_tokens)
-    _check_capacity(spec, kv_cache, ctx.metadata)
-    write_kv(kv_cache, k, v, ctx.metadata.slot_mapping)
+    _check_capacity(spec, kv_cache, ctx.metadata_for(spec))
+    write_kv(kv_cache, k, v, ctx.metadata_for(spec).slot_mapping)
 
 
 @cache_write.register_fake
@@ -171,8 +171,8 @@ def quant_cache_write(
     spec = ctx.spec(layer_name)
     _check_fp8_layer(spec, "quant_cache_write")
     _check_kv_args(spec, k, v, kv_cache, spec.model_dtype, ctx.metadata.num_tokens)
-    _check_fp8_cache(spec, kv_cache, ctx.metadata, k_scale, v_scale)
-    write_kv(kv_cache, k, v, ctx.metadata.slot_mapping, (k_scale, v_scale))
+    _check_fp8_cache(spec, kv_cache, ctx.metadata_for(spec), k_scale, v_scale)
+    write_kv(kv_cache, k, v, ctx.metadata_for(spec).slot_mapping, (k_scale, v_scale))
 
 
 @quant_cache_write.register_fake
@@ -212,10 +212,10 @@ def quant_cache_write_ts(
         kv_cache.dtype == FP8_DTYPE,
         f"layer {spec.name!r}: cache dtype {kv_cache.dtype}, expected float8_e4m3fn",
     )
-    _check_capacity(spec, kv_cache, ctx.metadata)
+    _check_capacity(spec, kv_cache, ctx.metadata_for(spec))
     _check_scale_tensor(spec, "k_scale", k_scale, kv_cache)
     _check_scale_tensor(spec, "v_scale", v_scale, kv_cache)
-    write_kv(kv_cache, k, v, ctx.metadata.slot_mapping, (k_scale, v_scale))
+    write_kv(kv_cache, k, v, ctx.metadata_for(spec).slot_mapping, (k_scale, v_scale))
 
 
 @quant_cache_write_ts.register_fake
@@ -236,7 +236,7 @@ def paged_attention(q: Tensor, kv_cache: Tensor, layer_name: str) -> Tensor:
         kv_cache.dtype == q.dtype,
         f"layer {layer_name!r}: paged_attention needs a {q.dtype} cache, got {kv_cache.dtype}",
     )
-    _check_capacity(spec, kv_cache, ctx.metadata)
+    _check_capacity(spec, kv_cache, ctx.metadata_for(spec))
     return ctx.kernel(layer_name).attend(ctx, spec, q, kv_cache, 1.0, 1.0, None)
 
 
@@ -266,7 +266,7 @@ def paged_attention_fp8(
     _check_fp8_layer(spec, "paged_attention_fp8")
     _check_q(spec, q, ctx.metadata.num_tokens)
     _check_cache(spec, kv_cache)
-    _check_fp8_cache(spec, kv_cache, ctx.metadata, k_scale, v_scale)
+    _check_fp8_cache(spec, kv_cache, ctx.metadata_for(spec), k_scale, v_scale)
     scale: float | Tensor | None = output_scale
     if output_scale is not None:
         check_scale(output_scale, f"layer {layer_name!r}: output_scale")

@@ -48,7 +48,8 @@ from torch_kvq.attention.context import ForwardContext, forward_context
 from torch_kvq.attention.kernels.base import AttentionKernel
 from torch_kvq.attention.kernels.reference import ReferenceKernel
 from torch_kvq.attention.layer import Attention, QuantForm
-from torch_kvq.attention.metadata import BatchMetadata, PageAllocator
+from torch_kvq.attention.allocator import PageAllocator
+from torch_kvq.attention.metadata import BatchMetadata
 from torch_kvq.integrations import hf_attention as hfa
 from torch_kvq.integrations.hf_checks import check_layer, check_model
 from torch_kvq.integrations.hf_generate import KVQPagedCache, install_forward

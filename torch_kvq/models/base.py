@@ -21,7 +21,8 @@ from torch_kvq.attention.context import ForwardContext, forward_context
 from torch_kvq.attention.kernels.base import AttentionKernel
 from torch_kvq.attention.kernels.reference import ReferenceKernel
 from torch_kvq.attention.layer import Attention, QuantForm
-from torch_kvq.attention.metadata import BatchMetadata, PageAllocator
+from torch_kvq.attention.allocator import PageAllocator
+from torch_kvq.attention.metadata import BatchMetadata
 from torch_kvq.models.config import DecoderConfig, RopeSpec, read_config
 from torch_kvq.spec import (
     MODEL_DTYPES,

@@ -142,7 +142,7 @@ class FlashInferKernel:
         self._float_ws: torch.Tensor | None = None
         self._xqa_ws: torch.Tensor | None = None
         self._wrappers: dict[tuple[GroupKey, GraphShape | None], Any] = {}
-        self._xqa_graph_tables: dict[GraphShape, torch.Tensor] = {}
+        self._xqa_graph_tables: dict[tuple[int | None, GraphShape], torch.Tensor] = {}
         self._reasons: dict[LayerKVSpec, str | None] = {}
         self._planned_gen: dict[GroupKey, int] = {}
 
@@ -260,17 +260,26 @@ class FlashInferKernel:
                 dtypes.append(spec.model_dtype)  # the unfused form attends on the dequantized cache
             for kv_dtype in dtypes:
                 layers[(spec.name, kv_dtype)] = self._group_key(spec, kv_dtype, decode)
-        host = _HostIndptrs.build(md)
+        hosts: dict[int | None, _HostIndptrs] = {}  # per page table (cache group)
         plans: dict[GroupKey, GroupPlan] = {}
         for key in dict.fromkeys(layers.values()):
             gen = next(_generation)
-            wrapper = None if key.kernel == "xqa" else self._plan_wrapper(key, md, host, ctx.graph)
+            wrapper = None
+            if key.kernel != "xqa":
+                table = md.for_window(key.window)
+                host = hosts.get(key.window)
+                if host is None:
+                    host = hosts[key.window] = _HostIndptrs.build(table)
+                graph = None if ctx.graph is None else ctx.graph.for_window(key.window)
+                wrapper = self._plan_wrapper(key, table, host, graph)
             self._planned_gen[key] = gen
             plans[key] = ctx.plans[(id(self), key)] = GroupPlan(key, wrapper, gen)
         for (name, kv_dtype), key in layers.items():  # attend's lookup: one dict access
             ctx.plans[(id(self), name, kv_dtype)] = plans[key]
-        if "xqa" in {k.kernel for k in plans}:
-            ctx.plans[(id(self), "xqa_tables")] = self._xqa_tables(md, ctx.graph)
+        for window in dict.fromkeys(k.window for k in plans if k.kernel == "xqa"):
+            graph = None if ctx.graph is None else ctx.graph.for_window(window)
+            tables = self._xqa_tables(md.for_window(window), window, graph)
+            ctx.plans[(id(self), "xqa_tables", window)] = tables
             if self._xqa_ws is None:  # XQA's semaphores must start at zero
                 self._xqa_ws = torch.zeros(self.workspace_bytes, dtype=torch.uint8, device=device)
 
@@ -321,7 +330,9 @@ class FlashInferKernel:
             )  # fmt: skip
         return wrapper
 
-    def _xqa_tables(self, md: BatchMetadata, graph: GraphShape | None) -> _XQATables:
+    def _xqa_tables(
+        self, md: BatchMetadata, window: int | None, graph: GraphShape | None
+    ) -> _XQATables:
         """XQA's dense block table [B, W] gathered on the device from the CSR page table (no
         host loop, no sync; entries past a sequence's pages are 0 and never read). Under a CUDA
         graph W is the shape's ``max_pages_per_seq`` and the table is that shape's fixed buffer."""
@@ -332,9 +343,11 @@ class FlashInferKernel:
         idx = (starts + cols).clamp_(max=md.kv_indices.numel() - 1).long()
         out = None
         if graph is not None:  # written in place: the captured graph reads this buffer
-            out = self._xqa_graph_tables.get(graph)
+            out = self._xqa_graph_tables.get((window, graph))
             if out is None:
-                out = self._xqa_graph_tables[graph] = torch.empty_like(idx, dtype=torch.int32)
+                out = self._xqa_graph_tables[(window, graph)] = torch.empty_like(
+                    idx, dtype=torch.int32
+                )
             out = out.view(-1)
         table = torch.index_select(md.kv_indices, 0, idx.view(-1), out=out).view(idx.shape)
         table.masked_fill_(cols >= counts, 0)
@@ -412,7 +425,7 @@ class FlashInferKernel:
         trtllm_batch_decode_with_kv_cache = import_flashinfer(
             "flashinfer.decode"
         ).trtllm_batch_decode_with_kv_cache
-        tables: _XQATables = ctx.plans[(id(self), "xqa_tables")]
+        tables: _XQATables = ctx.plans[(id(self), "xqa_tables", spec.sliding_window)]
         o_scale = 1.0 if output_scale is None else float(output_scale)
         out = torch.empty(
             q.shape, dtype=FP8_DTYPE if output_scale is not None else q.dtype, device=q.device

@@ -68,7 +68,7 @@ class ReferenceKernel:
         v_scale: float,
         output_scale: float | torch.Tensor | None,
     ) -> torch.Tensor:
-        md = ctx.metadata
+        md = ctx.metadata_for(spec)
         out = torch.empty(q.shape, dtype=torch.float32, device=q.device)
         q_start = page_start = 0
         for qo_len, kv_len, n_pages in zip(md.qo_lens, md.kv_lens, md.pages_per_seq):
