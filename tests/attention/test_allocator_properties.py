@@ -8,6 +8,10 @@ a global FP8 layer) with the reference kernel, each sequence's cache pages hold 
 wrote and its attention output equals dense attention over its own history only, so no sequence
 ever reads another's pages (freed pages still hold the previous owner's values). An
 ``OutOfPagesError`` changes nothing: page tables, lengths, free count and cache bytes.
+
+``WindowedAllocatorMachine`` runs the same rules with a pool of its own for the sliding layer
+(``window_pages``): its sequences keep only the pages their window can still read, released pages
+are reused, and the sliding layer's cache has fewer pages than the global one.
 """
 
 from __future__ import annotations
@@ -32,11 +36,14 @@ from torch_kvq.attention.kernels.base import quantize_fp8
 from torch_kvq.spec import AttentionLayerInfo, KVCacheConfig, resolve_layer_specs
 
 NUM_PAGES, PAGE, HEADS, KV_HEADS, D, WINDOW = 10, 4, 4, 2, 8, 5
+WINDOW_POOL = 7  # pages of the sliding layer's own pool (WindowedAllocatorMachine)
 K_SCALE, V_SCALE = 0.02, 0.03
 _uid = itertools.count()
 
 
 class AllocatorMachine(RuleBasedStateMachine):
+    window_pool: int | None = None  # None: one shared table
+
     def __init__(self) -> None:
         super().__init__()
         tag = f"alloc{next(_uid)}"
@@ -52,8 +59,13 @@ class AllocatorMachine(RuleBasedStateMachine):
             default_v_scale=V_SCALE,
         )
         self.specs = resolve_layer_specs(cfg, infos, torch.float32)
-        self.layers = [Attention(s, NUM_PAGES) for s in self.specs]
-        self.alloc = PageAllocator(NUM_PAGES, PAGE)
+        pools = {} if self.window_pool is None else {WINDOW: self.window_pool}
+        self.pools: dict[int | None, int] = {None: NUM_PAGES, **pools}
+        self.layers = [
+            Attention(s, self.pools[s.sliding_window if pools else None]) for s in self.specs
+        ]
+        self.alloc = PageAllocator(NUM_PAGES, PAGE, pools)
+        self.last_qo: dict[int, int] = {}
         self.hist: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # seq -> (k, v) [L, KH, D]
         self.next_id = 0
         self.gen = torch.Generator().manual_seed(0)
@@ -61,17 +73,28 @@ class AllocatorMachine(RuleBasedStateMachine):
     # --- helpers -------------------------------------------------------------------------------
 
     def snapshot(self) -> tuple:
-        tables = {s: (self.alloc.pages(s), self.alloc.seq_len(s)) for s in self.alloc.sequences}
+        tables = {
+            (s, w): (self.alloc.pages(s, w), self.alloc.seq_len(s))
+            for s in self.alloc.sequences
+            for w in self.pools
+        }
+        free = {w: self.alloc.free_pages(w) for w in self.pools}
         caches = [a.kv_cache.view(torch.uint8).clone() for a in self.layers]
-        return tables, self.alloc.num_free_pages, caches
+        return tables, free, caches
 
-    def pages_needed(self, requests: list[tuple[int, int]]) -> int:
-        need = 0
-        for sid, n in requests:
-            have = self.alloc.pages(sid) if sid in self.hist else ()
-            total = (self.alloc.seq_len(sid) if sid in self.hist else 0) + n
-            need += max(0, -(-total // PAGE) - len(have))
-        return need
+    def fits(self, requests: list[tuple[int, int]]) -> bool:
+        """Whether every pool has the pages the batch needs, from the lengths alone: a window
+        pool keeps the pages from the one holding position old_len - WINDOW + 1 on."""
+        for window, size in self.pools.items():
+            need = 0
+            for sid, n in requests:
+                old = self.alloc.seq_len(sid) if sid in self.hist else 0
+                before = len(self.alloc.pages(sid, window)) if sid in self.hist else 0
+                first = 0 if window is None else max(0, old - window + 1) // PAGE
+                need += -(-(old + n) // PAGE) - first - before
+            if need > self.alloc.free_pages(window):
+                return False
+        return True
 
     def draw_requests(self, data: st.DataObject, max_new: int) -> list[tuple[int, int]]:
         live = sorted(self.hist)
@@ -88,11 +111,13 @@ class AllocatorMachine(RuleBasedStateMachine):
     def step(self, data: st.DataObject) -> None:
         """A mixed batch that fits: run both layers and check every sequence's read-back."""
         requests = self.draw_requests(data, max_new=6)
-        if self.pages_needed(requests) > self.alloc.num_free_pages:
+        if not self.fits(requests):
             return self.refuse(requests)
         md = self.alloc.build_batch(requests)
-        # the batch's page table is the allocator's (its per-sequence tensors are extended in place)
-        assert md.page_tables == tuple(self.alloc.pages(sid) for sid, _ in requests)
+        # the batch's page tables are the allocator's (its per-sequence tensors are extended in place)
+        for w in self.pools:
+            assert md.for_window(w).page_tables == tuple(self.alloc.pages(s, w) for s, _ in requests)
+        self.last_qo.update(requests)
         t = md.num_tokens
         q = torch.randn(t, HEADS, D, generator=self.gen)
         k = torch.randn(t, KV_HEADS, D, generator=self.gen)
@@ -142,7 +167,7 @@ class AllocatorMachine(RuleBasedStateMachine):
         """A batch deliberately larger than the free pages is refused and changes nothing."""
         live = sorted(self.hist)
         sid = data.draw(st.sampled_from(live)) if live else self.next_id
-        too_many = (self.alloc.num_free_pages + 1) * PAGE
+        too_many = (max(self.pools.values()) + 1) * PAGE
         self.refuse([(sid, too_many)])
 
     @precondition(lambda self: bool(self.hist))
@@ -156,44 +181,62 @@ class AllocatorMachine(RuleBasedStateMachine):
 
     @rule()
     def drain(self) -> None:
-        """Take every free page for one new sequence: they are exactly the unowned pages."""
-        free = self.alloc.num_free_pages
-        if not free:
+        """Take every free page of the tightest pool for one new sequence: they are exactly the
+        unowned pages."""
+        window = min(self.pools, key=lambda w: self.alloc.free_pages(w))
+        free = {w: self.alloc.free_pages(w) for w in self.pools}
+        if not free[window]:
             return
         sid = -1 - self.next_id
         self.next_id += 1
-        self.alloc.append(sid, free * PAGE)
-        owned = {p for s in self.hist for p in self.alloc.pages(s)}
-        assert set(self.alloc.pages(sid)) == set(range(NUM_PAGES)) - owned
-        assert self.alloc.num_free_pages == 0
+        self.alloc.append(sid, free[window] * PAGE)
+        owned = {p for s in self.hist for p in self.alloc.pages(s, window)}
+        assert set(self.alloc.pages(sid, window)) == set(range(self.pools[window])) - owned
+        assert self.alloc.free_pages(window) == 0
         self.alloc.free(sid)
-        assert self.alloc.num_free_pages == free
+        assert {w: self.alloc.free_pages(w) for w in self.pools} == free
 
     # --- invariants ----------------------------------------------------------------------------
 
     @invariant()
     def pages_partition(self) -> None:
         assert set(self.alloc.sequences) == set(self.hist)
-        owned = [p for s in self.alloc.sequences for p in self.alloc.pages(s)]
-        assert len(owned) == len(set(owned)), f"a page is owned twice: {sorted(owned)}"
-        assert all(0 <= p < NUM_PAGES for p in owned)
-        assert len(owned) + self.alloc.num_free_pages == NUM_PAGES
+        for window, size in self.pools.items():
+            owned = [p for s in self.alloc.sequences for p in self.alloc.pages(s, window)]
+            assert len(owned) == len(set(owned)), f"a page is owned twice: {sorted(owned)}"
+            assert all(0 <= p < size for p in owned)
+            assert len(owned) + self.alloc.free_pages(window) == size
+
+    @invariant()
+    def window_keeps_only_what_it_can_read(self) -> None:
+        """A window pool keeps every token the next query can read (released pages end at or
+        before position len - WINDOW) and no page wholly before this step's first query's window."""
+        if self.window_pool is None:
+            return
+        for sid in self.hist:
+            n, released = self.alloc.seq_len(sid), self.alloc.released_pages(sid, WINDOW)
+            assert released * PAGE <= max(0, n - WINDOW)
+            first_query = n - self.last_qo[sid]
+            assert released == max(0, first_query - WINDOW + 1) // PAGE
+            assert len(self.alloc.pages(sid, WINDOW)) == -(-n // PAGE) - released
 
     @invariant()
     def lengths_and_cache_contents(self) -> None:
         for sid, (kh, vh) in self.hist.items():
             n = kh.shape[0]
-            pages = self.alloc.pages(sid)
-            assert self.alloc.seq_len(sid) == n and len(pages) == -(-n // PAGE)
+            assert self.alloc.seq_len(sid) == n and len(self.alloc.pages(sid)) == -(-n // PAGE)
             for spec, layer in zip(self.specs, self.layers):
+                window = spec.sliding_window if spec.sliding_window in self.pools else None
+                pages = self.alloc.pages(sid, window)
+                start = 0 if window is None else self.alloc.released_pages(sid, window) * PAGE
                 ctx = layer.kv_cache[list(pages)]  # [n_pages, 2, PAGE, KH, D]
-                got_k = ctx[:, 0].reshape(-1, KV_HEADS, D)[:n]
-                got_v = ctx[:, 1].reshape(-1, KV_HEADS, D)[:n]
-                want_k, want_v = kh, vh
+                got_k = ctx[:, 0].reshape(-1, KV_HEADS, D)[: n - start]
+                got_v = ctx[:, 1].reshape(-1, KV_HEADS, D)[: n - start]
+                want_k, want_v = kh[start:], vh[start:]
                 if spec.is_quantized:
                     got_k, got_v = got_k.view(torch.uint8), got_v.view(torch.uint8)
-                    want_k = quantize_fp8(kh, K_SCALE).view(torch.uint8)
-                    want_v = quantize_fp8(vh, V_SCALE).view(torch.uint8)
+                    want_k = quantize_fp8(want_k, K_SCALE).view(torch.uint8)
+                    want_v = quantize_fp8(want_v, V_SCALE).view(torch.uint8)
                 assert torch.equal(got_k, want_k) and torch.equal(got_v, want_v), f"seq {sid}"
 
 
@@ -207,12 +250,20 @@ AllocatorMachine.TestCase.settings = settings(
 test_allocator_workload = AllocatorMachine.TestCase
 
 
+class WindowedAllocatorMachine(AllocatorMachine):
+    window_pool = WINDOW_POOL
+
+
+WindowedAllocatorMachine.TestCase.settings = AllocatorMachine.TestCase.settings
+test_windowed_allocator_workload = WindowedAllocatorMachine.TestCase
+
+
 @pytest.mark.slow
 def test_allocator_workload_long() -> None:
     """The same machine, many more and longer runs (``-m slow``)."""
     from hypothesis.stateful import run_state_machine_as_test
 
-    run_state_machine_as_test(
-        AllocatorMachine,
-        settings=settings(max_examples=300, stateful_step_count=40, deadline=None),
-    )
+    for machine in (AllocatorMachine, WindowedAllocatorMachine):
+        run_state_machine_as_test(
+            machine, settings=settings(max_examples=300, stateful_step_count=40, deadline=None)
+        )

@@ -49,6 +49,7 @@ from torch_kvq.attention.kernels.base import AttentionKernel
 from torch_kvq.attention.kernels.reference import ReferenceKernel
 from torch_kvq.attention.layer import Attention, QuantForm
 from torch_kvq.attention.allocator import PageAllocator
+from torch_kvq.attention.memory import WindowPages, layer_pages, window_pools
 from torch_kvq.attention.metadata import BatchMetadata
 from torch_kvq.integrations import hf_attention as hfa
 from torch_kvq.integrations.hf_checks import check_layer, check_model
@@ -92,6 +93,7 @@ class KVQCausalLM(nn.Module):
         prefix: str | None,
         kernel: AttentionKernel | Mapping[str, AttentionKernel] | None,
         quant_form: QuantForm,
+        window_pages: WindowPages,
     ) -> None:
         super().__init__()
         self.hf = hf_model
@@ -99,6 +101,7 @@ class KVQCausalLM(nn.Module):
         self.dtype: torch.dtype = hf_model.dtype
         self.device = next(hf_model.parameters()).device
         self.num_pages = num_pages
+        self.window_pages = window_pages
         self.kernel = kernel if kernel is not None else ReferenceKernel()
         self.quant_form: QuantForm = quant_form
         self._hf_attn = [c.module for c in calls]  # plain list: not registered twice
@@ -122,9 +125,11 @@ class KVQCausalLM(nn.Module):
         prefix: str | None = None,
         quant_form: QuantForm = "op",
         kv_scales_from: ScaleSource | None = None,
+        window_pages: WindowPages = None,
     ) -> KVQCausalLM:
         """Attach ``hf_model`` (a transformers ``*ForCausalLM`` or multimodal ``*ForConditional
-        Generation``, eval mode) to per-layer paged caches of ``num_pages`` pages each.
+        Generation``, eval mode) to per-layer paged caches of ``num_pages`` pages each
+        (``window_pages``: a pool of its own per sliding window, see ``PagedDecoder``).
 
         ``kv_scales_from``: a safetensors file, a folder of them, or a state dict holding FP8-KV
         checkpoint scales (``...self_attn.k_scale`` / ``v_scale``, ``k_proj.output_scale``, ...);
@@ -170,6 +175,7 @@ class KVQCausalLM(nn.Module):
             prefix=prefix,
             kernel=kernel,
             quant_form=quant_form,
+            window_pages=window_pages,
         )
         hf_model._kvq_attached = True
         return lm
@@ -196,18 +202,18 @@ class KVQCausalLM(nn.Module):
         the page allocator. On a bad config nothing changes (ValueError). ``kv_scales`` keyed by
         HF path are accepted too when the names carry a prefix."""
         specs = resolve_layer_specs(self._rekey(kv_config), self.layer_infos(), self.dtype)
+        pools = window_pools(specs, self.window_pages)
         for mod in self._hf_attn:
             old = getattr(mod, hfa.ATTN_ATTR, None)
             if old is not None:
                 registry.unregister(old)
                 delattr(mod, hfa.ATTN_ATTR)
         for mod, spec in zip(self._hf_attn, specs):
-            setattr(
-                mod, hfa.ATTN_ATTR, Attention(spec, self.num_pages, self.device, self.quant_form)
-            )
+            pages = layer_pages(spec, self.num_pages, pools)
+            setattr(mod, hfa.ATTN_ATTR, Attention(spec, pages, self.device, self.quant_form))
         self.kv_config = kv_config
         self._specs = specs
-        self.allocator = PageAllocator(self.num_pages, kv_config.page_size)
+        self.allocator = PageAllocator(self.num_pages, kv_config.page_size, pools)
 
     def _rekey(self, cfg: KVCacheConfig) -> KVCacheConfig:
         by_path = {p: n for n, p in self.layer_paths.items() if n != p}

@@ -22,6 +22,7 @@ from torch_kvq.attention.kernels.base import AttentionKernel
 from torch_kvq.attention.kernels.reference import ReferenceKernel
 from torch_kvq.attention.layer import Attention, QuantForm
 from torch_kvq.attention.allocator import PageAllocator
+from torch_kvq.attention.memory import WindowPages, layer_pages, window_pools
 from torch_kvq.attention.metadata import BatchMetadata
 from torch_kvq.models.config import DecoderConfig, RopeSpec, read_config
 from torch_kvq.spec import (
@@ -192,6 +193,7 @@ class PagedDecoder(nn.Module):
         prefix: str | None = None,
         kernel: AttentionKernel | Mapping[str, AttentionKernel] | None = None,
         quant_form: QuantForm = "op",
+        window_pages: WindowPages = None,
     ) -> None:
         super().__init__()
         if dtype not in MODEL_DTYPES:
@@ -207,6 +209,7 @@ class PagedDecoder(nn.Module):
         self.dtype = dtype
         self.device = torch.device(device)
         self.num_pages = num_pages
+        self.window_pages = window_pages
         self.quant_form: QuantForm = quant_form
         self.kernel = kernel if kernel is not None else ReferenceKernel()
         self.prefix = prefix if prefix is not None else registry.unique_prefix("model")
@@ -249,18 +252,22 @@ class PagedDecoder(nn.Module):
 
     def configure_kv(self, kv_config: KVCacheConfig) -> None:
         """Re-resolve the per-layer specs and replace every ``Attention`` (fresh, empty caches) and
-        the page allocator. On a bad config nothing changes (ValueError)."""
+        the page allocator. On a bad config nothing changes (ValueError). Full-attention layers
+        get ``num_pages`` pages; with ``window_pages`` each sliding window's layers get a pool of
+        their own of that size (attention/memory.py sizes them)."""
         specs = resolve_layer_specs(kv_config, self.layer_infos(), self.dtype)
+        pools = window_pools(specs, self.window_pages)
         for layer in self.layers:
             old = layer.self_attn.attn
             if old is not None:
                 registry.unregister(old)
                 layer.self_attn.attn = None
         for layer, spec in zip(self.layers, specs):
-            layer.self_attn.attn = Attention(spec, self.num_pages, self.device, self.quant_form)
+            pages = layer_pages(spec, self.num_pages, pools)
+            layer.self_attn.attn = Attention(spec, pages, self.device, self.quant_form)
         self.kv_config = kv_config
         self._specs = specs
-        self.allocator = PageAllocator(self.num_pages, kv_config.page_size)
+        self.allocator = PageAllocator(self.num_pages, kv_config.page_size, pools)
 
     @property
     def kv_specs(self) -> tuple[LayerKVSpec, ...]:

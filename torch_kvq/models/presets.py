@@ -15,6 +15,7 @@ from torch import nn
 
 from torch_kvq.attention.kernels.base import AttentionKernel
 from torch_kvq.attention.layer import QuantForm
+from torch_kvq.attention.memory import WindowPages
 from torch_kvq.models.base import PagedDecoder
 from torch_kvq.models.gemma3 import Gemma3Model
 from torch_kvq.models.llama import LlamaModel
@@ -122,6 +123,7 @@ def build_model(
     prefix: str | None = None,
     kernel: AttentionKernel | Mapping[str, AttentionKernel] | None = None,
     quant_form: QuantForm = "op",
+    window_pages: WindowPages = None,
     **config_overrides: Any,
 ) -> PagedDecoder:
     """A preset model ("llama-tiny" | "gemma3-tiny") with deterministic random weights.
@@ -140,6 +142,7 @@ def build_model(
         prefix=prefix,
         kernel=kernel,
         quant_form=quant_form,
+        window_pages=window_pages,
     )
     randomize_weights_(model, seed, norm_offset=cls is Gemma3Model)
     return model.eval()
