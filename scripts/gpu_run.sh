@@ -14,6 +14,8 @@
 # flashinfer and CUDA versions, the command and pytest's closing line. Commit it as
 # benchmarks/results/gpu_suite.txt; it counts only with a clean tree at that commit.
 #   KVQ_MODEL_ARGS="--ctx 16384 --steps 10" bash scripts/gpu_run.sh model
+#   bash scripts/gpu_run.sh paths            # FP8 decode paths vs bandwidth (KVQ_PATHS_ARGS, default --quick)
+#   KVQ_SCALE_ARGS="--models llama-3.1-8b" bash scripts/gpu_run.sh scale   # decode at real scale
 #   bash scripts/gpu_run.sh hostprof         # cProfile of a CUDA-graph decode step (not in the default)
 #   bash scripts/gpu_run.sh cpusuite         # the CPU suite (README command) on this image's torch, GPU hidden
 #   bash scripts/gpu_run.sh tests jitpack    # ... then pack the FlashInfer modules built here
@@ -83,6 +85,8 @@ for step in ${*:-tests attn xqa model}; do
     attn) python3 benchmarks/bench_decode_attention.py 2>&1 | tee -a "$LOG" ;;
     xqa) python3 benchmarks/xqa_accuracy.py 2>&1 | tee -a "$LOG" ;;
     model) python3 benchmarks/bench_model_decode.py ${KVQ_MODEL_ARGS:-} 2>&1 | tee -a "$LOG" ;;
+    paths) python3 benchmarks/bench_fp8_decode_paths.py ${KVQ_PATHS_ARGS:---quick} 2>&1 | tee -a "$LOG" ;;
+    scale) python3 benchmarks/bench_decode_at_scale.py ${KVQ_SCALE_ARGS:-} 2>&1 | tee -a "$LOG" ;;
     hostprof) python3 benchmarks/profile_graph_step.py ${KVQ_HOSTPROF_ARGS:-} 2>&1 | tee -a "$LOG" ;;
     jitpack) jit=$(python3 -c "import flashinfer.jit.env as e; print(e.FLASHINFER_JIT_DIR)")
              rm -rf /tmp/jitpack && mkdir -p /tmp/jitpack/aot && stamp > /tmp/jitpack/STAMP
@@ -95,7 +99,7 @@ for step in ${*:-tests attn xqa model}; do
              ls -la "$OUT/flashinfer_jit.tar.xz" | tee -a "$LOG" ;;
     cpusuite) CUDA_VISIBLE_DEVICES= python3 -m pytest -q -m "not gpu and not slow" -p no:cacheprovider \
                 -n "${KVQ_CPU_WORKERS:-14}" -rfEs tests/ 2>&1 | tail -40 | tee "$OUT/cpu_suite_log.txt" ;;
-    *) echo "unknown step $step (expected tests, attn, xqa, model, hostprof, cpusuite, jitpack)" | tee -a "$LOG"; status=2; continue ;;
+    *) echo "unknown step $step (expected tests, attn, xqa, model, paths, scale, hostprof, cpusuite, jitpack)" | tee -a "$LOG"; status=2; continue ;;
   esac
   rc=${PIPESTATUS[0]}
   echo "=== $step exit $rc $(date -u +%T)" | tee -a "$LOG"

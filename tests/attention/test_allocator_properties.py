@@ -91,7 +91,13 @@ class AllocatorMachine(RuleBasedStateMachine):
                 old = self.alloc.seq_len(sid) if sid in self.hist else 0
                 before = len(self.alloc.pages(sid, window)) if sid in self.hist else 0
                 first = 0 if window is None else max(0, old - window + 1) // PAGE
-                need += -(-(old + n) // PAGE) - first - before
+                gone = 0 if sid not in self.hist else self.alloc.released_pages(sid, window)
+                need += -(-(old + n) // PAGE) - max(first, gone) - before
+            if need > self.alloc.free_pages(window) and window is not None:
+                batch = {sid for sid, _ in requests}
+                for sid in set(self.hist) - batch:  # sequences outside the batch are trimmed
+                    dead = max(0, self.alloc.seq_len(sid) - window + 1) // PAGE
+                    need -= max(0, dead - self.alloc.released_pages(sid, window))
             if need > self.alloc.free_pages(window):
                 return False
         return True
@@ -209,15 +215,16 @@ class AllocatorMachine(RuleBasedStateMachine):
 
     @invariant()
     def window_keeps_only_what_it_can_read(self) -> None:
-        """A window pool keeps every token the next query can read (released pages end at or
-        before position len - WINDOW) and no page wholly before this step's first query's window."""
+        """A window pool keeps every token the next query can read and no page wholly before
+        the window of the sequence's last step's first query."""
         if self.window_pool is None:
             return
         for sid in self.hist:
             n, released = self.alloc.seq_len(sid), self.alloc.released_pages(sid, WINDOW)
-            assert released * PAGE <= max(0, n - WINDOW)
-            first_query = n - self.last_qo[sid]
-            assert released == max(0, first_query - WINDOW + 1) // PAGE
+            first_query = n - self.last_qo[sid]  # of the sequence's last step
+            # at least what that step's first query cannot read; at most what the next cannot
+            assert max(0, first_query - WINDOW + 1) // PAGE <= released
+            assert released <= max(0, n - WINDOW + 1) // PAGE
             assert len(self.alloc.pages(sid, WINDOW)) == -(-n // PAGE) - released
 
     @invariant()

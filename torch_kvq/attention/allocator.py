@@ -4,7 +4,8 @@ A *cache group* is the layers that read the same page table. Full-attention laye
 (pool ``num_pages``). With ``window_pages={window: pages}``, the layers of each sliding window get
 their own pool and page tables, and a sequence keeps only the pages its window can still read:
 before a step whose queries start at position ``p``, the pages wholly below ``p - window + 1``
-are released and reused (vLLM's hybrid KV-cache manager, SGLang's sliding-window pool). Memory
+are released and reused (and when a pool runs short, those of sequences outside the batch below
+their ``length - window + 1``: their next query is at their length) (vLLM's hybrid KV-cache manager, SGLang's sliding-window pool). Memory
 then follows the per-layer spec: a sliding layer holds about ``window`` tokens per sequence, not
 the whole context. Without ``window_pages`` every layer reads the one full table (and a sliding
 layer's cache needs ``num_pages`` pages like the others).
@@ -172,6 +173,13 @@ class PageAllocator:
         for pool in self._pools:
             moves = [pool.plan(sid, self._lens.get(sid, 0), n, self.page_size) for sid, n in requests]
             need = sum(take for _, take in moves) - sum(drop for drop, _ in moves)
+            if need > pool.num_free and pool.window is not None:
+                # short: also trim sequences outside the batch (their next query is at their
+                # length, so the pages below length - window + 1 are dead); off the hot path
+                batch = set(ids)
+                moves += [(pool.plan(sid, n, 0, self.page_size)[0], 0)
+                          for sid, n in self._lens.items() if sid not in batch]  # fmt: skip
+                need -= sum(drop for drop, _ in moves[len(requests):])
             if need > pool.num_free:
                 where = "" if pool.window is None else f" in the pool of window {pool.window}"
                 raise OutOfPagesError(
@@ -180,11 +188,12 @@ class PageAllocator:
                     "finished sequences or allocate a larger cache. Nothing was allocated."
                 )
             plans.append(moves)
+        idle = [sid for sid in self._lens if sid not in set(ids)]
         for pool, moves in zip(self._pools, plans):
-            for (sid, _), (drop, _) in zip(requests, moves):  # release first: reusable at once
+            for sid, (drop, _) in zip([*ids, *idle], moves):  # release first: reusable at once
                 if drop:
                     pool.apply(sid, drop, 0)
-            for (sid, _), (_, take) in zip(requests, moves):
+            for sid, (_, take) in zip(ids, moves):
                 pool.apply(sid, 0, take)
         for sid, n in requests:
             self._lens[sid] = self._lens.get(sid, 0) + n

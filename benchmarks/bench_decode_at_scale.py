@@ -1,0 +1,305 @@
+"""Decode at real model scale on one GPU: memory per layer group, capacity, throughput vs the bound.
+
+Models (torch_kvq's own decoders at the real dimensions, random bf16 weights made on the GPU):
+Llama-3.1-8B (32 layers, 32/8 heads of 128; FP8 config skips layers 0 and -1) and Gemma-3-12B
+(48 layers, 16/8 heads of 256, 5 sliding (window 1024) : 1 global; FP8 config keeps the sliding
+layers in bf16). Each KV config: all-bf16 vs FP8 through the tensor-core wrapper ("tc") and XQA.
+Sliding-window layers get pools of their own (``window_pages``): they hold ~1024 tokens per
+sequence, not the context.
+
+Per (model, kv config, kernel), one compiled model (kvq_backend) whose pools are sized by
+``max_seqs_for_budget`` for the GPU memory left after weights and ``--headroom-gib``, and rows:
+  * capacity: the largest batch at ``--capacity-ctx`` (16k) and its tokens/s,
+  * ctx sweep at batch 32 (``--ctxs``), batch sweep at 16k (``--batches`` and the capacity batch);
+a point whose pages do not fit the pools is a row with ``"fits": false`` (no timing).
+Each point: sequences filled in chunks of ``--chunk`` tokens (as chunked prefill would: window
+pools release behind), caches hold random values, a ``DecodeGraphRunner`` for that batch and
+context, ``--warmup`` + ``--steps`` decode steps. The bound: (weight bytes + KV bytes the step
+reads: ctx per full layer, min(ctx, window) per sliding layer) / measured copy bandwidth.
+
+    python benchmarks/bench_decode_at_scale.py --models llama-3.1-8b gemma-3-12b
+    python benchmarks/bench_decode_at_scale.py --smoke      # CPU: tiny shapes, reference kernel
+Writes $OUT/decode_at_scale.json (rows as in issue 14) and decode_at_scale.md; plot with
+benchmarks/plot_decode_at_scale.py.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
+
+import torch  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_model_decode import profile_steps, spin_gpu, sync  # noqa: E402
+from gpu_common import copy_bandwidth, environment, write_results  # noqa: E402
+
+import torch_kvq  # noqa: E402
+from torch_kvq.attention.graph_runner import DecodeGraphRunner  # noqa: E402
+from torch_kvq.attention.kernels import FlashInferKernel, ReferenceKernel  # noqa: E402
+from torch_kvq.attention.memory import max_seqs_for_budget, page_bytes, plan_kv_memory  # noqa: E402
+from torch_kvq.models.gemma3 import Gemma3Model  # noqa: E402
+from torch_kvq.models.llama import LlamaModel  # noqa: E402
+from torch_kvq.models.presets import tiny_gemma3_config, tiny_llama_config  # noqa: E402
+from torch_kvq.spec import KVCacheConfig  # noqa: E402
+
+PAGE = 16
+LLAMA_8B = dict(
+    vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+    num_attention_heads=32, num_key_value_heads=8, head_dim=128, max_position_embeddings=131072,
+    rope_theta=500000.0, rms_norm_eps=1e-5, tie_word_embeddings=False,
+)  # fmt: skip
+GEMMA3_12B = dict(
+    vocab_size=262144, hidden_size=3840, intermediate_size=15360, num_hidden_layers=48,
+    num_attention_heads=16, num_key_value_heads=8, head_dim=256, query_pre_attn_scalar=256,
+    sliding_window=1024, max_position_embeddings=131072,
+    layer_types=(["sliding_attention"] * 5 + ["full_attention"]) * 8,
+)  # fmt: skip
+MODELS = {  # name: (class, config, FP8 config's skip rule)
+    "llama-3.1-8b": (LlamaModel, tiny_llama_config, LLAMA_8B, (0, -1)),
+    "gemma-3-12b": (Gemma3Model, tiny_gemma3_config, GEMMA3_12B, ("sliding_window",)),
+}
+SMOKE = {
+    "llama-3.1-8b": dict(num_hidden_layers=4),
+    "gemma-3-12b": dict(num_hidden_layers=6, sliding_window=32,
+                        layer_types=["sliding_attention"] * 5 + ["full_attention"]),
+}  # fmt: skip
+
+
+def kv_configs(skip) -> dict[str, KVCacheConfig]:
+    return {
+        "bf16": KVCacheConfig("auto", page_size=PAGE),
+        "fp8": KVCacheConfig("fp8", skip_layers=skip, page_size=PAGE),
+    }
+
+
+def make_kernel(name: str, smoke: bool):
+    if smoke:
+        return ReferenceKernel()
+    opts = dict(phases="decode", unfused_attention=False)
+    return FlashInferKernel(fp8_decode="xqa" if name == "xqa" else "tensor_cores", **opts)
+
+
+def build(model_name: str, kv: KVCacheConfig, kernel, device: str, smoke: bool, pages, windows):
+    cls, config_fn, shape, _ = MODELS[model_name]
+    overrides = SMOKE[model_name] if smoke else shape
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16)  # random weights made on the device, in bf16
+    try:
+        model = cls(config_fn(**overrides), kv, pages, dtype=torch.bfloat16, device=device,
+                    kernel=kernel, window_pages=windows).eval()  # fmt: skip
+    finally:
+        torch.set_default_dtype(old)
+    return model
+
+
+def step_bytes(model, batch: int, ctx: int, weight_bytes: int) -> int:
+    """Bytes a decode step reads: every weight once, each layer's live KV."""
+    kv = 0
+    for s in model.kv_specs:
+        tokens = ctx if s.sliding_window is None else min(ctx, s.sliding_window)
+        kv += batch * tokens * page_bytes(s) // s.page_size
+    return weight_bytes + kv
+
+
+def fill(model, batch: int, ctx: int, chunk: int) -> None:
+    """Reserve ``ctx - 1`` tokens per sequence in chunks (window pools release behind)."""
+    for i in range(batch):
+        done = 0
+        while done < ctx - 1:
+            n = min(chunk, ctx - 1 - done)
+            model.allocator.append(i, n)
+            done += n
+
+
+def random_caches(model) -> None:
+    for a in model.attention_layers:
+        cache = a.kv_cache
+        std = 16.0 if cache.dtype == torch.float8_e4m3fn else 1.0
+        for i in range(0, cache.shape[0], 4096):
+            part = cache[i : i + 4096]
+            part.copy_((torch.randn(part.shape, device=cache.device) * std).to(cache.dtype))
+
+
+@torch.no_grad()
+def point(model, fn, batch: int, ctx: int, args, profile: int) -> dict:
+    """One (batch, ctx) point through a DecodeGraphRunner; the pages are freed afterwards."""
+    alloc, device = model.allocator, str(model.device)
+    limit = ctx + args.warmup + args.steps + profile + 2
+    runner = DecodeGraphRunner(model, fn, batch_sizes=(batch,), max_context=limit,
+                               capture=device.startswith("cuda"))  # fmt: skip
+    try:
+        fill(model, batch, ctx, args.chunk)
+        vocab = model.config.vocab_size
+
+        def step():
+            ids = torch.randint(0, vocab, (batch,), device=device)
+            return runner(ids, alloc.build_batch([(i, 1) for i in range(batch)], device="cpu"))
+
+        t0 = time.perf_counter()
+        for _ in range(args.warmup):
+            step()
+        sync(device)
+        warm = time.perf_counter() - t0
+        gc.collect()
+        spin_gpu(device, 0.5)
+        cuda = device.startswith("cuda")
+        marks = [torch.cuda.Event(enable_timing=True) for _ in range(args.steps + 1)] if cuda else []
+        t0 = time.perf_counter()
+        for i in range(args.steps):
+            if cuda:
+                marks[i].record()
+            step()
+        if cuda:
+            marks[-1].record()
+        sync(device)
+        step_s = (time.perf_counter() - t0) / args.steps
+        times = sorted(a.elapsed_time(b) for a, b in zip(marks, marks[1:])) or [step_s * 1e3]
+        prof = profile_steps(step, device, profile) if profile else {}
+    finally:
+        for i in range(batch):
+            if i in alloc.sequences:
+                alloc.free(i)
+        runner.close()
+    return {"step_ms": step_s * 1e3, "step_median_ms": times[len(times) // 2],
+            "step_max_ms": times[-1], "tokens_per_s": batch / step_s,
+            "warmup_s_incl_capture": round(warm, 2), **prof}  # fmt: skip
+
+
+def run_variant(model_name: str, kv_name: str, kernel_name: str, args, env, copy_gbps) -> list[dict]:
+    _, _, _, skip = MODELS[model_name]
+    kv = kv_configs(skip)[kv_name]
+    device = "cpu" if args.smoke else "cuda"
+    kernel = make_kernel(kernel_name, args.smoke)
+    cap_ctx = args.capacity_ctx
+    margin = args.warmup + args.steps + args.profile_steps + 2
+    # 1. build with minimal pools, measure what memory is left, size the pools to it
+    probe = build(model_name, kv, kernel, device, args.smoke, 1, 1 if args.windowed else None)
+    weight_bytes = sum(p.numel() * p.element_size() for p in probe.parameters())
+    specs = probe.kv_specs
+    del probe
+    gc.collect()
+    if device == "cuda":
+        torch.cuda.empty_cache()
+        free = torch.cuda.mem_get_info()[0]
+    else:
+        free = args.smoke_budget_mib * 2**20
+    budget = int(free - args.headroom_gib * 2**30) if device == "cuda" else free
+    cap = max_seqs_for_budget(specs, budget, cap_ctx + margin, windowed=args.windowed,
+                              prefill_chunk=args.chunk)  # fmt: skip
+    max_batch = cap.max_seqs
+    model = build(model_name, kv, kernel, device, args.smoke, cap.num_pages,
+                  cap.window_pages or None)  # fmt: skip
+    if isinstance(kernel, FlashInferKernel):
+        from torch_kvq.attention.kernels import flashinfer_jit
+
+        flashinfer_jit.prebuild(kernel, model.kv_specs)
+    random_caches(model)
+    kv_bytes = sum(a.kv_cache.numel() * a.kv_cache.element_size() for a in model.attention_layers)
+    fn = torch.compile(model, backend=torch_kvq.kvq_backend)
+    base = {"model": model_name, "kv_config": kv_name, "kernel": kernel_name if kv_name == "fp8" else "bf16",
+            "kv_gib": kv_bytes / 2**30, "kv_budget_gib": budget / 2**30, "max_batch_at_capacity_ctx": max_batch,
+            "capacity_ctx": cap_ctx, "weights_gib": weight_bytes / 2**30, "windowed_pools": args.windowed,
+            "date": env["date_utc"], "gpu": env.get("gpu", "cpu"), "commit": args.commit}  # fmt: skip
+    points = [("ctx_sweep", 32 if not args.smoke else 2, c) for c in args.ctxs]
+    points += [("batch_sweep", b, cap_ctx) for b in args.batches if (b, cap_ctx) != (32, cap_ctx)
+               or cap_ctx not in args.ctxs]  # fmt: skip
+    points += [("capacity", max_batch, cap_ctx)]
+    rows = []
+    for kind, batch, ctx in points:
+        row = {**base, "sweep": kind, "batch": batch, "ctx": ctx}
+        need = plan_kv_memory(specs, batch, ctx + margin, windowed=args.windowed,
+                              prefill_chunk=args.chunk)  # fmt: skip
+        fits = need.num_pages <= cap.num_pages and all(
+            n <= cap.window_pages.get(w, 0) for w, n in need.window_pages.items()
+        )
+        nbytes = step_bytes(model, batch, ctx, weight_bytes)
+        row["bound_tokens_per_s"] = batch / (nbytes / (copy_gbps * 1e9)) if copy_gbps else None
+        row["fits"] = fits
+        if fits:
+            prof = args.profile_steps if (batch, ctx) == (32, 16384) else 0
+            try:
+                row.update(point(model, fn, batch, ctx, args, prof))
+                if row["bound_tokens_per_s"]:
+                    row["pct_of_bound"] = 100 * row["tokens_per_s"] / row["bound_tokens_per_s"]
+            except Exception as e:  # noqa: BLE001 - recorded, the other points still run
+                row["error"] = repr(e)[:400]
+        print({k: (round(v, 3) if isinstance(v, float) else v) for k, v in row.items()
+               if k not in ("kernels_per_step", "top_host_self_ms_per_step")}, flush=True)  # fmt: skip
+        rows.append(row)
+    del model, fn
+    gc.collect()
+    if device == "cuda":
+        torch.cuda.empty_cache()
+    torch._dynamo.reset()
+    return rows
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
+    ap.add_argument("--kv", nargs="+", default=["bf16", "fp8:tc", "fp8:xqa"])
+    ap.add_argument("--ctxs", type=int, nargs="+", default=[4096, 8192, 16384, 32768])
+    ap.add_argument("--batches", type=int, nargs="+", default=[8, 16, 32, 64])
+    ap.add_argument("--capacity-ctx", type=int, default=16384)
+    ap.add_argument("--steps", type=int, default=15)
+    ap.add_argument("--warmup", type=int, default=5)
+    ap.add_argument("--profile-steps", type=int, default=2)
+    ap.add_argument("--chunk", type=int, default=1024, help="tokens per fill append (one sequence)")
+    ap.add_argument("--headroom-gib", type=float, default=6.0,
+                    help="GPU memory kept for activations, workspaces and graphs")  # fmt: skip
+    ap.add_argument("--no-windowed", dest="windowed", action="store_false",
+                    help="one shared page table (sliding layers hold the whole context)")  # fmt: skip
+    ap.add_argument("--smoke", action="store_true", help="CPU, tiny shapes, reference kernel")
+    ap.add_argument("--smoke-budget-mib", type=int, default=64)
+    ap.add_argument("--commit", default=os.environ.get("KVQ_COMMIT") or _git_head())
+    args = ap.parse_args()
+    if args.smoke:
+        args.ctxs, args.batches, args.capacity_ctx = [64, 128], [1, 2], 96
+        args.steps, args.warmup, args.profile_steps, args.chunk = 2, 1, 0, 32
+    env = environment()
+    copy_gbps = None if args.smoke else copy_bandwidth()["GBps"]
+    rows = []
+    for m in args.models:
+        for v in args.kv:
+            kv_name, _, kernel_name = v.partition(":")
+            rows += run_variant(m, kv_name, kernel_name or "bf16", args, env, copy_gbps)
+            # after every variant: a run cut short by its time limit keeps what it measured
+            write_results("decode_at_scale", {"env": env, "copy_GBps": copy_gbps, "rows": rows},
+                          markdown(rows, env, copy_gbps))  # fmt: skip
+
+
+def _git_head() -> str:
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
+                              text=True, timeout=10).stdout.strip() or "unknown"  # fmt: skip
+    except Exception:  # noqa: BLE001
+        return "unknown"
+
+
+def markdown(rows: list[dict], env: dict, copy_gbps) -> str:
+    lines = [f"## Decode at scale ({env.get('gpu', 'cpu')}, {env['date_utc']}, copy {copy_gbps} GB/s)",
+             "", "| model | kv | kernel | batch | ctx | step ms | tokens/s | bound tokens/s | % bound | KV GiB |",
+             "|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
+    for r in rows:
+        if not r.get("fits"):
+            tps = "does not fit"
+        else:
+            tps = f"{r['tokens_per_s']:.0f}" if "tokens_per_s" in r else r.get("error", "?")
+        pct = f"{r['pct_of_bound']:.0f}" if "pct_of_bound" in r else ""
+        bound = f"{r['bound_tokens_per_s']:.0f}" if r.get("bound_tokens_per_s") else ""
+        step = f"{r['step_ms']:.2f}" if "step_ms" in r else ""
+        lines.append(f"| {r['model']} | {r['kv_config']} | {r['kernel']} | {r['batch']} | {r['ctx']} "
+                     f"| {step} | {tps} | {bound} | {pct} | {r['kv_gib']:.1f} |")  # fmt: skip
+    return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    main()
