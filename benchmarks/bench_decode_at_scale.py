@@ -180,23 +180,21 @@ def run_variant(model_name: str, kv_name: str, kernel_name: str, args, env, copy
     kernel = make_kernel(kernel_name, args.smoke)
     cap_ctx = args.capacity_ctx
     margin = args.warmup + args.steps + args.profile_steps + 2
-    # 1. build with minimal pools, measure what memory is left, size the pools to it
-    probe = build(model_name, kv, kernel, device, args.smoke, 1, 1 if args.windowed else None)
-    weight_bytes = sum(p.numel() * p.element_size() for p in probe.parameters())
-    specs = probe.kv_specs
-    del probe
-    gc.collect()
+    # build with minimal pools, measure the memory left beside the weights, size the pools to it
+    model = build(model_name, kv, kernel, device, args.smoke, 1, 1 if args.windowed else None)
+    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    specs = model.kv_specs
     if device == "cuda":
         torch.cuda.empty_cache()
         free = torch.cuda.mem_get_info()[0]
+        budget = int(free - args.headroom_gib * 2**30)
     else:
-        free = args.smoke_budget_mib * 2**20
-    budget = int(free - args.headroom_gib * 2**30) if device == "cuda" else free
+        budget = args.smoke_budget_mib * 2**20
     cap = max_seqs_for_budget(specs, budget, cap_ctx + margin, windowed=args.windowed,
                               prefill_chunk=args.chunk)  # fmt: skip
     max_batch = cap.max_seqs
-    model = build(model_name, kv, kernel, device, args.smoke, cap.num_pages,
-                  cap.window_pages or None)  # fmt: skip
+    model.num_pages, model.window_pages = cap.num_pages, cap.window_pages or None
+    model.configure_kv(kv)  # the caches at their planned size
     if isinstance(kernel, FlashInferKernel):
         from torch_kvq.attention.kernels import flashinfer_jit
 
