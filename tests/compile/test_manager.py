@@ -12,7 +12,7 @@ import torch
 
 from tests.compile.helpers import capture_graph, make_specs, nodes_of, run_passes, small_case
 from torch_kvq.passes import DEFAULT_PASSES, GraphReport, KVQPassManager, last_report
-from torch_kvq.passes.common import ATTENTION_FP8, QUANT_CACHE_WRITE, VIEW_OPS
+from torch_kvq.passes.graph_utils import ATTENTION_FP8, QUANT_CACHE_WRITE, VIEW_OPS
 from torch_kvq.spec import AttentionLayerInfo, KVCacheConfig, resolve_layer_specs
 
 UUID_SCRIPT = """

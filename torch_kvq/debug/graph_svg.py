@@ -11,7 +11,8 @@ from html import escape
 
 from torch import fx
 
-from torch_kvq.passes.common import get_stamp, op_args, op_label
+from torch_kvq.passes.graph_utils import op_args, op_label
+from torch_kvq.passes.stamp import get_stamp
 
 COLOURS = {
     "fused": ("#c8e6c9", "#2e7d32", "quantized layer, fused"),

@@ -16,7 +16,7 @@ from typing import ClassVar
 from torch import fx
 from torch._inductor.pattern_matcher import stable_topological_sort
 
-from torch_kvq.passes.common import PassContext
+from torch_kvq.passes.base import PassContext
 
 
 class CleanupPass:

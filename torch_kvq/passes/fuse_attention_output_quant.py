@@ -32,24 +32,21 @@ from typing import ClassVar
 
 from torch import fx
 
-from torch_kvq.passes.common import (
+from torch_kvq.passes.base import PassContext
+from torch_kvq.passes.graph_utils import (
     ATTENTION,
     ATTENTION_FP8,
-    META_KEY,
     VIEW_OPS,
-    PassContext,
-    StaticQuant,
     erase_dead,
-    get_stamp,
     has_output_scale,
     is_call,
     is_fp8_quant_end,
-    match_static_fp8_quant,
     op_args,
-    quant_mismatch,
     single_user_chain,
     skip_float_casts,
 )
+from torch_kvq.passes.quant_match import StaticQuant, match_static_fp8_quant, quant_mismatch
+from torch_kvq.passes.stamp import META_KEY, get_stamp
 
 DECISION = "fused output quant"
 

@@ -18,18 +18,17 @@ from typing import ClassVar
 
 from torch import fx
 
-from torch_kvq.passes.common import (
+from torch_kvq.passes.base import PassContext
+from torch_kvq.passes.graph_utils import (
     ATTENTION,
     ATTENTION_FP8,
     DEQUANTIZE,
-    META_KEY,
-    PassContext,
     erase_dead,
-    get_stamp,
     is_call,
     op_args,
     op_label,
 )
+from torch_kvq.passes.stamp import META_KEY, get_stamp
 
 DECISION = "fused dequant+attn"
 

@@ -32,24 +32,20 @@ from typing import ClassVar
 import torch
 from torch import fx
 
-from torch_kvq.passes.common import (
+from torch_kvq.passes.base import PassContext
+from torch_kvq.passes.graph_utils import (
     AUTO_FUNCTIONALIZED,
     CACHE_WRITE,
-    META_KEY,
     QUANT_CACHE_WRITE,
     QUANT_CACHE_WRITE_TS,
-    PassContext,
-    StaticQuant,
     erase_dead,
     float_cast_arg,
     functional_op,
-    get_stamp,
     is_call,
-    match_static_fp8_quant,
     node_dtype,
-    quant_mismatch,
-    short_dtype,
 )
+from torch_kvq.passes.quant_match import StaticQuant, match_static_fp8_quant, quant_mismatch
+from torch_kvq.passes.stamp import META_KEY, get_stamp, short_dtype
 
 DECISION = "fused quant+write"
 

@@ -24,11 +24,13 @@ from torch._inductor.custom_graph_pass import CustomGraphPass
 from torch_kvq.attention.kernels import capabilities as caps
 from torch_kvq.passes import common, report
 from torch_kvq.passes.annotate import AnnotatePass
+from torch_kvq.passes.base import KVQPass, PassContext
 from torch_kvq.passes.cleanup import CleanupPass
-from torch_kvq.passes.common import KVQPass, KVQStamp, PassContext, count_ops
 from torch_kvq.passes.fuse_attention_output_quant import FuseAttentionOutputQuantPass
 from torch_kvq.passes.fuse_dequant_attention import FuseDequantAttentionPass
 from torch_kvq.passes.fuse_quant_cache_write import FuseQuantCacheWritePass
+from torch_kvq.passes.graph_utils import count_ops
+from torch_kvq.passes.stamp import KVQStamp
 from torch_kvq.spec import LayerKVSpec, spec_table_key
 
 logger = logging.getLogger("torch_kvq")
