@@ -16,32 +16,12 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import difflib
 import html
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:  # torch is imported by the runner only: ``kvq dump --help`` stays fast
-    from torch import fx
-
-
-def write_pass_extras(folder: Path, pass_name: str, graph: fx.Graph) -> None:
-    """Beside ``<pass>.before.py`` / ``.after.py``: a unified diff and an SVG of the graph after."""
-    from torch_kvq.debug.graph_svg import graph_to_svg
-
-    before = folder / f"{pass_name}.before.py"
-    after = folder / f"{pass_name}.after.py"
-    if before.exists() and after.exists():
-        diff = difflib.unified_diff(
-            before.read_text().splitlines(keepends=True),
-            after.read_text().splitlines(keepends=True),
-            before.name,
-            after.name,
-        )
-        (folder / f"{pass_name}.diff").write_text("".join(diff))
-    (folder / f"{pass_name}.after.svg").write_text(
-        graph_to_svg(graph, f"{folder.name}: after {pass_name}")
-    )
+    pass
 
 
 def write_index(out: Path) -> Path:

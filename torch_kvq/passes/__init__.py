@@ -6,7 +6,7 @@ See ``passes/README.md`` for the graph invariants each pass keeps.
 
 from torch_kvq.passes.annotate import AnnotatePass
 from torch_kvq.passes.backend import KVQBackend, kvq_backend, make_kvq_backend
-from torch_kvq.passes.base import PassContext
+from torch_kvq.passes.base import KVQPass, PassContext
 from torch_kvq.passes.cleanup import CleanupPass
 from torch_kvq.passes.fuse_attention_output_quant import FuseAttentionOutputQuantPass
 from torch_kvq.passes.fuse_dequant_attention import FuseDequantAttentionPass
@@ -26,6 +26,7 @@ __all__ = [
     "FuseQuantCacheWritePass",
     "GraphReport",
     "KVQBackend",
+    "KVQPass",
     "KVQPassManager",
     "KVQStamp",
     "PassContext",

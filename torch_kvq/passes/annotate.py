@@ -18,7 +18,7 @@ from typing import ClassVar
 from torch import fx
 
 from torch_kvq.attention import registry
-from torch_kvq.passes.base import PassContext
+from torch_kvq.passes.base import KVQPass, PassContext
 from torch_kvq.passes.graph_utils import (
     ATTENTION,
     ATTENTION_FP8,
@@ -41,10 +41,11 @@ from torch_kvq.passes.stamp import META_KEY, KVQStamp, get_stamp, short_dtype
 from torch_kvq.spec import FP8_DTYPE
 
 
-class AnnotatePass:
+class AnnotatePass(KVQPass):
     """Stamp every kvq op node with its layer's spec and kernel decisions (see module doc)."""
 
     name: ClassVar[str] = "annotate"
+    writes_stamps: ClassVar[bool] = True
 
     def __call__(self, graph: fx.Graph, ctx: PassContext) -> int:
         stamped = 0

@@ -11,7 +11,7 @@ from html import escape
 
 from torch import fx
 
-from torch_kvq.passes.graph_utils import op_args, op_label
+from torch_kvq.passes.graph_utils import has_output_scale, op_label
 from torch_kvq.passes.stamp import get_stamp
 
 COLOURS = {
@@ -35,10 +35,7 @@ def node_kind(node: fx.Node) -> str:
 
 def _label(node: fx.Node) -> str:
     label = op_label(node).replace("kvq.", "")
-    if label == "paged_attention_fp8" and (
-        op_args(node).get("output_scale") is not None
-        or op_args(node).get("output_scale_tensor") is not None
-    ):
+    if label == "paged_attention_fp8" and has_output_scale(node):
         label += " (fp8 out)"
     return label
 
