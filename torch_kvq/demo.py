@@ -20,18 +20,8 @@ DEFAULT_COMPILE = "kvq-eager"
 PROMPT_LENS = (5, 23, 12)
 
 
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive int, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive int, got {text!r}")
-    return value
-
-
 def add_parser(sub: Any) -> None:
-    from torch_kvq.cli import SUBCOMMANDS, add_model_args
+    from torch_kvq.cli_args import SUBCOMMANDS, add_model_args, positive_int
 
     p = sub.add_parser(
         "demo",
@@ -40,7 +30,7 @@ def add_parser(sub: Any) -> None:
         "and compare its logits with an all-bf16 run fed the same tokens.",
     )
     add_model_args(p)  # --preset --kv-cache-dtype --skip/--no-skip --page-size --layers --seed
-    p.add_argument("--max-new-tokens", type=_positive_int, default=8)
+    p.add_argument("--max-new-tokens", type=positive_int, default=8)
     p.add_argument(
         "--compile",
         choices=COMPILE_MODES,
@@ -54,7 +44,7 @@ def add_parser(sub: Any) -> None:
 
 def _kvq_backend(mode: str) -> Any:
     """The compile backend for ``--compile kvq`` / ``kvq-eager``, imported only then."""
-    from torch_kvq.cli import CommandError
+    from torch_kvq.cli_args import CommandError
 
     try:
         from torch_kvq.passes import kvq_backend, make_kvq_backend
@@ -87,7 +77,7 @@ def _progress(label: str, times: list[float] | None = None, width: int = 24):
 def run(args: argparse.Namespace) -> int:
     import torch
 
-    from torch_kvq.cli import kv_config_from_args, model_from_args
+    from torch_kvq.cli_args import kv_config_from_args, model_from_args
     from torch_kvq.models import generate
     from torch_kvq.spec import KVCacheConfig, format_spec_table
 

@@ -11,7 +11,7 @@ DEFAULT_THRESHOLD_DB = 30.0  # a copy of torch_kvq.debug.accuracy's, which impor
 
 
 def add_parser(sub: Any) -> None:
-    from torch_kvq.cli import SUBCOMMANDS, add_model_args
+    from torch_kvq.cli_args import SUBCOMMANDS, add_model_args
 
     p = sub.add_parser(
         "accuracy",
@@ -43,7 +43,7 @@ def add_parser(sub: Any) -> None:
 def run(args: argparse.Namespace) -> int:
     import torch
 
-    from torch_kvq.cli import CommandError, kv_config_from_args, model_from_args, model_label
+    from torch_kvq.cli_args import CommandError, kv_config_from_args, model_from_args, model_label
     from torch_kvq.debug.accuracy import layer_accuracy
 
     for path in (args.plot, args.json):

@@ -49,7 +49,7 @@ def _depyf_context(folder: Path, want: bool) -> contextlib.AbstractContextManage
     """depyf's ``prepare_debug`` if asked for; a clear error if the ``debug`` extra is missing."""
     if not want:
         return contextlib.nullcontext()
-    from torch_kvq.cli import CommandError
+    from torch_kvq.cli_args import CommandError
 
     try:
         import depyf
@@ -62,7 +62,7 @@ def _depyf_context(folder: Path, want: bool) -> contextlib.AbstractContextManage
 
 
 def add_parser(sub: Any) -> None:
-    from torch_kvq.cli import add_model_args
+    from torch_kvq.cli_args import add_model_args
 
     p = sub.add_parser(
         "dump",
@@ -89,7 +89,7 @@ def add_parser(sub: Any) -> None:
 
 
 def _prepare_out(out: Path) -> None:
-    from torch_kvq.cli import CommandError
+    from torch_kvq.cli_args import CommandError
 
     try:
         out.mkdir(parents=True, exist_ok=True)
@@ -103,7 +103,7 @@ def _prepare_out(out: Path) -> None:
 def run(args: argparse.Namespace) -> int:
     import torch
 
-    from torch_kvq.cli import kv_config_from_args, model_from_args
+    from torch_kvq.cli_args import kv_config_from_args, model_from_args
     from torch_kvq.debug.plan import format_plan, layer_plan
     from torch_kvq.models import generate
     from torch_kvq.passes import make_kvq_backend, recent_reports
