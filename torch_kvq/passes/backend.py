@@ -27,6 +27,7 @@ from typing import Any
 import torch
 from torch import fx
 
+from torch_kvq import progress
 from torch_kvq.attention import registry
 from torch_kvq.attention.context import get_forward_context
 from torch_kvq.attention.kernels import capabilities as caps
@@ -177,9 +178,13 @@ class KVQBackend:
     def __call__(self, gm: fx.GraphModule, example_inputs: Sequence[Any]) -> Callable[..., Any]:
         manager = self.manager_for(gm)
         self.managers.append(manager)
-        if self.inner == "eager":
-            return self._eager(gm, example_inputs, manager)
-        return self._inductor(gm, example_inputs, manager)
+        n = len(manager.specs)
+        then = "Inductor" if self.inner == "inductor" else "no codegen"
+        what = f"compiling: kvq passes + {then} ({n} attention layer{'s' if n != 1 else ''})"
+        with progress.activity(what):  # a ticking line on a terminal, else nothing
+            if self.inner == "eager":
+                return self._eager(gm, example_inputs, manager)
+            return self._inductor(gm, example_inputs, manager)
 
     def _eager(
         self, gm: fx.GraphModule, example_inputs: Sequence[Any], manager: KVQPassManager

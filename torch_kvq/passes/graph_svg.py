@@ -12,7 +12,7 @@ from html import escape
 from torch import fx
 
 from torch_kvq.passes.graph_utils import has_output_scale, op_label
-from torch_kvq.passes.stamp import get_stamp
+from torch_kvq.passes.stamp import get_stamp, short_dtype
 
 COLOURS = {
     "fused": ("#c8e6c9", "#2e7d32", "quantized layer, fused"),
@@ -87,7 +87,10 @@ def graph_to_svg(graph: fx.Graph, title: str = "") -> str:
     for col, layer in enumerate(layers):
         spec = get_stamp(columns[layer][0]).spec  # type: ignore[union-attr]
         x = 20 + col * (BOX_W + COL_GAP)
-        head = f"L{spec.index} {spec.attention_type} {spec.mode.value}"
+        kept = f"kept {short_dtype(spec.model_dtype)}"
+        head = (
+            f"L{spec.index} {spec.attention_type}: {spec.mode.value if spec.is_quantized else kept}"
+        )
         out.append(f'<text x="{x}" y="{TOP + 18}" font-weight="bold">{escape(head)}</text>')
     for node in stamped:
         for src in _inputs_through_unstamped(node, stamped):
