@@ -60,3 +60,12 @@ def test_env_forces_it_on_or_off(monkeypatch):
     assert progress.enabled(io.StringIO())
     monkeypatch.setenv(progress.ENV, "0")
     assert not progress.enabled(Terminal())
+
+
+def test_echo_prints_above_the_line(monkeypatch, capsys):
+    monkeypatch.delenv(progress.ENV, raising=False)
+    stream = Terminal()
+    with progress.Progress("bench", 2, stream=stream, interval=10) as bar:
+        bar.echo("| row 1 |")
+    assert capsys.readouterr().out == "| row 1 |\n"
+    assert "\r\x1b[K" in stream.getvalue()  # the line was cleared before the print

@@ -95,6 +95,15 @@ class Progress:
                 self._stack.pop()
         self._draw()
 
+    def echo(self, text: object) -> None:
+        """Print ``text`` on stdout above the progress line (which a plain print would split)."""
+        with _lock:
+            if self.enabled and not self._closed:
+                self.stream.write("\r\x1b[K")
+                self.stream.flush()
+            print(text, flush=True)
+        self._draw()
+
     def line(self) -> str:
         """The text drawn now (without the carriage return)."""
         now = time.perf_counter()
