@@ -50,7 +50,8 @@ class KVQPass:
       fusion pass; its decision for a fused layer is ``"fused " + fusion``. None: not a fusion.
 
     ``uuid()`` keys Inductor's FX graph cache: by default a hash of the class's source; a pass
-    whose behaviour depends on constructor arguments must override it to include them.
+    whose behaviour depends on constructor arguments, or on helpers outside its class, must
+    override it to cover them.
     """
 
     name: ClassVar[str]
