@@ -105,3 +105,20 @@ def test_depyf_warning_a_user_cannot_act_on_is_silenced(tmp_path) -> None:
     assert not [w for w in seen if "trying to debug" in str(w.message)], [
         str(w.message) for w in seen
     ]
+
+
+def test_phase_labels_count_by_graph_id_when_the_report_list_is_full() -> None:
+    """recent_reports() keeps the newest 64; a dump run late in a process still finds its graphs."""
+    from torch_kvq.debug.dump import _label, _last_graph_id
+    from torch_kvq.passes import report
+
+    def add(folder):
+        report.record(report.GraphReport(report.next_graph_id(), {}, {}, {}, {}, 0.0, folder))
+
+    for _ in range(70):
+        add(None)
+    seen = _last_graph_id()
+    add("/x/passes/graph_900")
+    phases: dict[str, str] = {}
+    assert [r.dump_dir for r in _label(seen, "decode", phases)] == ["/x/passes/graph_900"]
+    assert phases == {"graph_900": "decode"}

@@ -18,7 +18,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import warnings
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -95,7 +95,7 @@ def run(args: argparse.Namespace) -> int:
     from torch_kvq.debug.dump_index import write_index
     from torch_kvq.debug.plan import format_plan, layer_plan
     from torch_kvq.models import generate
-    from torch_kvq.passes import make_kvq_backend, recent_reports
+    from torch_kvq.passes import make_kvq_backend
     from torch_kvq.progress import Progress
 
     out: Path = args.out
@@ -118,14 +118,14 @@ def run(args: argparse.Namespace) -> int:
         # depyf watches the first (prefill) compile only: on torch 2.13 its decompiler recurses
         # without end on the recompiled decode frame (depyf 0.20). The decode graph is still dumped.
         bar.update(status="prefill call (depyf watching)")
-        seen = len(recent_reports())
+        seen = _last_graph_id()  # recent_reports() keeps the newest 64: count by graph id
         with _depyf_context(out / "depyf", not args.no_depyf):
             generate(model, prompts, 1, forward=compiled)
-        reports += _label(recent_reports()[seen:], "prefill", phases)
+        reports += _label(seen, "prefill", phases)
         bar.update(1, status="decode call")
-        seen = len(recent_reports())
+        seen = _last_graph_id()
         generate(model, prompts, 2, forward=compiled)
-        reports += _label(recent_reports()[seen:], "decode", phases)
+        reports += _label(seen, "decode", phases)
         bar.update(2, status="writing index.html")
         title = (
             f"{model_label(args)}, kv_cache_dtype {kv.kv_cache_dtype!r}, skip_layers "
@@ -142,9 +142,19 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _label(reports: Sequence[GraphReport], phase: str, phases: dict[str, str]) -> list[GraphReport]:
-    """Record ``phase`` for the dump folders of ``reports`` (the graphs one call compiled)."""
-    for r in reports:
+def _last_graph_id() -> int:
+    from torch_kvq.passes import recent_reports
+
+    return max((r.graph_id for r in recent_reports()), default=-1)
+
+
+def _label(last_id: int, phase: str, phases: dict[str, str]) -> list[GraphReport]:
+    """The reports of the graphs compiled since graph ``last_id`` (one call's), their dump
+    folders recorded as ``phase`` in ``phases``."""
+    from torch_kvq.passes import recent_reports
+
+    new = [r for r in recent_reports() if r.graph_id > last_id]
+    for r in new:
         if r.dump_dir is not None:
             phases[Path(r.dump_dir).name] = phase
-    return list(reports)
+    return new
