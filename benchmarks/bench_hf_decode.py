@@ -34,6 +34,7 @@ from gpu_common import copy_bandwidth, environment, write_results  # noqa: E402
 import torch_kvq  # noqa: E402
 from torch_kvq.attention.graph_runner import DecodeGraphRunner  # noqa: E402
 from torch_kvq.attention.kernels import FlashInferKernel, ReferenceKernel  # noqa: E402
+from torch_kvq.progress import Progress  # noqa: E402
 from torch_kvq.spec import KVCacheConfig  # noqa: E402
 
 LLAMA_8B = dict(
@@ -174,9 +175,10 @@ def main() -> None:
     extra = args.warmup + args.steps + args.profile_steps + 8
     pages = args.batch * (-(-(max(args.ctx) + extra) // 16)) + 16
     make_kernel, rows = kernels(args), []
-    for label, kind, kv, kopts in kvq_variants(args):
-        if args.only and not any(o in label for o in args.only):
-            continue
+    todo = [v for v in kvq_variants(args) if not args.only or any(o in v[0] for o in args.only)]
+    bar = Progress("bench_hf_decode", len(todo), unit="variants")
+    for label, kind, kv, kopts in todo:
+        bar.update(status=label)
         model = fn = None
         try:
             model = build_kvq(kind, hf, shape, kv, make_kernel(**kopts), pages, args.device)
@@ -187,17 +189,19 @@ def main() -> None:
             for ctx in args.ctx:
                 rows.append(run(label, model, fn, args.batch, ctx, args.steps, args.warmup,
                                 args.device, args.profile_steps))  # fmt: skip
-                print(rows[-1], flush=True)
+                bar.echo(rows[-1])
         except Exception as e:  # noqa: BLE001 - recorded, the other variants still run
             rows.append({"variant": label, "batch": args.batch, "ctx": 0, "error": repr(e)[:400]})
-            print(rows[-1], flush=True)
+            bar.echo(rows[-1])
         finally:
+            bar.update(bar.done + 1)
             if kind == "hf" and model is not None:
                 model.detach()
             model = fn = None
             torch._dynamo.reset()
             if args.device == "cuda":
                 torch.cuda.empty_cache()
+    bar.close()
     if not args.only or any(o in HF_STATIC for o in args.only):
         for ctx in args.ctx:
             try:

@@ -46,6 +46,7 @@ import torch_kvq  # noqa: E402
 from torch_kvq.attention import Attention  # noqa: E402
 from torch_kvq.attention.graph_runner import DecodeGraphRunner  # noqa: E402
 from torch_kvq.attention.kernels import FlashInferKernel, ReferenceKernel  # noqa: E402
+from torch_kvq.progress import Progress  # noqa: E402
 from torch_kvq.spec import KVCacheConfig  # noqa: E402
 
 # Gemma-2/3-like at a realistic attention size: 8 layers alternating sliding (window 4096) and
@@ -319,9 +320,10 @@ def main() -> None:
         args.batch * (-(-(max(args.ctx) + args.warmup + args.steps + args.profile_steps + 8) // 16))
         + 16
     )
-    for label, kv, kernel, how in variants(args):
-        if args.only and not any(o in label for o in args.only):
-            continue
+    todo = [v for v in variants(args) if not args.only or any(o in v[0] for o in args.only)]
+    bar = Progress("bench_model_decode", len(todo) * len(args.ctx), unit="runs")
+    for label, kv, kernel, how in todo:
+        bar.update(status=f"{label}: building")
         try:
             model = build(
                 args.preset, kv, kernel, pages, args.device, args.tiny, args.fuse_projections
@@ -338,9 +340,11 @@ def main() -> None:
                 )  # fmt: skip
         except Exception as e:  # noqa: BLE001 - recorded, the other variants still run
             rows.append({"variant": label, "batch": args.batch, "ctx": 0, "error": repr(e)[:400]})
-            print(rows[-1], flush=True)
+            bar.echo(rows[-1])
+            bar.update(bar.done + len(args.ctx))
             continue
         for ctx in args.ctx:
+            bar.update(status=f"{label}, batch {args.batch} x {ctx}")
             try:
                 rows.append(
                     run(
@@ -359,11 +363,13 @@ def main() -> None:
                 rows.append(
                     {"variant": label, "batch": args.batch, "ctx": ctx, "error": repr(e)[:400]}
                 )
-            print(rows[-1], flush=True)
+            bar.echo(rows[-1])
+            bar.update(bar.done + 1)
         model = fn = None
         torch._dynamo.reset()
         if args.device == "cuda":
             torch.cuda.empty_cache()
+    bar.close()
     lines = ["## Model decode step (FlashInfer)", ""] + [f"- {k}: {v}" for k, v in env.items()]
     lines += [f"- preset {args.preset} {'(tiny)' if args.tiny else '(BENCH_OVERRIDES)'}, "
               f"kernel {args.kernel}, {args.steps} steps after {args.warmup} warm-up steps"

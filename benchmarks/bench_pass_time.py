@@ -28,6 +28,7 @@ from torch import fx
 
 from torch_kvq.models import build_model
 from torch_kvq.passes import KVQPassManager, kvq_backend, make_kvq_backend
+from torch_kvq.progress import Progress, activity
 from torch_kvq.spec import KVCacheConfig
 
 CFG = KVCacheConfig(kv_cache_dtype="fp8", skip_layers=("sliding_window",))
@@ -118,15 +119,20 @@ def main() -> None:
         "| layers | graph nodes | passes (median) ms | ms / layer | annotate | quant+write | dequant+attn | output quant | cleanup |",
         "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
+    bar = Progress("bench_pass_time", len(args.layers), unit="models")
     for n in args.layers:
+        bar.update(status=f"{n} layers: capture, then the passes x {args.repeat}")
         gm, manager, _model_alive = capture(n)
         t, nodes, per = pass_time(gm, manager, args.repeat)
         cells = [f"{per[p] * 1e3:.1f}" for p in manager.pass_names]
         rows.append(
             f"| {n} | {nodes} | {t * 1e3:.1f} | {t * 1e3 / n:.2f} | " + " | ".join(cells) + " |"
         )
-        print(rows[-1], flush=True)
-    total, passes = compile_share(args.share_layers)
+        bar.echo(rows[-1])
+        bar.update(bar.done + 1)
+    bar.close()
+    with activity(f"first compile of a {args.share_layers}-layer model"):
+        total, passes = compile_share(args.share_layers)
     share = (
         f"At {args.share_layers} layers, the first call of `torch.compile(model, backend=kvq_backend)` "
         f"took {total:.1f} s (Dynamo + AOT + passes + Inductor, caches off); the passes took "

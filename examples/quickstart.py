@@ -12,12 +12,14 @@ from torch_kvq import KVCacheConfig, format_spec_table, kvq_backend
 from torch_kvq.attention import calibrate_kv_scales
 from torch_kvq.models import build_model, generate
 from torch_kvq.passes import last_report
+from torch_kvq.progress import activity  # a ticking line on stderr while a long step runs
 
 prompts = [[1, 5, 9, 14, 3, 7, 2], [8, 2, 4]]
 
 # 1. Calibrate static k/v scales on the bf16 model (amax / 448 per layer).
 model = build_model("gemma3-tiny", KVCacheConfig())
-scales = calibrate_kv_scales(model, lambda: generate(model, prompts, max_new_tokens=2))
+with activity("calibrating k/v scales (bf16 model, eager)"):
+    scales = calibrate_kv_scales(model, lambda: generate(model, prompts, max_new_tokens=2))
 
 # 2. FP8 KV cache everywhere except the sliding-window layers, which keep their bf16 cache.
 model.configure_kv(KVCacheConfig("fp8", skip_layers=("sliding_window",), kv_scales=scales))
@@ -26,9 +28,12 @@ print()
 
 # 3. Compile with the kvq passes (Inductor underneath); dynamic=True: one graph serves the prefill
 #    and the decode steps. generate: one mixed prefill batch, then decode steps.
+#    The first call compiles (about a minute on 2 CPU cores); the line on stderr says so.
 compiled = torch.compile(model, backend=kvq_backend, dynamic=True)
-out = generate(model, prompts, max_new_tokens=4, forward=compiled)
-eager = generate(model, prompts, max_new_tokens=4, force_tokens=out.tokens)  # the unfused form
+with activity("generating with the compiled model (the first call compiles)"):
+    out = generate(model, prompts, max_new_tokens=4, forward=compiled)
+with activity("generating eagerly (the unfused reference form)"):
+    eager = generate(model, prompts, max_new_tokens=4, force_tokens=out.tokens)
 
 # 4. What was fused, per layer (the report of the last compiled graph).
 report = last_report()

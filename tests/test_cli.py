@@ -21,7 +21,9 @@ def run_main(capsys, *argv: str) -> tuple[int, str, str]:
     return code, out, err
 
 
-def test_demo_default_gemma_fp8_with_sliding_layers_kept(capsys):
+def test_demo_default_gemma_fp8_with_sliding_layers_kept(capsys, monkeypatch):
+    monkeypatch.setenv("TORCH_KVQ_PROGRESS", "1")  # progress as on a terminal
+    monkeypatch.setenv("COLUMNS", "300")  # a wide one: lines are cut to the terminal's width
     code, out, err = run_main(capsys, "demo", "--max-new-tokens", "3")
     assert code == 0, err
     rows = [line.split() for line in out.splitlines() if re.match(r"^\d+\s+model", line)]
@@ -36,6 +38,7 @@ def test_demo_default_gemma_fp8_with_sliding_layers_kept(capsys):
     # the default compiles with the kvq passes, shows progress and timings
     assert "compile kvq-eager" in out and "fused quant+write" in out
     assert "[########################] 3/3 steps" in err and "all-bf16 eager" in err
+    assert "prefill (the first call traces and compiles) > compiling: kvq passes" in err
     assert re.search(r"timings: all-bf16 eager [\d.]+ s; quantized \(kvq-eager\) [\d.]+ s", out)
     # a newcomer reads why the generations repeat and what the CPU timings are not
     assert "The weights are random" in out and "say nothing about speed on a GPU" in out

@@ -1173,6 +1173,26 @@ def _() -> object:
     return make_kvq_backend(passes=["annotate", "fuse_everything"])
 
 
+@case("graph.pass-not-a-pass")
+def _() -> object:
+    from torch_kvq.passes import AnnotatePass, make_kvq_backend
+
+    return make_kvq_backend(passes=["annotate", AnnotatePass])
+
+
+@case("graph.pass-uuid-empty")
+def _() -> object:
+    from torch_kvq.passes import CleanupPass, make_kvq_backend
+
+    class NoKey(CleanupPass):
+        name = "no_key"
+
+        def uuid(self) -> None:  # type: ignore[override]
+            return None
+
+    return make_kvq_backend(passes=["annotate", NoKey()])
+
+
 @case("graph.fusion-before-annotate")
 def _() -> object:
     from torch_kvq.passes import KVQPassManager

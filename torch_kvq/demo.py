@@ -9,7 +9,6 @@ the same tokens.
 from __future__ import annotations
 
 import argparse
-import sys
 import time
 from typing import Any
 
@@ -20,18 +19,8 @@ DEFAULT_COMPILE = "kvq-eager"
 PROMPT_LENS = (5, 23, 12)
 
 
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive int, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive int, got {text!r}")
-    return value
-
-
 def add_parser(sub: Any) -> None:
-    from torch_kvq.cli import SUBCOMMANDS, add_model_args
+    from torch_kvq.cli_args import SUBCOMMANDS, add_model_args, positive_int
 
     p = sub.add_parser(
         "demo",
@@ -40,7 +29,7 @@ def add_parser(sub: Any) -> None:
         "and compare its logits with an all-bf16 run fed the same tokens.",
     )
     add_model_args(p)  # --preset --kv-cache-dtype --skip/--no-skip --page-size --layers --seed
-    p.add_argument("--max-new-tokens", type=_positive_int, default=8)
+    p.add_argument("--max-new-tokens", type=positive_int, default=8)
     p.add_argument(
         "--compile",
         choices=COMPILE_MODES,
@@ -54,7 +43,7 @@ def add_parser(sub: Any) -> None:
 
 def _kvq_backend(mode: str) -> Any:
     """The compile backend for ``--compile kvq`` / ``kvq-eager``, imported only then."""
-    from torch_kvq.cli import CommandError
+    from torch_kvq.cli_args import CommandError
 
     try:
         from torch_kvq.passes import kvq_backend, make_kvq_backend
@@ -66,28 +55,28 @@ def _kvq_backend(mode: str) -> Any:
     return kvq_backend if mode == "kvq" else make_kvq_backend(inner="eager")
 
 
-def _progress(label: str, times: list[float] | None = None, width: int = 24):
-    """An ``on_step`` callback drawing a progress bar on stderr (one line, redrawn)."""
+def _bar(
+    label: str, total: int, times: list[float] | None = None, compiled: bool = False
+) -> tuple[Any, Any]:
+    """A progress bar on stderr (terminal only) and the ``on_step`` callback that moves it: the
+    step running is the prefill, then decode steps (a compile shows inside the step needing it)."""
+    from torch_kvq.progress import Progress
+
+    bar = Progress(label, total)
+    bar.update(status="prefill (the first call traces and compiles)" if compiled else "prefill")
 
     def on_step(done: int, total: int, seconds: float) -> None:
         if times is not None:
             times.append(seconds)
-        bar = "#" * (width * done // total)
-        end = "\n" if done == total else ""
-        print(
-            f"\r{label:>24} [{bar:<{width}}] {done}/{total} steps",
-            end=end,
-            file=sys.stderr,
-            flush=True,
-        )
+        bar.update(done, status=f"decode step {done}" if done < total else "done")
 
-    return on_step
+    return bar, on_step
 
 
 def run(args: argparse.Namespace) -> int:
     import torch
 
-    from torch_kvq.cli import kv_config_from_args, model_from_args
+    from torch_kvq.cli_args import kv_config_from_args, model_from_args
     from torch_kvq.models import generate
     from torch_kvq.spec import KVCacheConfig, format_spec_table
 
@@ -97,23 +86,28 @@ def run(args: argparse.Namespace) -> int:
     forward = None
     if args.compile != "off":
         forward = torch.compile(model, backend=_kvq_backend(args.compile))
-        print(f"kvq demo: compiling with --compile {args.compile} ...", file=sys.stderr)
     gen = torch.Generator().manual_seed(args.seed)
     vocab = model.config.vocab_size
     prompts = [torch.randint(0, vocab, (n,), generator=gen).tolist() for n in PROMPT_LENS]
 
     t0 = time.perf_counter()
-    ref = generate(ref_model, prompts, args.max_new_tokens, on_step=_progress("all-bf16 eager"))
+    bar, on_step = _bar("all-bf16 eager", args.max_new_tokens)
+    with bar:
+        ref = generate(ref_model, prompts, args.max_new_tokens, on_step=on_step)
     t1 = time.perf_counter()
     step_times: list[float] = []
-    out = generate(
-        model,
-        prompts,
-        args.max_new_tokens,
-        forward=forward,
-        force_tokens=ref.tokens,
-        on_step=_progress(f"quantized ({args.compile})", step_times),
+    bar, on_step = _bar(
+        f"quantized ({args.compile})", args.max_new_tokens, step_times, forward is not None
     )
+    with bar:
+        out = generate(
+            model,
+            prompts,
+            args.max_new_tokens,
+            forward=forward,
+            force_tokens=ref.tokens,
+            on_step=on_step,
+        )
     t2 = time.perf_counter()
 
     cache_kib = {

@@ -10,16 +10,16 @@ import torch
 from tests.compile.helpers import capture_graph, make_specs, run_passes, small_case, torch_quant
 from torch_kvq.attention import Attention, PageAllocator, ReferenceKernel, forward_context, registry
 from torch_kvq.passes import KVQStamp, make_kvq_backend
-from torch_kvq.passes.common import (
+from torch_kvq.passes.graph_utils import (
     ATTENTION,
     AUTO_FUNCTIONALIZED,
     CACHE_WRITE,
     DEQUANTIZE,
     QUANTIZE,
     functional_op,
-    get_stamp,
     kvq_nodes,
 )
+from torch_kvq.passes.stamp import get_stamp
 from torch_kvq.spec import KVQuantMode
 
 

@@ -15,15 +15,15 @@ from tests.compile.helpers import (
 )
 from torch_kvq.attention.kernels.capabilities import register_capabilities
 from torch_kvq.passes import DEFAULT_PASSES
-from torch_kvq.passes.common import (
+from torch_kvq.passes.graph_utils import (
     ATTENTION,
     ATTENTION_FP8,
     QUANTIZE,
     VIEW_OPS,
     count_ops,
-    get_stamp,
     op_args,
 )
+from torch_kvq.passes.stamp import get_stamp
 from torch_kvq.spec import KVQuantMode
 
 

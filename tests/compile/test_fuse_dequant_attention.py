@@ -8,14 +8,14 @@ import torch
 
 from tests.compile.helpers import capture_graph, manual_case, nodes_of, run_passes, small_case
 from torch_kvq.attention.kernels.capabilities import register_capabilities
-from torch_kvq.passes.common import (
+from torch_kvq.passes.graph_utils import (
     ATTENTION,
     ATTENTION_FP8,
     DEQUANTIZE,
     QUANT_CACHE_WRITE,
-    get_stamp,
     op_args,
 )
+from torch_kvq.passes.stamp import get_stamp
 from torch_kvq.spec import FP8_DTYPE, KVQuantMode
 
 PASSES = ["annotate", "fuse_quant_cache_write", "fuse_dequant_attention", "cleanup"]

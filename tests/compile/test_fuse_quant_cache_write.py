@@ -17,7 +17,8 @@ from tests.compile.helpers import (
     torch_quant,
 )
 from torch_kvq.attention.kernels.capabilities import register_capabilities
-from torch_kvq.passes.common import CACHE_WRITE, QUANT_CACHE_WRITE, QUANTIZE, get_stamp
+from torch_kvq.passes.graph_utils import CACHE_WRITE, QUANT_CACHE_WRITE, QUANTIZE
+from torch_kvq.passes.stamp import get_stamp
 from torch_kvq.spec import KVQuantMode
 
 PASSES = ["annotate", "fuse_quant_cache_write", "cleanup"]

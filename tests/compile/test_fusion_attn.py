@@ -33,7 +33,7 @@ from tests.compile.helpers import (
 from torch_kvq.attention import ReferenceKernel, forward_context
 from torch_kvq.attention.kernels.capabilities import device_arch
 from torch_kvq.passes import make_kvq_backend, make_stamp
-from torch_kvq.passes.common import ATTENTION_FP8, op_args
+from torch_kvq.passes.graph_utils import ATTENTION_FP8, op_args
 
 HEAD_SIZE = 128
 

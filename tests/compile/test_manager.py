@@ -11,8 +11,11 @@ import pytest
 import torch
 
 from tests.compile.helpers import capture_graph, make_specs, nodes_of, run_passes, small_case
-from torch_kvq.passes import DEFAULT_PASSES, GraphReport, KVQPassManager, last_report
-from torch_kvq.passes.common import ATTENTION_FP8, QUANT_CACHE_WRITE, VIEW_OPS
+from torch_kvq import make_kvq_backend
+from torch_kvq.attention import ReferenceKernel, forward_context
+from torch_kvq.passes import DEFAULT_PASSES, GraphReport, KVQPass, KVQPassManager, last_report
+from torch_kvq.passes.graph_utils import ATTENTION_FP8, QUANT_CACHE_WRITE, VIEW_OPS
+from torch_kvq.passes.stamp import get_stamp
 from torch_kvq.spec import AttentionLayerInfo, KVCacheConfig, resolve_layer_specs
 
 UUID_SCRIPT = """
@@ -194,3 +197,69 @@ def test_cache_key_covers_every_source_the_passes_run(monkeypatch, edited):
         monkeypatch.undo()
         m._package_digest.cache_clear()
     assert before != after
+
+
+class TagAttentionPass(KVQPass):
+    """A user pass: tags every stamped attention node's layer (a decision, no rewrite)."""
+
+    name = "tag_attention"
+    reads_stamps = True
+    fusion = "tagged"
+
+    def __call__(self, graph, ctx):
+        matches = 0
+        for node in nodes_of_graph(graph, ATTENTION_FP8):
+            ctx.decide(get_stamp(node).layer, self.decision())
+            matches += 1
+        return matches
+
+
+class OtherTagPass(TagAttentionPass):
+    """Same name, other source: another cache key."""
+
+    def __call__(self, graph, ctx):
+        return 0
+
+
+def nodes_of_graph(graph, op):
+    return [n for n in graph.nodes if n.op == "call_function" and n.target is op]
+
+
+def test_user_pass_object_runs_through_make_kvq_backend():
+    model, md, inputs = small_case("op")
+    passes = [*DEFAULT_PASSES[:-1], TagAttentionPass(), "cleanup"]
+    backend = make_kvq_backend(inner="eager", passes=passes, kernel="reference")
+    torch._dynamo.reset()
+    with torch.no_grad(), forward_context(md, model.specs, ReferenceKernel()):
+        torch.compile(model, backend=backend, fullgraph=True)(*inputs)
+    rep = backend.managers[-1].last
+    assert list(rep.per_pass) == [*DEFAULT_PASSES[:-1], "tag_attention", "cleanup"]
+    assert rep.per_pass["tag_attention"].matches == 2  # the two FP8 layers
+    names = [s.name for s in model.specs]
+    assert rep.per_layer[names[0]]["tag_attention"] == "fused tagged"
+    assert "tagged" in rep.fused(names[0]) and "tag_attention" in rep.format()
+    assert "output quant 2, tagged 2" in rep.summary()
+
+
+def test_user_pass_object_is_part_of_the_cache_key():
+    specs = fixed_specs()
+    plain = KVQPassManager(specs, passes=["annotate", "cleanup"])
+    tagged = KVQPassManager(specs, passes=["annotate", TagAttentionPass(), "cleanup"])
+    other = KVQPassManager(specs, passes=["annotate", OtherTagPass(), "cleanup"])
+    again = KVQPassManager(specs, passes=["annotate", TagAttentionPass(), "cleanup"])
+    assert len({plain.uuid(), tagged.uuid(), other.uuid()}) == 3
+    assert again.uuid() == tagged.uuid()
+
+
+def test_user_pass_objects_are_checked():
+    class NoKey(TagAttentionPass):
+        def uuid(self):
+            return None
+
+    specs = fixed_specs()
+    with pytest.raises(ValueError, match=r"pass names or KVQPass objects.*\(a class: pass an"):
+        KVQPassManager(specs, passes=["annotate", TagAttentionPass])
+    with pytest.raises(ValueError, match=r"'annotate' must run before them \(before \['tag_"):
+        KVQPassManager(specs, passes=[TagAttentionPass(), "annotate"])
+    with pytest.raises(ValueError, match=r"uuid\(\) returned None"):
+        KVQPassManager(specs, passes=["annotate", NoKey()])

@@ -30,7 +30,7 @@ from tests.compile.test_fusion_attn import check_close
 from torch_kvq.attention import Attention, ReferenceKernel, forward_context, registry
 from torch_kvq.attention.kernels.capabilities import register_capabilities
 from torch_kvq.passes import DEFAULT_PASSES, make_kvq_backend
-from torch_kvq.passes.common import (
+from torch_kvq.passes.graph_utils import (
     ATTENTION_FP8,
     CACHE_WRITE,
     QUANT_CACHE_WRITE,

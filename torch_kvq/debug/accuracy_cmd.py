@@ -11,7 +11,7 @@ DEFAULT_THRESHOLD_DB = 30.0  # a copy of torch_kvq.debug.accuracy's, which impor
 
 
 def add_parser(sub: Any) -> None:
-    from torch_kvq.cli import SUBCOMMANDS, add_model_args
+    from torch_kvq.cli_args import SUBCOMMANDS, add_model_args
 
     p = sub.add_parser(
         "accuracy",
@@ -43,19 +43,25 @@ def add_parser(sub: Any) -> None:
 def run(args: argparse.Namespace) -> int:
     import torch
 
-    from torch_kvq.cli import CommandError, kv_config_from_args, model_from_args, model_label
+    from torch_kvq.cli_args import CommandError, kv_config_from_args, model_from_args, model_label
     from torch_kvq.debug.accuracy import layer_accuracy
+    from torch_kvq.progress import Progress, activity
 
     for path in (args.plot, args.json):
         if path is not None and not path.parent.is_dir():
             raise CommandError(f"folder {str(path.parent)!r} for {str(path)!r} does not exist")
     kv = kv_config_from_args(args)
-    model = model_from_args(args, kv)
-    gen = torch.Generator().manual_seed(args.seed)
-    prompts = [
-        torch.randint(0, model.config.vocab_size, (n,), generator=gen).tolist() for n in PROMPT_LENS
-    ]
-    report = layer_accuracy(model, prompts, kv, args.threshold_db, args.calibrate)
+    with Progress("kvq accuracy") as bar:
+        bar.update(status=f"building {model_label(args)}")
+        model = model_from_args(args, kv)
+        gen = torch.Generator().manual_seed(args.seed)
+        prompts = [
+            torch.randint(0, model.config.vocab_size, (n,), generator=gen).tolist()
+            for n in PROMPT_LENS
+        ]
+        n = len(model.kv_specs)
+        bar.update(status=f"one forward pass, then FP8 vs bf16 attention for each of {n} layers")
+        report = layer_accuracy(model, prompts, kv, args.threshold_db, args.calibrate)
     if args.calibrate:
         scales = "calibrated from the sample (amax / 448)"
     else:
@@ -72,7 +78,8 @@ def run(args: argparse.Namespace) -> int:
     print(report.format())
     try:
         if args.plot is not None:
-            report.plot(str(args.plot))
+            with activity("drawing the plot (matplotlib)"):
+                report.plot(str(args.plot))
             print(f"plot: {args.plot}")
         if args.json is not None:
             args.json.write_text(report.to_json() + "\n")

@@ -2,7 +2,8 @@
 
 Layout of DIR::
 
-    index.html                  links to everything below
+    index.html                  start here: per graph (prefill / decode), what fused per layer, the
+                                passes in the order they ran with their pictures inline
     passes/graph_NNN/           one folder per compiled graph (written by the pass manager)
         <pass>.before.py / .after.py / .diff / .after.svg, report.txt, report.json
     depyf/                      depyf's dumps of the Dynamo / AOT / Inductor stages
@@ -16,60 +17,24 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import difflib
-import html
+import warnings
+from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:  # torch is imported by the runner only: ``kvq dump --help`` stays fast
-    from torch import fx
+    from torch_kvq.passes.report import GraphReport
 
 
-def write_pass_extras(folder: Path, pass_name: str, graph: fx.Graph) -> None:
-    """Beside ``<pass>.before.py`` / ``.after.py``: a unified diff and an SVG of the graph after."""
-    from torch_kvq.debug.graph_svg import graph_to_svg
-
-    before = folder / f"{pass_name}.before.py"
-    after = folder / f"{pass_name}.after.py"
-    if before.exists() and after.exists():
-        diff = difflib.unified_diff(
-            before.read_text().splitlines(keepends=True),
-            after.read_text().splitlines(keepends=True),
-            before.name,
-            after.name,
-        )
-        (folder / f"{pass_name}.diff").write_text("".join(diff))
-    (folder / f"{pass_name}.after.svg").write_text(
-        graph_to_svg(graph, f"{folder.name}: after {pass_name}")
-    )
-
-
-def write_index(out: Path) -> Path:
-    """Write ``out/index.html`` linking every file under ``out``, grouped by folder."""
-    groups: dict[str, list[Path]] = {}
-    for path in sorted(p for p in out.rglob("*") if p.is_file() and p.name != "index.html"):
-        groups.setdefault(str(path.parent.relative_to(out)), []).append(path)
-    parts = ["<!doctype html><meta charset=utf-8><title>kvq dump</title>", "<h1>kvq dump</h1>"]
-    for folder, files in groups.items():
-        parts.append(f"<h2>{html.escape(folder)}</h2><ul>")
-        for f in files[:200]:
-            rel = html.escape(str(f.relative_to(out)))
-            parts.append(f'<li><a href="{rel}">{html.escape(f.name)}</a></li>')
-            if f.suffix == ".svg" and f.name.startswith("cleanup"):
-                parts.append(f'<li><img src="{rel}" style="max-width:100%"></li>')
-        if len(files) > 200:
-            parts.append(f"<li>... {len(files) - 200} more</li>")
-        parts.append("</ul>")
-    index = out / "index.html"
-    index.write_text("\n".join(parts) + "\n")
-    return index
-
-
-def _depyf_context(folder: Path, want: bool) -> contextlib.AbstractContextManager[Any]:
-    """depyf's ``prepare_debug`` if asked for; a clear error if the ``debug`` extra is missing."""
+@contextlib.contextmanager
+def _depyf_context(folder: Path, want: bool) -> Iterator[None]:
+    """depyf's ``prepare_debug`` if asked for; a clear error if the ``debug`` extra is missing.
+    depyf's warning to run the code several times is silenced: the dump runs what it runs (the
+    decode graph is dumped by the passes), so a user cannot act on it."""
     if not want:
-        return contextlib.nullcontext()
-    from torch_kvq.cli import CommandError
+        yield
+        return
+    from torch_kvq.cli_args import CommandError
 
     try:
         import depyf
@@ -78,11 +43,14 @@ def _depyf_context(folder: Path, want: bool) -> contextlib.AbstractContextManage
             f"depyf is not installed ({e}); install the debug extra: pip install 'torch-kvq[debug]', "
             "or pass --no-depyf"
         ) from None
-    return depyf.prepare_debug(str(folder))
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=r"(?s).*You are trying to debug `torch.compile`")
+        with depyf.prepare_debug(str(folder)):
+            yield
 
 
 def add_parser(sub: Any) -> None:
-    from torch_kvq.cli import add_model_args
+    from torch_kvq.cli_args import add_model_args
 
     p = sub.add_parser(
         "dump",
@@ -109,7 +77,7 @@ def add_parser(sub: Any) -> None:
 
 
 def _prepare_out(out: Path) -> None:
-    from torch_kvq.cli import CommandError
+    from torch_kvq.cli_args import CommandError
 
     try:
         out.mkdir(parents=True, exist_ok=True)
@@ -123,10 +91,12 @@ def _prepare_out(out: Path) -> None:
 def run(args: argparse.Namespace) -> int:
     import torch
 
-    from torch_kvq.cli import kv_config_from_args, model_from_args
+    from torch_kvq.cli_args import kv_config_from_args, model_from_args, model_label
+    from torch_kvq.debug.dump_index import write_index
     from torch_kvq.debug.plan import format_plan, layer_plan
     from torch_kvq.models import generate
-    from torch_kvq.passes import make_kvq_backend, recent_reports
+    from torch_kvq.passes import make_kvq_backend
+    from torch_kvq.progress import Progress
 
     out: Path = args.out
     _prepare_out(out)
@@ -140,16 +110,29 @@ def run(args: argparse.Namespace) -> int:
     prompts = [
         torch.randint(0, model.config.vocab_size, (n,), generator=gen).tolist() for n in (7, 19)
     ]
-    last_id = max((r.graph_id for r in recent_reports()), default=-1)
     torch._dynamo.reset()
     compiled = torch.compile(model, backend=backend)
-    # depyf watches the first (prefill) compile only: on torch 2.13 its decompiler recurses
-    # without end on the recompiled decode frame (depyf 0.20). The decode graph is still dumped.
-    with _depyf_context(out / "depyf", not args.no_depyf):
-        generate(model, prompts, 1, forward=compiled)
-    generate(model, prompts, 2, forward=compiled)
-    reports = [r for r in recent_reports() if r.graph_id > last_id]
-    index = write_index(out)
+    phases: dict[str, str] = {}  # dump folder name -> "prefill" / "decode"
+    reports = []
+    with Progress("kvq dump", 2, unit="calls") as bar:
+        # depyf watches the first (prefill) compile only: on torch 2.13 its decompiler recurses
+        # without end on the recompiled decode frame (depyf 0.20). The decode graph is still dumped.
+        bar.update(status="prefill call (depyf watching)")
+        seen = _last_graph_id()  # recent_reports() keeps the newest 64: count by graph id
+        with _depyf_context(out / "depyf", not args.no_depyf):
+            generate(model, prompts, 1, forward=compiled)
+        reports += _label(seen, "prefill", phases)
+        bar.update(1, status="decode call")
+        seen = _last_graph_id()
+        generate(model, prompts, 2, forward=compiled)
+        reports += _label(seen, "decode", phases)
+        bar.update(2, status="writing index.html")
+        title = (
+            f"{model_label(args)}, kv_cache_dtype {kv.kv_cache_dtype!r}, skip_layers "
+            f"{kv.skip_layers or 'none'}, inner compiler {args.inner}; prompts of "
+            f"{', '.join(str(len(p)) for p in prompts)} tokens"
+        )
+        index = write_index(out, phases, title)
     print(f"kvq dump: {len(reports)} compiled graph(s); per-pass dumps in {out / 'passes'}")
     for rep in reports:
         print()
@@ -157,3 +140,21 @@ def run(args: argparse.Namespace) -> int:
     print()
     print(f"open {index}")
     return 0
+
+
+def _last_graph_id() -> int:
+    from torch_kvq.passes import recent_reports
+
+    return max((r.graph_id for r in recent_reports()), default=-1)
+
+
+def _label(last_id: int, phase: str, phases: dict[str, str]) -> list[GraphReport]:
+    """The reports of the graphs compiled since graph ``last_id`` (one call's), their dump
+    folders recorded as ``phase`` in ``phases``."""
+    from torch_kvq.passes import recent_reports
+
+    new = [r for r in recent_reports() if r.graph_id > last_id]
+    for r in new:
+        if r.dump_dir is not None:
+            phases[Path(r.dump_dir).name] = phase
+    return new

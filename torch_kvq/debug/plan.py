@@ -17,7 +17,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:  # the real imports are inside the functions: ``kvq --help`` imports no torch
-    from torch_kvq.cli import CommandError
+    from torch_kvq.cli_args import CommandError
     from torch_kvq.spec import LayerKVSpec
 
 
@@ -74,7 +74,7 @@ def _output_quant(not_served: str | None, kv_block: str | None, out_block: str |
 
 def unserved_error(rows: Sequence[dict[str, Any]]) -> CommandError | None:
     """The error ``kvq inspect`` exits with when its kernel cannot serve some layers, else None."""
-    from torch_kvq.cli import CommandError
+    from torch_kvq.cli_args import CommandError
 
     bad = [r for r in rows if r["not_served"]]
     if not bad:
@@ -101,7 +101,7 @@ def format_plan(specs: Sequence[LayerKVSpec], rows: Sequence[dict[str, Any]]) ->
 
 
 def add_parser(sub: Any) -> None:
-    from torch_kvq.cli import SUBCOMMANDS, add_model_args
+    from torch_kvq.cli_args import SUBCOMMANDS, add_model_args
 
     p = sub.add_parser(
         "inspect",
@@ -134,7 +134,7 @@ def add_parser(sub: Any) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from torch_kvq.attention.kernels import capabilities as caps
-    from torch_kvq.cli import kv_config_from_args, model_from_args
+    from torch_kvq.cli_args import kv_config_from_args, model_from_args
 
     caps.check_arch(args.arch)  # ValueError listing the known archs
     kv = kv_config_from_args(args)

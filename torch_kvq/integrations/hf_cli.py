@@ -71,14 +71,14 @@ def tiny_lm(
 
 
 def _kv(args: argparse.Namespace) -> KVCacheConfig:
-    from torch_kvq.cli import kv_config_from_args
+    from torch_kvq.cli_args import kv_config_from_args
 
     return kv_config_from_args(args)
 
 
 def load_config(path: str) -> Any:
     """A transformers config from a local config.json or a folder holding one."""
-    from torch_kvq.cli import CommandError
+    from torch_kvq.cli_args import CommandError
 
     p = Path(path)
     file = p / "config.json" if p.is_dir() else p

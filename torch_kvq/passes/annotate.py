@@ -18,36 +18,34 @@ from typing import ClassVar
 from torch import fx
 
 from torch_kvq.attention import registry
-from torch_kvq.passes.common import (
+from torch_kvq.passes.base import KVQPass, PassContext
+from torch_kvq.passes.graph_utils import (
     ATTENTION,
     ATTENTION_FP8,
     CACHE_WRITE,
     DEQUANTIZE,
-    META_KEY,
     QUANT_CACHE_WRITE,
     QUANT_CACHE_WRITE_TS,
     VIEW_OPS,
-    KVQStamp,
-    PassContext,
     functional_op,
-    get_stamp,
     is_call,
     kvq_nodes,
     layer_name_of,
-    match_static_fp8_quant,
     node_dtype,
     op_args,
     op_label,
-    short_dtype,
     skip_float_casts,
 )
+from torch_kvq.passes.quant_match import match_static_fp8_quant
+from torch_kvq.passes.stamp import META_KEY, KVQStamp, get_stamp, short_dtype
 from torch_kvq.spec import FP8_DTYPE
 
 
-class AnnotatePass:
+class AnnotatePass(KVQPass):
     """Stamp every kvq op node with its layer's spec and kernel decisions (see module doc)."""
 
     name: ClassVar[str] = "annotate"
+    writes_stamps: ClassVar[bool] = True
 
     def __call__(self, graph: fx.Graph, ctx: PassContext) -> int:
         stamped = 0

@@ -27,11 +27,13 @@ from typing import Any
 import torch
 from torch import fx
 
+from torch_kvq import progress
 from torch_kvq.attention import registry
 from torch_kvq.attention.context import get_forward_context
 from torch_kvq.attention.kernels import capabilities as caps
 from torch_kvq.attention.kernels.base import AttentionKernel
 from torch_kvq.passes import report
+from torch_kvq.passes.base import KVQPass
 from torch_kvq.passes.manager import DEFAULT_PASSES, KVQPassManager
 from torch_kvq.spec import LayerKVSpec
 
@@ -110,7 +112,7 @@ class KVQBackend:
     def __init__(
         self,
         inner: str = "inductor",
-        passes: Sequence[str] = DEFAULT_PASSES,
+        passes: Sequence[str | KVQPass] = DEFAULT_PASSES,
         dump_dir: str | Path | None = None,
         kernel: KernelChoice = None,
         config_patches: Mapping[str, Any] | None = None,
@@ -123,11 +125,11 @@ class KVQBackend:
                 "config_patches may not set post_grad_custom_post_pass: kvq_backend installs its own"
             )
         self.inner = inner
+        KVQPassManager([], passes=passes)  # validate the pass list now, not at first compile
         self.passes = tuple(passes)
         self.dump_dir = dump_dir
         self.kernel = kernel
         self.config_patches = dict(config_patches or {})
-        KVQPassManager([], passes=self.passes)  # validate the pass list now, not at first compile
         self.managers: deque[KVQPassManager] = deque(maxlen=16)
         self.graphs: deque[fx.GraphModule] = deque(maxlen=16)  # inner="eager": the graphs that run
 
@@ -176,9 +178,13 @@ class KVQBackend:
     def __call__(self, gm: fx.GraphModule, example_inputs: Sequence[Any]) -> Callable[..., Any]:
         manager = self.manager_for(gm)
         self.managers.append(manager)
-        if self.inner == "eager":
-            return self._eager(gm, example_inputs, manager)
-        return self._inductor(gm, example_inputs, manager)
+        n = len(manager.specs)
+        then = "Inductor" if self.inner == "inductor" else "no codegen"
+        what = f"compiling: kvq passes + {then} ({n} attention layer{'s' if n != 1 else ''})"
+        with progress.activity(what):  # a ticking line on a terminal, else nothing
+            if self.inner == "eager":
+                return self._eager(gm, example_inputs, manager)
+            return self._inductor(gm, example_inputs, manager)
 
     def _eager(
         self, gm: fx.GraphModule, example_inputs: Sequence[Any], manager: KVQPassManager
@@ -285,13 +291,13 @@ def _recall(key: str, manager: KVQPassManager) -> None:
 
 def make_kvq_backend(
     inner: str = "inductor",
-    passes: Sequence[str] = DEFAULT_PASSES,
+    passes: Sequence[str | KVQPass] = DEFAULT_PASSES,
     dump_dir: str | Path | None = None,
     kernel: KernelChoice = None,
     config_patches: Mapping[str, Any] | None = None,
 ) -> KVQBackend:
     """A kvq backend: ``inner`` ``"inductor"`` (default) or ``"eager"`` (passes, no codegen);
-    ``passes`` (names, in order); ``dump_dir`` (per-pass before/after dumps); ``kernel`` (a kernel
+    ``passes`` (in order: names in ``PASSES`` or ``KVQPass`` objects, your own passes too); ``dump_dir`` (per-pass before/after dumps); ``kernel`` (a kernel
     object such as ``FlashInferKernel(...)``, a kernel name, or a mapping layer -> either,
     overriding the forward context's; None: the forward context's, an error without one);
     ``config_patches`` (extra Inductor config)."""

@@ -16,10 +16,10 @@ from typing import ClassVar
 from torch import fx
 from torch._inductor.pattern_matcher import stable_topological_sort
 
-from torch_kvq.passes.common import PassContext
+from torch_kvq.passes.base import KVQPass, PassContext
 
 
-class CleanupPass:
+class CleanupPass(KVQPass):
     """Remove dead nodes, restore topological order, lint (see module doc)."""
 
     name: ClassVar[str] = "cleanup"

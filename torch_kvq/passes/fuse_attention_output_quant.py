@@ -32,32 +32,29 @@ from typing import ClassVar
 
 from torch import fx
 
-from torch_kvq.passes.common import (
+from torch_kvq.passes.base import KVQPass, PassContext
+from torch_kvq.passes.graph_utils import (
     ATTENTION,
     ATTENTION_FP8,
-    META_KEY,
     VIEW_OPS,
-    PassContext,
-    StaticQuant,
     erase_dead,
-    get_stamp,
     has_output_scale,
     is_call,
     is_fp8_quant_end,
-    match_static_fp8_quant,
     op_args,
-    quant_mismatch,
     single_user_chain,
     skip_float_casts,
 )
+from torch_kvq.passes.quant_match import StaticQuant, match_static_fp8_quant, quant_mismatch
+from torch_kvq.passes.stamp import META_KEY, get_stamp
 
-DECISION = "fused output quant"
 
-
-class FuseAttentionOutputQuantPass:
+class FuseAttentionOutputQuantPass(KVQPass):
     """Fuse a static FP8 quant of an FP8 attention's output into the attention (see module doc)."""
 
     name: ClassVar[str] = "fuse_attention_output_quant"
+    reads_stamps: ClassVar[bool] = True
+    fusion: ClassVar[str | None] = "output quant"
 
     def __call__(self, graph: fx.Graph, ctx: PassContext) -> int:
         matches = 0
@@ -95,7 +92,7 @@ class FuseAttentionOutputQuantPass:
                 )
                 continue
             self._rewrite(graph, attn, args, between, quant)
-            ctx.decide(stamp.layer, DECISION)
+            ctx.decide(stamp.layer, self.decision())
             matches += 1
         for node in graph.nodes:
             stamp = get_stamp(node)
@@ -108,9 +105,9 @@ class FuseAttentionOutputQuantPass:
                 )
         return matches
 
-    @staticmethod
+    @classmethod
     def _rewrite(
-        graph: fx.Graph, attn: fx.Node, args: dict, between: list[fx.Node], quant: StaticQuant
+        cls, graph: fx.Graph, attn: fx.Node, args: dict, between: list[fx.Node], quant: StaticQuant
     ) -> None:
         stamp = get_stamp(attn)
         assert stamp is not None
@@ -122,7 +119,7 @@ class FuseAttentionOutputQuantPass:
                 (args["q"], args["kv_cache"], args["k_scale"], args["v_scale"], args["layer_name"]),
                 kwargs,
             )
-            out.meta[META_KEY] = stamp.with_fused(DECISION)
+            out.meta[META_KEY] = stamp.with_fused(cls.decision())
             for view in between:
                 if is_call(view, *VIEW_OPS):
                     out = graph.call_function(view.target, (out, *view.args[1:]), dict(view.kwargs))

@@ -18,26 +18,25 @@ from typing import ClassVar
 
 from torch import fx
 
-from torch_kvq.passes.common import (
+from torch_kvq.passes.base import KVQPass, PassContext
+from torch_kvq.passes.graph_utils import (
     ATTENTION,
     ATTENTION_FP8,
     DEQUANTIZE,
-    META_KEY,
-    PassContext,
     erase_dead,
-    get_stamp,
     is_call,
     op_args,
     op_label,
 )
+from torch_kvq.passes.stamp import META_KEY, get_stamp
 
-DECISION = "fused dequant+attn"
 
-
-class FuseDequantAttentionPass:
+class FuseDequantAttentionPass(KVQPass):
     """Make quantized layers' attention read the FP8 paged cache in place (see module doc)."""
 
     name: ClassVar[str] = "fuse_dequant_attention"
+    reads_stamps: ClassVar[bool] = True
+    fusion: ClassVar[str | None] = "dequant+attn"
 
     def __call__(self, graph: fx.Graph, ctx: PassContext) -> int:
         matches = 0
@@ -72,10 +71,10 @@ class FuseDequantAttentionPass:
                     ATTENTION_FP8,
                     (args["q"], d["kv_cache"], d["k_scale"], d["v_scale"], args["layer_name"]),
                 )
-            fused.meta[META_KEY] = stamp.with_fused(DECISION)
+            fused.meta[META_KEY] = stamp.with_fused(self.decision())
             node.replace_all_uses_with(fused)
             graph.erase_node(node)
             erase_dead(graph, [deq])
-            ctx.decide(stamp.layer, DECISION)
+            ctx.decide(stamp.layer, self.decision())
             matches += 1
         return matches

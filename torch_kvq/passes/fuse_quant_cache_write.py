@@ -32,32 +32,28 @@ from typing import ClassVar
 import torch
 from torch import fx
 
-from torch_kvq.passes.common import (
+from torch_kvq.passes.base import KVQPass, PassContext
+from torch_kvq.passes.graph_utils import (
     AUTO_FUNCTIONALIZED,
     CACHE_WRITE,
-    META_KEY,
     QUANT_CACHE_WRITE,
     QUANT_CACHE_WRITE_TS,
-    PassContext,
-    StaticQuant,
     erase_dead,
     float_cast_arg,
     functional_op,
-    get_stamp,
     is_call,
-    match_static_fp8_quant,
     node_dtype,
-    quant_mismatch,
-    short_dtype,
 )
+from torch_kvq.passes.quant_match import StaticQuant, match_static_fp8_quant, quant_mismatch
+from torch_kvq.passes.stamp import META_KEY, get_stamp, short_dtype
 
-DECISION = "fused quant+write"
 
-
-class FuseQuantCacheWritePass:
+class FuseQuantCacheWritePass(KVQPass):
     """Fuse k/v quantization into the paged-cache write for quantized layers (see module doc)."""
 
     name: ClassVar[str] = "fuse_quant_cache_write"
+    reads_stamps: ClassVar[bool] = True
+    fusion: ClassVar[str | None] = "quant+write"
 
     def __call__(self, graph: fx.Graph, ctx: PassContext) -> int:
         matches = 0
@@ -100,12 +96,12 @@ class FuseQuantCacheWritePass:
             op = QUANT_CACHE_WRITE_TS if tensors[0] else QUANT_CACHE_WRITE
             with graph.inserting_before(node):
                 fused = graph.call_function(node.target, (op,), fused_kwargs)
-            fused.meta[META_KEY] = stamp.with_fused(DECISION)
+            fused.meta[META_KEY] = stamp.with_fused(self.decision())
             node.replace_all_uses_with(fused)
             graph.erase_node(node)
             for quant, _, casts in quants.values():
                 erase_dead(graph, [*reversed(casts), *quant.nodes])
-            ctx.decide(stamp.layer, DECISION)
+            ctx.decide(stamp.layer, self.decision())
             matches += 1
         return matches
 

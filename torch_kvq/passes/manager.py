@@ -10,9 +10,7 @@ table, so Inductor's FX graph cache never reuses a graph compiled for another sk
 from __future__ import annotations
 
 import hashlib
-import inspect
 import logging
-import sys
 import time
 from collections.abc import Mapping, Sequence
 from functools import cache
@@ -22,18 +20,21 @@ from torch import fx
 from torch._inductor.custom_graph_pass import CustomGraphPass
 
 from torch_kvq.attention.kernels import capabilities as caps
-from torch_kvq.passes import common, report
+from torch_kvq.passes import report
 from torch_kvq.passes.annotate import AnnotatePass
+from torch_kvq.passes.base import KVQPass, PassContext
 from torch_kvq.passes.cleanup import CleanupPass
-from torch_kvq.passes.common import KVQPass, KVQStamp, PassContext, count_ops
+from torch_kvq.passes.dump import PassDumper
 from torch_kvq.passes.fuse_attention_output_quant import FuseAttentionOutputQuantPass
 from torch_kvq.passes.fuse_dequant_attention import FuseDequantAttentionPass
 from torch_kvq.passes.fuse_quant_cache_write import FuseQuantCacheWritePass
+from torch_kvq.passes.graph_utils import count_ops
+from torch_kvq.passes.stamp import KVQStamp
 from torch_kvq.spec import LayerKVSpec, spec_table_key
 
 logger = logging.getLogger("torch_kvq")
 
-PASSES: dict[str, type] = {
+PASSES: dict[str, type[KVQPass]] = {
     cls.name: cls
     for cls in (
         AnnotatePass,
@@ -83,11 +84,6 @@ def _per_layer(
     return {s.name: value[s.name] for s in specs}
 
 
-@cache
-def _source_digest(module_name: str) -> str:
-    return hashlib.sha256(inspect.getsource(sys.modules[module_name]).encode()).hexdigest()
-
-
 # what the passes' decisions and rewrites depend on beyond the passes package itself
 _DEPENDENCIES = ("spec.py", "attention/ops.py", "attention/kernels/capabilities.py")
 
@@ -113,7 +109,8 @@ class KVQPassManager(CustomGraphPass):
         kernel: kernel name serving each layer (one name or layer -> name); None is
             ``"reference"`` (the pure-torch kernel, which has a row for every arch).
         arch: device arch of each layer (``"cpu"``, ``"sm90"``, ...; one or layer -> arch).
-        passes: pass names in order (default ``DEFAULT_PASSES``); fusions need ``annotate`` first.
+        passes: in order, pass names (``PASSES``) or ``KVQPass`` objects (default
+            ``DEFAULT_PASSES``); a pass that reads the stamps needs ``annotate`` before it.
         dump_dir: if set, write ``<dump_dir>/graph_NNN/<pass>.before.py`` / ``.after.py`` and
             ``report.txt`` per compiled graph.
     """
@@ -124,7 +121,7 @@ class KVQPassManager(CustomGraphPass):
         *,
         kernel: str | Mapping[str, str] | None = None,
         arch: str | Mapping[str, str] = "cpu",
-        passes: Sequence[str] = DEFAULT_PASSES,
+        passes: Sequence[str | KVQPass] = DEFAULT_PASSES,
         dump_dir: str | Path | None = None,
     ) -> None:
         self.specs = tuple(specs)
@@ -142,22 +139,8 @@ class KVQPassManager(CustomGraphPass):
         for s in self.specs:
             a = archs[s.name] or "cpu"
             self.stamps[s.name] = make_stamp(s, kernels[s.name] or "reference", a)
-        if isinstance(passes, str):
-            raise ValueError(f"passes must be a sequence of pass names, got the string {passes!r}")
-        unknown = [p for p in passes if p not in PASSES]
-        if unknown:
-            raise ValueError(f"unknown passes {unknown}; known passes: {list(PASSES)}")
-        if len(set(passes)) != len(passes):
-            raise ValueError(f"passes lists a pass twice: {list(passes)}")
-        fusions = [p for p in passes if p.startswith("fuse_")]
-        if fusions and (
-            ("annotate" not in passes) or passes.index("annotate") > passes.index(fusions[0])
-        ):
-            raise ValueError(
-                f"passes {list(passes)}: the fusions read the stamps, so 'annotate' must run before them"
-            )
-        self.pass_names = tuple(passes)
-        self.passes: tuple[KVQPass, ...] = tuple(PASSES[p]() for p in passes)
+        self.passes = resolve_passes(passes)
+        self.pass_names = tuple(p.name for p in self.passes)
         self.dump_dir = Path(dump_dir) if dump_dir is not None else None
         self.runs = 0
         self.last: report.GraphReport | None = None
@@ -166,9 +149,8 @@ class KVQPassManager(CustomGraphPass):
     def _compute_uuid(self) -> str:
         h = hashlib.sha256(b"torch_kvq.passes/1")
         h.update(f"package:{_package_digest()}\n".encode())
-        modules = {__name__, common.__name__, *(type(p).__module__ for p in self.passes)}
-        for mod in sorted(modules):  # passes from outside the package (user pass objects)
-            h.update(f"{mod}:{_source_digest(mod)}\n".encode())
+        for p in self.passes:  # built-in passes are in the package digest; user passes are not
+            h.update(f"{p.name}:{pass_uuid(p)}\n".encode())
         h.update(repr(self.pass_names).encode())
         h.update(spec_table_key(self.specs).encode())
         for name in sorted(self.stamps):
@@ -186,21 +168,26 @@ class KVQPassManager(CustomGraphPass):
     def __call__(self, graph: fx.Graph) -> None:
         start = time.perf_counter()
         graph_id = report.next_graph_id()
-        dump = self._dump_folder(graph_id)
+        dump = PassDumper(self.dump_dir, graph_id) if self.dump_dir is not None else None
         ctx = PassContext(stamps=self.stamps)
         ops_before = count_ops(graph)
         stats: dict[str, report.PassStats] = {}
-        dump_s = 0.0
         for p in self.passes:
-            dump_s += _write(dump, f"{p.name}.before.py", graph)
+            if dump is not None:
+                dump.before(p.name, graph)
             ctx.decisions = {}
             t0 = time.perf_counter()
             matches = p(graph, ctx)
             stats[p.name] = report.PassStats(
-                p.name, matches, time.perf_counter() - t0, dict(ctx.decisions)
+                p.name,
+                matches,
+                time.perf_counter() - t0,
+                dict(ctx.decisions),
+                fusion=p.fusion,
+                writes_stamps=p.writes_stamps,
             )
-            dump_s += _write(dump, f"{p.name}.after.py", graph)
-            dump_s += _write_extras(dump, p.name, graph)
+            if dump is not None:
+                dump.after(p.name, graph)
         layers = {
             name: {
                 "mode": st.spec.mode.value,
@@ -218,50 +205,55 @@ class KVQPassManager(CustomGraphPass):
             ops_before=ops_before,
             ops_after=count_ops(graph),
             time_s=0.0,
-            dump_dir=str(dump) if dump is not None else None,
+            dump_dir=str(dump.folder) if dump is not None else None,
         )
-        rep.time_s = time.perf_counter() - start - dump_s
+        rep.time_s = time.perf_counter() - start - (dump.seconds if dump is not None else 0.0)
         if dump is not None:
-            (dump / "report.txt").write_text(rep.format() + "\n")
-            (dump / "report.json").write_text(rep.to_json() + "\n")
+            dump.report(rep)
         self.runs += 1
         self.last = rep
         report.record(rep)
         logger.info(rep.summary())
 
-    def _dump_folder(self, graph_id: int) -> Path | None:
-        if self.dump_dir is None:
-            return None
-        i = graph_id
-        while (self.dump_dir / f"graph_{i:03d}").exists():
-            i += 1
-        folder = self.dump_dir / f"graph_{i:03d}"
-        folder.mkdir(parents=True)
-        return folder
+
+def resolve_passes(passes: Sequence[str | KVQPass]) -> tuple[KVQPass, ...]:
+    """Pass names (``PASSES``) and ``KVQPass`` objects -> pass objects, checked: known names,
+    each pass once, a pass that reads the stamps after one that writes them."""
+    if isinstance(passes, str):
+        raise ValueError(f"passes must be a sequence of pass names, got the string {passes!r}")
+    unknown = [p for p in passes if isinstance(p, str) and p not in PASSES]
+    if unknown:
+        raise ValueError(f"unknown passes {unknown}; known passes: {list(PASSES)}")
+    for p in passes:
+        if not isinstance(p, str) and not (
+            isinstance(p, KVQPass) and isinstance(getattr(p, "name", None), str) and p.name
+        ):
+            hint = " (a class: pass an instance)" if isinstance(p, type) else ""
+            raise ValueError(
+                f"passes must be pass names or KVQPass objects (instances of a KVQPass subclass "
+                f"with a name), got {p!r}{hint}"
+            )
+    objs = tuple(PASSES[p]() if isinstance(p, str) else p for p in passes)
+    names = [p.name for p in objs]
+    if len(set(names)) != len(names):
+        raise ValueError(f"passes lists a pass twice: {names}")
+    first_writer = next((i for i, p in enumerate(objs) if p.writes_stamps), len(objs))
+    readers = [p.name for p in objs[:first_writer] if p.reads_stamps]
+    if readers:
+        raise ValueError(
+            f"passes {names}: the fusions read the stamps, so 'annotate' must run before them "
+            f"(before {readers})"
+        )
+    return objs
 
 
-def _write(folder: Path | None, name: str, graph: fx.Graph) -> float:
-    """Write the readable code of ``graph`` to ``folder / name`` (if dumping); seconds spent."""
-    if folder is None:
-        return 0.0
-    t0 = time.perf_counter()
-    (folder / name).write_text(_graph_text(graph))
-    return time.perf_counter() - t0
-
-
-def _write_extras(folder: Path | None, name: str, graph: fx.Graph) -> float:
-    """The diff and SVG picture beside a pass's dumps (see ``torch_kvq.debug.dump``); seconds."""
-    if folder is None:
-        return 0.0
-    from torch_kvq.debug.dump import write_pass_extras
-
-    t0 = time.perf_counter()
-    write_pass_extras(folder, name, graph)
-    return time.perf_counter() - t0
-
-
-def _graph_text(graph: fx.Graph) -> str:
-    gm = graph.owning_module
-    if isinstance(gm, fx.GraphModule):
-        return gm.print_readable(print_output=False)
-    return str(graph)
+def pass_uuid(p: KVQPass) -> str:
+    """``p.uuid()``, refused when it is empty (Inductor's FX graph cache would be keyed on
+    nothing that says what the pass does)."""
+    key = p.uuid()
+    if not key or not isinstance(key, str):
+        raise ValueError(
+            f"pass {p.name!r}: uuid() returned {key!r}; it must return a non-empty string that "
+            "changes whenever the pass does (it keys Inductor's FX graph cache)"
+        )
+    return key

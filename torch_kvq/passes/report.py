@@ -1,8 +1,8 @@
 """What the pass manager records per compiled graph, and ``last_report()`` to read it back.
 
 Per pass: matches, time, and one decision per layer. Per layer: the decisions of every pass
-(``"fused quant+write"``, ``"fused dequant+attn"``, ``"fused output quant"``,
-``"kept bf16 (skipped: ...)"``, ``"not fused: <reason>"``).
+(``"fused " + <the pass's fusion>`` such as ``"fused quant+write"``, ``"kept bf16 (skipped:
+...)"``, ``"not fused: <reason>"``). The summary counts the fusions of the passes that ran.
 """
 
 from __future__ import annotations
@@ -18,12 +18,18 @@ FUSED_PREFIX = "fused "
 
 @dataclass
 class PassStats:
-    """One pass on one graph: how many rewrites it made, its time, its per-layer decisions."""
+    """One pass on one graph: how many rewrites it made, its time, its per-layer decisions.
+
+    ``fusion`` / ``writes_stamps``: the pass's class attributes (``KVQPass``), so that the
+    summary counts the fusions that ran and the table leaves out the stamping pass.
+    """
 
     name: str
     matches: int
     time_s: float
     decisions: dict[str, str] = field(default_factory=dict)
+    fusion: str | None = None
+    writes_stamps: bool = False
 
 
 @dataclass
@@ -55,7 +61,7 @@ class GraphReport:
         return out
 
     def fused(self, layer: str) -> tuple[str, ...]:
-        """The fusions applied to ``layer`` (``"quant+write"``, ``"dequant+attn"``, ``"output quant"``)."""
+        """The fusions applied to ``layer`` (each fusion pass's ``fusion``: ``"quant+write"``, ...)."""
         return tuple(
             d[len(FUSED_PREFIX) :]
             for d in self.per_layer.get(layer, {}).values()
@@ -69,9 +75,11 @@ class GraphReport:
     def summary(self) -> str:
         """The one log line per compiled graph."""
         fp8 = sum(1 for info in self.layers.values() if info["mode"] != "none")
-        counts = {
-            w: len(self.layers_fused(w)) for w in ("quant+write", "dequant+attn", "output quant")
-        }
+        fused = ", ".join(
+            f"{s.fusion} {len(self.layers_fused(s.fusion))}"
+            for s in self.per_pass.values()
+            if s.fusion is not None
+        )
         kept = sum(1 for info in self.layers.values() if info["mode"] == "none")
         not_fused = sorted(
             {
@@ -84,15 +92,14 @@ class GraphReport:
         n = len(self.layers)
         return (
             f"kvq graph {self.graph_id}: {n} attention layer{'s' if n != 1 else ''} ({fp8} fp8, "
-            f"{kept} kept unquantized); fused quant+write {counts['quant+write']}, dequant+attn "
-            f"{counts['dequant+attn']}, output quant {counts['output quant']}; layers a fusion "
-            f"passed over (see why per layer): {len(not_fused)}; passes {self.time_s * 1e3:.1f} ms"
-            + ("" if self.source == "passes" else f" ({self.source})")
+            f"{kept} kept unquantized); fused {fused or 'nothing (no fusion pass ran)'}; layers a "
+            f"fusion passed over (see why per layer): {len(not_fused)}; passes "
+            f"{self.time_s * 1e3:.1f} ms" + ("" if self.source == "passes" else f" ({self.source})")
         )
 
     def format(self) -> str:
         """A readable per-layer table, then per-pass stats."""
-        passes = [s.name for s in self.per_pass.values() if s.decisions and s.name != "annotate"]
+        passes = [s.name for s in self.per_pass.values() if s.decisions and not s.writes_stamps]
         header = ["layer", "mode", "kernel", *passes]
         rows = []
         per_layer = self.per_layer

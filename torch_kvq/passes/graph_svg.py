@@ -11,7 +11,8 @@ from html import escape
 
 from torch import fx
 
-from torch_kvq.passes.common import get_stamp, op_args, op_label
+from torch_kvq.passes.graph_utils import has_output_scale, op_label
+from torch_kvq.passes.stamp import get_stamp, short_dtype
 
 COLOURS = {
     "fused": ("#c8e6c9", "#2e7d32", "quantized layer, fused"),
@@ -34,10 +35,7 @@ def node_kind(node: fx.Node) -> str:
 
 def _label(node: fx.Node) -> str:
     label = op_label(node).replace("kvq.", "")
-    if label == "paged_attention_fp8" and (
-        op_args(node).get("output_scale") is not None
-        or op_args(node).get("output_scale_tensor") is not None
-    ):
+    if label == "paged_attention_fp8" and has_output_scale(node):
         label += " (fp8 out)"
     return label
 
@@ -89,7 +87,10 @@ def graph_to_svg(graph: fx.Graph, title: str = "") -> str:
     for col, layer in enumerate(layers):
         spec = get_stamp(columns[layer][0]).spec  # type: ignore[union-attr]
         x = 20 + col * (BOX_W + COL_GAP)
-        head = f"L{spec.index} {spec.attention_type} {spec.mode.value}"
+        kept = f"kept {short_dtype(spec.model_dtype)}"
+        head = (
+            f"L{spec.index} {spec.attention_type}: {spec.mode.value if spec.is_quantized else kept}"
+        )
         out.append(f'<text x="{x}" y="{TOP + 18}" font-weight="bold">{escape(head)}</text>')
     for node in stamped:
         for src in _inputs_through_unstamped(node, stamped):
