@@ -98,6 +98,22 @@ def require_gpu(what: str, rank: int | None = None) -> torch.device:
     return torch.device("cuda", lr)
 
 
+def under_torchrun() -> bool:
+    """Whether this process is a rank started by torchrun (its environment is set)."""
+    return all(k in os.environ for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR"))
+
+
+def relaunch(nproc: int, target: Sequence[str]) -> int:
+    """Run ``python <target...>`` (e.g. ``["-m", "torch_kvq.cli", "demo", ...]`` or a script and
+    its arguments) on ``nproc`` local ranks with ``torchrun --standalone``; its exit code."""
+    import subprocess
+    import sys
+
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+           f"--nproc-per-node={nproc}", *target]  # fmt: skip
+    return subprocess.call(cmd)
+
+
 def init_tensor_parallel(backend: str | None = None, device: str = "cpu") -> TensorParallel:
     """Join (or start) the default process group from torchrun's environment and return this
     rank's ``TensorParallel`` over all ranks. ``backend`` None: nccl on cuda, gloo on cpu. On
@@ -362,11 +378,14 @@ __all__ = [
     "agree",
     "agreed",
     "check_ranks_agree",
+    "gather",
     "compare_tables",
     "init_tensor_parallel",
     "min_over_ranks",
     "refuse_together",
+    "relaunch",
     "require_gpu",
     "shard_specs",
     "shard_tensor",
+    "under_torchrun",
 ]
