@@ -20,14 +20,22 @@ def torchrun(
     """``python -m torch.distributed.run --standalone --nproc-per-node N script args`` (a free
     rendezvous port each time, so xdist workers can launch side by side); the whole process group
     is killed after ``timeout`` seconds and the test fails, showing the output so far."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+           f"--nproc-per-node={nproc}", str(script), *args]  # fmt: skip
+    return run_bounded(cmd, timeout, cwd)
+
+
+def run_bounded(
+    cmd: list[str], timeout: float, cwd: Path | None = None
+) -> subprocess.CompletedProcess[str]:
+    """Run ``cmd`` in its own process group (PYTHONPATH: this checkout); kill the group and fail
+    the test after ``timeout`` seconds. stdout and stderr together in ``.stdout``."""
     env = {
         **os.environ,
         "PYTHONPATH": os.pathsep.join([str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])]),
         "OMP_NUM_THREADS": "1",
         "PYTHONUNBUFFERED": "1",
     }
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-           f"--nproc-per-node={nproc}", str(script), *args]  # fmt: skip
     proc = subprocess.Popen(
         cmd, cwd=cwd or ROOT, env=env, text=True, start_new_session=True,
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT,

@@ -11,12 +11,13 @@ config or a refused batch raise on every rank (no hang). ``tp_worker.py`` is the
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-from tests.distributed.launch import torchrun
+from tests.distributed.launch import run_bounded, torchrun
 from torch_kvq.distributed import (
     TensorParallel,
     compare_tables,
@@ -96,6 +97,17 @@ def test_ranks_refuse_together(tmp_path):
     assert "999999" in r0["bad_prompt"]["message"]
     # afterwards both ranks still run in step, and every page came back
     assert r0["after"] == r1["after"] and r0["after"]["free_pages"] == 8
+
+
+@pytest.mark.distributed
+def test_cli_demo_tp2_starts_its_ranks(tmp_path):
+    """``kvq demo --tp 2`` re-runs itself under torchrun; rank 0 prints, both ranks run."""
+    cmd = [sys.executable, "-m", "torch_kvq.cli", "demo", "--tp", "2", "--compile", "off",
+           "--layers", "3", "--max-new-tokens", "2"]  # fmt: skip
+    out = run_bounded(cmd, timeout=180, cwd=tmp_path)
+    assert out.returncode == 0, out.stdout[-4000:]
+    assert "tensor-parallel over 2 ranks" in out.stdout
+    assert out.stdout.count("next-token agreement") == 1  # rank 1 stays quiet
 
 
 # --- in-process (no process group) ---------------------------------------------------------------
