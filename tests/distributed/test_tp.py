@@ -95,6 +95,11 @@ def test_ranks_refuse_together(tmp_path):
     assert r1["bad_prompt"]["type"] == "ValueError"
     assert r0["bad_prompt"]["type"] == "RankRefusedError"
     assert "999999" in r0["bad_prompt"]["message"]
+    # calibration: the same scales on every rank, those of the whole model in one process
+    # (equal up to fp32 rounding: the shards add o_proj / down_proj partial sums in another order)
+    assert r0["scales"] == r1["scales"] and len(r0["scales"]) == 4
+    for name, pair in r0["scales_whole"].items():
+        assert r0["scales"][name] == pytest.approx(pair, rel=1e-5), name
     # afterwards both ranks still run in step, and every page came back
     assert r0["after"] == r1["after"] and r0["after"]["free_pages"] == 8
 

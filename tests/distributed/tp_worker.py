@@ -130,6 +130,16 @@ def agreement(tp) -> dict:
     out["bad_prompt"] = catch(lambda: generate(model, bad, 2))
     diverged = [[1, 2, 3, 4]] if tp.rank == 1 else [[1, 2, 3]]
     out["different_batch"] = catch(lambda: generate(model, diverged, 2))
+    # calibrated scales: the amax over every rank's heads, the same as one process computes
+    from torch_kvq.attention import calibrate_kv_scales
+
+    whole = build_model("llama-tiny", kv, num_pages=8, dtype=torch.float32, prefix="whole")
+    sample = [[3, 1, 4, 1, 5, 9, 2, 6]]
+    out["scales"] = calibrate_kv_scales(model, lambda: generate(model, sample, 1))
+    out["scales_whole"] = {
+        n.replace("whole.", "rf."): v
+        for n, v in calibrate_kv_scales(whole, lambda: generate(whole, sample, 1)).items()
+    }
     res = generate(model, [[1, 2, 3, 4, 5]], 2)  # after the refusals: both ranks still in step
     out["after"] = {"tokens": res.tokens, "free_pages": model.allocator.num_free_pages}
     out["refused_type"] = RankRefusedError.__name__
