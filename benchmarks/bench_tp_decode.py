@@ -63,10 +63,22 @@ from torch_kvq.spec import KVCacheConfig  # noqa: E402
 LLAMA3 = dict(vocab_size=128256, head_dim=128, max_position_embeddings=131072,
               rope_theta=500000.0, rope_parameters={"rope_type": "default", "rope_theta": 500000.0})  # fmt: skip
 SHAPES = {
-    "8b": dict(LLAMA3, num_hidden_layers=32, hidden_size=4096, intermediate_size=14336,
-               num_attention_heads=32, num_key_value_heads=8),  # fmt: skip
-    "70b": dict(LLAMA3, num_hidden_layers=80, hidden_size=8192, intermediate_size=28672,
-                num_attention_heads=64, num_key_value_heads=8),  # fmt: skip
+    "8b": dict(
+        LLAMA3,
+        num_hidden_layers=32,
+        hidden_size=4096,
+        intermediate_size=14336,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+    ),  # fmt: skip
+    "70b": dict(
+        LLAMA3,
+        num_hidden_layers=80,
+        hidden_size=8192,
+        intermediate_size=28672,
+        num_attention_heads=64,
+        num_key_value_heads=8,
+    ),  # fmt: skip
     "tiny": {},  # llama-tiny: 4 layers, hidden 128, 4 / 2 heads of 32 (the CPU smoke run)
 }
 PAGE = 16
@@ -91,7 +103,9 @@ def make_kernel(args, kind: str):
     if args.device == "cpu":
         return ReferenceKernel()
     if kind == "fp8":
-        return FlashInferKernel(fp8_decode=args.fp8_decode, phases="decode", unfused_attention=False)
+        return FlashInferKernel(
+            fp8_decode=args.fp8_decode, phases="decode", unfused_attention=False
+        )
     return FlashInferKernel(phases="decode")
 
 
@@ -129,7 +143,9 @@ def compile_and_time(args, label: str, model, batch: int, ctx: int, tp, device: 
     if args.compile != "off":
         from torch_kvq.passes import make_kvq_backend
 
-        backend = torch_kvq.kvq_backend if args.compile == "kvq" else make_kvq_backend(inner="eager")
+        backend = (
+            torch_kvq.kvq_backend if args.compile == "kvq" else make_kvq_backend(inner="eager")
+        )
         fn = torch.compile(model, backend=backend)
     runner = DecodeGraphRunner(
         model, fn, batch_sizes=(batch,), max_context=ctx + pages_per_seq(args, 0) * PAGE,

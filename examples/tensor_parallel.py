@@ -50,7 +50,9 @@ def main() -> int:
     build = dict(num_pages=32, dtype=torch.bfloat16 if cuda else torch.float32,
                  device=f"cuda:{torch.cuda.current_device()}" if cuda else "cpu")  # fmt: skip
     if cuda:
-        build |= dict(head_dim=128, **({"query_pre_attn_scalar": 128} if "gemma" in args.preset else {}))
+        build |= dict(
+            head_dim=128, **({"query_pre_attn_scalar": 128} if "gemma" in args.preset else {})
+        )
     model = build_model(args.preset, kv, seed=0, tp=tp, kernel=kernel(), **build)
     from torch_kvq.passes import last_report, make_kvq_backend
 

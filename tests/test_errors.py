@@ -1550,9 +1550,7 @@ def _() -> object:
 
 @case("tp.fused-weights")
 def _() -> object:
-    from torch_kvq.models import randomize_weights_
-
-    from torch_kvq.models import build_model
+    from torch_kvq.models import build_model, randomize_weights_
 
     model = build_model("llama-tiny", KVCacheConfig("fp8"))
     model.fuse_projections()

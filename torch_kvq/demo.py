@@ -108,7 +108,7 @@ def run(args: argparse.Namespace) -> int:
 
         raise CommandError(f"--tp {args.tp}, but torchrun started {tp.size} ranks")
     quiet = contextlib.redirect_stdout(io.StringIO()) if tp.rank else contextlib.nullcontext()
-    with quiet, (contextlib.redirect_stderr(io.StringIO()) if tp.rank else contextlib.nullcontext()):
+    with quiet, contextlib.redirect_stderr(io.StringIO()) if tp.rank else contextlib.nullcontext():
         return _run(args, tp)  # rank 0 prints; every rank runs the same steps
 
 

@@ -233,9 +233,7 @@ def shard_linear_(parent: nn.Module, attr: str, tp: TensorParallel, name: str) -
 # --- specs and rank agreement ------------------------------------------------------------------
 
 
-def shard_specs(
-    specs: Sequence[LayerKVSpec], tp: TensorParallel | None
-) -> tuple[LayerKVSpec, ...]:
+def shard_specs(specs: Sequence[LayerKVSpec], tp: TensorParallel | None) -> tuple[LayerKVSpec, ...]:
     """The specs of this rank: the same as ``specs`` but for ``num_heads / N``, ``num_kv_heads / N``."""
     if tp is None:
         return tuple(specs)
@@ -314,7 +312,9 @@ def check_ranks_agree(
     compare_tables(gather(tp, rank_table(specs, kernel, extra)))
 
 
-def agree(tp: TensorParallel | None, error: BaseException | None, what: str, signature: object = None) -> None:
+def agree(
+    tp: TensorParallel | None, error: BaseException | None, what: str, signature: object = None
+) -> None:
     """Raise on every rank if any rank has an ``error`` (its own error on that rank,
     ``RankRefusedError`` naming it elsewhere) or the ranks' ``signature``s differ (ValueError).
     A collective: every rank calls it for the same step."""
@@ -358,7 +358,9 @@ def refuse_together(
     agree(tp, error, what, signature)
 
 
-def agreed(tp: TensorParallel | None, what: str, fn: Callable[[], T], signature: object = None) -> T:
+def agreed(
+    tp: TensorParallel | None, what: str, fn: Callable[[], T], signature: object = None
+) -> T:
     """``fn()``, refused on every rank when it raises on one (``refuse_together``)."""
     result: Any = None
     with refuse_together(tp, what, signature):

@@ -83,7 +83,10 @@ def test_ranks_refuse_together(tmp_path):
     r0, r1 = launch("agreement", tmp_path, timeout=180)
     for res in (r0, r1):  # another skip rule / scale on rank 1: both ranks raise, naming it
         assert res["skip_mismatch"]["type"] == "ValueError"
-        assert "mm.layers.1.self_attn.attn' mode: rank 0 has 'fp8_per_tensor', rank 1 has 'none'" in res["skip_mismatch"]["message"]
+        assert (
+            "mm.layers.1.self_attn.attn' mode: rank 0 has 'fp8_per_tensor', rank 1 has 'none'"
+            in res["skip_mismatch"]["message"]
+        )
         assert res["scale_mismatch"]["type"] == "ValueError"
         assert "v_scale: rank 0 has 0.05, rank 1 has 0.07" in res["scale_mismatch"]["message"]
         assert res["different_batch"]["type"] == "ValueError"
@@ -121,7 +124,10 @@ def test_cli_demo_tp2_starts_its_ranks(tmp_path):
 def test_shards_cover_the_full_weights():
     tps = [TensorParallel(r, 2) for r in (0, 1)]
     full = torch.arange(24.0).reshape(4, 6)
-    for name, dim in (("layers.0.self_attn.k_proj.weight", 0), ("layers.0.mlp.down_proj.weight", 1)):
+    for name, dim in (
+        ("layers.0.self_attn.k_proj.weight", 0),
+        ("layers.0.mlp.down_proj.weight", 1),
+    ):
         parts = [shard_tensor(name, full, tp) for tp in tps]
         assert torch.equal(torch.cat(parts, dim), full)
         assert full_shape(name, parts[0].shape, tps[0]) == (4, 6)

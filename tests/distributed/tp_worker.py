@@ -64,13 +64,14 @@ def parity(tp, which: str) -> dict:
         t0 = time.perf_counter()
         kv = KVCacheConfig("fp8", skip_layers=skip, page_size=4, **SCALES)
         if kind == "own":
-            make = lambda tp_, p: build_model(  # noqa: E731
-                name, kv, num_pages=32, dtype=torch.float32, prefix=p, tp=tp_
-            )
-            single, shard = make(None, f"single_{name}"), make(tp, f"tp_{name}")
+            own = dict(num_pages=32, dtype=torch.float32)
+            single = build_model(name, kv, prefix=f"single_{name}", **own)
+            shard = build_model(name, kv, prefix=f"tp_{name}", tp=tp, **own)
         else:
             hf = tiny_hf_model(name)
-            single = KVQCausalLM.from_hf(copy.deepcopy(hf), kv, num_pages=32, prefix=f"single_{name}")
+            single = KVQCausalLM.from_hf(
+                copy.deepcopy(hf), kv, num_pages=32, prefix=f"single_{name}"
+            )
             shard = KVQCausalLM.from_hf(hf, kv, num_pages=32, prefix=f"tp_{name}", tp=tp)
         ref = generate(single, PROMPTS, NEW)
         eager = generate(shard, PROMPTS, NEW, force_tokens=ref.tokens)
@@ -89,7 +90,9 @@ def parity(tp, which: str) -> dict:
         inner = "inductor" if name == "llama-tiny" else "eager"
         backend = kvq_backend if inner == "inductor" else make_kvq_backend(inner="eager")
         torch._dynamo.reset()
-        comp = generate(shard, PROMPTS, NEW, forward=compiled(shard, backend), force_tokens=ref.tokens)
+        comp = generate(
+            shard, PROMPTS, NEW, forward=compiled(shard, backend), force_tokens=ref.tokens
+        )
         row |= {"inner": inner, "compiled_diff": max_diff(eager, comp), "report": report_fused()}
         if kind == "own":  # q/k/v and gate/up as one GEMM each, on the shard
             shard.fuse_projections()
@@ -113,7 +116,9 @@ def agreement(tp) -> dict:
     out: dict = {}
     kv = KVCacheConfig("fp8", skip_layers=(0,), page_size=4, **SCALES)
     # a rank built with another skip rule / scale: every rank raises, naming the value
-    other = KVCacheConfig("fp8", skip_layers=(0, 1) if tp.rank == 1 else (0,), page_size=4, **SCALES)
+    other = KVCacheConfig(
+        "fp8", skip_layers=(0, 1) if tp.rank == 1 else (0,), page_size=4, **SCALES
+    )
     out["skip_mismatch"] = catch(lambda: build_model("llama-tiny", other, prefix="mm", tp=tp))
     scaled = KVCacheConfig(
         "fp8", skip_layers=(0,), page_size=4, default_k_scale=0.05,

@@ -17,8 +17,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from torch_kvq.models.base import GatedMLP, PagedDecoder, RMSNorm, SelfAttention
 from torch_kvq.distributed import TensorParallel
+from torch_kvq.models.base import GatedMLP, PagedDecoder, RMSNorm, SelfAttention
 from torch_kvq.models.config import DecoderConfig
 
 

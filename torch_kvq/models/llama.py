@@ -9,8 +9,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from torch_kvq.models.base import GatedMLP, PagedDecoder, RMSNorm, SelfAttention
 from torch_kvq.distributed import TensorParallel
+from torch_kvq.models.base import GatedMLP, PagedDecoder, RMSNorm, SelfAttention
 from torch_kvq.models.config import DecoderConfig
 
 
