@@ -107,9 +107,11 @@ def run(args: argparse.Namespace) -> int:
         from torch_kvq.cli import CommandError
 
         raise CommandError(f"--tp {args.tp}, but torchrun started {tp.size} ranks")
-    quiet = contextlib.redirect_stdout(io.StringIO()) if tp.rank else contextlib.nullcontext()
-    with quiet, contextlib.redirect_stderr(io.StringIO()) if tp.rank else contextlib.nullcontext():
-        return _run(args, tp)  # rank 0 prints; every rank runs the same steps
+    mute = tp.rank != 0  # rank 0 prints; every rank runs the same steps
+    out = contextlib.redirect_stdout(io.StringIO()) if mute else contextlib.nullcontext()
+    err = contextlib.redirect_stderr(io.StringIO()) if mute else contextlib.nullcontext()
+    with out, err:
+        return _run(args, tp)
 
 
 def _run(args: argparse.Namespace, tp: Any) -> int:
