@@ -36,6 +36,7 @@ import datetime
 import os
 import sys
 import time
+from functools import partial
 from pathlib import Path
 
 # Inductor's compile workers: 80-layer graphs compile single-threaded too slowly for a 10-minute
@@ -173,6 +174,25 @@ def release() -> None:
         torch.cuda.empty_cache()
 
 
+def guarded(label: str, fn) -> dict:
+    """``fn()``'s row, or a row with the error (printed; the other variants still run). A rank
+    that fails inside a step leaves the others in a collective until ``--timeout-s``."""
+    try:
+        return fn()
+    except Exception as e:  # noqa: BLE001 - recorded
+        import traceback
+
+        traceback.print_exc()
+        return {"variant": label, "error": repr(e)[:400]}
+    finally:
+        release()
+
+
+def shard_run(args, shape, kind, tp, n, pages, device, label) -> dict:
+    model = build(args, shape, kind, tp if n > 1 else None, pages, device)
+    return compile_and_time(args, label, model, args.batch, args.ctx, tp, device)
+
+
 def scaling(args, tp: TensorParallel, device: str) -> list[dict]:
     """(a): the same model and batch on 1 rank and on all ranks."""
     shape = "tiny" if args.smoke else "8b"
@@ -185,18 +205,16 @@ def scaling(args, tp: TensorParallel, device: str) -> list[dict]:
                 row = None
                 if tp.rank == 0:  # one GPU, no process group in the model; others wait on gloo
                     log(tp, f"{label}: building on rank 0 ...")
-                    model = build(args, shape, kind, None, pages, device)
-                    row = compile_and_time(args, label, model, args.batch, args.ctx, None, device)
-                    del model
-                    release()
+                    row = guarded(
+                        label, partial(shard_run, args, shape, kind, None, 1, pages, device, label)
+                    )
                 gather(tp, None)  # a barrier on the cpu group (gloo: no NCCL timeout while waiting)
             elif n == tp.size:
                 log(tp, f"{label}: building this rank's shard ...")
-                model = build(args, shape, kind, tp if n > 1 else None, pages, device)
-                row = compile_and_time(args, label, model, args.batch, args.ctx, tp, device)
+                row = guarded(
+                    label, partial(shard_run, args, shape, kind, tp, n, pages, device, label)
+                )
                 row["step_ms_all_ranks"] = gather(tp, row.get("step_ms"))
-                del model
-                release()
             else:
                 raise SystemExit(f"--tp {n}: expected 1 or the number of ranks ({tp.size})")
             if tp.rank == 0:
@@ -217,6 +235,7 @@ def fit(args, tp: TensorParallel, device: str) -> list[dict]:
         weights = sum(p.nbytes for p in model.parameters())
         if args.device == "cuda":
             torch.cuda.synchronize()
+            torch.cuda.empty_cache()  # the allocator's cached blocks count as free
             free = torch.cuda.mem_get_info()[0]
         else:
             free = int(args.mem_budget_gib * 2**30) + page_bytes(model)
@@ -231,7 +250,9 @@ def fit(args, tp: TensorParallel, device: str) -> list[dict]:
         model.num_pages = pages
         model.configure_kv(kv_config(kind))  # caches of `pages` pages per layer
         label = f"{shape} TP {tp.size}, {kind} KV, largest batch {batch} x {args.ctx}"
-        row = compile_and_time(args, label, model, batch, args.ctx, tp, device)
+        row = guarded(
+            label, partial(compile_and_time, args, label, model, batch, args.ctx, tp, device)
+        )
         row |= {"tp": tp.size, "kv": kind, "shape": shape, "pages": pages, "free_bytes": free,
                 "reserve_gib": args.reserve_gib, "page_bytes_per_rank": per_page}  # fmt: skip
         row["step_ms_all_ranks"] = gather(tp, row.get("step_ms"))
@@ -286,6 +307,8 @@ def main() -> None:
     ap.add_argument("--compile", choices=("kvq", "kvq-eager", "off"), default=None,
                     help="default kvq (Inductor); kvq-eager in --smoke")  # fmt: skip
     ap.add_argument("--no-graphs", action="store_true", help="no CUDA graph capture")
+    ap.add_argument("--timeout-s", type=float, default=300.0,
+                    help="a collective waiting longer fails (a rank that died leaves no hang)")  # fmt: skip
     ap.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
     ap.add_argument("--smoke", action="store_true",
                     help="tiny shapes, few steps (with --device cpu: gloo, reference kernel)")  # fmt: skip
@@ -298,7 +321,7 @@ def main() -> None:
     if args.device == "cpu":
         args.reserve_gib = 0.0  # the KV budget is --mem-budget-gib
     args.compile = args.compile or "kvq"
-    tp = init_tensor_parallel(device=args.device)
+    tp = init_tensor_parallel(device=args.device, timeout_s=args.timeout_s)
     device = f"cuda:{torch.cuda.current_device()}" if args.device == "cuda" else "cpu"
     env = environment() if tp.rank == 0 else {}
     env["world_size"], env["backend"] = tp.size, dist.get_backend()

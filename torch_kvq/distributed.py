@@ -114,10 +114,13 @@ def relaunch(nproc: int, target: Sequence[str]) -> int:
     return subprocess.call(cmd)
 
 
-def init_tensor_parallel(backend: str | None = None, device: str = "cpu") -> TensorParallel:
+def init_tensor_parallel(
+    backend: str | None = None, device: str = "cpu", timeout_s: float | None = None
+) -> TensorParallel:
     """Join (or start) the default process group from torchrun's environment and return this
     rank's ``TensorParallel`` over all ranks. ``backend`` None: nccl on cuda, gloo on cpu. On
-    cuda also sets the rank's device and makes the gloo ``cpu_group`` for host agreement."""
+    cuda also sets the rank's device and makes the gloo ``cpu_group`` for host agreement.
+    ``timeout_s``: how long a collective may wait for the other ranks (torch's default if None)."""
     backend = backend or ("nccl" if device == "cuda" else "gloo")
     if backend not in ("nccl", "gloo"):
         raise ValueError(f"backend {backend!r} unsupported; expected 'nccl' or 'gloo'")
@@ -127,7 +130,10 @@ def init_tensor_parallel(backend: str | None = None, device: str = "cpu") -> Ten
         dev = require_gpu(f"backend {backend!r} on device {device!r}")
         torch.cuda.set_device(dev)
     if not dist.is_initialized():
-        dist.init_process_group(backend)
+        import datetime
+
+        kw = {} if timeout_s is None else {"timeout": datetime.timedelta(seconds=timeout_s)}
+        dist.init_process_group(backend, **kw)
     cpu_group = dist.new_group(backend="gloo") if dist.get_backend() != "gloo" else None
     return TensorParallel(dist.get_rank(), dist.get_world_size(), None, cpu_group)
 
