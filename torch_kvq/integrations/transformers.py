@@ -138,6 +138,7 @@ class KVQCausalLM(nn.Module):
         ``tp``: shard the model in place for tensor parallelism (``hf_tp.py``: q/k/v and gate/up
         column-parallel, o_proj and down_proj row-parallel with an all-reduce); every rank calls
         this with the same full model and config; each rank's caches hold its KV heads.
+        ``detach()`` gives the model back still sharded.
         """
         hfa.register()
         if getattr(hf_model, "_kvq_attached", False):
