@@ -67,15 +67,11 @@ def check_parity(ranks: list[dict], cases: tuple[str, ...]) -> None:
 
 
 @pytest.mark.distributed
-def test_own_decoders_tp2_match_single_process(tmp_path):
-    ranks = launch("own", tmp_path, timeout=300)
-    check_parity(ranks, ("own:llama-tiny", "own:gemma3-tiny"))
+def test_tp2_matches_single_process(tmp_path):
+    """Our decoders and HF models in one launch (one torch / transformers start-up per rank)."""
+    ranks = launch("parity", tmp_path, timeout=300)
+    check_parity(ranks, ("own:llama-tiny", "own:gemma3-tiny", "hf:llama", "hf:gemma3"))
     assert ranks[0]["own:llama-tiny"]["inner"] == "inductor"
-
-
-@pytest.mark.distributed
-def test_hf_models_tp2_match_single_process(tmp_path):
-    check_parity(launch("hf", tmp_path, timeout=300), ("hf:llama", "hf:gemma3"))
 
 
 @pytest.mark.distributed

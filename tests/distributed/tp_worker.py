@@ -53,13 +53,13 @@ def compiled(model, backend):
     return torch.compile(model, backend=backend, fullgraph=True)
 
 
-def parity(tp, which: str) -> dict:
+def parity(tp) -> dict:
     from torch_kvq.integrations.hf_tiny import tiny_hf_model
     from torch_kvq.integrations.transformers import KVQCausalLM
     from torch_kvq.passes import kvq_backend, make_kvq_backend
 
     out: dict = {}
-    cases = [("own", *c) for c in OWN] if which == "own" else [("hf", *c) for c in HF]
+    cases = [("own", *c) for c in OWN] + [("hf", *c) for c in HF]
     for kind, name, skip in cases:
         t0 = time.perf_counter()
         kv = KVCacheConfig("fp8", skip_layers=skip, page_size=4, **SCALES)
@@ -185,8 +185,7 @@ def main() -> None:
         torch.set_num_threads(1)
     try:
         scenarios = {
-            "own": lambda: parity(tp, "own"),
-            "hf": lambda: parity(tp, "hf"),
+            "parity": lambda: parity(tp),
             "agreement": lambda: agreement(tp),
             "gpu": lambda: gpu(tp),
         }
