@@ -307,7 +307,7 @@ def main() -> None:
     ap.add_argument("--compile", choices=("kvq", "kvq-eager", "off"), default=None,
                     help="default kvq (Inductor); kvq-eager in --smoke")  # fmt: skip
     ap.add_argument("--no-graphs", action="store_true", help="no CUDA graph capture")
-    ap.add_argument("--timeout-s", type=float, default=300.0,
+    ap.add_argument("--timeout-s", type=float, default=900.0,
                     help="a collective waiting longer fails (a rank that died leaves no hang)")  # fmt: skip
     ap.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
     ap.add_argument("--smoke", action="store_true",
