@@ -1478,6 +1478,105 @@ def _() -> object:
         return lm.generate(ids, num_beams=2, max_new_tokens=3, do_sample=False)
 
 
+# --- tensor parallelism ---------------------------------------------------------------------------
+
+
+def _tp(rank: int, size: int):
+    from torch_kvq.distributed import TensorParallel
+
+    return TensorParallel(rank, size)
+
+
+def _tp_model(size: int, **kw: object):
+    from torch_kvq.models import build_model
+
+    return build_model("llama-tiny", KVCacheConfig("fp8", skip_layers=(0,)), tp=_tp(0, size), **kw)
+
+
+@case("tp.heads-not-divisible")
+def _() -> object:
+    return _tp_model(3)
+
+
+@case("tp.kv-heads-not-divisible")
+def _() -> object:
+    return _tp_model(4)
+
+
+@case("tp.hf-kv-heads-not-divisible")
+def _() -> object:
+    return _attach(_hf(), tp=_tp(0, 2))
+
+
+@case("tp.hf-fused-qkv")
+def _() -> object:
+    return _attach(_hf("Phi3"), tp=_tp(0, 1))
+
+
+@case("tp.ranks-disagree")
+def _() -> object:
+    from torch_kvq.distributed import compare_tables, rank_table
+    from torch_kvq.models import build_model
+
+    tables = []
+    for skip in ((0,), (0, 1)):
+        model = build_model("llama-tiny", KVCacheConfig("fp8", skip_layers=skip), prefix="tp")
+        tables.append(rank_table(model.global_kv_specs, model.kernel))
+        del model
+    return compare_tables(tables)
+
+
+def _agree_seen_from_rank1(views: list, error: object = None, signature: object = None) -> object:
+    """``agree`` on rank 1 of 2, the other ranks' views given (the gather mocked; the real
+    two-process run is tests/distributed/test_tp.py::test_ranks_refuse_together)."""
+    from torch_kvq import distributed
+
+    with mock.patch.object(distributed, "gather", return_value=views):
+        return distributed.agree(_tp(1, 2), error, "batch", signature)
+
+
+@case("tp.rank-refused")
+def _() -> object:
+    msg = "OutOfPagesError: out of KV pages: the batch needs 2 new pages"
+    return _agree_seen_from_rank1([(msg, "None"), (None, "None")])
+
+
+@case("tp.batch-differs")
+def _() -> object:
+    return _agree_seen_from_rank1([(None, "[1, 1]"), (None, "[1, 1, 1]")], signature=[1, 1, 1])
+
+
+@case("tp.rank-without-gpu")
+def _() -> object:
+    import os
+
+    from torch_kvq.distributed import init_tensor_parallel
+
+    with mock.patch.dict(os.environ, {"LOCAL_RANK": "1", "RANK": "1"}):
+        with mock.patch("torch.cuda.is_available", return_value=True):
+            with mock.patch("torch.cuda.device_count", return_value=1):
+                return init_tensor_parallel("nccl", "cuda")
+
+
+@case("tp.size-zero")
+def _() -> object:
+    return _tp(0, 0)
+
+
+@case("tp.rank-out-of-range")
+def _() -> object:
+    return _tp(2, 2)
+
+
+@case("tp.fused-weights")
+def _() -> object:
+    from torch_kvq.models import build_model, randomize_weights_
+
+    model = build_model("llama-tiny", KVCacheConfig("fp8"))
+    model.fuse_projections()
+    return randomize_weights_(model, 0, tp=_tp(0, 2))
+
+
 # --- the tests ----------------------------------------------------------------------------------
 
 

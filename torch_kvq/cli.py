@@ -57,6 +57,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     # non-option word is the subcommand: build only its parser.
     chosen = next((a for a in argv if not a.startswith("-")), None)
     args = build_parser(load=[chosen] if chosen in SUBCOMMANDS else []).parse_args(argv)
+    args.argv = argv  # what a subcommand re-runs on N ranks (``kvq demo --tp N``)
     try:
         return int(args.func(args) or 0)
     except (ValueError, CommandError) as e:

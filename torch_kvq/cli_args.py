@@ -86,8 +86,9 @@ def model_label(args: argparse.Namespace) -> str:
     return f"transformers {hf} (tiny, random weights)" if hf else f"preset {args.preset}"
 
 
-def model_from_args(args: argparse.Namespace, kv_config=None, num_pages: int = 64):
-    """Build the preset model the shared options describe (ValueError on bad config)."""
+def model_from_args(args: argparse.Namespace, kv_config=None, num_pages: int = 64, tp=None):
+    """Build the preset model the shared options describe (ValueError on bad config); ``tp``: this
+    rank's tensor-parallel shard (``torch_kvq.distributed.TensorParallel``)."""
     from torch_kvq.models import build_model
 
     overrides = {}
@@ -106,10 +107,12 @@ def model_from_args(args: argparse.Namespace, kv_config=None, num_pages: int = 6
         overrides["head_dim"] = head_dim
     kv = kv_config if kv_config is not None else kv_config_from_args(args)
     if getattr(args, "hf", None) is not None:  # ``kvq dump / accuracy --hf FAMILY``
+        if tp is not None:
+            raise CommandError("--tp runs the presets; --hf models take tp= in KVQCausalLM.from_hf")
         from torch_kvq.integrations.hf_cli import tiny_lm
 
         return tiny_lm(args.hf, kv, args.seed, num_pages, overrides)
-    return build_model(args.preset, kv, seed=args.seed, num_pages=num_pages, **overrides)
+    return build_model(args.preset, kv, seed=args.seed, num_pages=num_pages, tp=tp, **overrides)
 
 
 def positive_int(text: str) -> int:

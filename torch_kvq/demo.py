@@ -38,6 +38,13 @@ def add_parser(sub: Any) -> None:
         "the passes then Inductor (a cold compile takes ~45 s on 2 CPU cores); kvq-eager: the "
         "passes without Inductor codegen (seconds)",
     )
+    p.add_argument(
+        "--tp",
+        type=_positive_int,
+        default=1,
+        help="tensor parallelism over N CPU processes (gloo): re-runs this command under "
+        "torchrun --standalone --nproc-per-node N; each rank holds 1/N of the KV heads",
+    )
     p.set_defaults(func=run)
 
 
@@ -74,6 +81,29 @@ def _bar(
 
 
 def run(args: argparse.Namespace) -> int:
+    import contextlib
+    import io
+
+    from torch_kvq import distributed
+
+    if args.tp > 1 and not distributed.under_torchrun():
+        print(f"kvq demo: starting {args.tp} ranks (torchrun --standalone) ...", file=sys.stderr)
+        return distributed.relaunch(args.tp, ["-m", "torch_kvq.cli", *args.argv])
+    if args.tp == 1:
+        return _run(args, None)
+    tp = distributed.init_tensor_parallel("gloo", "cpu")
+    if tp.size != args.tp:
+        from torch_kvq.cli import CommandError
+
+        raise CommandError(f"--tp {args.tp}, but torchrun started {tp.size} ranks")
+    mute = tp.rank != 0  # rank 0 prints; every rank runs the same steps
+    out = contextlib.redirect_stdout(io.StringIO()) if mute else contextlib.nullcontext()
+    err = contextlib.redirect_stderr(io.StringIO()) if mute else contextlib.nullcontext()
+    with out, err:
+        return _run(args, tp)
+
+
+def _run(args: argparse.Namespace, tp: Any) -> int:
     import torch
 
     from torch_kvq.cli_args import kv_config_from_args, model_from_args
@@ -81,8 +111,8 @@ def run(args: argparse.Namespace) -> int:
     from torch_kvq.spec import KVCacheConfig, format_spec_table
 
     kv = kv_config_from_args(args)
-    model = model_from_args(args, kv)  # ValueError on bad rules -> exit 2
-    ref_model = model_from_args(args, KVCacheConfig(page_size=args.page_size))
+    model = model_from_args(args, kv, tp=tp)  # ValueError on bad rules -> exit 2
+    ref_model = model_from_args(args, KVCacheConfig(page_size=args.page_size), tp=tp)
     forward = None
     if args.compile != "off":
         forward = torch.compile(model, backend=_kvq_backend(args.compile))
@@ -118,6 +148,7 @@ def run(args: argparse.Namespace) -> int:
         f"kvq demo: preset {args.preset}, kv_cache_dtype={kv.kv_cache_dtype!r}, "
         f"skip_layers={kv.skip_layers}, page_size {kv.page_size}, compile {args.compile}, "
         f"seed {args.seed}"
+        + (f", tensor-parallel over {tp.size} ranks (this table: rank 0's heads)" if tp else "")
     )
     print()
     print(format_spec_table(model.kv_specs, cache_kib))

@@ -19,6 +19,7 @@ NAMES = {
     "nvjet_sm90_tst_64x32_64x16_4x1_v_bz_splitK_TNT": "gemm",
     "void at::native::index_elementwise_kernel<128, 4, at::native::gpu_index_kernel<a": "other",
     "triton_red_fused_add_mean_mul_pow_rsqrt_0": "other",
+    "ncclDevKernel_AllReduce_Sum_bf16_RING_LL(ncclDevKernelArgsStorage<4096ul>)": "all_reduce",
 }  # fmt: skip
 
 

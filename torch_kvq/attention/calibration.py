@@ -62,7 +62,9 @@ def calibrate_kv_scales(
 
     Records the absolute maximum of k and v entering every ``Attention`` layer. Feed the result to
     ``KVCacheConfig(kv_scales=...)``. A layer whose k or v amax is zero (all zeros in the sample),
-    NaN or infinite is a ValueError naming the layer and k or v.
+    NaN or infinite is a ValueError naming the layer and k or v. A tensor-parallel model
+    (``model.tp``, every rank calling this alike): each rank sees its own heads, so the amax is
+    taken over all ranks and every rank gets the same scales.
     """
     amax: dict[str, list[float]] = {}
     hooks = []
@@ -83,4 +85,12 @@ def calibrate_kv_scales(
     finally:
         for h in hooks:
             h.remove()
+    tp = getattr(model, "tp", None)
+    if tp is not None and tp.size > 1:
+        from torch_kvq.distributed import gather
+
+        for other in gather(tp, amax):
+            for name, (k, v) in other.items():
+                cur = amax.setdefault(name, [0.0, 0.0])
+                cur[0], cur[1] = _max_or_nan(cur[0], k), _max_or_nan(cur[1], v)
     return {name: layer_kv_scales(name, k, v) for name, (k, v) in amax.items()}

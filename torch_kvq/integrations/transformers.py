@@ -51,10 +51,12 @@ from torch_kvq.attention.layer import Attention, QuantForm
 from torch_kvq.attention.allocator import PageAllocator
 from torch_kvq.attention.memory import WindowPages, layer_pages, window_pools
 from torch_kvq.attention.metadata import BatchMetadata
+from torch_kvq.distributed import TensorParallel, check_ranks_agree, shard_specs
 from torch_kvq.integrations import hf_attention as hfa
 from torch_kvq.integrations.hf_checks import check_layer, check_model
 from torch_kvq.integrations.hf_generate import KVQPagedCache, install_forward
 from torch_kvq.integrations.hf_scales import ScaleSource, checkpoint_kv_scales
+from torch_kvq.integrations.hf_tp import shard_hf_model_
 from torch_kvq.spec import (
     MODEL_DTYPES,
     AttentionLayerInfo,
@@ -94,8 +96,10 @@ class KVQCausalLM(nn.Module):
         kernel: AttentionKernel | Mapping[str, AttentionKernel] | None,
         quant_form: QuantForm,
         window_pages: WindowPages,
+        tp: TensorParallel | None = None,
     ) -> None:
         super().__init__()
+        self.tp = tp
         self.hf = hf_model
         self.config = hf_model.config.get_text_config(decoder=True)
         self.dtype: torch.dtype = hf_model.dtype
@@ -126,6 +130,7 @@ class KVQCausalLM(nn.Module):
         quant_form: QuantForm = "op",
         kv_scales_from: ScaleSource | None = None,
         window_pages: WindowPages = None,
+        tp: TensorParallel | None = None,
     ) -> KVQCausalLM:
         """Attach ``hf_model`` (a transformers ``*ForCausalLM`` or multimodal ``*ForConditional
         Generation``, eval mode) to per-layer paged caches of ``num_pages`` pages each
@@ -135,6 +140,11 @@ class KVQCausalLM(nn.Module):
         checkpoint scales (``...self_attn.k_scale`` / ``v_scale``, ``k_proj.output_scale``, ...);
         they become ``kv_config.kv_scales`` (which must then be empty). Raises ValueError naming
         the layer and the feature for what the paged cache cannot serve; nothing is attached then.
+
+        ``tp``: shard the model in place for tensor parallelism (``hf_tp.py``: q/k/v and gate/up
+        column-parallel, o_proj and down_proj row-parallel with an all-reduce); every rank calls
+        this with the same full model and config; each rank's caches hold its KV heads.
+        ``detach()`` gives the model back still sharded.
         """
         hfa.register()
         if getattr(hf_model, "_kvq_attached", False):
@@ -166,6 +176,8 @@ class KVQCausalLM(nn.Module):
             if kv_config.kv_scales:
                 raise ValueError("give kv_config.kv_scales or kv_scales_from, not both")
             kv_config = _with_scales(kv_config, checkpoint_kv_scales(kv_scales_from, paths))
+        if tp is not None:
+            shard_hf_model_(hf_model, calls, paths, tp)  # the dry run above saw the global heads
         lm = cls(
             hf_model,
             calls,
@@ -176,6 +188,7 @@ class KVQCausalLM(nn.Module):
             kernel=kernel,
             quant_form=quant_form,
             window_pages=window_pages,
+            tp=tp,
         )
         hf_model._kvq_attached = True
         return lm
@@ -200,8 +213,12 @@ class KVQCausalLM(nn.Module):
     def configure_kv(self, kv_config: KVCacheConfig) -> None:
         """Re-resolve the per-layer specs and replace every ``Attention`` (fresh, empty caches) and
         the page allocator. On a bad config nothing changes (ValueError). ``kv_scales`` keyed by
-        HF path are accepted too when the names carry a prefix."""
-        specs = resolve_layer_specs(self._rekey(kv_config), self.layer_infos(), self.dtype)
+        HF path are accepted too when the names carry a prefix. With ``tp``: resolved from the
+        global config, checked equal on every rank (a collective), then given this rank's heads."""
+        global_specs = resolve_layer_specs(self._rekey(kv_config), self.layer_infos(), self.dtype)
+        config = self.config.to_json_string(use_diff=False) if self.tp is not None else None
+        check_ranks_agree(self.tp, global_specs, self.kernel, {"config": config})
+        specs = shard_specs(global_specs, self.tp)
         pools = window_pools(specs, self.window_pages)
         for mod in self._hf_attn:
             old = getattr(mod, hfa.ATTN_ATTR, None)
@@ -213,6 +230,7 @@ class KVQCausalLM(nn.Module):
             setattr(mod, hfa.ATTN_ATTR, Attention(spec, pages, self.device, self.quant_form))
         self.kv_config = kv_config
         self._specs = specs
+        self.global_kv_specs = global_specs
         self.allocator = PageAllocator(self.num_pages, kv_config.page_size, pools)
 
     def _rekey(self, cfg: KVCacheConfig) -> KVCacheConfig:

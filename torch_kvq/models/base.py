@@ -24,6 +24,13 @@ from torch_kvq.attention.layer import Attention, QuantForm
 from torch_kvq.attention.allocator import PageAllocator
 from torch_kvq.attention.memory import WindowPages, layer_pages, window_pools
 from torch_kvq.attention.metadata import BatchMetadata
+from torch_kvq.distributed import (
+    TensorParallel,
+    check_ranks_agree,
+    linear,
+    shard_specs,
+    shard_tensor,
+)
 from torch_kvq.models.config import DecoderConfig, RopeSpec, read_config
 from torch_kvq.spec import (
     MODEL_DTYPES,
@@ -95,14 +102,22 @@ def fused_linear(parts: list[nn.Linear]) -> nn.Linear:
 
 
 class GatedMLP(nn.Module):
-    """``down(act(gate(x)) * up(x))``: SwiGLU (silu) or GeGLU (gelu tanh)."""
+    """``down(act(gate(x)) * up(x))``: SwiGLU (silu) or GeGLU (gelu tanh). With ``tp``: this
+    rank's ``intermediate_size / N`` slice, down_proj row-parallel (all-reduced)."""
 
-    def __init__(self, cfg: DecoderConfig, dtype: torch.dtype, device: torch.device) -> None:
+    def __init__(
+        self,
+        cfg: DecoderConfig,
+        dtype: torch.dtype,
+        device: torch.device,
+        tp: TensorParallel | None = None,
+    ) -> None:
         super().__init__()
-        kw: dict[str, Any] = dict(bias=cfg.mlp_bias, dtype=dtype, device=device)
-        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, **kw)
-        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, **kw)
-        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, **kw)
+        kw: dict[str, Any] = dict(bias=cfg.mlp_bias, dtype=dtype, device=device, tp=tp)
+        h, i, what = cfg.hidden_size, cfg.intermediate_size, "intermediate_size"
+        self.gate_proj = linear(h, i, row=False, what=what, **kw)
+        self.up_proj = linear(h, i, row=False, what=what, **kw)
+        self.down_proj = linear(i, h, row=True, what=what, **kw)
         self.gate_up_proj: nn.Linear | None = None  # set by fuse(): gate and up in one GEMM
         self.act = cfg.hidden_act
 
@@ -125,22 +140,31 @@ class SelfAttention(nn.Module):
     """q/k/v projections, optional per-head q/k norms, RoPE, paged ``Attention``, o_proj.
 
     ``attn`` is set by ``PagedDecoder.configure_kv``. forward(h [T, hidden], cos, sin) -> [T, hidden].
+    With ``tp``: this rank's ``num_heads / N`` query and ``num_kv_heads / N`` KV heads, o_proj
+    row-parallel (all-reduced).
     """
 
     def __init__(
-        self, cfg: DecoderConfig, qk_norm: bool, dtype: torch.dtype, device: torch.device
+        self,
+        cfg: DecoderConfig,
+        qk_norm: bool,
+        dtype: torch.dtype,
+        device: torch.device,
+        tp: TensorParallel | None = None,
     ) -> None:
         super().__init__()
+        n = tp.size if tp is not None else 1  # heads were checked divisible by PagedDecoder
         self.num_heads, self.num_kv_heads, self.head_dim = (
-            cfg.num_heads,
-            cfg.num_kv_heads,
+            cfg.num_heads // n,
+            cfg.num_kv_heads // n,
             cfg.head_dim,
         )
-        kw: dict[str, Any] = dict(bias=cfg.attention_bias, dtype=dtype, device=device)
-        self.q_proj = nn.Linear(cfg.hidden_size, cfg.num_heads * cfg.head_dim, **kw)
-        self.k_proj = nn.Linear(cfg.hidden_size, cfg.num_kv_heads * cfg.head_dim, **kw)
-        self.v_proj = nn.Linear(cfg.hidden_size, cfg.num_kv_heads * cfg.head_dim, **kw)
-        self.o_proj = nn.Linear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, **kw)
+        kw: dict[str, Any] = dict(bias=cfg.attention_bias, dtype=dtype, device=device, tp=tp)
+        h, q, kv = cfg.hidden_size, cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+        self.q_proj = linear(h, q, row=False, what="num_heads x head_dim", **kw)
+        self.k_proj = linear(h, kv, row=False, what="num_kv_heads x head_dim", **kw)
+        self.v_proj = linear(h, kv, row=False, what="num_kv_heads x head_dim", **kw)
+        self.o_proj = linear(q, h, row=True, what="num_heads x head_dim", **kw)
         self.qkv_proj: nn.Linear | None = None  # set by fuse(): q, k and v in one GEMM
         self.q_norm: RMSNorm | None = None
         self.k_norm: RMSNorm | None = None
@@ -194,6 +218,7 @@ class PagedDecoder(nn.Module):
         kernel: AttentionKernel | Mapping[str, AttentionKernel] | None = None,
         quant_form: QuantForm = "op",
         window_pages: WindowPages = None,
+        tp: TensorParallel | None = None,
     ) -> None:
         super().__init__()
         if dtype not in MODEL_DTYPES:
@@ -206,6 +231,11 @@ class PagedDecoder(nn.Module):
         if quant_form not in ("op", "torch"):
             raise ValueError(f"quant_form {quant_form!r} unknown; expected 'op' or 'torch'")
         self.config = cfg = read_config(hf_config, self.arch)
+        self.tp = tp  # tensor parallelism: this rank's heads / MLP slice (torch_kvq.distributed)
+        if tp is not None:
+            tp.split(cfg.num_heads, "num_heads")
+            tp.split(cfg.num_kv_heads, "num_kv_heads")
+            tp.split(cfg.intermediate_size, "intermediate_size")
         self.dtype = dtype
         self.device = torch.device(device)
         self.num_pages = num_pages
@@ -252,10 +282,12 @@ class PagedDecoder(nn.Module):
 
     def configure_kv(self, kv_config: KVCacheConfig) -> None:
         """Re-resolve the per-layer specs and replace every ``Attention`` (fresh, empty caches) and
-        the page allocator. On a bad config nothing changes (ValueError). Full-attention layers
-        get ``num_pages`` pages; with ``window_pages`` each sliding window's layers get a pool of
-        their own of that size (attention/memory.py sizes them)."""
-        specs = resolve_layer_specs(kv_config, self.layer_infos(), self.dtype)
+        the page allocator. On a bad config nothing changes (ValueError). With ``tp`` the specs are
+        resolved from the global config, checked equal on every rank (a collective), then given
+        this rank's heads."""
+        global_specs = resolve_layer_specs(kv_config, self.layer_infos(), self.dtype)
+        check_ranks_agree(self.tp, global_specs, self.kernel, {"config": self.config})
+        specs = shard_specs(global_specs, self.tp)
         pools = window_pools(specs, self.window_pages)
         for layer in self.layers:
             old = layer.self_attn.attn
@@ -267,6 +299,7 @@ class PagedDecoder(nn.Module):
             layer.self_attn.attn = Attention(spec, pages, self.device, self.quant_form)
         self.kv_config = kv_config
         self._specs = specs
+        self.global_kv_specs = global_specs
         self.allocator = PageAllocator(self.num_pages, kv_config.page_size, pools)
 
     @property
@@ -299,7 +332,8 @@ class PagedDecoder(nn.Module):
     def load_hf_state_dict(self, state_dict: Mapping[str, torch.Tensor]) -> None:
         """Load a transformers ``*ForCausalLM`` state dict (keys ``model.*`` and ``lm_head.weight``).
 
-        Every parameter must be given with its shape; unknown keys are an error.
+        Every parameter must be given with its shape; unknown keys are an error. With ``tp``, give
+        the full (unsharded) weights: each rank keeps its part.
         """
         if self.projections_fused:
             raise ValueError(
@@ -312,7 +346,7 @@ class PagedDecoder(nn.Module):
             ours = key.removeprefix("model.")
             if ours == "lm_head.weight" and self.lm_head is None:
                 continue  # tied to embed_tokens.weight
-            given[ours] = value
+            given[ours] = shard_tensor(ours, value, self.tp)  # full weights: this rank's part
         missing = sorted(set(own) - set(given))
         unexpected = sorted(set(given) - set(own))
         if missing or unexpected:

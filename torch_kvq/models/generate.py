@@ -16,6 +16,8 @@ from dataclasses import dataclass
 import torch
 
 from torch_kvq.attention.graph_runner import DecodeGraphRunner
+from torch_kvq.attention.metadata import BatchMetadata
+from torch_kvq.distributed import agreed, refuse_together
 from torch_kvq.models.base import PagedDecoder
 
 Forward = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
@@ -63,37 +65,25 @@ def generate(
     ``logits.argmax(-1)`` is the model's own choice. ``on_step(done, total, seconds)`` is called
     after each forward pass (the prefill is step 1 of ``max_new_tokens``) with its wall time.
     ``decode``, a ``DecodeGraphRunner`` built for ``model``, runs every decode step.
+
+    A tensor-parallel model (``model.tp``): every rank calls it with the same arguments; a
+    refusal on one rank (bad arguments, no free pages) is raised on every rank before the step.
     """
-    vocab = model.config.vocab_size
-    if not isinstance(prompts, (list, tuple)) or not prompts:
-        raise ValueError(f"prompts must be a non-empty list of token-id lists, got {prompts!r}")
-    _check_ids("prompts", prompts, vocab)
-    if (
-        isinstance(max_new_tokens, bool)
-        or not isinstance(max_new_tokens, int)
-        or max_new_tokens < 1
-    ):
-        raise ValueError(f"max_new_tokens must be a positive int, got {max_new_tokens!r}")
-    if force_tokens is not None:
-        if len(force_tokens) != len(prompts) or any(len(f) != max_new_tokens for f in force_tokens):
-            raise ValueError(
-                f"force_tokens must hold {len(prompts)} lists of {max_new_tokens} token ids, got "
-                f"lengths {[len(f) for f in force_tokens]}"
-            )
-        _check_ids("force_tokens", force_tokens, vocab)
-    if decode is not None and decode.model is not model:
-        raise ValueError(
-            f"decode is a DecodeGraphRunner for another model ({type(decode.model).__name__} "
-            f"{getattr(decode.model, 'prefix', '?')!r}), expected one built for this model "
-            f"({getattr(model, 'prefix', '?')!r})"
-        )
+    tp = getattr(model, "tp", None)
+    with refuse_together(tp, "generate call", (prompts, max_new_tokens, force_tokens)):
+        _check_args(model, prompts, max_new_tokens, force_tokens, decode)
     run = forward if forward is not None else model
     dev = model.device
     seq_ids = [object() for _ in prompts]  # unique keys: other sequences may share the allocator
+
+    def build(new: list[int], device: torch.device | str) -> BatchMetadata:
+        reqs = list(zip(seq_ids, new))
+        return agreed(tp, "batch", lambda: model.allocator.build_batch(reqs, device), new)
+
     tokens: list[list[int]] = [[] for _ in prompts]
     step_logits: list[torch.Tensor] = []
     try:
-        md = model.allocator.build_batch([(sid, len(p)) for sid, p in zip(seq_ids, prompts)], dev)
+        md = build([len(p) for p in prompts], dev)
         ids = torch.tensor([t for p in prompts for t in p], dtype=torch.long, device=dev)
         with model.forward_context(md):
             t0 = time.perf_counter()
@@ -117,9 +107,9 @@ def generate(
             ids = torch.tensor(chosen, dtype=torch.long, device=dev)
             t0 = time.perf_counter()
             if decode is not None:  # the runner reads the batch's host fields only
-                last = decode(ids, model.allocator.build_batch([(s, 1) for s in seq_ids], "cpu"))
+                last = decode(ids, build([1] * len(seq_ids), "cpu"))
             else:
-                md = model.allocator.build_batch([(sid, 1) for sid in seq_ids], dev)
+                md = build([1] * len(seq_ids), dev)
                 with model.forward_context(md):
                     last = run(ids, md.positions)
             if on_step is not None:
@@ -131,3 +121,35 @@ def generate(
     return GenerateResult(
         tokens=tokens, logits=torch.stack(step_logits, dim=1), prefill_logits=prefill
     )
+
+
+def _check_args(
+    model: PagedDecoder,
+    prompts: list[list[int]],
+    max_new_tokens: int,
+    force_tokens: Sequence[Sequence[int]] | None,
+    decode: DecodeGraphRunner | None,
+) -> None:
+    vocab = model.config.vocab_size
+    if not isinstance(prompts, (list, tuple)) or not prompts:
+        raise ValueError(f"prompts must be a non-empty list of token-id lists, got {prompts!r}")
+    _check_ids("prompts", prompts, vocab)
+    if (
+        isinstance(max_new_tokens, bool)
+        or not isinstance(max_new_tokens, int)
+        or max_new_tokens < 1
+    ):
+        raise ValueError(f"max_new_tokens must be a positive int, got {max_new_tokens!r}")
+    if force_tokens is not None:
+        if len(force_tokens) != len(prompts) or any(len(f) != max_new_tokens for f in force_tokens):
+            raise ValueError(
+                f"force_tokens must hold {len(prompts)} lists of {max_new_tokens} token ids, got "
+                f"lengths {[len(f) for f in force_tokens]}"
+            )
+        _check_ids("force_tokens", force_tokens, vocab)
+    if decode is not None and decode.model is not model:
+        raise ValueError(
+            f"decode is a DecodeGraphRunner for another model ({type(decode.model).__name__} "
+            f"{getattr(decode.model, 'prefix', '?')!r}), expected one built for this model "
+            f"({getattr(model, 'prefix', '?')!r})"
+        )

@@ -16,6 +16,7 @@ from torch import nn
 from torch_kvq.attention.kernels.base import AttentionKernel
 from torch_kvq.attention.layer import QuantForm
 from torch_kvq.attention.memory import WindowPages
+from torch_kvq.distributed import TensorParallel, full_shape, shard_tensor
 from torch_kvq.models.base import PagedDecoder
 from torch_kvq.models.gemma3 import Gemma3Model
 from torch_kvq.models.llama import LlamaModel
@@ -91,25 +92,32 @@ PRESETS: Mapping[str, tuple[Callable[..., dict[str, Any]], type[PagedDecoder]]] 
 
 @torch.no_grad()
 def randomize_weights_(
-    module: nn.Module, seed: int, std: float = INIT_STD, norm_offset: bool = False
+    module: nn.Module,
+    seed: int,
+    std: float = INIT_STD,
+    norm_offset: bool = False,
+    tp: TensorParallel | None = None,
 ) -> None:
     """Deterministic random weights, by sorted parameter name, from a CPU generator.
 
     Matrices and embeddings ~ N(0, std); biases ~ N(0, 0.02); norm weights ~ 1 + N(0, 0.1)
     (``N(0, 0.1)`` when ``norm_offset``, Gemma's ``1 + w`` convention). Works on our models and on
-    transformers' models alike (same names up to the ``model.`` prefix, so same values).
+    transformers' models alike (same names up to the ``model.`` prefix, so same values). With
+    ``tp`` (a tensor-parallel shard) each full weight is drawn and this rank's part kept, so the
+    shards hold exactly the single-process model's values.
     """
     gen = torch.Generator().manual_seed(seed)
     named = {name.removeprefix("model."): p for name, p in module.named_parameters()}
     for name in sorted(named):
         p = named[name]
+        shape = full_shape(name, p.shape, tp)
         if name.endswith("norm.weight"):
-            value = torch.randn(p.shape, generator=gen) * NORM_STD + (0.0 if norm_offset else 1.0)
+            value = torch.randn(shape, generator=gen) * NORM_STD + (0.0 if norm_offset else 1.0)
         elif name.endswith(".bias"):
-            value = torch.randn(p.shape, generator=gen) * 0.02
+            value = torch.randn(shape, generator=gen) * 0.02
         else:
-            value = torch.randn(p.shape, generator=gen) * std
-        p.copy_(value.to(dtype=p.dtype, device=p.device))
+            value = torch.randn(shape, generator=gen) * std
+        p.copy_(shard_tensor(name, value, tp).to(dtype=p.dtype, device=p.device))
 
 
 def build_model(
@@ -124,11 +132,13 @@ def build_model(
     kernel: AttentionKernel | Mapping[str, AttentionKernel] | None = None,
     quant_form: QuantForm = "op",
     window_pages: WindowPages = None,
+    tp: TensorParallel | None = None,
     **config_overrides: Any,
 ) -> PagedDecoder:
     """A preset model ("llama-tiny" | "gemma3-tiny") with deterministic random weights.
 
-    ``config_overrides`` change the preset's HF config (e.g. ``num_hidden_layers=32``).
+    ``config_overrides`` change the preset's HF config (e.g. ``num_hidden_layers=32``). ``tp``:
+    this rank's tensor-parallel shard, holding the same values as the single-process model's.
     """
     if preset not in PRESETS:
         raise ValueError(f"unknown preset {preset!r}; expected one of {sorted(PRESETS)}")
@@ -143,6 +153,7 @@ def build_model(
         kernel=kernel,
         quant_form=quant_form,
         window_pages=window_pages,
+        tp=tp,
     )
-    randomize_weights_(model, seed, norm_offset=cls is Gemma3Model)
+    randomize_weights_(model, seed, norm_offset=cls is Gemma3Model, tp=tp)
     return model.eval()

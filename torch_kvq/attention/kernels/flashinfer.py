@@ -13,7 +13,8 @@ Per batch, outside the graph, ``plan`` groups the layers by everything a FlashIn
   - ``"tensor_cores"`` (default): the same wrapper, cache widened to bf16, bf16 MMA. 0.43 ms
     (58% of copy bandwidth), relative error 2.7e-3 against fp32 on the same FP8 cache.
   - ``"xqa"``: ``trtllm_batch_decode_with_kv_cache(backend="xqa")``, Hopper FP8-MMA kernel.
-    0.28 ms (91% of copy bandwidth; bimodal, 0.27-0.33 ms) and writes FP8 output, but both GEMMs
+    0.257 ms (98% of copy bandwidth; 0.27-0.33 ms, bimodal, with PDL on: ``xqa_pdl``) and
+  writes FP8 output, but both GEMMs
     run in FP8 (q and the softmax weights rounded to e4m3): relative error 3.7e-2 on random data,
     6.7e-2 with peaked attention, and with V of non-zero mean an output shrink that grows with
     context (-0.4% at 1k, -2.3% at 4k, -10% at 16k). Opt in knowingly.
@@ -107,6 +108,9 @@ class FlashInferKernel:
             unfused form (dequantize the cache, then ``paged_attention``) runs too. Set False for
             fused-only graphs to save a plan per group.
         workspace_bytes: float workspace shared by all wrappers (and the XQA scratch, separately).
+        xqa_pdl: launch XQA with programmatic dependent launch. Off by default: with it on, back
+            to back XQA calls at 32 x 16k took 0.27 or 0.32 ms (bimodal, 80% of copy bandwidth
+            median); with it off 0.257 ms every time (98%) (benchmarks/RESULTS.md, issue 14).
     """
 
     supports_cuda_graphs = True
@@ -117,6 +121,7 @@ class FlashInferKernel:
         phases: Phases = "any",
         unfused_attention: bool = True,
         workspace_bytes: int = DEFAULT_WORKSPACE_BYTES,
+        xqa_pdl: bool = False,
     ) -> None:
         if fp8_decode not in ("tensor_cores", "xqa"):
             raise ValueError(f"fp8_decode {fp8_decode!r} unknown; expected 'tensor_cores' or 'xqa'")
@@ -138,6 +143,7 @@ class FlashInferKernel:
         )
         self.unfused_attention = unfused_attention
         self.workspace_bytes = workspace_bytes
+        self.xqa_pdl = bool(xqa_pdl)
         self._device: torch.device | None = None
         self._float_ws: torch.Tensor | None = None
         self._xqa_ws: torch.Tensor | None = None
@@ -435,7 +441,7 @@ class FlashInferKernel:
             bmm1_scale=k_scale * spec.sm_scale,
             bmm2_scale=v_scale / o_scale,  # FlashInfer's convention: gives out = attn / o_scale
             window_left=-1 if spec.sliding_window is None else spec.sliding_window - 1,
-            out=out, kv_layout="NHD", backend="xqa", o_scale=o_scale,
+            out=out, kv_layout="NHD", backend="xqa", o_scale=o_scale, enable_pdl=self.xqa_pdl,
         )  # fmt: skip
 
 

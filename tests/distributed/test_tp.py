@@ -1,0 +1,145 @@
+"""Tensor parallelism on 2 CPU processes (gloo), launched by the tests themselves (torchrun).
+
+Each rank builds the model whole (the single-process reference) and as its shard from the same
+seed, in fp32 with an FP8 KV cache and a skip rule: the shard's logits equal the whole model's
+(<= 1e-5) for our Llama- and Gemma-3-style decoders (also with fused projections) and for
+``KVQCausalLM`` on tiny transformers Llama / Gemma 3; compiled with the kvq passes equals eager;
+every rank's pass report fuses the same layers, exactly the quantized ones. Ranks with another
+config or a refused batch raise on every rank (no hang). ``tp_worker.py`` is the rank's side.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.distributed.launch import run_bounded, torchrun
+from torch_kvq.distributed import (
+    TensorParallel,
+    compare_tables,
+    full_shape,
+    rank_table,
+    shard_specs,
+    shard_tensor,
+)
+from torch_kvq.models import build_model
+from torch_kvq.spec import KVCacheConfig
+
+WORKER = Path(__file__).with_name("tp_worker.py")
+TOL = 1e-5  # fp32: the shards sum o_proj / down_proj in two parts, then all-reduce
+
+
+def launch(scenario: str, tmp_path: Path, timeout: float) -> list[dict]:
+    out = torchrun(WORKER, scenario, str(tmp_path), timeout=timeout)
+    assert out.returncode == 0, out.stdout[-4000:]
+    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
+    for r, res in enumerate(ranks):
+        assert res["ok"], f"rank {r}:\n{res.get('traceback')}"
+    return ranks
+
+
+def check_parity(ranks: list[dict], cases: tuple[str, ...]) -> None:
+    r0, r1 = ranks
+    assert set(cases) <= set(r0)
+    for case in cases:
+        row = r0[case]
+        assert row["max_diff"] <= TOL, (case, row["max_diff"])
+        assert row["same_tokens"], case
+        assert row["compiled_diff"] <= TOL, (case, row["inner"], row["compiled_diff"])
+        assert row.get("fused_diff", 0.0) <= TOL, (case, row.get("fused_diff"))
+        # each rank holds half the query and KV heads in its spec and its cache
+        [(qh, kh)] = row["global_heads"]
+        assert row["local_heads"] == [[qh // 2, kh // 2]], case
+        assert row["cache_shape"][3] == kh // 2, case
+        # the skip rule kept some layers and quantized others, on both ranks alike
+        assert row["kept"] and row["quantized"], case
+        assert (row["kept"], row["quantized"]) == (r1[case]["kept"], r1[case]["quantized"])
+        # every rank's pass report fuses the same layers: exactly the quantized ones
+        rep = row["report"]
+        assert rep == r1[case]["report"], case
+        assert rep["quant+write"] == rep["dequant+attn"] == row["quantized"], case
+        assert set(rep["layers"]) == set(row["kept"]) | set(row["quantized"]), case
+        assert r1[case]["max_diff"] <= TOL and r1[case]["compiled_diff"] <= TOL, case
+
+
+@pytest.mark.distributed
+def test_tp2_matches_single_process(tmp_path):
+    """Our decoders and HF models in one launch (one torch / transformers start-up per rank)."""
+    ranks = launch("parity", tmp_path, timeout=300)
+    check_parity(ranks, ("own:llama-tiny", "own:gemma3-tiny", "hf:llama", "hf:gemma3"))
+    assert ranks[0]["own:llama-tiny"]["inner"] == "inductor"
+
+
+@pytest.mark.distributed
+def test_ranks_refuse_together(tmp_path):
+    r0, r1 = launch("agreement", tmp_path, timeout=180)
+    for res in (r0, r1):  # another skip rule / scale on rank 1: both ranks raise, naming it
+        assert res["skip_mismatch"]["type"] == "ValueError"
+        assert (
+            "mm.layers.1.self_attn.attn' mode: rank 0 has 'fp8_per_tensor', rank 1 has 'none'"
+            in res["skip_mismatch"]["message"]
+        )
+        assert res["scale_mismatch"]["type"] == "ValueError"
+        assert "v_scale: rank 0 has 0.05, rank 1 has 0.07" in res["scale_mismatch"]["message"]
+        assert res["different_batch"]["type"] == "ValueError"
+        assert "disagree on the generate call" in res["different_batch"]["message"]
+    # rank 1 runs out of pages / gets a bad prompt: it raises its error, rank 0 refuses too
+    assert r1["out_of_pages"]["type"] == "OutOfPagesError"
+    assert r0["out_of_pages"]["type"] == "RankRefusedError"
+    assert "rank 1 refused the batch (OutOfPagesError" in r0["out_of_pages"]["message"]
+    assert r1["bad_prompt"]["type"] == "ValueError"
+    assert r0["bad_prompt"]["type"] == "RankRefusedError"
+    assert "999999" in r0["bad_prompt"]["message"]
+    # calibration: the same scales on every rank, those of the whole model in one process
+    # (equal up to fp32 rounding: the shards add o_proj / down_proj partial sums in another order)
+    assert r0["scales"] == r1["scales"] and len(r0["scales"]) == 4
+    for name, pair in r0["scales_whole"].items():
+        assert r0["scales"][name] == pytest.approx(pair, rel=1e-5), name
+    # afterwards both ranks still run in step, and every page came back
+    assert r0["after"] == r1["after"] and r0["after"]["free_pages"] == 8
+
+
+@pytest.mark.distributed
+def test_cli_demo_tp2_starts_its_ranks(tmp_path):
+    """``kvq demo --tp 2`` re-runs itself under torchrun; rank 0 prints, both ranks run."""
+    cmd = [sys.executable, "-m", "torch_kvq.cli", "demo", "--tp", "2", "--compile", "off",
+           "--layers", "3", "--max-new-tokens", "2"]  # fmt: skip
+    out = run_bounded(cmd, timeout=180, cwd=tmp_path)
+    assert out.returncode == 0, out.stdout[-4000:]
+    assert "tensor-parallel over 2 ranks" in out.stdout
+    assert out.stdout.count("next-token agreement") == 1  # rank 1 stays quiet
+
+
+# --- in-process (no process group) ---------------------------------------------------------------
+
+
+def test_shards_cover_the_full_weights():
+    tps = [TensorParallel(r, 2) for r in (0, 1)]
+    full = torch.arange(24.0).reshape(4, 6)
+    for name, dim in (
+        ("layers.0.self_attn.k_proj.weight", 0),
+        ("layers.0.mlp.down_proj.weight", 1),
+    ):
+        parts = [shard_tensor(name, full, tp) for tp in tps]
+        assert torch.equal(torch.cat(parts, dim), full)
+        assert full_shape(name, parts[0].shape, tps[0]) == (4, 6)
+    assert shard_tensor("layers.0.mlp.down_proj.bias", full, tps[1]) is full  # added once
+    assert shard_tensor("embed_tokens.weight", full, tps[1]) is full  # replicated
+
+
+def test_spec_tables_agree_but_for_heads():
+    kv = KVCacheConfig("fp8", skip_layers=(0,))
+    tp = TensorParallel(0, 2)
+    model = build_model("llama-tiny", kv, prefix="tbl")
+    local = shard_specs(model.kv_specs, tp)
+    assert [(s.num_heads, s.num_kv_heads) for s in local] == [(2, 1)] * 4
+    assert [s.mode for s in local] == [s.mode for s in model.kv_specs]
+    table = rank_table(model.kv_specs, model.kernel)
+    compare_tables([table, dict(table)])  # equal: no error
+    other = {**table, "layer 'tbl.layers.2.self_attn.attn' k_scale": 0.5}
+    with pytest.raises(ValueError, match="k_scale: rank 0 has 1.0, rank 1 has 0.5"):
+        compare_tables([table, other])

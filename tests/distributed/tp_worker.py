@@ -1,0 +1,200 @@
+"""One rank of the 2-process tensor-parallel checks (launched by ``launch.torchrun``, gloo).
+
+``python tp_worker.py SCENARIO OUT_DIR``: runs the scenario's cases on this rank and writes
+``OUT_DIR/rank<r>.json`` (numbers and messages the tests in ``test_tp.py`` assert on). Not a test
+module. Every model is built twice on each rank, once whole (the single-process reference) and
+once as this rank's shard, from the same seed.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import sys
+import time
+import traceback
+from pathlib import Path
+
+import torch
+
+from torch_kvq.distributed import RankRefusedError, init_tensor_parallel
+from torch_kvq.models import build_model, generate
+from torch_kvq.spec import KVCacheConfig
+
+PROMPTS = [[5, 9, 14, 3, 7, 2, 11, 30, 4, 6, 8, 12], [8, 2, 4], [19, 3, 3, 27, 40, 41]]
+NEW = 2  # the prefill, then one decode step (two compiled graphs)
+SCALES = dict(default_k_scale=0.05, default_v_scale=0.05)
+# (preset, skip rule): a Llama shape with its first and last layers kept, a Gemma 3 shape with
+# its sliding-window layers kept
+OWN = (("llama-tiny", (0, -1)), ("gemma3-tiny", ("sliding_window",)))
+HF = (("llama", (0, -1)), ("gemma3", ("sliding_window",)))
+
+
+def max_diff(a, b) -> float:
+    pre = max((x - y).abs().max().item() for x, y in zip(a.prefill_logits, b.prefill_logits))
+    return max(pre, (a.logits - b.logits).abs().max().item())
+
+
+def scale(res) -> float:
+    return max(res.logits.abs().max().item(), *(p.abs().max().item() for p in res.prefill_logits))
+
+
+def report_fused() -> dict[str, list[str]]:
+    from torch_kvq.passes import last_report
+
+    rep = last_report()
+    kinds = ("quant+write", "dequant+attn", "output quant")
+    return {k: sorted(rep.layers_fused(k)) for k in kinds} | {"layers": sorted(rep.layers)}
+
+
+def compiled(model, backend):
+    if hasattr(model, "compiled_forward"):
+        return model.compiled_forward(backend)
+    return torch.compile(model, backend=backend, fullgraph=True)
+
+
+def parity(tp) -> dict:
+    from torch_kvq.integrations.hf_tiny import tiny_hf_model
+    from torch_kvq.integrations.transformers import KVQCausalLM
+    from torch_kvq.passes import kvq_backend, make_kvq_backend
+
+    out: dict = {}
+    cases = [("own", *c) for c in OWN] + [("hf", *c) for c in HF]
+    for kind, name, skip in cases:
+        t0 = time.perf_counter()
+        kv = KVCacheConfig("fp8", skip_layers=skip, page_size=4, **SCALES)
+        if kind == "own":
+            own = dict(num_pages=32, dtype=torch.float32)
+            single = build_model(name, kv, prefix=f"single_{name}", **own)
+            shard = build_model(name, kv, prefix=f"tp_{name}", tp=tp, **own)
+        else:
+            hf = tiny_hf_model(name)
+            single = KVQCausalLM.from_hf(
+                copy.deepcopy(hf), kv, num_pages=32, prefix=f"single_{name}"
+            )
+            shard = KVQCausalLM.from_hf(hf, kv, num_pages=32, prefix=f"tp_{name}", tp=tp)
+        ref = generate(single, PROMPTS, NEW)
+        eager = generate(shard, PROMPTS, NEW, force_tokens=ref.tokens)
+        row = {
+            "max_diff": max_diff(ref, eager),
+            "scale": scale(ref),
+            "same_tokens": eager.logits.argmax(-1).tolist() == ref.tokens,
+            "local_heads": sorted({(s.num_heads, s.num_kv_heads) for s in shard.kv_specs}),
+            "global_heads": sorted({(s.num_heads, s.num_kv_heads) for s in single.kv_specs}),
+            "quantized": sorted(s.name for s in shard.kv_specs if s.is_quantized),
+            "kept": sorted(s.name for s in shard.kv_specs if not s.is_quantized),
+            "cache_shape": list(shard.attention_layers[0].kv_cache.shape),
+        }
+        # compiled with the kvq passes: Inductor on our Llama shape, elsewhere the passes with the
+        # eager inner compiler (the same post-grad graph; a cold Inductor compile costs ~20 s here)
+        inner = "inductor" if name == "llama-tiny" else "eager"
+        backend = kvq_backend if inner == "inductor" else make_kvq_backend(inner="eager")
+        torch._dynamo.reset()
+        comp = generate(
+            shard, PROMPTS, NEW, forward=compiled(shard, backend), force_tokens=ref.tokens
+        )
+        row |= {"inner": inner, "compiled_diff": max_diff(eager, comp), "report": report_fused()}
+        if kind == "own":  # q/k/v and gate/up as one GEMM each, on the shard
+            shard.fuse_projections()
+            fused = generate(shard, PROMPTS, NEW, force_tokens=ref.tokens)
+            row["fused_diff"] = max_diff(ref, fused)
+        row["seconds"] = time.perf_counter() - t0
+        out[f"{kind}:{name}"] = row
+        torch._dynamo.reset()
+    return out
+
+
+def catch(fn) -> dict:
+    try:
+        fn()
+    except Exception as e:  # noqa: BLE001 - the test asserts on the type and message
+        return {"type": type(e).__name__, "message": str(e)}
+    return {"type": None}
+
+
+def agreement(tp) -> dict:
+    out: dict = {}
+    kv = KVCacheConfig("fp8", skip_layers=(0,), page_size=4, **SCALES)
+    # a rank built with another skip rule / scale: every rank raises, naming the value
+    other = KVCacheConfig(
+        "fp8", skip_layers=(0, 1) if tp.rank == 1 else (0,), page_size=4, **SCALES
+    )
+    out["skip_mismatch"] = catch(lambda: build_model("llama-tiny", other, prefix="mm", tp=tp))
+    scaled = KVCacheConfig(
+        "fp8", skip_layers=(0,), page_size=4, default_k_scale=0.05,
+        default_v_scale=0.07 if tp.rank == 1 else 0.05,
+    )  # fmt: skip
+    out["scale_mismatch"] = catch(lambda: build_model("llama-tiny", scaled, prefix="ms", tp=tp))
+    model = build_model("llama-tiny", kv, num_pages=8, dtype=torch.float32, prefix="rf", tp=tp)
+    if tp.rank == 1:  # rank 1's cache is nearly full: it cannot take the batch
+        model.allocator.append("other", 7 * 4)
+    out["out_of_pages"] = catch(lambda: generate(model, [[1, 2, 3, 4, 5]], 2))
+    if tp.rank == 1:
+        model.allocator.free("other")
+    bad = [[1, 2, 999999]] if tp.rank == 1 else [[1, 2, 3]]
+    out["bad_prompt"] = catch(lambda: generate(model, bad, 2))
+    diverged = [[1, 2, 3, 4]] if tp.rank == 1 else [[1, 2, 3]]
+    out["different_batch"] = catch(lambda: generate(model, diverged, 2))
+    # calibrated scales: the amax over every rank's heads, the same as one process computes
+    from torch_kvq.attention import calibrate_kv_scales
+
+    whole = build_model("llama-tiny", kv, num_pages=8, dtype=torch.float32, prefix="whole")
+    sample = [[3, 1, 4, 1, 5, 9, 2, 6]]
+    out["scales"] = calibrate_kv_scales(model, lambda: generate(model, sample, 1))
+    out["scales_whole"] = {
+        n.replace("whole.", "rf."): v
+        for n, v in calibrate_kv_scales(whole, lambda: generate(whole, sample, 1)).items()
+    }
+    res = generate(model, [[1, 2, 3, 4, 5]], 2)  # after the refusals: both ranks still in step
+    out["after"] = {"tokens": res.tokens, "free_pages": model.allocator.num_free_pages}
+    out["refused_type"] = RankRefusedError.__name__
+    return out
+
+
+def gpu(tp) -> dict:
+    """Compiled (kvq passes, Inductor) == eager on 2 GPUs (NCCL) with FlashInfer: a Gemma-3-style
+    model in bf16, FP8 KV on the global layers, head size 128."""
+    from torch_kvq.attention.kernels import FlashInferKernel
+    from torch_kvq.attention.kernels.flashinfer_jit import prebuild
+    from torch_kvq.passes import kvq_backend
+
+    kv = KVCacheConfig("fp8", skip_layers=("sliding_window",), page_size=16, **SCALES)
+    dev = f"cuda:{torch.cuda.current_device()}"
+    model = build_model("gemma3-tiny", kv, num_pages=64, device=dev, kernel=FlashInferKernel(),
+                        tp=tp, head_dim=128, query_pre_attn_scalar=128)  # fmt: skip
+    prebuild(model.kernel, model.kv_specs)
+    prompts = [p * 4 for p in PROMPTS]  # longer than the window of 8
+    eager = generate(model, prompts, 6)
+    forward = torch.compile(model, backend=kvq_backend, fullgraph=True)
+    comp = generate(model, prompts, 6, forward=forward, force_tokens=eager.tokens)
+    return {
+        "eager_tokens": eager.tokens,
+        "compiled_tokens": comp.logits.argmax(-1).tolist(),
+        "max_diff": max_diff(eager, comp),
+        "scale": scale(eager),
+        "quantized": sorted(s.name for s in model.kv_specs if s.is_quantized),
+        "local_kv_heads": model.kv_specs[0].num_kv_heads,
+        "report": report_fused(),
+    }
+
+
+def main() -> None:
+    scenario, out_dir = sys.argv[1], Path(sys.argv[2])
+    tp = init_tensor_parallel(device="cuda" if scenario == "gpu" else "cpu")
+    if scenario != "gpu":
+        torch.set_num_threads(1)
+    try:
+        scenarios = {
+            "parity": lambda: parity(tp),
+            "agreement": lambda: agreement(tp),
+            "gpu": lambda: gpu(tp),
+        }
+        result = {"ok": True, **scenarios[scenario]()}
+    except Exception:  # noqa: BLE001 - written for the test to show
+        result = {"ok": False, "traceback": traceback.format_exc()}
+    (out_dir / f"rank{tp.rank}.json").write_text(json.dumps(result, indent=1, default=str))
+    torch.distributed.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
