@@ -9,6 +9,7 @@ the same tokens.
 from __future__ import annotations
 
 import argparse
+import sys
 import time
 from typing import Any
 
@@ -40,7 +41,7 @@ def add_parser(sub: Any) -> None:
     )
     p.add_argument(
         "--tp",
-        type=_positive_int,
+        type=positive_int,
         default=1,
         help="tensor parallelism over N CPU processes (gloo): re-runs this command under "
         "torchrun --standalone --nproc-per-node N; each rank holds 1/N of the KV heads",
@@ -93,7 +94,7 @@ def run(args: argparse.Namespace) -> int:
         return _run(args, None)
     tp = distributed.init_tensor_parallel("gloo", "cpu")
     if tp.size != args.tp:
-        from torch_kvq.cli import CommandError
+        from torch_kvq.cli_args import CommandError
 
         raise CommandError(f"--tp {args.tp}, but torchrun started {tp.size} ranks")
     mute = tp.rank != 0  # rank 0 prints; every rank runs the same steps

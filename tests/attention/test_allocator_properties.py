@@ -85,7 +85,7 @@ class AllocatorMachine(RuleBasedStateMachine):
     def fits(self, requests: list[tuple[int, int]]) -> bool:
         """Whether every pool has the pages the batch needs, from the lengths alone: a window
         pool keeps the pages from the one holding position old_len - WINDOW + 1 on."""
-        for window, size in self.pools.items():
+        for window in self.pools:
             need = 0
             for sid, n in requests:
                 old = self.alloc.seq_len(sid) if sid in self.hist else 0

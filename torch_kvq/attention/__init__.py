@@ -1,10 +1,10 @@
 """The attention runtime: layer, paged cache bookkeeping, forward context, custom ops, kernels."""
 
+from torch_kvq.attention.allocator import OutOfPagesError, PageAllocator
 from torch_kvq.attention.calibration import amax_to_scale, calibrate_kv_scales
 from torch_kvq.attention.context import ForwardContext, forward_context, get_forward_context
 from torch_kvq.attention.kernels import KernelUnsupportedError, ReferenceKernel, ref_attention
 from torch_kvq.attention.layer import Attention, torch_quantize_fp8
-from torch_kvq.attention.allocator import OutOfPagesError, PageAllocator
 from torch_kvq.attention.metadata import BatchMetadata
 
 __all__ = [

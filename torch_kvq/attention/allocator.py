@@ -18,8 +18,8 @@ changes nothing (no page released, none taken).
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Mapping, Sequence
 import dataclasses
+from collections.abc import Hashable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import torch

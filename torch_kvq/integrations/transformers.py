@@ -44,11 +44,11 @@ import torch
 from torch import nn
 
 from torch_kvq.attention import registry
+from torch_kvq.attention.allocator import PageAllocator
 from torch_kvq.attention.context import ForwardContext, forward_context
 from torch_kvq.attention.kernels.base import AttentionKernel
 from torch_kvq.attention.kernels.reference import ReferenceKernel
 from torch_kvq.attention.layer import Attention, QuantForm
-from torch_kvq.attention.allocator import PageAllocator
 from torch_kvq.attention.memory import WindowPages, layer_pages, window_pools
 from torch_kvq.attention.metadata import BatchMetadata
 from torch_kvq.distributed import TensorParallel, check_ranks_agree, shard_specs

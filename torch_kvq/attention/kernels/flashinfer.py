@@ -14,8 +14,7 @@ Per batch, outside the graph, ``plan`` groups the layers by everything a FlashIn
     (58% of copy bandwidth), relative error 2.7e-3 against fp32 on the same FP8 cache.
   - ``"xqa"``: ``trtllm_batch_decode_with_kv_cache(backend="xqa")``, Hopper FP8-MMA kernel.
     0.257 ms (98% of copy bandwidth; 0.27-0.33 ms, bimodal, with PDL on: ``xqa_pdl``) and
-  writes FP8 output, but both GEMMs
-    run in FP8 (q and the softmax weights rounded to e4m3): relative error 3.7e-2 on random data,
+    writes FP8 output, but both GEMMs run in FP8 (q and the softmax weights rounded to e4m3): relative error 3.7e-2 on random data,
     6.7e-2 with peaked attention, and with V of non-zero mean an output shrink that grows with
     context (-0.4% at 1k, -2.3% at 4k, -10% at 16k). Opt in knowingly.
 
