@@ -14,6 +14,7 @@ LAYERS: dict[str, int] = {
     "torch_kvq.progress": 0,  # stderr progress lines; imports nothing of ours
     "torch_kvq.spec": 0,
     "torch_kvq.attention": 1,
+    "torch_kvq.distributed": 1,  # tensor parallelism: shards, collectives, rank agreement
     "torch_kvq.passes": 2,
     "torch_kvq.models": 2,
     "torch_kvq.debug": 3,
