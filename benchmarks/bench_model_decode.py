@@ -105,8 +105,8 @@ def fill_caches(model: torch.nn.Module) -> int:
 
 
 def sync(device: str) -> None:
-    if device == "cuda":
-        torch.cuda.synchronize()
+    if torch.device(device).type == "cuda":  # "cuda:1" on rank 1 of a tensor-parallel run
+        torch.cuda.synchronize(device)
 
 
 @torch.no_grad()
@@ -136,7 +136,7 @@ def run(
         gc.collect()  # as serving engines do after warm-up: no collector pause inside the timing
         gc.freeze()
         spin_gpu(device)
-        cuda = device == "cuda"
+        cuda = torch.device(device).type == "cuda"
         marks = [torch.cuda.Event(enable_timing=True) for _ in range(steps + 1)] if cuda else []
         host, t0 = [], time.perf_counter()
         for i in range(steps):
@@ -174,7 +174,7 @@ def run(
 def spin_gpu(device: str, seconds: float = 1.0) -> None:
     """Keep the GPU busy for ``seconds`` so its clocks are up before timing (an idle H200 starts
     at a low SM clock; without this the first variant measured is the slowest)."""
-    if device != "cuda":
+    if torch.device(device).type != "cuda":
         return
     a = torch.randn(4096, 4096, device=device, dtype=torch.bfloat16)
     t0 = time.perf_counter()
@@ -205,7 +205,8 @@ def profile_steps(step, device: str, n: int) -> dict:
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
-    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device == "cuda" else [])
+    cuda = torch.device(device).type == "cuda"
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
     sync(device)
     t0 = time.perf_counter()
     with profile(activities=acts) as prof:

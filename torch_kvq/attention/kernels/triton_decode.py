@@ -26,6 +26,7 @@ import triton.language as tl
 
 _DOT_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
 LOG2E = 1.4426950408889634
+_LOG2E = tl.constexpr(LOG2E)  # a jit function reads only constexpr globals (Triton 3.6)
 
 
 @triton.jit
@@ -80,8 +81,8 @@ def _decode_split(
         v = tl.load(k_ptrs + stride_ckv, mask=valid[:, None], other=0.0)
         s = tl.dot(q, tl.trans(k.to(QK_DTYPE)))  # [BLOCK_G, BLOCK_N] fp32
         if USE_SOFT_CAP:  # cap * tanh(x / cap), tanh(y) = 1 - 2 / (exp(2y) + 1)
-            s = s * qk_scale_log2 / LOG2E
-            s = soft_cap * (1.0 - 2.0 / (tl.exp(2.0 * s / soft_cap) + 1.0)) * LOG2E
+            s = s * qk_scale_log2 / _LOG2E
+            s = soft_cap * (1.0 - 2.0 / (tl.exp(2.0 * s / soft_cap) + 1.0)) * _LOG2E
         else:
             s = s * qk_scale_log2
         s = tl.where(valid[None, :], s, float("-inf"))
