@@ -257,7 +257,9 @@ def main() -> None:
                     help="one shared page table (sliding layers hold the whole context)")  # fmt: skip
     ap.add_argument("--smoke", action="store_true", help="CPU, tiny shapes, reference kernel")
     ap.add_argument("--smoke-budget-mib", type=int, default=64)
-    ap.add_argument("--commit", default=os.environ.get("KVQ_COMMIT") or _git_head())
+    ap.add_argument("--commit", default=os.environ.get("KVQ_COMMIT") or _git_head(),
+                    help="recorded in every row (default $KVQ_COMMIT, else git HEAD; on the device "
+                    "machine .git is stale: pass KVQ_COMMIT)")  # fmt: skip
     args = ap.parse_args()
     if args.smoke:
         args.ctxs, args.batches, args.capacity_ctx = [64, 128], [1, 2], 96

@@ -1,0 +1,82 @@
+"""Plot benchmarks/results/decode_at_scale.json: how decode throughput grows with context and batch.
+
+Left: tokens/s against context at batch 32; right: tokens/s against batch at 16k (the last point
+of each line is the largest batch that fits the GPU). Solid lines are measured, dashed lines the
+bandwidth bound (weights + KV read once per step at copy bandwidth); a
+missing point did not fit in memory.
+
+    python benchmarks/plot_decode_at_scale.py [rows.json] [out.png]
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+
+HERE = Path(__file__).resolve().parent
+BOUND = {"bf16": "tab:blue", "fp8": "black"}
+LABELS = {
+    ("bf16", "bf16"): ("all-bf16 KV", "tab:blue"),
+    ("fp8", "tc"): ("FP8 KV, tensor-core kernel (accurate, ~3e-3)", "tab:orange"),
+    ("fp8", "xqa"): ("FP8 KV, XQA (FP8 math, ~4e-2)", "tab:green"),
+}
+
+
+def main() -> None:
+    src = Path(sys.argv[1]) if len(sys.argv) > 1 else HERE / "results" / "decode_at_scale.json"
+    dst = Path(sys.argv[2]) if len(sys.argv) > 2 else HERE / "results" / "decode_at_scale.png"
+    all_rows = json.loads(src.read_text())
+    rows = [r for r in all_rows if r.get("tokens_per_s")]
+    models = sorted({r["model"] for r in rows})
+    fig, axes = plt.subplots(len(models), 2, figsize=(12, 4.6 * len(models)), squeeze=False)
+    for m, (ax_ctx, ax_b) in zip(models, axes):
+        for (kv, kernel), (label, color) in LABELS.items():
+            mine = [r for r in rows if (r["model"], r["kv_config"], r["kernel"]) == (m, kv, kernel)]
+            by_ctx = sorted((r for r in mine if r["sweep"] == "ctx_sweep"), key=lambda r: r["ctx"])
+            by_b = sorted((r for r in mine if r["ctx"] == 16384), key=lambda r: r["batch"])
+            by_b = list({r["batch"]: r for r in by_b}.values())
+            for ax, pts, key in ((ax_ctx, by_ctx, "ctx"), (ax_b, by_b, "batch")):
+                if not pts:
+                    continue
+                xs = [p[key] for p in pts]
+                ax.plot(xs, [p["tokens_per_s"] for p in pts], "o-", color=color, label=label)
+                if kernel != "xqa":  # one bound per KV config (the FP8 kernels share it)
+                    bound = "bf16" if kv == "bf16" else "FP8"
+                    ax.plot(xs, [p["bound_tokens_per_s"] for p in pts], "--", color=BOUND[kv],
+                            label=f"bandwidth bound, {bound} KV")  # fmt: skip
+            missing = [r for r in all_rows if (r["model"], r["kv_config"], r["kernel"]) == (m, kv, kernel)
+                       and r["sweep"] == "ctx_sweep" and not r.get("fits")]  # fmt: skip
+            for r in missing:
+                ax_ctx.annotate(f"{label.split(',')[0]}: {r['ctx'] // 1024}k does not fit",
+                                (r["ctx"], 0), textcoords="offset points", xytext=(-150, 20),
+                                color=color, fontsize=8)  # fmt: skip
+            if by_b:
+                top = by_b[-1]
+                ax_b.annotate(f"max batch {top['batch']}", (top["batch"], top["tokens_per_s"]),
+                              textcoords="offset points", xytext=(-60, 8), color=color)  # fmt: skip
+        ax_ctx.set_xscale("log", base=2)
+        ax_ctx.set_xticks([4096, 8192, 16384, 32768], ["4k", "8k", "16k", "32k"])
+        ax_ctx.set_xlabel("context (tokens per sequence), batch 32")
+        ax_b.set_xlabel("batch (sequences), context 16k")
+        for ax in (ax_ctx, ax_b):
+            ax.set_ylabel("decode tokens/s")
+            ax.set_ylim(bottom=0)
+            ax.grid(alpha=0.3)
+        ax_ctx.set_title(f"{m}: tokens/s vs context")
+        ax_b.set_title(f"{m}: tokens/s vs batch at 16k (lines end at full memory)")
+        ax_b.legend(loc="upper left", fontsize=8)
+    r0 = rows[0]
+    fig.suptitle(f"Decode on {r0['gpu']}, CUDA graphs, {r0['date']} (commit {r0['commit']})")
+    fig.tight_layout()
+    fig.savefig(dst, dpi=110)
+    print(dst)
+
+
+if __name__ == "__main__":
+    main()
