@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import copy
 import json
+import os
 import sys
 import time
 import traceback
@@ -193,7 +194,13 @@ def main() -> None:
     except Exception:  # noqa: BLE001 - written for the test to show
         result = {"ok": False, "traceback": traceback.format_exc()}
     (out_dir / f"rank{tp.rank}.json").write_text(json.dumps(result, indent=1, default=str))
-    torch.distributed.destroy_process_group()
+    # Both ranks have written; leave together and skip gloo's C++ teardown. A fresh-clone CI run
+    # (2026-11-30, torch 2.13 CPU, 2 xdist workers) had rank 0 abort in it after writing a complete
+    # result ("terminate called without an active exception", exit -6) once in two runs.
+    torch.distributed.barrier()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 if __name__ == "__main__":
