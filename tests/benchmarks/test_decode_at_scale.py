@@ -1,0 +1,62 @@
+"""Issue 14's memory target on the CPU, and the at-scale benchmark and its plot in smoke mode.
+
+The KV bytes are those of the real-size models built on the meta device (nothing allocated): on
+Gemma-3-12B at 32 x 16k, windowed pools must stay within 10% of the ideal (global layers x context
++ sliding layers x window), where one shared table is 4.5x it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+from bench_decode_at_scale import MODELS, kv_configs  # noqa: E402
+from kv_memory_report import allocated  # noqa: E402
+
+
+@pytest.mark.parametrize("kv_name", ["bf16", "fp8"])
+def test_gemma3_12b_windowed_pools_within_10_percent_of_ideal(kv_name):
+    kv = kv_configs(MODELS["gemma-3-12b"][3])[kv_name]
+    pooled = allocated("gemma-3-12b", kv, 32, 16384, windowed=True, chunk=1024)
+    shared = allocated("gemma-3-12b", kv, 32, 16384, windowed=False, chunk=1024)
+    assert pooled["bytes"] <= 1.10 * pooled["ideal"], (pooled["bytes"], pooled["ideal"])
+    assert shared["bytes"] > 4 * pooled["ideal"]  # 40 of 48 layers hold 16k instead of 1k
+    assert pooled["window_pages"] == {1024: 32 * (1024 // 16 + 1) + 1024 // 16 + 1}
+
+
+def test_fp8_halves_global_layers_only():
+    skip = MODELS["gemma-3-12b"][3]
+    bf16, fp8 = (allocated("gemma-3-12b", kv, 32, 16384, True, 1024)["ideal"]
+                 for kv in kv_configs(skip).values())  # fmt: skip
+    global_bf16 = 8 * 32 * 16384 * 2 * 8 * 256 * 2  # 8 global layers, K and V, 8 heads of 256
+    assert bf16 - fp8 == global_bf16 // 2
+
+
+def test_smoke_run_and_plot(tmp_path):
+    """CPU smoke run (tiny shapes, reference kernel) writes rows with the fields issue 14 lists,
+    and the plot script draws them."""
+    env = {**os.environ, "OUT": str(tmp_path), "PYTHONPATH": str(ROOT)}
+    cmd = [sys.executable, str(ROOT / "benchmarks" / "bench_decode_at_scale.py"), "--smoke",
+           "--models", "gemma-3-12b", "--kv", "fp8:tc", "--commit", "test"]  # fmt: skip
+    subprocess.run(cmd, env=env, check=True, capture_output=True, timeout=600)
+    rows = json.loads((tmp_path / "decode_at_scale.json").read_text())["rows"]
+    need = {"model", "kv_config", "kernel", "batch", "ctx", "tokens_per_s", "step_ms", "kv_gib",
+            "bound_tokens_per_s", "date", "gpu", "commit"}  # fmt: skip
+    timed = [r for r in rows if "tokens_per_s" in r]
+    assert timed and all(need <= set(r) for r in timed)
+    cap = next(r for r in rows if r["sweep"] == "capacity")
+    assert cap["batch"] == cap["max_batch_at_capacity_ctx"] > 2 and cap["fits"]
+    assert "error" not in cap, cap.get("error")
+    flat = tmp_path / "rows.json"
+    flat.write_text(json.dumps([{**r, "sweep": r["sweep"]} for r in rows]))
+    png = tmp_path / "plot.png"
+    plot = [sys.executable, str(ROOT / "benchmarks" / "plot_decode_at_scale.py"), str(flat), str(png)]
+    subprocess.run(plot, env=env, check=True, capture_output=True, timeout=120)
+    assert png.stat().st_size > 10_000
