@@ -64,7 +64,7 @@ class _Pool:
         if self.window is not None:  # this step's first query (at old_len) reads keys > old_len - window
             first_needed = max(0, old_len - self.window + 1)
             drop = max(0, first_needed // page_size - released)
-        return drop, total - released - drop - (live - drop)
+        return drop, total - released - live
 
     def apply(self, seq_id: Hashable, drop: int, take: int) -> None:
         table = self.tables.setdefault(seq_id, _Table())
@@ -173,13 +173,14 @@ class PageAllocator:
         for pool in self._pools:
             moves = [pool.plan(sid, self._lens.get(sid, 0), n, self.page_size) for sid, n in requests]
             need = sum(take for _, take in moves) - sum(drop for drop, _ in moves)
+            trims: list[tuple[Hashable, int]] = []
             if need > pool.num_free and pool.window is not None:
                 # short: also trim sequences outside the batch (their next query is at their
                 # length, so the pages below length - window + 1 are dead); off the hot path
                 batch = set(ids)
-                moves += [(pool.plan(sid, n, 0, self.page_size)[0], 0)
-                          for sid, n in self._lens.items() if sid not in batch]  # fmt: skip
-                need -= sum(drop for drop, _ in moves[len(requests):])
+                trims = [(sid, pool.plan(sid, n, 0, self.page_size)[0])
+                         for sid, n in self._lens.items() if sid not in batch]  # fmt: skip
+                need -= sum(drop for _, drop in trims)
             if need > pool.num_free:
                 where = "" if pool.window is None else f" in the pool of window {pool.window}"
                 raise OutOfPagesError(
@@ -187,10 +188,10 @@ class PageAllocator:
                     f"{self.page_size} tokens, {pool.num_free} of {pool.num_pages} are free; free "
                     "finished sequences or allocate a larger cache. Nothing was allocated."
                 )
-            plans.append(moves)
-        idle = [sid for sid in self._lens if sid not in set(ids)]
-        for pool, moves in zip(self._pools, plans):
-            for sid, (drop, _) in zip([*ids, *idle], moves):  # release first: reusable at once
+            plans.append((moves, trims))
+        for pool, (moves, trims) in zip(self._pools, plans):
+            releases = [(sid, drop) for sid, (drop, _) in zip(ids, moves)] + trims
+            for sid, drop in releases:  # release first: reusable at once
                 if drop:
                     pool.apply(sid, drop, 0)
             for sid, (_, take) in zip(ids, moves):

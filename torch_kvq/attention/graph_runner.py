@@ -196,6 +196,7 @@ class DecodeGraphRunner:
             for w in getattr(alloc, "window_pages", {})
         )
         self._windows = windows
+        self._widths: dict[int | None, int] = {None: self.max_pages_per_seq, **dict(windows)}
         self.pad_sequence = f"{PAD_SEQUENCE}.{next(_runner_ids)}"
         alloc.append(self.pad_sequence, 1)
         self._allocator = alloc
@@ -329,10 +330,10 @@ class DecodeGraphRunner:
                     f"the batch uses page {scratch}{where}, the runner's scratch page for padding "
                     f"(owned by allocator sequence {self.pad_sequence!r})"
                 )
-            width = GraphShape(b, self.max_pages_per_seq, self._windows).for_window(window)
-            if max(table.pages_per_seq) > width.max_pages_per_seq:
+            width = self._widths[window]
+            if max(table.pages_per_seq) > width:
                 raise ValueError(
                     f"a sequence of the batch has {max(table.pages_per_seq)} pages{where}, more "
-                    f"than the {width.max_pages_per_seq} this runner was built for"
+                    f"than the {width} this runner was built for"
                 )
         return next(s for s in self.batch_sizes if s >= b)

@@ -152,8 +152,9 @@ def cache_write(k: Tensor, v: Tensor, kv_cache: Tensor, layer_name: str) -> None
     ctx = get_forward_context()
     spec = ctx.spec(layer_name)
     _check_kv_args(spec, k, v, kv_cache, spec.storage_dtype, ctx.metadata.num_tokens)
-    _check_capacity(spec, kv_cache, ctx.metadata_for(spec))
-    write_kv(kv_cache, k, v, ctx.metadata_for(spec).slot_mapping)
+    md = ctx.metadata_for(spec)
+    _check_capacity(spec, kv_cache, md)
+    write_kv(kv_cache, k, v, md.slot_mapping)
 
 
 @cache_write.register_fake
@@ -171,8 +172,9 @@ def quant_cache_write(
     spec = ctx.spec(layer_name)
     _check_fp8_layer(spec, "quant_cache_write")
     _check_kv_args(spec, k, v, kv_cache, spec.model_dtype, ctx.metadata.num_tokens)
-    _check_fp8_cache(spec, kv_cache, ctx.metadata_for(spec), k_scale, v_scale)
-    write_kv(kv_cache, k, v, ctx.metadata_for(spec).slot_mapping, (k_scale, v_scale))
+    md = ctx.metadata_for(spec)
+    _check_fp8_cache(spec, kv_cache, md, k_scale, v_scale)
+    write_kv(kv_cache, k, v, md.slot_mapping, (k_scale, v_scale))
 
 
 @quant_cache_write.register_fake
@@ -212,10 +214,11 @@ def quant_cache_write_ts(
         kv_cache.dtype == FP8_DTYPE,
         f"layer {spec.name!r}: cache dtype {kv_cache.dtype}, expected float8_e4m3fn",
     )
-    _check_capacity(spec, kv_cache, ctx.metadata_for(spec))
+    md = ctx.metadata_for(spec)
+    _check_capacity(spec, kv_cache, md)
     _check_scale_tensor(spec, "k_scale", k_scale, kv_cache)
     _check_scale_tensor(spec, "v_scale", v_scale, kv_cache)
-    write_kv(kv_cache, k, v, ctx.metadata_for(spec).slot_mapping, (k_scale, v_scale))
+    write_kv(kv_cache, k, v, md.slot_mapping, (k_scale, v_scale))
 
 
 @quant_cache_write_ts.register_fake
