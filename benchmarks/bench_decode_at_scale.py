@@ -151,7 +151,9 @@ def point(model, fn, batch: int, ctx: int, args, profile: int) -> dict:
         gc.collect()
         spin_gpu(device, 0.5)
         cuda = device.startswith("cuda")
-        marks = [torch.cuda.Event(enable_timing=True) for _ in range(args.steps + 1)] if cuda else []
+        marks = (
+            [torch.cuda.Event(enable_timing=True) for _ in range(args.steps + 1)] if cuda else []
+        )
         t0 = time.perf_counter()
         for i in range(args.steps):
             if cuda:
@@ -173,7 +175,9 @@ def point(model, fn, batch: int, ctx: int, args, profile: int) -> dict:
             "warmup_s_incl_capture": round(warm, 2), **prof}  # fmt: skip
 
 
-def run_variant(model_name: str, kv_name: str, kernel_name: str, args, env, copy_gbps) -> list[dict]:
+def run_variant(
+    model_name: str, kv_name: str, kernel_name: str, args, env, copy_gbps
+) -> list[dict]:
     _, _, _, skip = MODELS[model_name]
     kv = kv_configs(skip)[kv_name]
     device = "cpu" if args.smoke else "cuda"

@@ -96,7 +96,11 @@ def rel(a: torch.Tensor, b: torch.Tensor) -> float:
 # -- paths ------------------------------------------------------------------------------------
 
 
-def fi_wrapper(c: Case, kv: torch.dtype, tc: bool, backend: str = "fa2", **plan_kw) -> Callable:
+def fi_wrapper(
+    c: Case, kv: torch.dtype, tc: bool, backend: str = "fa2", q_dtype: torch.dtype = BF16,
+    o_dtype: torch.dtype | None = None, **plan_kw: Any,
+) -> Callable:  # fmt: skip
+    """``q_dtype`` fp16: the query is cast per call (timed with it) and the math runs in fp16."""
     import flashinfer
 
     # fixed split sizes need more than 256 MiB of split-k scratch at 32 x 16k
@@ -106,9 +110,12 @@ def fi_wrapper(c: Case, kv: torch.dtype, tc: bool, backend: str = "fa2", **plan_
     )
     w.plan(
         c.kv_indptr, c.kv_indices, c.last_page_len, c.qh, c.kh, c.d, PAGE,
-        q_data_type=BF16, kv_data_type=kv, o_data_type=BF16, sm_scale=c.sm_scale, **plan_kw,
+        q_data_type=q_dtype, kv_data_type=kv, o_data_type=o_dtype or q_dtype, sm_scale=c.sm_scale,
+        **plan_kw,
     )  # fmt: skip
-    out = torch.empty_like(c.q)
+    out = torch.empty(c.q.shape, dtype=o_dtype or q_dtype, device="cuda")
+    if kv == FP8 and q_dtype != BF16:
+        return lambda: w.run(c.q.to(q_dtype), c.cache8, out=out, k_scale=K_SCALE, v_scale=V_SCALE)
     if kv == FP8:
         return lambda: w.run(c.q, c.cache8, out=out, k_scale=K_SCALE, v_scale=V_SCALE)
     cache = c.bf16_cache()
@@ -146,7 +153,7 @@ def xqa_official(c: Case) -> Callable:
 
 def xqa_direct(
     c: Case, generic: bool = False, sm_count: int | None = None, pdl: bool | None = None,
-    zero_semaphores: bool = False,
+    zero_semaphores: bool = False, q_dtype: torch.dtype = BF16,
 ) -> Callable:  # fmt: skip
     """flashinfer.xqa.xqa with its knobs: ``generic`` forces mha.cu (bf16 math) by wrapping the
     JIT module so its first argument (run_sm90_fp8_mha) is False; ``zero_semaphores`` clears the
@@ -157,8 +164,8 @@ def xqa_direct(
     fx = importlib.import_module("flashinfer.xqa")
 
     k, v = c.cache8.unbind(1)
-    out = torch.empty_like(c.q).unsqueeze(1)
-    q = c.q.unsqueeze(1)
+    out = torch.empty(c.q.shape, dtype=q_dtype, device="cuda").unsqueeze(1)
+    q = c.q.to(q_dtype).unsqueeze(1)
     seq = c.seq_lens.unsqueeze(1)
     ws = torch.zeros(256 * 2**20, dtype=torch.uint8, device="cuda")
     kw = dict(q_scale=K_SCALE * c.sm_scale / V_SCALE * c.d**0.5, kv_scale=V_SCALE)
@@ -283,8 +290,9 @@ def measure(
         for t in timed.values():
             t.round()
     for name, t in timed.items():
-        nbytes = 2 * c.kv_bytes if "bf16" in name else c.kv_bytes
-        ref_out = c.ref16 if "bf16" in name else getattr(c, ref)
+        bf16_kv = name.split("[")[0].endswith("bf16")  # a bf16 cache (not a bf16 output)
+        nbytes = 2 * c.kv_bytes if bf16_kv else c.kv_bytes
+        ref_out = c.ref16 if bf16_kv else getattr(c, ref)
         ms = statistics.median(t.rounds)
         row = {**base, "path": name, "ms": ms, "ms_min": min(t.rounds), "ms_max": max(t.rounds)}
         row["pct_copy"] = 100 * nbytes / (ms * 1e-3) / 1e9 / copy_gbps
@@ -303,7 +311,10 @@ TRITON_CFG: dict[str, dict[str, Any]] = {}  # path name -> paged_decode_fp8 keyw
 def triton_paths(c: Case, cfgs: list[dict[str, Any]]) -> dict[str, Callable]:
     out = {}
     for kw in cfgs:
-        name = "triton[bn{block_n},w{num_warps},st{num_stages},s{num_splits}]".format(**kw)
+        name = "triton[bn{block_n},w{num_warps},st{num_stages},s{num_splits}".format(**kw)
+        if "qk_dtype" in kw:
+            name += ",qk " + str(kw["qk_dtype"]).removeprefix("torch.")
+        name += "]"
         TRITON_CFG[name] = kw
         out[name] = lambda kw=kw: triton_path(c, **kw)
     return out
@@ -395,14 +406,82 @@ def markdown(env: dict, copy: dict, rows: list[dict]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def fp16_paths(c: Case) -> dict[str, Callable]:
+    F16 = torch.float16
+    p: dict[str, Callable] = {
+        "fi_tc_bf16": lambda: fi_wrapper(c, BF16, True),
+        "fi_tc_fp8": lambda: fi_wrapper(c, FP8, True),
+        "fi_tc_fp8[q fp16, o fp16]": lambda: fi_wrapper(c, FP8, True, q_dtype=F16),
+        "fi_tc_fp8[q fp16, o bf16]": lambda: fi_wrapper(c, FP8, True, q_dtype=F16, o_dtype=BF16),
+        "xqa_fp8": lambda: xqa_direct(c, pdl=False),
+        "xqa_generic": lambda: xqa_direct(c, generic=True),
+        "xqa_generic[q fp16]": lambda: xqa_direct(c, generic=True, q_dtype=F16),
+        "xqa_generic[q fp16, sm_count=528]": lambda: xqa_direct(
+            c, generic=True, q_dtype=F16, sm_count=528
+        ),
+        "fi_cc_fp8[q fp16]": lambda: fi_wrapper(c, FP8, False, q_dtype=F16),
+    }
+    cfgs = [dict(block_n=bn, num_warps=w, num_stages=st, num_splits=sp, qk_dtype=qk)
+            for qk in (BF16, F16) for bn, w, st in ((64, 4, 3), (128, 4, 3), (128, 8, 3))
+            for sp in (None, 2)]  # fmt: skip
+    p.update(triton_paths(c, cfgs))
+    return p
+
+
+def build_fp16_modules() -> None:
+    """The study's FlashInfer modules (fp16 query), built concurrently up front."""
+    from flashinfer.jit.attention.modules import gen_batch_decode_module, gen_batch_prefill_module
+    from flashinfer.jit.xqa import gen_xqa_module
+
+    from torch_kvq.attention.kernels.flashinfer_jit import build
+
+    F16, I32 = torch.float16, torch.int32
+    mods = {}
+    for qh, kh, d in SHAPES.values():
+        specs = [gen_xqa_module(F16, FP8, PAGE, d, qh // kh, False, F16, 1, False),
+                 gen_xqa_module(BF16, FP8, PAGE, d, qh // kh, False, BF16, 1, False),
+                 gen_batch_decode_module(F16, FP8, F16, I32, d, d, 0, False, False)]  # fmt: skip
+        for q, kv, o in ((F16, FP8, F16), (F16, FP8, BF16), (BF16, FP8, BF16), (BF16, BF16, BF16)):
+            specs.append(
+                gen_batch_prefill_module("fa2", q, kv, o, I32, d, d, 0, False, False, False)
+            )
+        mods.update({js.name: js for js in specs})
+    try:
+        build(mods, max_workers=len(mods))
+    except Exception:  # noqa: BLE001 - the paths that need a module report its failure
+        traceback.print_exc(limit=3)
+
+
+def fp16_study(gbps: float, rounds: int, calls: int, save: Callable) -> list[dict[str, Any]]:
+    """Is the accurate paths' ~50-60% of copy bandwidth the FP8 -> bf16 widening? e4m3 -> fp16 is
+    one cvt per two values on sm90; e4m3 -> bf16 goes through fp16 and fp32 (four). The same
+    kernels with an fp16 query (cast per call, timed) do their math in fp16."""
+    build_fp16_modules()
+    rows: list[dict[str, Any]] = []
+    for name in ("llama", "gemma_global"):
+        c = Case(name, 32, 16384)
+        rows += measure(c, fp16_paths(c), gbps, rounds, calls, "ref8")
+        save(rows)
+    return rows
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help="smaller Triton sweep, fewer trials")
     ap.add_argument("--rounds", type=int, default=7)
     ap.add_argument("--calls", type=int, default=20, help="calls per timed graph")
     ap.add_argument("--fa3", action="store_true", help="also try fa3 with bf16 q + fp8 kv")
+    ap.add_argument("--fp16-study", action="store_true", help="only the fp16-math study")
     args = ap.parse_args()
     env, copy = environment(), copy_bandwidth()
+    if args.fp16_study:
+
+        def save_rows(rows: list[dict[str, Any]]) -> None:
+            write_results("bench_fp8_decode_paths", {"env": env, "copy": copy, "rows": rows},
+                          markdown(env, copy, rows))  # fmt: skip
+
+        fp16_study(copy["GBps"], args.rounds, args.calls, save_rows)
+        return
     builds = start_builds()
     gbps, rows = copy["GBps"], []
 

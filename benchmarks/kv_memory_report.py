@@ -43,7 +43,9 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--batch", type=int, default=32)
     ap.add_argument("--ctx", type=int, default=16384)
-    ap.add_argument("--chunk", type=int, default=1024, help="prefill chunk the pools leave room for")
+    ap.add_argument(
+        "--chunk", type=int, default=1024, help="prefill chunk the pools leave room for"
+    )
     args = ap.parse_args()
     rows = []
     for name, (_, _, _, skip) in MODELS.items():
