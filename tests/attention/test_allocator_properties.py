@@ -122,7 +122,9 @@ class AllocatorMachine(RuleBasedStateMachine):
         md = self.alloc.build_batch(requests)
         # the batch's page tables are the allocator's (its per-sequence tensors are extended in place)
         for w in self.pools:
-            assert md.for_window(w).page_tables == tuple(self.alloc.pages(s, w) for s, _ in requests)
+            assert md.for_window(w).page_tables == tuple(
+                self.alloc.pages(s, w) for s, _ in requests
+            )
         self.last_qo.update(requests)
         t = md.num_tokens
         q = torch.randn(t, HEADS, D, generator=self.gen)

@@ -31,7 +31,7 @@ needs_gpu = pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU (and Flash
 PAGE, D, WINDOW, SOFT_CAP = 16, 128, 64, 5.0
 K_SCALE, V_SCALE, OUT_SCALE = 1 / 64, 1 / 32, 1 / 128
 # relative Frobenius error against the reference kernel reading the same cache, per kernel
-TOL = {"fa2": 1e-2, "xqa": 8e-2, "xqa_fp8_out": 1e-1}
+TOL = {"fa2": 1e-2, "fa3": 1e-2, "xqa": 8e-2, "xqa_fp8_out": 1e-1, "fa3_fp8": 8e-2}
 
 
 def make_specs(infos: list[AttentionLayerInfo], skip: tuple[str, ...]) -> list[LayerKVSpec]:
@@ -140,7 +140,14 @@ def built() -> None:
         resolve_layer_specs(KVCacheConfig("fp8", page_size=PAGE), XQA_INFOS[:1], torch.float16)
     )
     mods.update(jit.jit_specs(FlashInferKernel(unfused_attention=True), fp16, phases=("prefill",)))
+    for opts in PREFILL_OPTIONS.values():  # fa3 modules: ~100 s each, all in this one batch
+        mods.update(jit.jit_specs(FlashInferKernel(unfused_attention=False, **opts), MIXED))
+    model_math = FlashInferKernel(unfused_attention=False, fp8_decode_math="model")
+    mods.update(jit.jit_specs(model_math, MIXED, phases=("decode",)))
     jit.build(mods, max_workers=len(mods))
+
+
+PREFILL_OPTIONS = {"fa3": {"prefill": "fa3"}, "fa3_fp8": {"prefill": "fa3_fp8"}}
 
 
 # -- GPU: numerics against the reference kernel ------------------------------------------------
@@ -158,6 +165,44 @@ def test_tensor_core_kernel_matches_reference(built, batch: str) -> None:
         assert torch.isfinite(out[s.name]).all(), s.name
         err = rel_err(out[s.name], ref[s.name])
         assert err < TOL["fa2"], f"{batch} {s.name}: rel err {err:.2e}"
+
+
+@pytest.mark.gpu
+@needs_gpu
+@pytest.mark.parametrize("batch", ["prefill", "mixed"])
+@pytest.mark.parametrize("prefill", sorted(PREFILL_OPTIONS))
+def test_fa3_prefill_matches_reference(built, batch: str, prefill: str) -> None:
+    """prefill='fa3': bf16 layers on fa3, FP8 layers on fa2 (fa2's tolerance everywhere);
+    'fa3_fp8': FP8 layers on fa3's FP8 kernel with a per-tensor FP8 query (FP8 math: XQA's class)."""
+    sc = Scenario(MIXED, batch)
+    ref = sc.attend(ReferenceKernel())
+    kernel = FlashInferKernel(unfused_attention=False, **PREFILL_OPTIONS[prefill])
+    out = sc.attend(kernel)
+    for s in MIXED:
+        tol = TOL["fa3_fp8"] if (prefill == "fa3_fp8" and s.is_quantized) else TOL["fa2"]
+        assert out[s.name].dtype == torch.bfloat16, s.name
+        err = rel_err(out[s.name], ref[s.name])
+        assert err < tol, f"{prefill} {batch} {s.name}: rel err {err:.2e}"
+    fp8, bf16 = MIXED[1], MIXED[0]
+    assert kernel.variant(bf16, "prefill") == "fa3-prefill"
+    want = "fa3-fp8-prefill" if prefill == "fa3_fp8" else "fa2-prefill"
+    assert kernel.variant(fp8, "prefill") == want
+
+
+@pytest.mark.gpu
+@needs_gpu
+def test_fp16_decode_math_is_more_accurate_than_bf16(built) -> None:
+    """The tensor-core FP8 decode in fp16 (default) and in the model dtype: both within fa2's
+    tolerance, fp16 not worse (its mantissa is longer; the cache widens exactly into both)."""
+    sc = Scenario(MIXED, "decode")
+    ref = sc.attend(ReferenceKernel())
+    fp16 = sc.attend(FlashInferKernel(unfused_attention=False))
+    model = sc.attend(FlashInferKernel(unfused_attention=False, fp8_decode_math="model"))
+    for s in (x for x in MIXED if x.is_quantized):
+        e16, em = rel_err(fp16[s.name], ref[s.name]), rel_err(model[s.name], ref[s.name])
+        assert fp16[s.name].dtype == torch.bfloat16
+        assert e16 < TOL["fa2"] and em < TOL["fa2"], (s.name, e16, em)
+        assert e16 <= em * 1.1, f"{s.name}: fp16 math {e16:.2e} vs bf16 math {em:.2e}"
 
 
 @pytest.mark.gpu
@@ -338,6 +383,9 @@ def test_importing_torch_kvq_never_imports_flashinfer() -> None:
         ({"fp8_decode": "cuda_cores"}, "fp8_decode 'cuda_cores' unknown"),
         ({"phases": "prefill"}, "phases 'prefill' unknown"),
         ({"workspace_bytes": 1024}, "workspace_bytes must be an int >= 16 MiB, got 1024"),
+        ({"prefill": "fa4"}, "prefill 'fa4' unknown; expected 'fa2', 'fa3' or 'fa3_fp8'"),
+        ({"prefill": "fa3", "phases": "decode"}, "a decode-only kernel runs no prefill"),
+        ({"fp8_decode_math": "tf32"}, "fp8_decode_math 'tf32' unknown"),
     ],
 )
 def test_constructor_rejects_bad_options(kwargs: dict, match: str) -> None:
@@ -371,3 +419,54 @@ def test_xqa_block_table_matches_page_tables() -> None:
 def test_check_supported_without_cuda_names_layer() -> None:
     with pytest.raises(KernelUnsupportedError, match="m.g_fp8.*CUDA GPU"):
         FlashInferKernel().check_supported(MIXED[1])
+
+
+def test_group_keys_follow_prefill_and_decode_math_options() -> None:
+    """Which kernel, query dtype and output dtype each option plans (no GPU needed)."""
+    bf16, fp8 = MIXED[0], MIXED[1]
+
+    def key(kernel: FlashInferKernel, spec: LayerKVSpec, decode: bool):
+        k = kernel._group_key(spec, spec.storage_dtype, decode)
+        return k.kernel, k.backend, k.q_dtype, k.o_dtype
+
+    bf, f16, f8 = torch.bfloat16, torch.float16, FP8_DTYPE
+    default = FlashInferKernel()
+    assert key(default, bf16, False) == ("prefill", "fa2", bf, bf)
+    assert key(default, fp8, False) == ("prefill", "fa2", bf, bf)
+    assert key(default, fp8, True) == ("decode", "fa2", f16, bf)  # fp16 math, bf16 output
+    assert key(default, bf16, True) == ("decode", "fa2", bf, bf)  # bf16 cache: model dtype
+    model_math = FlashInferKernel(fp8_decode_math="model")
+    assert key(model_math, fp8, True) == ("decode", "fa2", bf, bf)
+    fa3 = FlashInferKernel(prefill="fa3")
+    assert key(fa3, bf16, False) == ("prefill", "fa3", bf, bf)
+    assert key(fa3, fp8, False) == ("prefill", "fa2", bf, bf)  # fa3 has no bf16-q / FP8-KV kernel
+    fa3_fp8 = FlashInferKernel(prefill="fa3_fp8")
+    assert key(fa3_fp8, fp8, False) == ("prefill", "fa3", f8, bf)
+    assert key(fa3_fp8, bf16, False) == ("prefill", "fa3", bf, bf)
+    xqa = FlashInferKernel(fp8_decode="xqa")
+    assert key(xqa, fp8, True) == ("xqa", "fa2", bf, bf)  # XQA reads the model-dtype query
+    assert "prefill='fa3_fp8'" in repr(fa3_fp8) and "fp8_decode_math='model'" in repr(model_math)
+
+
+def test_fa3_prefill_refused_off_sm90(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    kernel = FlashInferKernel(prefill="fa3")
+    monkeypatch.setattr(kernel, "arch", lambda: "sm80")
+    with pytest.raises(KernelUnsupportedError, match="prefill='fa3'.*sm90 only.*sm80"):
+        kernel.check_supported(MIXED[0])
+    monkeypatch.setattr(FlashInferKernel, "arch", lambda self: "sm90")
+    FlashInferKernel(prefill="fa3_fp8").check_supported(MIXED[1])
+
+
+def test_quantize_query_per_tensor() -> None:
+    from torch_kvq.attention.kernels.flashinfer import quantize_query
+
+    q = torch.randn(37, 4, 64, dtype=torch.bfloat16) * 3
+    q8, scale = quantize_query(q)
+    assert q8.dtype == FP8_DTYPE and q8.shape == q.shape
+    assert scale == pytest.approx(float(q.abs().amax()) / 448)
+    assert float(q8.float().abs().amax()) == 448.0  # the largest element lands on e4m3's top
+    back = q8.float() * scale
+    assert rel_err(back, q) < 4e-2  # e4m3's 3-bit mantissa
+    zero8, zscale = quantize_query(torch.zeros(2, 1, 8, dtype=torch.bfloat16))
+    assert zscale == 1.0 and not zero8.float().any()

@@ -40,7 +40,12 @@ def test_refusal_in_one_pool_changes_no_pool() -> None:
     before = (alloc.pages("a"), alloc.pages("a", 4), alloc.free_pages(), alloc.free_pages(4))
     with pytest.raises(OutOfPagesError, match="in the pool of window 4.*Nothing was allocated"):
         alloc.build_batch([("a", 1), ("b", 9)])  # the full pool fits; the window pool does not
-    assert (alloc.pages("a"), alloc.pages("a", 4), alloc.free_pages(), alloc.free_pages(4)) == before
+    assert (
+        alloc.pages("a"),
+        alloc.pages("a", 4),
+        alloc.free_pages(),
+        alloc.free_pages(4),
+    ) == before
     assert alloc.released_pages("a", 4) == 0 and alloc.sequences == ("a",)
 
 

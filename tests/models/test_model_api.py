@@ -112,6 +112,21 @@ def test_forward_checks_shapes_and_needs_a_context():
         m(ids, torch.arange(3))
 
 
+@pytest.mark.parametrize("name", ["llama-tiny", "gemma3-tiny"])
+def test_logits_indices_give_those_rows_of_the_full_logits(name):
+    """A prefill that needs only each prompt's last token skips the [T, vocab] head."""
+    outs = []
+    for rows in (None, torch.tensor([4, 9])):
+        m = build_model(name, KV)
+        md = m.allocator.build_batch([(0, 5), (1, 5)])
+        ids = torch.arange(10) % 7 + 1
+        with m.forward_context(md):
+            outs.append(m(ids, md.positions, rows) if rows is not None else m(ids, md.positions))
+    full, last = outs
+    assert full.shape[0] == 10 and last.shape == (2, full.shape[1])
+    torch.testing.assert_close(last, full[[4, 9]], rtol=1e-5, atol=1e-5)
+
+
 class RecordingKernel(ReferenceKernel):
     def __init__(self) -> None:
         self.planned: list[tuple[str, ...]] = []

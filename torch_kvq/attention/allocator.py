@@ -55,13 +55,17 @@ class _Pool:
     def num_free(self) -> int:
         return len(self.free) + self.num_pages - self.fresh
 
-    def plan(self, seq_id: Hashable, old_len: int, new_tokens: int, page_size: int) -> tuple[int, int]:
+    def plan(
+        self, seq_id: Hashable, old_len: int, new_tokens: int, page_size: int
+    ) -> tuple[int, int]:
         """(pages to release from the front, new pages to take) for appending ``new_tokens``."""
         table = self.tables.get(seq_id)
         live, released = (len(table.pages), table.released) if table else (0, 0)
         total = -(-(old_len + new_tokens) // page_size)
         drop = 0
-        if self.window is not None:  # this step's first query (at old_len) reads keys > old_len - window
+        if (
+            self.window is not None
+        ):  # this step's first query (at old_len) reads keys > old_len - window
             first_needed = max(0, old_len - self.window + 1)
             drop = max(0, first_needed // page_size - released)
         return drop, total - released - live
@@ -171,7 +175,9 @@ class PageAllocator:
                 raise ValueError(f"sequence {sid!r}: token count must be a positive int, got {n!r}")
         plans = []
         for pool in self._pools:
-            moves = [pool.plan(sid, self._lens.get(sid, 0), n, self.page_size) for sid, n in requests]
+            moves = [
+                pool.plan(sid, self._lens.get(sid, 0), n, self.page_size) for sid, n in requests
+            ]
             need = sum(take for _, take in moves) - sum(drop for drop, _ in moves)
             trims: list[tuple[Hashable, int]] = []
             if need > pool.num_free and pool.window is not None:
@@ -237,7 +243,9 @@ class PageAllocator:
         tables = [pool.tables[sid] for sid, _ in requests]
         tensors = [t.tensor for t in tables]
         assert all(t is not None for t in tensors)
-        kv_lens = [self._lens[sid] - t.released * self.page_size for (sid, _), t in zip(requests, tables)]
+        kv_lens = [
+            self._lens[sid] - t.released * self.page_size for (sid, _), t in zip(requests, tables)
+        ]
         md = BatchMetadata._from_host(
             torch.cat(tensors),  # type: ignore[arg-type]
             [len(t.pages) for t in tables],

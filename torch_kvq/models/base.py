@@ -366,8 +366,15 @@ class PagedDecoder(nn.Module):
 
     # --- forward ----------------------------------------------------------------------------
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """input_ids [T], positions [T] (int) -> logits [T, vocab] fp32."""
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        logits_indices: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """input_ids [T], positions [T] (int) -> logits [T, vocab] fp32; with ``logits_indices``
+        [N] (int, rows of the token axis, e.g. each prompt's last token) only those rows: logits
+        [N, vocab] (a 16k-token prefill then skips a [16k, vocab] head)."""
         if input_ids.dim() != 1 or tuple(positions.shape) != tuple(input_ids.shape):
             raise ValueError(
                 f"expected input_ids [T] and positions [T], got {tuple(input_ids.shape)} and "
@@ -380,6 +387,8 @@ class PagedDecoder(nn.Module):
             rope[t] = rope_cos_sin(positions, cfg.head_dim, cfg.rope[t], self.dtype)
         for i, layer in enumerate(self.layers):
             h = layer(h, *rope[cfg.layer_types[i]])
+        if logits_indices is not None:
+            h = h.index_select(0, logits_indices)
         h = self.norm(h)
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         logits = F.linear(h, weight)

@@ -4,14 +4,27 @@ Per batch, outside the graph, ``plan`` groups the layers by everything a FlashIn
 (phase, window, kv dtype, q dtype, soft-cap, sm_scale, heads, head size) and plans each group once;
 ``attend`` (inside the ops) only runs. Kernels per layer, chosen from the layer's spec:
 
-* prefill / mixed batch: ``BatchPrefillWithPagedKVCacheWrapper`` (fa2): bf16 q + bf16 cache, or
-  bf16 q + FP8 cache read in place (``k_scale`` folded into sm_scale, ``v_scale`` on the output).
+* prefill / mixed batch: ``BatchPrefillWithPagedKVCacheWrapper``, the ``prefill`` option
+  (H200, 8 prompts x 16k, QH=32 KH=8 D=128, per layer; benchmarks/RESULTS.md):
+
+  - ``"fa2"`` (default): bf16 q + bf16 cache (49.6 ms), or bf16 q + FP8 cache read in place
+    (``k_scale`` folded into sm_scale, ``v_scale`` on the output; 61.6 ms, 0.81x).
+  - ``"fa3"``: model-dtype layers on the Hopper fa3 kernel (31.5 ms, 1.57x fa2); FP8 layers stay
+    on fa2 (fa3 has no bf16-query / FP8-cache kernel). sm90 only.
+  - ``"fa3_fp8"``: as ``"fa3"``, and FP8 layers on fa3's FP8 kernel with the query quantized per
+    tensor inside ``attend`` (scale = amax / 448, read on the host: one sync per FP8 layer per
+    prefill): 24.3 ms (2.04x fa2 bf16, 1.30x fa3 bf16), but both products run in e4m3, relative
+    error 3.8e-2 against fp32 on the same cache (fa2: 2.3e-3). Opt in knowingly, like XQA.
 * decode-only batch, model-dtype cache: ``BatchDecodeWithPagedKVCacheWrapper(use_tensor_cores)``.
 * decode-only batch, FP8 cache, the ``fp8_decode`` option (H200, QH=32 KH=8 D=128, bs 32 x 16k;
   benchmarks/RESULTS.md has the dates, commands and the other shapes):
 
-  - ``"tensor_cores"`` (default): the same wrapper, cache widened to bf16, bf16 MMA. 0.43 ms
-    (58% of copy bandwidth), relative error 2.7e-3 against fp32 on the same FP8 cache.
+  - ``"tensor_cores"`` (default): the same wrapper, the cache widened in registers. With
+    ``fp8_decode_math="fp16"`` (default) the query is cast to fp16 and both products run in fp16
+    (e4m3 -> fp16 is one conversion per two values on sm90; e4m3 -> bf16 takes four): 0.380 ms
+    (66% of copy bandwidth), relative error 1.7e-3; with ``"model"`` (bf16 math) 0.427 ms (59%),
+    2.3e-3. fp16's range ends at 65504: a query element beyond it becomes inf (and the output
+    NaN), never silently clipped; use ``"model"`` for such models.
   - ``"xqa"``: ``trtllm_batch_decode_with_kv_cache(backend="xqa")``, Hopper FP8-MMA kernel.
     0.257 ms (98% of copy bandwidth; 0.27-0.33 ms, bimodal, with PDL on: ``xqa_pdl``) and
     writes FP8 output, but both GEMMs run in FP8 (q and the softmax weights rounded to e4m3): relative error 3.7e-2 on random data,
@@ -68,6 +81,10 @@ def import_flashinfer(module: str = "flashinfer") -> ModuleType:
 
 FP8Decode = Literal["tensor_cores", "xqa"]
 Phases = Literal["any", "decode"]
+Prefill = Literal["fa2", "fa3", "fa3_fp8"]
+FP8DecodeMath = Literal["fp16", "model"]
+_KERNEL_OF = {"fa2-prefill": "prefill", "fa3-prefill": "prefill", "fa3-fp8-prefill": "prefill",
+              "tc-decode": "decode", "xqa-decode": "xqa"}  # fmt: skip
 DEFAULT_WORKSPACE_BYTES = 256 * 1024 * 1024
 _generation = itertools.count(1)
 
@@ -77,9 +94,11 @@ class GroupKey:
     """Everything one FlashInfer plan bakes in; layers with equal keys share one plan."""
 
     kernel: str  # "prefill" | "decode" | "xqa"
+    backend: str  # "fa2" | "fa3" (FlashInfer's wrapper backend; "fa2" for XQA)
     window: int | None
     kv_dtype: torch.dtype
-    q_dtype: torch.dtype
+    q_dtype: torch.dtype  # what the kernel reads: the model dtype, fp16 or float8_e4m3fn
+    o_dtype: torch.dtype  # always the layer's model dtype
     soft_cap: float | None
     sm_scale: float
     num_heads: int
@@ -110,6 +129,10 @@ class FlashInferKernel:
         xqa_pdl: launch XQA with programmatic dependent launch. Off by default: with it on, back
             to back XQA calls at 32 x 16k took 0.27 or 0.32 ms (bimodal, 80% of copy bandwidth
             median); with it off 0.257 ms every time (98%) (benchmarks/RESULTS.md, issue 14).
+        prefill: the prefill / mixed-batch kernels, ``"fa2"``, ``"fa3"`` or ``"fa3_fp8"`` (module
+            docstring). ``"fa3*"`` need sm90 and ``phases="any"``.
+        fp8_decode_math: ``"fp16"`` or ``"model"``: the math dtype of the tensor-core decode of
+            FP8 layers (module docstring). No effect on XQA or on fp16 models.
     """
 
     supports_cuda_graphs = True
@@ -121,11 +144,24 @@ class FlashInferKernel:
         unfused_attention: bool = True,
         workspace_bytes: int = DEFAULT_WORKSPACE_BYTES,
         xqa_pdl: bool = False,
+        prefill: Prefill = "fa2",
+        fp8_decode_math: FP8DecodeMath = "fp16",
     ) -> None:
         if fp8_decode not in ("tensor_cores", "xqa"):
             raise ValueError(f"fp8_decode {fp8_decode!r} unknown; expected 'tensor_cores' or 'xqa'")
         if phases not in ("any", "decode"):
             raise ValueError(f"phases {phases!r} unknown; expected 'any' or 'decode'")
+        if prefill not in ("fa2", "fa3", "fa3_fp8"):
+            raise ValueError(f"prefill {prefill!r} unknown; expected 'fa2', 'fa3' or 'fa3_fp8'")
+        if prefill != "fa2" and phases == "decode":
+            raise ValueError(
+                f"prefill={prefill!r} with phases='decode': a decode-only kernel runs no prefill; "
+                "use phases='any'"
+            )
+        if fp8_decode_math not in ("fp16", "model"):
+            raise ValueError(
+                f"fp8_decode_math {fp8_decode_math!r} unknown; expected 'fp16' or 'model'"
+            )
         if (
             isinstance(workspace_bytes, bool)
             or not isinstance(workspace_bytes, int)
@@ -143,6 +179,8 @@ class FlashInferKernel:
         self.unfused_attention = unfused_attention
         self.workspace_bytes = workspace_bytes
         self.xqa_pdl = bool(xqa_pdl)
+        self.prefill: Prefill = prefill
+        self.fp8_decode_math: FP8DecodeMath = fp8_decode_math
         self._device: torch.device | None = None
         self._float_ws: torch.Tensor | None = None
         self._xqa_ws: torch.Tensor | None = None
@@ -152,7 +190,10 @@ class FlashInferKernel:
         self._planned_gen: dict[GroupKey, int] = {}
 
     def __repr__(self) -> str:
-        return f"FlashInferKernel(fp8_decode={self.fp8_decode!r}, phases={self.phases!r})"
+        extra = "" if self.prefill == "fa2" else f", prefill={self.prefill!r}"
+        if self.fp8_decode_math != "fp16":
+            extra += f", fp8_decode_math={self.fp8_decode_math!r}"
+        return f"FlashInferKernel(fp8_decode={self.fp8_decode!r}, phases={self.phases!r}{extra})"
 
     # -- support -------------------------------------------------------------------------------
 
@@ -185,6 +226,11 @@ class FlashInferKernel:
             why = caps.unsupported_reason(self.name, arch, spec)
         except ValueError as e:  # no row for this arch
             return str(e)
+        if why is None and self.prefill != "fa2" and arch != "sm90":
+            return (
+                f"prefill={self.prefill!r} runs FlashInfer's fa3 kernels, which are built for sm90 "
+                f"only, and this GPU is {arch}; FlashInferKernel(prefill='fa2') serves it"
+            )
         if why is None:
             return None
         if self.fp8_decode == "xqa" and spec.is_quantized:
@@ -204,7 +250,9 @@ class FlashInferKernel:
         """Which FlashInfer kernel serves ``spec`` in ``phase`` ("prefill" | "decode")."""
         kv_dtype = spec.storage_dtype if kv_dtype is None else kv_dtype
         if phase == "prefill":
-            return "fa2-prefill"
+            if self.prefill == "fa2" or (kv_dtype == FP8_DTYPE and self.prefill == "fa3"):
+                return "fa2-prefill"
+            return "fa3-fp8-prefill" if kv_dtype == FP8_DTYPE else "fa3-prefill"
         if kv_dtype == FP8_DTYPE and self.fp8_decode == "xqa":
             return "xqa-decode"
         return "tc-decode"
@@ -213,11 +261,18 @@ class FlashInferKernel:
 
     def _group_key(self, spec: LayerKVSpec, kv_dtype: torch.dtype, decode: bool) -> GroupKey:
         variant = self.variant(spec, "decode" if decode else "prefill", kv_dtype)
+        q_dtype = spec.model_dtype
+        if variant == "fa3-fp8-prefill":
+            q_dtype = FP8_DTYPE
+        elif variant == "tc-decode" and kv_dtype == FP8_DTYPE and self.fp8_decode_math == "fp16":
+            q_dtype = torch.float16
         return GroupKey(
-            kernel={"fa2-prefill": "prefill", "tc-decode": "decode", "xqa-decode": "xqa"}[variant],
+            kernel=_KERNEL_OF[variant],
+            backend="fa3" if variant.startswith("fa3") else "fa2",
             window=spec.sliding_window,
             kv_dtype=kv_dtype,
-            q_dtype=spec.model_dtype,
+            q_dtype=q_dtype,
+            o_dtype=spec.model_dtype,
             soft_cap=spec.logits_soft_cap or None,
             sm_scale=spec.sm_scale,
             num_heads=spec.num_heads,
@@ -296,7 +351,7 @@ class FlashInferKernel:
         if wrapper is None:
             if key.kernel == "prefill":
                 wrapper = flashinfer.BatchPrefillWithPagedKVCacheWrapper(
-                    self._float_ws, "NHD", backend="fa2"
+                    self._float_ws, "NHD", backend=key.backend
                 )
             elif graph is None:
                 wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
@@ -320,7 +375,7 @@ class FlashInferKernel:
             sm_scale=key.sm_scale,
             q_data_type=key.q_dtype,
             kv_data_type=key.kv_dtype,
-            o_data_type=key.q_dtype,
+            o_data_type=key.o_dtype,
         )
         if key.kernel == "prefill":
             wrapper.plan(
@@ -406,16 +461,22 @@ class FlashInferKernel:
         if key.kernel == "xqa":
             return self._run_xqa(ctx, spec, q, kv_cache, k_scale, v_scale, output_scale)
         if output_scale is not None:
-            variant = "fa2 prefill" if key.kernel == "prefill" else "tensor-core decode"
+            variant = f"{key.backend} prefill" if key.kernel == "prefill" else "tensor-core decode"
             raise KernelUnsupportedError(
                 f"layer {spec.name!r}: FlashInfer {variant} cannot write FP8 output, but the graph "
                 "asks for it (output_scale given). Only XQA decode does; the passes must not fuse "
                 "the output quant here (see kernels/capabilities.py)"
             )
-        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-        if kv_cache.dtype == FP8_DTYPE:
-            return plan.wrapper.run(q, kv_cache, k_scale=k_scale, v_scale=v_scale, out=out)
-        return plan.wrapper.run(q, kv_cache, out=out)
+        out = torch.empty(q.shape, dtype=key.o_dtype, device=q.device)
+        if kv_cache.dtype != FP8_DTYPE:
+            return plan.wrapper.run(q, kv_cache, out=out)
+        if key.q_dtype == FP8_DTYPE:  # fa3's FP8 kernel: quantize the query per tensor
+            q8, q_scale = quantize_query(q)
+            return plan.wrapper.run(
+                q8, kv_cache, q_scale=q_scale, k_scale=k_scale, v_scale=v_scale, out=out
+            )
+        q = q.to(key.q_dtype)  # fp16 math (fp8_decode_math), else a no-op
+        return plan.wrapper.run(q, kv_cache, k_scale=k_scale, v_scale=v_scale, out=out)
 
     def _run_xqa(
         self,
@@ -442,6 +503,15 @@ class FlashInferKernel:
             window_left=-1 if spec.sliding_window is None else spec.sliding_window - 1,
             out=out, kv_layout="NHD", backend="xqa", o_scale=o_scale, enable_pdl=self.xqa_pdl,
         )  # fmt: skip
+
+
+def quantize_query(q: torch.Tensor) -> tuple[torch.Tensor, float]:
+    """q [T, QH, D] -> (e4m3 q / scale, scale) with scale = amax(|q|) / 448 per tensor, read on
+    the host (fa3's FP8 kernel takes q_scale as a float; prefill only, never in a CUDA graph).
+    The cast saturates at +-448, so rounding at the top cannot overflow."""
+    amax = float(q.abs().amax())
+    scale = amax / 448.0 if amax > 0 else 1.0
+    return (q * (1.0 / scale)).to(FP8_DTYPE), scale
 
 
 @dataclass(frozen=True)

@@ -1,8 +1,8 @@
 """Build FlashInfer's JIT modules for a set of layers ahead of time, in parallel.
 
 FlashInfer compiles one module per (q dtype, kv dtype, out dtype, head size, sliding, soft-cap)
-for fa2 and per (kv dtype, out dtype, page size, head size, GQA group, sliding) for XQA, on first
-use (fa2 ~15-30 s each, XQA longer). ``prebuild`` compiles exactly the modules a
+for fa2 / fa3 and per (kv dtype, out dtype, page size, head size, GQA group, sliding) for XQA, on
+first use (fa2 ~15-30 s each, fa3 ~100 s, XQA longer). ``prebuild`` compiles exactly the modules a
 ``FlashInferKernel`` will ask for these layers, concurrently (one ninja per module), so a first
 batch does not stall. GPU only; imports flashinfer.
 """
@@ -61,7 +61,7 @@ def jit_specs(
                 out[js.name] = js
         else:
             js = gen_batch_prefill_module(
-                "fa2", key.q_dtype, key.kv_dtype, key.q_dtype, torch.int32, key.head_size,
+                key.backend, key.q_dtype, key.kv_dtype, key.o_dtype, torch.int32, key.head_size,
                 key.head_size, 0, key.window is not None, bool(key.soft_cap), False,
             )  # fmt: skip
             out[js.name] = js

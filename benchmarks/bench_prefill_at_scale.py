@@ -1,0 +1,148 @@
+"""Time to first token at real model scale (issue 14 item 3): 8 prompts of 16k tokens, all-bf16 KV
+against the FP8 config, per FlashInfer prefill option.
+
+Models as in ``bench_decode_at_scale.py`` (torch_kvq's own decoders at Llama-3.1-8B and
+Gemma-3-12B dimensions, random bf16 weights, FP8 config skipping layers 0/-1 resp. the sliding
+layers). Per model one build; per variant ``configure_kv`` and a ``FlashInferKernel(prefill=...)``:
+
+  bf16 / fa2, bf16 / fa3                       all-bf16 KV
+  fp8 / fa2                                    FP8 layers read the FP8 cache on fa2 (bf16 math)
+  fp8 / fa3                                    bf16 layers on fa3, FP8 layers on fa2
+  fp8 / fa3_fp8                                FP8 layers on fa3's FP8 kernel (FP8 query and math)
+
+Each prompt is one forward of ``--len`` tokens (engines cap the tokens per step), logits of the
+last token only (``logits_indices``). Eager: at 16k tokens per forward the step is GEMMs and
+attention, and the kernels are the ones a kvq_backend graph calls. TTFT = the wall time of the
+``--prompts`` forwards after one warm-up prompt (JIT builds). Accuracy: the last-token logits of
+every variant against bf16 / fa2 on the same weights and prompts (relative Frobenius error).
+
+    python benchmarks/bench_prefill_at_scale.py --models llama-3.1-8b gemma-3-12b
+    python benchmarks/bench_prefill_at_scale.py --smoke      # CPU: tiny shapes, reference kernel
+Writes $OUT/prefill_at_scale.json and prefill_at_scale.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_decode_at_scale import MODELS, PAGE, _git_head, build, kv_configs  # noqa: E402
+from gpu_common import environment, write_results  # noqa: E402
+
+from torch_kvq.attention.kernels import FlashInferKernel, ReferenceKernel  # noqa: E402
+
+VARIANTS = [("bf16", "fa2"), ("bf16", "fa3"), ("fp8", "fa2"), ("fp8", "fa3"), ("fp8", "fa3_fp8")]
+
+
+def sync(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+@torch.no_grad()
+def prefill(model, seq: int, ids: torch.Tensor) -> torch.Tensor:
+    """One prompt through the model: its KV written, last-token logits; then its pages are freed
+    (the next prompt reuses them: the cache holds one prompt)."""
+    md = model.allocator.build_batch([(seq, ids.numel())], device=ids.device)
+    last = torch.tensor([ids.numel() - 1], device=ids.device)
+    try:
+        with model.forward_context(md):
+            return model(ids, md.positions, last)
+    finally:
+        model.allocator.free(seq)
+
+
+def run_model(name: str, args, env) -> list[dict]:
+    device = "cpu" if args.smoke else "cuda"
+    _, _, _, skip = MODELS[name]
+    kvs = kv_configs(skip)
+    pages = -(-args.len // PAGE) + 1
+    torch.manual_seed(0)
+    model = build(name, kvs["bf16"], ReferenceKernel(), device, args.smoke, pages, None)
+    gen = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(0, model.config.vocab_size, (args.len,), generator=gen).to(device)
+               for _ in range(args.prompts + 1)]  # fmt: skip
+    rows, ref = [], None
+    for kv_name, prefill_opt in VARIANTS:
+        row = {"model": name, "kv_config": kv_name, "prefill": prefill_opt, "prompts": args.prompts,
+               "len": args.len, "date": env["date_utc"], "gpu": env.get("gpu", "cpu"),
+               "commit": args.commit, "mode": "eager"}  # fmt: skip
+        try:
+            model.kernel = (ReferenceKernel() if args.smoke
+                            else FlashInferKernel(prefill=prefill_opt, unfused_attention=False))  # fmt: skip
+            model.configure_kv(kvs[kv_name])  # fresh caches and allocator
+            if not args.smoke:
+                from torch_kvq.attention.kernels import flashinfer_jit
+
+                flashinfer_jit.prebuild(model.kernel, model.kv_specs, phases=("prefill",))
+            prefill(model, 10_000, prompts[-1])  # warm-up: JIT, cuBLAS, allocator
+            sync(device)
+            t0 = time.perf_counter()
+            logits = [prefill(model, i, p) for i, p in enumerate(prompts[:-1])]
+            sync(device)
+            row["ttft_s"] = time.perf_counter() - t0
+            row["tokens_per_s"] = args.prompts * args.len / row["ttft_s"]
+            out = torch.cat(logits).float()
+            if ref is None:
+                ref = out
+            row["logits_rel_err_vs_bf16_fa2"] = float((out - ref).norm() / ref.norm())
+        except Exception as e:  # noqa: BLE001 - recorded; the other variants still run
+            row["error"] = repr(e)[:400]
+        print(row, flush=True)
+        rows.append(row)
+        gc.collect()
+        if device == "cuda":
+            torch.cuda.empty_cache()
+    base = {r["kv_config"] + "/" + r["prefill"]: r.get("ttft_s") for r in rows}
+    for r in rows:
+        if r.get("ttft_s") and base.get("bf16/fa2") and base.get("bf16/fa3"):
+            r["x_vs_bf16_fa2"] = base["bf16/fa2"] / r["ttft_s"]
+            r["x_vs_bf16_fa3"] = base["bf16/fa3"] / r["ttft_s"]
+    del model
+    gc.collect()
+    return rows
+
+
+def markdown(rows: list[dict], env: dict) -> str:
+    lines = [f"## Prefill at scale ({env.get('gpu', 'cpu')}, {env['date_utc']})", "",
+             "| model | kv | prefill | prompts x len | TTFT s | tokens/s | x bf16 fa2 | x bf16 fa3 | "
+             "logits rel err |", "|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
+    for r in rows:
+        if "error" in r:
+            lines.append(f"| {r['model']} | {r['kv_config']} | {r['prefill']} | error: "
+                         f"{r['error'][:120]} | | | | | |")  # fmt: skip
+            continue
+        lines.append(
+            f"| {r['model']} | {r['kv_config']} | {r['prefill']} | {r['prompts']} x {r['len']} | "
+            f"{r['ttft_s']:.3f} | {r['tokens_per_s']:.0f} | {r.get('x_vs_bf16_fa2', 0):.2f} | "
+            f"{r.get('x_vs_bf16_fa3', 0):.2f} | {r['logits_rel_err_vs_bf16_fa2']:.1e} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
+    ap.add_argument("--prompts", type=int, default=8)
+    ap.add_argument("--len", type=int, default=16384)
+    ap.add_argument("--smoke", action="store_true", help="CPU, tiny shapes, reference kernel")
+    ap.add_argument("--commit", default=os.environ.get("KVQ_COMMIT") or _git_head())
+    args = ap.parse_args()
+    if args.smoke:
+        args.prompts, args.len = 2, 48
+    env = environment()
+    rows: list[dict] = []
+    for name in args.models:
+        rows += run_model(name, args, env)
+        write_results("prefill_at_scale", {"env": env, "rows": rows}, markdown(rows, env))
+
+
+if __name__ == "__main__":
+    main()
