@@ -47,7 +47,9 @@ def tiny_model_generation() -> None:
     prompts = [[1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12], [7, 8] * 10]  # longer than the window of 8
     shared = build_model("gemma3-tiny", kv, num_pages=64, dtype=torch.float32)
     pooled = build_model("gemma3-tiny", kv, num_pages=64, window_pages=16, dtype=torch.float32)
-    caches = {a.layer_name.split(".", 1)[1]: tuple(a.kv_cache.shape) for a in pooled.attention_layers}
+    caches = {
+        a.layer_name.split(".", 1)[1]: tuple(a.kv_cache.shape) for a in pooled.attention_layers
+    }
     print("tiny Gemma-3-style model, window 8, page 4, windowed pool of 16 pages:")
     for name, shape in caches.items():
         print(f"  {name}: cache {shape}")
