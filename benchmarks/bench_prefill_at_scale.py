@@ -8,7 +8,7 @@ layers). Per model one build; per variant ``configure_kv`` and a ``FlashInferKer
   bf16 / fa2, bf16 / fa3                       all-bf16 KV
   fp8 / fa2                                    FP8 layers read the FP8 cache on fa2 (bf16 math)
   fp8 / fa3                                    bf16 layers on fa3, FP8 layers on fa2
-  fp8 / fa3_fp8                                FP8 layers on fa3's FP8 kernel (FP8 query and math)
+(fa3's FP8 kernel is not a FlashInferKernel option: see kernels/flashinfer.py.)
 
 Each prompt is one forward of ``--len`` tokens (engines cap the tokens per step), logits of the
 last token only (``logits_indices``). Eager: at 16k tokens per forward the step is GEMMs and
@@ -38,7 +38,7 @@ from gpu_common import environment, write_results  # noqa: E402
 
 from torch_kvq.attention.kernels import FlashInferKernel, ReferenceKernel  # noqa: E402
 
-VARIANTS = [("bf16", "fa2"), ("bf16", "fa3"), ("fp8", "fa2"), ("fp8", "fa3"), ("fp8", "fa3_fp8")]
+VARIANTS = [("bf16", "fa2"), ("bf16", "fa3"), ("fp8", "fa2"), ("fp8", "fa3")]
 
 
 def sync(device: str) -> None:

@@ -31,7 +31,7 @@ needs_gpu = pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU (and Flash
 PAGE, D, WINDOW, SOFT_CAP = 16, 128, 64, 5.0
 K_SCALE, V_SCALE, OUT_SCALE = 1 / 64, 1 / 32, 1 / 128
 # relative Frobenius error against the reference kernel reading the same cache, per kernel
-TOL = {"fa2": 1e-2, "fa3": 1e-2, "xqa": 8e-2, "xqa_fp8_out": 1e-1, "fa3_fp8": 8e-2}
+TOL = {"fa2": 1e-2, "fa3": 1e-2, "xqa": 8e-2, "xqa_fp8_out": 1e-1}
 
 
 def make_specs(infos: list[AttentionLayerInfo], skip: tuple[str, ...]) -> list[LayerKVSpec]:
@@ -140,14 +140,11 @@ def built() -> None:
         resolve_layer_specs(KVCacheConfig("fp8", page_size=PAGE), XQA_INFOS[:1], torch.float16)
     )
     mods.update(jit.jit_specs(FlashInferKernel(unfused_attention=True), fp16, phases=("prefill",)))
-    for opts in PREFILL_OPTIONS.values():  # fa3 modules: ~100 s each, all in this one batch
-        mods.update(jit.jit_specs(FlashInferKernel(unfused_attention=False, **opts), MIXED))
+    # fa3 modules (~100 s each), in this one batch
+    mods.update(jit.jit_specs(FlashInferKernel(unfused_attention=False, prefill="fa3"), MIXED))
     model_math = FlashInferKernel(unfused_attention=False, fp8_decode_math="model")
     mods.update(jit.jit_specs(model_math, MIXED, phases=("decode",)))
     jit.build(mods, max_workers=len(mods))
-
-
-PREFILL_OPTIONS = {"fa3": {"prefill": "fa3"}, "fa3_fp8": {"prefill": "fa3_fp8"}}
 
 
 # -- GPU: numerics against the reference kernel ------------------------------------------------
@@ -170,23 +167,18 @@ def test_tensor_core_kernel_matches_reference(built, batch: str) -> None:
 @pytest.mark.gpu
 @needs_gpu
 @pytest.mark.parametrize("batch", ["prefill", "mixed"])
-@pytest.mark.parametrize("prefill", sorted(PREFILL_OPTIONS))
-def test_fa3_prefill_matches_reference(built, batch: str, prefill: str) -> None:
-    """prefill='fa3': bf16 layers on fa3, FP8 layers on fa2 (fa2's tolerance everywhere);
-    'fa3_fp8': FP8 layers on fa3's FP8 kernel with a per-tensor FP8 query (FP8 math: XQA's class)."""
+def test_fa3_prefill_matches_reference(built, batch: str) -> None:
+    """prefill='fa3': bf16 layers (global, sliding, MHA) on fa3, FP8 layers on fa2."""
     sc = Scenario(MIXED, batch)
     ref = sc.attend(ReferenceKernel())
-    kernel = FlashInferKernel(unfused_attention=False, **PREFILL_OPTIONS[prefill])
+    kernel = FlashInferKernel(unfused_attention=False, prefill="fa3")
     out = sc.attend(kernel)
     for s in MIXED:
-        tol = TOL["fa3_fp8"] if (prefill == "fa3_fp8" and s.is_quantized) else TOL["fa2"]
         assert out[s.name].dtype == torch.bfloat16, s.name
         err = rel_err(out[s.name], ref[s.name])
-        assert err < tol, f"{prefill} {batch} {s.name}: rel err {err:.2e}"
-    fp8, bf16 = MIXED[1], MIXED[0]
-    assert kernel.variant(bf16, "prefill") == "fa3-prefill"
-    want = "fa3-fp8-prefill" if prefill == "fa3_fp8" else "fa2-prefill"
-    assert kernel.variant(fp8, "prefill") == want
+        assert err < TOL["fa3"], f"{batch} {s.name}: rel err {err:.2e}"
+        want = "fa2-prefill" if s.is_quantized else "fa3-prefill"
+        assert kernel.variant(s, "prefill") == want, s.name
 
 
 @pytest.mark.gpu
@@ -383,7 +375,7 @@ def test_importing_torch_kvq_never_imports_flashinfer() -> None:
         ({"fp8_decode": "cuda_cores"}, "fp8_decode 'cuda_cores' unknown"),
         ({"phases": "prefill"}, "phases 'prefill' unknown"),
         ({"workspace_bytes": 1024}, "workspace_bytes must be an int >= 16 MiB, got 1024"),
-        ({"prefill": "fa4"}, "prefill 'fa4' unknown; expected 'fa2', 'fa3' or 'fa3_fp8'"),
+        ({"prefill": "fa3_fp8"}, "prefill 'fa3_fp8' unknown; expected 'fa2' or 'fa3'"),
         ({"prefill": "fa3", "phases": "decode"}, "a decode-only kernel runs no prefill"),
         ({"fp8_decode_math": "tf32"}, "fp8_decode_math 'tf32' unknown"),
     ],
@@ -429,7 +421,7 @@ def test_group_keys_follow_prefill_and_decode_math_options() -> None:
         k = kernel._group_key(spec, spec.storage_dtype, decode)
         return k.kernel, k.backend, k.q_dtype, k.o_dtype
 
-    bf, f16, f8 = torch.bfloat16, torch.float16, FP8_DTYPE
+    bf, f16 = torch.bfloat16, torch.float16
     default = FlashInferKernel()
     assert key(default, bf16, False) == ("prefill", "fa2", bf, bf)
     assert key(default, fp8, False) == ("prefill", "fa2", bf, bf)
@@ -440,12 +432,9 @@ def test_group_keys_follow_prefill_and_decode_math_options() -> None:
     fa3 = FlashInferKernel(prefill="fa3")
     assert key(fa3, bf16, False) == ("prefill", "fa3", bf, bf)
     assert key(fa3, fp8, False) == ("prefill", "fa2", bf, bf)  # fa3 has no bf16-q / FP8-KV kernel
-    fa3_fp8 = FlashInferKernel(prefill="fa3_fp8")
-    assert key(fa3_fp8, fp8, False) == ("prefill", "fa3", f8, bf)
-    assert key(fa3_fp8, bf16, False) == ("prefill", "fa3", bf, bf)
     xqa = FlashInferKernel(fp8_decode="xqa")
     assert key(xqa, fp8, True) == ("xqa", "fa2", bf, bf)  # XQA reads the model-dtype query
-    assert "prefill='fa3_fp8'" in repr(fa3_fp8) and "fp8_decode_math='model'" in repr(model_math)
+    assert "prefill='fa3'" in repr(fa3) and "fp8_decode_math='model'" in repr(model_math)
 
 
 def test_fa3_prefill_refused_off_sm90(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -455,18 +444,4 @@ def test_fa3_prefill_refused_off_sm90(monkeypatch: pytest.MonkeyPatch) -> None:
     with pytest.raises(KernelUnsupportedError, match="prefill='fa3'.*sm90 only.*sm80"):
         kernel.check_supported(MIXED[0])
     monkeypatch.setattr(FlashInferKernel, "arch", lambda self: "sm90")
-    FlashInferKernel(prefill="fa3_fp8").check_supported(MIXED[1])
-
-
-def test_quantize_query_per_tensor() -> None:
-    from torch_kvq.attention.kernels.flashinfer import quantize_query
-
-    q = torch.randn(37, 4, 64, dtype=torch.bfloat16) * 3
-    q8, scale = quantize_query(q)
-    assert q8.dtype == FP8_DTYPE and q8.shape == q.shape
-    assert scale == pytest.approx(float(q.abs().amax()) / 448)
-    assert float(q8.float().abs().amax()) == 448.0  # the largest element lands on e4m3's top
-    back = q8.float() * scale
-    assert rel_err(back, q) < 4e-2  # e4m3's 3-bit mantissa
-    zero8, zscale = quantize_query(torch.zeros(2, 1, 8, dtype=torch.bfloat16))
-    assert zscale == 1.0 and not zero8.float().any()
+    FlashInferKernel(prefill="fa3").check_supported(MIXED[1])
