@@ -11,8 +11,9 @@ layers). Per model one build; per variant ``configure_kv`` and a ``FlashInferKer
 (fa3's FP8 kernel is not a FlashInferKernel option: see kernels/flashinfer.py.)
 
 Each prompt is one forward of ``--len`` tokens (engines cap the tokens per step), logits of the
-last token only (``logits_indices``). Eager: at 16k tokens per forward the step is GEMMs and
-attention, and the kernels are the ones a kvq_backend graph calls. TTFT = the wall time of the
+last token only (``logits_indices``), through ``torch.compile(model, backend=kvq_backend)``
+(default; FP8 layers read their cache in place only in a compiled graph: eager runs the readable
+unfused form) or eagerly with ``--eager`` (bf16 only). TTFT = the wall time of the
 ``--prompts`` forwards after one warm-up prompt (JIT builds). Accuracy: the last-token logits of
 every variant against bf16 / fa2 on the same weights and prompts (relative Frobenius error).
 
@@ -36,6 +37,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_decode_at_scale import MODELS, PAGE, _git_head, build, kv_configs  # noqa: E402
 from gpu_common import environment, write_results  # noqa: E402
 
+from torch_kvq import kvq_backend  # noqa: E402
 from torch_kvq.attention.kernels import FlashInferKernel, ReferenceKernel  # noqa: E402
 
 VARIANTS = [("bf16", "fa2"), ("bf16", "fa3"), ("fp8", "fa2"), ("fp8", "fa3")]
@@ -47,19 +49,19 @@ def sync(device: str) -> None:
 
 
 @torch.no_grad()
-def prefill(model, seq: int, ids: torch.Tensor) -> torch.Tensor:
+def prefill(model, fn, seq: int, ids: torch.Tensor) -> torch.Tensor:
     """One prompt through the model: its KV written, last-token logits; then its pages are freed
     (the next prompt reuses them: the cache holds one prompt)."""
     md = model.allocator.build_batch([(seq, ids.numel())], device=ids.device)
     last = torch.tensor([ids.numel() - 1], device=ids.device)
     try:
         with model.forward_context(md):
-            return model(ids, md.positions, last)
+            return fn(ids, md.positions, last)
     finally:
         model.allocator.free(seq)
 
 
-def run_model(name: str, args, env) -> list[dict]:
+def run_model(name: str, args, env, save) -> list[dict]:
     device = "cpu" if args.smoke else "cuda"
     _, _, _, skip = MODELS[name]
     kvs = kv_configs(skip)
@@ -70,22 +72,29 @@ def run_model(name: str, args, env) -> list[dict]:
     prompts = [torch.randint(0, model.config.vocab_size, (args.len,), generator=gen).to(device)
                for _ in range(args.prompts + 1)]  # fmt: skip
     rows, ref = [], None
-    for kv_name, prefill_opt in VARIANTS:
+    variants = [v for v in VARIANTS if not args.eager or v[0] == "bf16"]
+    fn = model
+    for kv_name, prefill_opt in variants:
         row = {"model": name, "kv_config": kv_name, "prefill": prefill_opt, "prompts": args.prompts,
                "len": args.len, "date": env["date_utc"], "gpu": env.get("gpu", "cpu"),
-               "commit": args.commit, "mode": "eager"}  # fmt: skip
+               "commit": args.commit, "mode": "eager" if args.eager else "kvq_backend"}  # fmt: skip
         try:
             model.kernel = (ReferenceKernel() if args.smoke
                             else FlashInferKernel(prefill=prefill_opt, unfused_attention=False))  # fmt: skip
             model.configure_kv(kvs[kv_name])  # fresh caches and allocator
+            if not args.eager:  # one graph per kv config; the kernel is read at run time
+                torch._dynamo.reset()
+                fn = torch.compile(model, backend=kvq_backend, dynamic=False)
             if not args.smoke:
                 from torch_kvq.attention.kernels import flashinfer_jit
 
                 flashinfer_jit.prebuild(model.kernel, model.kv_specs, phases=("prefill",))
-            prefill(model, 10_000, prompts[-1])  # warm-up: JIT, cuBLAS, allocator
-            sync(device)
             t0 = time.perf_counter()
-            logits = [prefill(model, i, p) for i, p in enumerate(prompts[:-1])]
+            prefill(model, fn, 10_000, prompts[-1])  # warm-up: compile, JIT, cuBLAS, allocator
+            sync(device)
+            row["warmup_s"] = time.perf_counter() - t0
+            t0 = time.perf_counter()
+            logits = [prefill(model, fn, i, p) for i, p in enumerate(prompts[:-1])]
             sync(device)
             row["ttft_s"] = time.perf_counter() - t0
             row["tokens_per_s"] = args.prompts * args.len / row["ttft_s"]
@@ -97,6 +106,7 @@ def run_model(name: str, args, env) -> list[dict]:
             row["error"] = repr(e)[:400]
         print(row, flush=True)
         rows.append(row)
+        save(rows)
         gc.collect()
         if device == "cuda":
             torch.cuda.empty_cache()
@@ -105,6 +115,7 @@ def run_model(name: str, args, env) -> list[dict]:
         if r.get("ttft_s") and base.get("bf16/fa2") and base.get("bf16/fa3"):
             r["x_vs_bf16_fa2"] = base["bf16/fa2"] / r["ttft_s"]
             r["x_vs_bf16_fa3"] = base["bf16/fa3"] / r["ttft_s"]
+    save(rows)
     del model
     gc.collect()
     return rows
@@ -133,15 +144,20 @@ def main() -> None:
     ap.add_argument("--prompts", type=int, default=8)
     ap.add_argument("--len", type=int, default=16384)
     ap.add_argument("--smoke", action="store_true", help="CPU, tiny shapes, reference kernel")
+    ap.add_argument("--eager", action="store_true", help="no torch.compile (bf16 variants only)")
     ap.add_argument("--commit", default=os.environ.get("KVQ_COMMIT") or _git_head())
     args = ap.parse_args()
     if args.smoke:
         args.prompts, args.len = 2, 48
     env = environment()
     rows: list[dict] = []
+
+    def save(model_rows: list[dict]) -> None:  # after every variant: a cut-short run keeps rows
+        done = rows + model_rows
+        write_results("prefill_at_scale", {"env": env, "rows": done}, markdown(done, env))
+
     for name in args.models:
-        rows += run_model(name, args, env)
-        write_results("prefill_at_scale", {"env": env, "rows": rows}, markdown(rows, env))
+        rows += run_model(name, args, env, save)
 
 
 if __name__ == "__main__":
