@@ -72,7 +72,7 @@ def run_model(name: str, args, env, save) -> list[dict]:
     prompts = [torch.randint(0, model.config.vocab_size, (args.len,), generator=gen).to(device)
                for _ in range(args.prompts + 1)]  # fmt: skip
     rows, ref = [], None
-    variants = [v for v in VARIANTS if not args.eager or v[0] == "bf16"]
+    variants = [v for v in VARIANTS if (not args.eager or v[0] == "bf16") and v[1] in args.prefills]
     fn = model
     for kv_name, prefill_opt in variants:
         row = {"model": name, "kv_config": kv_name, "prefill": prefill_opt, "prompts": args.prompts,
@@ -145,6 +145,7 @@ def main() -> None:
     ap.add_argument("--len", type=int, default=16384)
     ap.add_argument("--smoke", action="store_true", help="CPU, tiny shapes, reference kernel")
     ap.add_argument("--eager", action="store_true", help="no torch.compile (bf16 variants only)")
+    ap.add_argument("--prefills", nargs="+", default=["fa2", "fa3"], choices=["fa2", "fa3"])
     ap.add_argument("--commit", default=os.environ.get("KVQ_COMMIT") or _git_head())
     args = ap.parse_args()
     if args.smoke:
