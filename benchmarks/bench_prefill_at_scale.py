@@ -112,13 +112,17 @@ def run_model(name: str, args, env, save) -> list[dict]:
             torch.cuda.empty_cache()
     base = {r["kv_config"] + "/" + r["prefill"]: r.get("ttft_s") for r in rows}
     for r in rows:
-        if r.get("ttft_s") and base.get("bf16/fa2") and base.get("bf16/fa3"):
-            r["x_vs_bf16_fa2"] = base["bf16/fa2"] / r["ttft_s"]
-            r["x_vs_bf16_fa3"] = base["bf16/fa3"] / r["ttft_s"]
+        for b in ("fa2", "fa3"):
+            if r.get("ttft_s") and base.get(f"bf16/{b}"):
+                r[f"x_vs_bf16_{b}"] = base[f"bf16/{b}"] / r["ttft_s"]
     save(rows)
     del model
     gc.collect()
     return rows
+
+
+def _x(row: dict, base: str) -> str:
+    return f"{row[f'x_vs_bf16_{base}']:.2f}" if f"x_vs_bf16_{base}" in row else ""
 
 
 def markdown(rows: list[dict], env: dict) -> str:
@@ -132,8 +136,8 @@ def markdown(rows: list[dict], env: dict) -> str:
             continue
         lines.append(
             f"| {r['model']} | {r['kv_config']} | {r['prefill']} | {r['prompts']} x {r['len']} | "
-            f"{r['ttft_s']:.3f} | {r['tokens_per_s']:.0f} | {r.get('x_vs_bf16_fa2', 0):.2f} | "
-            f"{r.get('x_vs_bf16_fa3', 0):.2f} | {r['logits_rel_err_vs_bf16_fa2']:.1e} |"
+            f"{r['ttft_s']:.3f} | {r['tokens_per_s']:.0f} | {_x(r, 'fa2')} | {_x(r, 'fa3')} | "
+            f"{r['logits_rel_err_vs_bf16_fa2']:.1e} |"
         )
     return "\n".join(lines) + "\n"
 
