@@ -454,7 +454,7 @@ def build_fp16_modules() -> None:
 
 def fp16_study(gbps: float, rounds: int, calls: int, save: Callable) -> list[dict[str, Any]]:
     """Is the accurate paths' ~50-60% of copy bandwidth the FP8 -> bf16 widening? e4m3 -> fp16 is
-    one cvt per two values on sm90; e4m3 -> bf16 goes through fp16 and fp32 (four). The same
+    one cvt per two values on sm90; e4m3 -> bf16 goes through fp16 (three or four). The same
     kernels with an fp16 query (cast per call, timed) do their math in fp16."""
     build_fp16_modules()
     rows: list[dict[str, Any]] = []
