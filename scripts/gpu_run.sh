@@ -18,6 +18,7 @@
 #   KVQ_SCALE_ARGS="--models llama-3.1-8b" bash scripts/gpu_run.sh scale   # decode at real scale
 #   bash scripts/gpu_run.sh prefill          # FP8-KV prefill paths (fa2 / fa3, FP8 query) vs bf16
 #   KVQ_TTFT_ARGS="--models llama-3.1-8b" bash scripts/gpu_run.sh ttft   # TTFT 8 x 16k per prefill option
+#   bash scripts/gpu_run.sh diagfa3          # fa3 FP8 prefill: the finite mask sentinel (not run yet)
 #   bash scripts/gpu_run.sh hostprof         # cProfile of a CUDA-graph decode step (not in the default)
 #   bash scripts/gpu_run.sh cpusuite         # the CPU suite (README command) on this image's torch, GPU hidden
 #   bash scripts/gpu_run.sh tests jitpack    # ... then pack the FlashInfer modules built here
@@ -91,6 +92,7 @@ for step in ${*:-tests attn xqa model}; do
     prefill) python3 benchmarks/bench_fp8_prefill.py ${KVQ_PREFILL_ARGS:-} 2>&1 | tee -a "$LOG" ;;
     scale) python3 benchmarks/bench_decode_at_scale.py ${KVQ_SCALE_ARGS:-} 2>&1 | tee -a "$LOG" ;;
     ttft) python3 benchmarks/bench_prefill_at_scale.py ${KVQ_TTFT_ARGS:-} 2>&1 | tee -a "$LOG" ;;
+    diagfa3) python3 benchmarks/diag_fa3_fp8_mask.py 2>&1 | tee -a "$LOG" ;;
     hostprof) python3 benchmarks/profile_graph_step.py ${KVQ_HOSTPROF_ARGS:-} 2>&1 | tee -a "$LOG" ;;
     jitpack) jit=$(python3 -c "import flashinfer.jit.env as e; print(e.FLASHINFER_JIT_DIR)")
              rm -rf /tmp/jitpack && mkdir -p /tmp/jitpack/aot && stamp > /tmp/jitpack/STAMP
@@ -103,7 +105,7 @@ for step in ${*:-tests attn xqa model}; do
              ls -la "$OUT/flashinfer_jit.tar.xz" | tee -a "$LOG" ;;
     cpusuite) CUDA_VISIBLE_DEVICES= python3 -m pytest -q -m "not gpu and not slow" -p no:cacheprovider \
                 -n "${KVQ_CPU_WORKERS:-14}" -rfEs tests/ 2>&1 | tail -40 | tee "$OUT/cpu_suite_log.txt" ;;
-    *) echo "unknown step $step (expected tests, attn, xqa, model, paths, prefill, scale, ttft, hostprof, cpusuite, jitpack)" | tee -a "$LOG"; status=2; continue ;;
+    *) echo "unknown step $step (expected tests, attn, xqa, model, paths, prefill, scale, ttft, diagfa3, hostprof, cpusuite, jitpack)" | tee -a "$LOG"; status=2; continue ;;
   esac
   rc=${PIPESTATUS[0]}
   echo "=== $step exit $rc $(date -u +%T)" | tee -a "$LOG"
