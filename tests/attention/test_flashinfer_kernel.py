@@ -7,6 +7,7 @@ with FP8 output. A module fixture compiles them all in parallel first.
 
 from __future__ import annotations
 
+import dataclasses
 import subprocess
 import sys
 
@@ -31,7 +32,7 @@ needs_gpu = pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU (and Flash
 PAGE, D, WINDOW, SOFT_CAP = 16, 128, 64, 5.0
 K_SCALE, V_SCALE, OUT_SCALE = 1 / 64, 1 / 32, 1 / 128
 # relative Frobenius error against the reference kernel reading the same cache, per kernel
-TOL = {"fa2": 1e-2, "fa3": 1e-2, "xqa": 8e-2, "xqa_fp8_out": 1e-1}
+TOL = {"fa2": 1e-2, "fa3": 1e-2, "xqa": 8e-2, "xqa_fp8_out": 1e-1, "fa3_fp8": 8e-2}
 
 
 def make_specs(infos: list[AttentionLayerInfo], skip: tuple[str, ...]) -> list[LayerKVSpec]:
@@ -51,6 +52,7 @@ MIXED = make_specs(
     ],
     skip=("m.g_bf16", "m.s_bf16", "m.mha_bf16"),
 )
+NO_CAP = [s for s in MIXED if not s.logits_soft_cap]  # fa3's FP8 kernel has no soft-cap
 XQA_INFOS = [
     AttentionLayerInfo("x.g_fp8", 8, 2, D),
     AttentionLayerInfo("x.s_fp8", 8, 2, D, sliding_window=WINDOW),
@@ -142,6 +144,8 @@ def built() -> None:
     mods.update(jit.jit_specs(FlashInferKernel(unfused_attention=True), fp16, phases=("prefill",)))
     # fa3 modules (~100 s each), in this one batch
     mods.update(jit.jit_specs(FlashInferKernel(unfused_attention=False, prefill="fa3"), MIXED))
+    fa3_fp8 = FlashInferKernel(unfused_attention=False, prefill="fa3_fp8")
+    mods.update(jit.jit_specs(fa3_fp8, NO_CAP, phases=("prefill",)))
     model_math = FlashInferKernel(unfused_attention=False, fp8_decode_math="model")
     mods.update(jit.jit_specs(model_math, MIXED, phases=("decode",)))
     jit.build(mods, max_workers=len(mods))
@@ -178,6 +182,31 @@ def test_fa3_prefill_matches_reference(built, batch: str) -> None:
         err = rel_err(out[s.name], ref[s.name])
         assert err < TOL["fa3"], f"{batch} {s.name}: rel err {err:.2e}"
         want = "fa2-prefill" if s.is_quantized else "fa3-prefill"
+        assert kernel.variant(s, "prefill") == want, s.name
+
+
+@pytest.mark.gpu
+@needs_gpu
+@pytest.mark.parametrize("batch", ["prefill", "mixed"])
+@pytest.mark.parametrize("scales", ["suite", "small"])
+def test_fa3_fp8_prefill_matches_reference(built, batch: str, scales: str) -> None:
+    """prefill='fa3_fp8': FP8 layers on fa3's FP8 kernel (FP8 query: XQA's accuracy class), on
+    short prompts with partly filled last pages and cached prefixes (run 16 found 0.73 here before
+    the query-scale floor), also at small k scales (the finite mask's worst case)."""
+    specs = NO_CAP
+    if scales == "small":
+        specs = [
+            dataclasses.replace(s, k_scale=s.k_scale / 8) if s.is_quantized else s for s in specs
+        ]
+    sc = Scenario(specs, batch)
+    ref = sc.attend(ReferenceKernel())
+    kernel = FlashInferKernel(unfused_attention=False, prefill="fa3_fp8")
+    out = sc.attend(kernel)
+    for s in specs:
+        err = rel_err(out[s.name], ref[s.name])
+        tol = TOL["fa3_fp8"] if s.is_quantized else TOL["fa3"]
+        assert err < tol, f"{scales} {batch} {s.name}: rel err {err:.2e}"
+        want = "fa3-fp8-prefill" if s.is_quantized else "fa3-prefill"
         assert kernel.variant(s, "prefill") == want, s.name
 
 
@@ -375,7 +404,7 @@ def test_importing_torch_kvq_never_imports_flashinfer() -> None:
         ({"fp8_decode": "cuda_cores"}, "fp8_decode 'cuda_cores' unknown"),
         ({"phases": "prefill"}, "phases 'prefill' unknown"),
         ({"workspace_bytes": 1024}, "workspace_bytes must be an int >= 16 MiB, got 1024"),
-        ({"prefill": "fa3_fp8"}, "prefill 'fa3_fp8' unknown; expected 'fa2' or 'fa3'"),
+        ({"prefill": "fa4"}, "prefill 'fa4' unknown; expected 'fa2', 'fa3' or 'fa3_fp8'"),
         ({"prefill": "fa3", "phases": "decode"}, "a decode-only kernel runs no prefill"),
         ({"fp8_decode_math": "tf32"}, "fp8_decode_math 'tf32' unknown"),
     ],
@@ -432,6 +461,10 @@ def test_group_keys_follow_prefill_and_decode_math_options() -> None:
     fa3 = FlashInferKernel(prefill="fa3")
     assert key(fa3, bf16, False) == ("prefill", "fa3", bf, bf)
     assert key(fa3, fp8, False) == ("prefill", "fa2", bf, bf)  # fa3 has no bf16-q / FP8-KV kernel
+    fa3_fp8 = FlashInferKernel(prefill="fa3_fp8")
+    assert key(fa3_fp8, fp8, False) == ("prefill", "fa3", FP8_DTYPE, bf)
+    assert key(fa3_fp8, bf16, False) == ("prefill", "fa3", bf, bf)
+    assert key(fa3_fp8, fp8, True) == ("decode", "fa2", f16, bf)
     xqa = FlashInferKernel(fp8_decode="xqa")
     assert key(xqa, fp8, True) == ("xqa", "fa2", bf, bf)  # XQA reads the model-dtype query
     assert "prefill='fa3'" in repr(fa3) and "fp8_decode_math='model'" in repr(model_math)
@@ -445,3 +478,27 @@ def test_fa3_prefill_refused_off_sm90(monkeypatch: pytest.MonkeyPatch) -> None:
         kernel.check_supported(MIXED[0])
     monkeypatch.setattr(FlashInferKernel, "arch", lambda self: "sm90")
     FlashInferKernel(prefill="fa3").check_supported(MIXED[1])
+    FlashInferKernel(prefill="fa3_fp8").check_supported(MIXED[1])
+    capped = next(s for s in MIXED if s.is_quantized and s.logits_soft_cap)
+    with pytest.raises(KernelUnsupportedError, match=f"{capped.name}.*soft-cap.*prefill='fa3'"):
+        FlashInferKernel(prefill="fa3_fp8").check_supported(capped)
+    FlashInferKernel(prefill="fa3").check_supported(capped)  # fa2 serves its prefill
+
+
+def test_quantize_query_floors_the_scale_for_the_finite_mask() -> None:
+    """fa3's FP8 kernel masks raw code logits with -5e4: the scale keeps that >= 100 below zero
+    in real logit units, and never lets a code exceed 448."""
+    from torch_kvq.attention.kernels.flashinfer import quantize_query
+
+    q = torch.randn(37, 4, 64, dtype=torch.bfloat16) * 3
+    amax = float(q.abs().amax())
+    q8, scale = quantize_query(q, k_logit_scale=1.0)  # large: the amax rule wins
+    assert q8.dtype == FP8_DTYPE and scale == pytest.approx(amax / 448)
+    assert float(q8.float().abs().amax()) == 448.0
+    assert rel_err(q8.float() * scale, q) < 4e-2
+    ks_sm = (1 / 64) * 0.05  # run 16's failing layer: k_scale 1/64, sm_scale 0.05
+    q8, scale = quantize_query(q, k_logit_scale=ks_sm)
+    assert 5e4 * scale * ks_sm == pytest.approx(100.0) and scale > amax / 448
+    assert rel_err(q8.float() * scale, q) < 4e-2  # smaller codes, same relative precision
+    with pytest.raises(ValueError, match="k_scale \\* sm_scale must be > 0"):
+        quantize_query(q, 0.0)

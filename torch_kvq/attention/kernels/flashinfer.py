@@ -11,10 +11,13 @@ Per batch, outside the graph, ``plan`` groups the layers by everything a FlashIn
     (``k_scale`` folded into sm_scale, ``v_scale`` on the output; 61.6 ms, 0.81x).
   - ``"fa3"``: model-dtype layers on the Hopper fa3 kernel (31.5 ms, 1.57x fa2); FP8 layers stay
     on fa2 (fa3 has no bf16-query / FP8-cache kernel). sm90 only.
-  - Not offered: fa3's FP8 kernel (FP8 query, both products in e4m3). Per layer it took 24.3 ms
-    (2.04x fa2 bf16, 1.30x fa3 bf16) at 3.8e-2 error on full pages, but on short prompts with a
-    partly filled last page (tests/attention/test_flashinfer_kernel.py's batches) its output was
-    0.73 off (2026-11-30, run 14; cause not found yet).
+  - ``"fa3_fp8"``: as ``"fa3"``, and FP8 layers on fa3's FP8 kernel with the query quantized per
+    tensor inside ``attend`` (``quantize_query``; the scale is read on the host: one sync per FP8
+    layer per prefill): 24.3 ms (2.04x fa2 bf16, 1.30x fa3 bf16), but both products run in e4m3,
+    relative error 3.8e-2 against fp32 on the same cache (fa2: 2.3e-3). Opt in knowingly, like
+    XQA. FlashInfer 0.6.18's FP8 mainloop masks the raw code logits q8.k8 with a finite -5e4
+    (its issue #4267), so ``quantize_query`` floors the query scale to keep a masked key >= 100
+    below in real logit units; FP8 layers with a logit soft-cap are refused (that kernel has none).
 * decode-only batch, model-dtype cache: ``BatchDecodeWithPagedKVCacheWrapper(use_tensor_cores)``.
 * decode-only batch, FP8 cache, the ``fp8_decode`` option (H200, QH=32 KH=8 D=128, bs 32 x 16k;
   benchmarks/RESULTS.md has the dates, commands and the other shapes):
@@ -81,10 +84,12 @@ def import_flashinfer(module: str = "flashinfer") -> ModuleType:
 
 FP8Decode = Literal["tensor_cores", "xqa"]
 Phases = Literal["any", "decode"]
-Prefill = Literal["fa2", "fa3"]
+Prefill = Literal["fa2", "fa3", "fa3_fp8"]
 FP8DecodeMath = Literal["fp16", "model"]
-_KERNEL_OF = {"fa2-prefill": "prefill", "fa3-prefill": "prefill", "tc-decode": "decode",
-              "xqa-decode": "xqa"}  # fmt: skip
+_KERNEL_OF = {"fa2-prefill": "prefill", "fa3-prefill": "prefill", "fa3-fp8-prefill": "prefill",
+              "tc-decode": "decode", "xqa-decode": "xqa"}  # fmt: skip
+FA3_FP8_SENTINEL = 5e4  # FlashInfer 0.6.18 math::inf, the FP8 mainloop's mask value in code units
+FA3_FP8_MASK_MARGIN = 100.0  # how far below (in real logit units) a masked key must sit
 DEFAULT_WORKSPACE_BYTES = 256 * 1024 * 1024
 _generation = itertools.count(1)
 
@@ -97,7 +102,7 @@ class GroupKey:
     backend: str  # "fa2" | "fa3" (FlashInfer's wrapper backend; "fa2" for XQA)
     window: int | None
     kv_dtype: torch.dtype
-    q_dtype: torch.dtype  # what the kernel reads: the model dtype, or fp16 (fp8_decode_math)
+    q_dtype: torch.dtype  # what the kernel reads: the model dtype, fp16 or float8_e4m3fn
     o_dtype: torch.dtype  # always the layer's model dtype
     soft_cap: float | None
     sm_scale: float
@@ -129,8 +134,8 @@ class FlashInferKernel:
         xqa_pdl: launch XQA with programmatic dependent launch. Off by default: with it on, back
             to back XQA calls at 32 x 16k took 0.27 or 0.32 ms (bimodal, 80% of copy bandwidth
             median); with it off 0.257 ms every time (98%) (benchmarks/RESULTS.md, issue 14).
-        prefill: the prefill / mixed-batch kernels, ``"fa2"`` or ``"fa3"`` (module docstring).
-            ``"fa3"`` needs sm90 and ``phases="any"``.
+        prefill: the prefill / mixed-batch kernels, ``"fa2"``, ``"fa3"`` or ``"fa3_fp8"`` (module
+            docstring). ``"fa3*"`` need sm90 and ``phases="any"``.
         fp8_decode_math: ``"fp16"`` or ``"model"``: the math dtype of the tensor-core decode of
             FP8 layers (module docstring). No effect on XQA or on fp16 models.
     """
@@ -151,8 +156,8 @@ class FlashInferKernel:
             raise ValueError(f"fp8_decode {fp8_decode!r} unknown; expected 'tensor_cores' or 'xqa'")
         if phases not in ("any", "decode"):
             raise ValueError(f"phases {phases!r} unknown; expected 'any' or 'decode'")
-        if prefill not in ("fa2", "fa3"):
-            raise ValueError(f"prefill {prefill!r} unknown; expected 'fa2' or 'fa3'")
+        if prefill not in ("fa2", "fa3", "fa3_fp8"):
+            raise ValueError(f"prefill {prefill!r} unknown; expected 'fa2', 'fa3' or 'fa3_fp8'")
         if prefill != "fa2" and phases == "decode":
             raise ValueError(
                 f"prefill={prefill!r} with phases='decode': a decode-only kernel runs no prefill; "
@@ -226,6 +231,17 @@ class FlashInferKernel:
             why = caps.unsupported_reason(self.name, arch, spec)
         except ValueError as e:  # no row for this arch
             return str(e)
+        if (
+            why is None
+            and self.prefill == "fa3_fp8"
+            and spec.is_quantized
+            and spec.logits_soft_cap
+            and self.phases == "any"
+        ):
+            return (
+                "a logit soft-cap is not supported by fa3's FP8 prefill kernel (prefill='fa3_fp8'); "
+                "FlashInferKernel(prefill='fa3') serves it (FP8 layers on fa2)"
+            )
         if why is None and self.prefill != "fa2" and arch != "sm90":
             return (
                 f"prefill={self.prefill!r} runs FlashInfer's fa3 kernels, which are built for sm90 "
@@ -250,10 +266,11 @@ class FlashInferKernel:
         """Which FlashInfer kernel serves ``spec`` in ``phase`` ("prefill" | "decode")."""
         kv_dtype = spec.storage_dtype if kv_dtype is None else kv_dtype
         if phase == "prefill":
-            # fa3 has no kernel for a model-dtype query over an FP8 cache: those stay on fa2
-            if self.prefill == "fa2" or kv_dtype == FP8_DTYPE:
+            # fa3 has no kernel for a model-dtype query over an FP8 cache: with "fa3" those stay
+            # on fa2; "fa3_fp8" quantizes the query for fa3's FP8 kernel
+            if self.prefill == "fa2" or (kv_dtype == FP8_DTYPE and self.prefill == "fa3"):
                 return "fa2-prefill"
-            return "fa3-prefill"
+            return "fa3-fp8-prefill" if kv_dtype == FP8_DTYPE else "fa3-prefill"
         if kv_dtype == FP8_DTYPE and self.fp8_decode == "xqa":
             return "xqa-decode"
         return "tc-decode"
@@ -263,7 +280,9 @@ class FlashInferKernel:
     def _group_key(self, spec: LayerKVSpec, kv_dtype: torch.dtype, decode: bool) -> GroupKey:
         variant = self.variant(spec, "decode" if decode else "prefill", kv_dtype)
         q_dtype = spec.model_dtype
-        if variant == "tc-decode" and kv_dtype == FP8_DTYPE and self.fp8_decode_math == "fp16":
+        if variant == "fa3-fp8-prefill":
+            q_dtype = FP8_DTYPE
+        elif variant == "tc-decode" and kv_dtype == FP8_DTYPE and self.fp8_decode_math == "fp16":
             q_dtype = torch.float16
         return GroupKey(
             kernel=_KERNEL_OF[variant],
@@ -469,6 +488,11 @@ class FlashInferKernel:
         out = torch.empty(q.shape, dtype=key.o_dtype, device=q.device)
         if kv_cache.dtype != FP8_DTYPE:
             return plan.wrapper.run(q, kv_cache, out=out)
+        if key.q_dtype == FP8_DTYPE:  # fa3's FP8 kernel: quantize the query per tensor
+            q8, q_scale = quantize_query(q, k_scale * spec.sm_scale)
+            return plan.wrapper.run(
+                q8, kv_cache, q_scale=q_scale, k_scale=k_scale, v_scale=v_scale, out=out
+            )
         q = q.to(key.q_dtype)  # fp16 math (fp8_decode_math), else a no-op
         return plan.wrapper.run(q, kv_cache, k_scale=k_scale, v_scale=v_scale, out=out)
 
@@ -497,6 +521,22 @@ class FlashInferKernel:
             window_left=-1 if spec.sliding_window is None else spec.sliding_window - 1,
             out=out, kv_layout="NHD", backend="xqa", o_scale=o_scale, enable_pdl=self.xqa_pdl,
         )  # fmt: skip
+
+
+def quantize_query(q: torch.Tensor, k_logit_scale: float) -> tuple[torch.Tensor, float]:
+    """q [T, QH, D] -> (e4m3 q / scale, scale) per tensor, for fa3's FP8 prefill kernel.
+
+    scale = max(amax(|q|) / 448, FA3_FP8_MASK_MARGIN / (FA3_FP8_SENTINEL * k_logit_scale)) with
+    ``k_logit_scale`` = k_scale * sm_scale: that kernel masks the raw code logits q8.k8 with the
+    finite -5e4, which in real logit units is -5e4 * scale * k_logit_scale; the floor keeps it at
+    least FA3_FP8_MASK_MARGIN below zero (a larger scale only shrinks the codes; e4m3's relative
+    precision holds down to codes of 2**-6). Read on the host: fa3 takes q_scale as a float
+    (prefill only, never in a CUDA graph). The cast saturates at +-448."""
+    if not k_logit_scale > 0:
+        raise ValueError(f"quantize_query: k_scale * sm_scale must be > 0, got {k_logit_scale!r}")
+    amax = float(q.abs().amax())
+    scale = max(amax / 448.0, FA3_FP8_MASK_MARGIN / (FA3_FP8_SENTINEL * k_logit_scale))
+    return (q * (1.0 / scale)).to(FP8_DTYPE), scale
 
 
 @dataclass(frozen=True)
