@@ -24,10 +24,12 @@
 #   bash scripts/gpu_run.sh tests jitpack    # ... then pack the FlashInfer modules built here
 #
 # FlashInfer compiles its kernels on first use (minutes on a bare machine). ``jitpack`` packs the
-# modules built so far into $OUT/flashinfer_jit.tar.xz with a STAMP (flashinfer, torch and nvcc
-# versions); copied into .jit/ here and carried (carry=[".whl", ".jit"]), a later run installs
-# them as FlashInfer's AOT modules when the STAMP matches, and builds only what is missing:
-#   mkdir -p .jit && cp <files_at>/flashinfer_jit.tar.xz .jit/
+# modules built so far into $OUT/flashinfer_jit.tar.xz.part-N (one xz archive in 15 MiB parts:
+# a file over 16 MiB does not come back) with a STAMP (flashinfer, torch and nvcc versions);
+# copied into .jit/ here and carried (carry=[".whl", ".jit"]; .whl + .jit + the tree <= 64 MiB),
+# a later run installs them as FlashInfer's AOT modules when the STAMP matches, and builds only
+# what is missing:
+#   rm -f .jit/flashinfer_jit.tar.xz* && cp <files_at>/flashinfer_jit.tar.xz.part-* .jit/
 #
 # Needs .whl/ (carried): flashinfer_python-0.6.18.post1 and apache_tvm_ffi (flashinfer's other
 # requirements are either on the image or not imported by the kernels used here).
@@ -54,8 +56,9 @@ stamp() {
   python3 -c "import torch, flashinfer; print('flashinfer', flashinfer.__version__, 'torch', torch.__version__)"
   "$CUDA_HOME/bin/nvcc" --version | tail -1; echo "arch $FLASHINFER_CUDA_ARCH_LIST"
 }
-if [ -f .jit/flashinfer_jit.tar.xz ]; then
-  rm -rf /tmp/jit && mkdir -p /tmp/jit && tar -xJf .jit/flashinfer_jit.tar.xz -C /tmp/jit
+jit_parts=$(ls .jit/flashinfer_jit.tar.xz.part-* 2>/dev/null || ls .jit/flashinfer_jit.tar.xz 2>/dev/null)
+if [ -n "$jit_parts" ]; then  # one archive, or parts of one (files come back <= 16 MiB each)
+  rm -rf /tmp/jit && mkdir -p /tmp/jit && cat $jit_parts | tar -xJf - -C /tmp/jit
   if [ "$(cat /tmp/jit/STAMP)" = "$(stamp)" ]; then
     mkdir -p /tmp/site/flashinfer/data/aot && cp -r /tmp/jit/aot/. /tmp/site/flashinfer/data/aot/
     echo "prebuilt FlashInfer modules from .jit: $(ls /tmp/jit/aot | wc -l)" | tee -a "$LOG"
@@ -101,8 +104,10 @@ for step in ${*:-tests attn xqa model}; do
                dst=/tmp/jitpack/aot/$(basename "$(dirname "$so")"); mkdir -p "$dst" && cp "$so" "$dst/"
              done
              du -sh /tmp/jitpack/aot | tee -a "$LOG"
-             tar -C /tmp/jitpack -cf - STAMP aot | xz -T0 -6 > "$OUT/flashinfer_jit.tar.xz"
-             ls -la "$OUT/flashinfer_jit.tar.xz" | tee -a "$LOG" ;;
+             # in parts of 15 MiB: a file over 16 MiB does not come back from the device
+             tar -C /tmp/jitpack -cf - STAMP aot | xz -T0 -6 \
+               | split -b 15M -d -a 1 - "$OUT/flashinfer_jit.tar.xz.part-"
+             ls -la "$OUT"/flashinfer_jit.tar.xz.part-* | tee -a "$LOG" ;;
     cpusuite) CUDA_VISIBLE_DEVICES= python3 -m pytest -q -m "not gpu and not slow" -p no:cacheprovider \
                 -n "${KVQ_CPU_WORKERS:-14}" -rfEs tests/ 2>&1 | tail -40 | tee "$OUT/cpu_suite_log.txt" ;;
     *) echo "unknown step $step (expected tests, attn, xqa, model, paths, prefill, scale, ttft, diagfa3, hostprof, cpusuite, jitpack)" | tee -a "$LOG"; status=2; continue ;;
