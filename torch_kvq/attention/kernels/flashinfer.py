@@ -60,6 +60,7 @@ from typing import TYPE_CHECKING, Any, Literal
 import torch
 
 from torch_kvq.attention.kernels import capabilities as caps
+from torch_kvq.attention.kernels import flashinfer_xqa as xqa
 from torch_kvq.attention.kernels.base import KernelUnsupportedError
 from torch_kvq.attention.metadata import GraphShape
 from torch_kvq.spec import FP8_DTYPE, LayerKVSpec
@@ -410,28 +411,17 @@ class FlashInferKernel:
 
     def _xqa_tables(
         self, md: BatchMetadata, window: int | None, graph: GraphShape | None
-    ) -> _XQATables:
-        """XQA's dense block table [B, W] gathered on the device from the CSR page table (no
-        host loop, no sync; entries past a sequence's pages are 0 and never read). Under a CUDA
-        graph W is the shape's ``max_pages_per_seq`` and the table is that shape's fixed buffer."""
-        width = max(md.pages_per_seq) if graph is None else graph.max_pages_per_seq
-        dev = md.kv_indices.device
-        cols = torch.arange(width, dtype=torch.int32, device=dev)
-        starts, counts = md.kv_indptr[:-1, None], (md.kv_indptr[1:] - md.kv_indptr[:-1])[:, None]
-        idx = (starts + cols).clamp_(max=md.kv_indices.numel() - 1).long()
-        out = None
-        if graph is not None:  # written in place: the captured graph reads this buffer
-            out = self._xqa_graph_tables.get((window, graph))
-            if out is None:
-                out = self._xqa_graph_tables[(window, graph)] = torch.empty_like(
-                    idx, dtype=torch.int32
-                )
-            out = out.view(-1)
-        table = torch.index_select(md.kv_indices, 0, idx.view(-1), out=out).view(idx.shape)
-        table.masked_fill_(cols >= counts, 0)
-        return _XQATables(
-            block_tables=table, seq_lens=md.seq_lens, max_seq_len=width * md.page_size
-        )
+    ) -> xqa.XQATables:
+        """XQA's block table for ``window``'s page table (``flashinfer_xqa.block_tables``); under a
+        CUDA graph written into that (window, shape)'s fixed buffer, which the graph reads."""
+        buffer = None
+        if graph is not None:
+            buffer = self._xqa_graph_tables.get((window, graph))
+            if buffer is None:
+                shape = (md.num_seqs, graph.max_pages_per_seq)  # the step's padded batch
+                buffer = torch.empty(shape, dtype=torch.int32, device=md.kv_indices.device)
+                self._xqa_graph_tables[(window, graph)] = buffer
+        return xqa.block_tables(md, graph, buffer)
 
     # -- run -----------------------------------------------------------------------------------
 
@@ -477,7 +467,11 @@ class FlashInferKernel:
                 "must not fuse such a quant here (kernels/capabilities.py: tensor_output_scale)"
             )
         if key.kernel == "xqa":
-            return self._run_xqa(ctx, spec, q, kv_cache, k_scale, v_scale, output_scale)
+            tables = ctx.plans[(id(self), "xqa_tables", spec.sliding_window)]
+            return xqa.run(
+                spec, q, kv_cache, tables, self._xqa_ws, k_scale, v_scale, output_scale,
+                self.xqa_pdl,
+            )  # fmt: skip
         if output_scale is not None:
             variant = f"{key.backend} prefill" if key.kernel == "prefill" else "tensor-core decode"
             raise KernelUnsupportedError(
@@ -495,32 +489,6 @@ class FlashInferKernel:
             )
         q = q.to(key.q_dtype)  # fp16 math (fp8_decode_math), else a no-op
         return plan.wrapper.run(q, kv_cache, k_scale=k_scale, v_scale=v_scale, out=out)
-
-    def _run_xqa(
-        self,
-        ctx: ForwardContext,
-        spec: LayerKVSpec,
-        q: torch.Tensor,
-        kv_cache: torch.Tensor,
-        k_scale: float,
-        v_scale: float,
-        output_scale: float | None,
-    ) -> torch.Tensor:
-        trtllm_batch_decode_with_kv_cache = import_flashinfer(
-            "flashinfer.decode"
-        ).trtllm_batch_decode_with_kv_cache
-        tables: _XQATables = ctx.plans[(id(self), "xqa_tables", spec.sliding_window)]
-        o_scale = 1.0 if output_scale is None else float(output_scale)
-        out = torch.empty(
-            q.shape, dtype=FP8_DTYPE if output_scale is not None else q.dtype, device=q.device
-        )
-        return trtllm_batch_decode_with_kv_cache(
-            q, kv_cache, self._xqa_ws, tables.block_tables, tables.seq_lens, tables.max_seq_len,
-            bmm1_scale=k_scale * spec.sm_scale,
-            bmm2_scale=v_scale / o_scale,  # FlashInfer's convention: gives out = attn / o_scale
-            window_left=-1 if spec.sliding_window is None else spec.sliding_window - 1,
-            out=out, kv_layout="NHD", backend="xqa", o_scale=o_scale, enable_pdl=self.xqa_pdl,
-        )  # fmt: skip
 
 
 def quantize_query(q: torch.Tensor, k_logit_scale: float) -> tuple[torch.Tensor, float]:
@@ -558,10 +526,3 @@ class _HostIndptrs:
             kv_indptr=torch.tensor(kv, **i32),
             last_page_len=torch.tensor(last, **i32),
         )
-
-
-@dataclass(frozen=True)
-class _XQATables:
-    block_tables: torch.Tensor  # [B, max_pages] int32 on the device (padding: page 0, never read)
-    seq_lens: torch.Tensor  # [B] int32 on the device (XQA reads it as uint32)
-    max_seq_len: int
