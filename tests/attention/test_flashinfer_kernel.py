@@ -63,6 +63,9 @@ BATCHES = {
     "prefill": ({}, [(10, 40), (11, 130), (12, 17)]),
     "decode": ({0: 15, 1: 16, 2: 200, 3: 77}, [(0, 1), (1, 1), (2, 1), (3, 1)]),
     "mixed": ({0: 15, 1: 100}, [(0, 1), (1, 37), (5, 50)]),
+    # fresh prompts far longer than the window: fa3's paged loader starts sliding layers' query
+    # tiles past tile 0 (its swa_begin_kv_tile_idx > 0), which shorter batches never reach
+    "long": ({}, [(20, 600), (21, 300)]),
 }
 
 
@@ -170,7 +173,7 @@ def test_tensor_core_kernel_matches_reference(built, batch: str) -> None:
 
 @pytest.mark.gpu
 @needs_gpu
-@pytest.mark.parametrize("batch", ["prefill", "mixed"])
+@pytest.mark.parametrize("batch", ["prefill", "mixed", "long"])
 def test_fa3_prefill_matches_reference(built, batch: str) -> None:
     """prefill='fa3': bf16 layers (global, sliding, MHA) on fa3, FP8 layers on fa2."""
     sc = Scenario(MIXED, batch)
@@ -187,7 +190,7 @@ def test_fa3_prefill_matches_reference(built, batch: str) -> None:
 
 @pytest.mark.gpu
 @needs_gpu
-@pytest.mark.parametrize("batch", ["prefill", "mixed"])
+@pytest.mark.parametrize("batch", ["prefill", "mixed", "long"])
 @pytest.mark.parametrize("scales", ["suite", "small"])
 def test_fa3_fp8_prefill_matches_reference(built, batch: str, scales: str) -> None:
     """prefill='fa3_fp8': FP8 layers on fa3's FP8 kernel (FP8 query: XQA's accuracy class), on
