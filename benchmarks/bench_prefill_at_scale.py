@@ -35,17 +35,13 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_decode_at_scale import MODELS, PAGE, _git_head, build, kv_configs  # noqa: E402
+from bench_model_decode import sync  # noqa: E402
 from gpu_common import environment, write_results  # noqa: E402
 
 from torch_kvq import kvq_backend  # noqa: E402
 from torch_kvq.attention.kernels import FlashInferKernel, ReferenceKernel  # noqa: E402
 
 VARIANTS = [("bf16", "fa2"), ("bf16", "fa3"), ("fp8", "fa2"), ("fp8", "fa3")]
-
-
-def sync(device: str) -> None:
-    if device.startswith("cuda"):
-        torch.cuda.synchronize()
 
 
 @torch.no_grad()

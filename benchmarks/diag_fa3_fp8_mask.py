@@ -4,7 +4,7 @@ finite mask sentinel? WRITTEN 2026-11-30 WITHOUT DEVICE TIME: NOT RUN YET.
 Run 16's GPU gate found ``BatchPrefillWithPagedKVCacheWrapper(backend="fa3")`` with FP8 q and
 cache 0.73 off on short prompts (QH 8, KH 2, D 128, page 16, sm_scale 0.05, k_scale 1/64,
 v_scale 1/32), while run 15's 8 x 16k prompts (sm_scale 128**-0.5, k/v scale 1/16) were at 3.8e-2.
-A source reading (``/work/shared/notes/fa3-fp8-prefill-analysis.md``; FlashInfer issue #4267,
+A source reading (``docs/fa3_fp8_mask_analysis.md``; FlashInfer issue #4267,
 fixed by PR #4401 after 0.6.18) says: the FP8 mainloop masks the *raw code* logits q8.k8 with
 ``-math::inf`` = -5e4 (finite) and applies q_scale * k_scale * sm_scale only afterwards, so a
 masked key's real logit is -5e4 * s with s = q_scale * k_scale * sm_scale, which is only about
