@@ -8,7 +8,8 @@ layers). Per model one build; per variant ``configure_kv`` and a ``FlashInferKer
   bf16 / fa2, bf16 / fa3                       all-bf16 KV
   fp8 / fa2                                    FP8 layers read the FP8 cache on fa2 (bf16 math)
   fp8 / fa3                                    bf16 layers on fa3, FP8 layers on fa2
-(fa3's FP8 kernel is not a FlashInferKernel option: see kernels/flashinfer.py.)
+  fp8 / fa3_fp8                                bf16 layers on fa3, FP8 layers on fa3's FP8 kernel
+                                               (query quantized per tensor: FP8 math)
 
 Each prompt is one forward of ``--len`` tokens (engines cap the tokens per step), logits of the
 last token only (``logits_indices``), through ``torch.compile(model, backend=kvq_backend)``
@@ -41,7 +42,7 @@ from gpu_common import environment, write_results  # noqa: E402
 from torch_kvq import kvq_backend  # noqa: E402
 from torch_kvq.attention.kernels import FlashInferKernel, ReferenceKernel  # noqa: E402
 
-VARIANTS = [("bf16", "fa2"), ("bf16", "fa3"), ("fp8", "fa2"), ("fp8", "fa3")]
+VARIANTS = [("bf16", "fa2"), ("bf16", "fa3"), ("fp8", "fa2"), ("fp8", "fa3"), ("fp8", "fa3_fp8")]
 
 
 @torch.no_grad()
@@ -145,7 +146,8 @@ def main() -> None:
     ap.add_argument("--len", type=int, default=16384)
     ap.add_argument("--smoke", action="store_true", help="CPU, tiny shapes, reference kernel")
     ap.add_argument("--eager", action="store_true", help="no torch.compile (bf16 variants only)")
-    ap.add_argument("--prefills", nargs="+", default=["fa2", "fa3"], choices=["fa2", "fa3"])
+    ap.add_argument("--prefills", nargs="+", default=["fa2", "fa3", "fa3_fp8"],
+                    choices=["fa2", "fa3", "fa3_fp8"])
     ap.add_argument("--commit", default=os.environ.get("KVQ_COMMIT") or _git_head())
     args = ap.parse_args()
     if args.smoke:
