@@ -146,8 +146,12 @@ def main() -> None:
     ap.add_argument("--len", type=int, default=16384)
     ap.add_argument("--smoke", action="store_true", help="CPU, tiny shapes, reference kernel")
     ap.add_argument("--eager", action="store_true", help="no torch.compile (bf16 variants only)")
-    ap.add_argument("--prefills", nargs="+", default=["fa2", "fa3", "fa3_fp8"],
-                    choices=["fa2", "fa3", "fa3_fp8"])
+    ap.add_argument(
+        "--prefills",
+        nargs="+",
+        default=["fa2", "fa3", "fa3_fp8"],
+        choices=["fa2", "fa3", "fa3_fp8"],
+    )
     ap.add_argument("--commit", default=os.environ.get("KVQ_COMMIT") or _git_head())
     args = ap.parse_args()
     if args.smoke:

@@ -76,7 +76,7 @@ def test_prefill_at_scale_smoke_run(tmp_path):
     subprocess.run(cmd, env=env, check=True, capture_output=True, timeout=600)
     rows = json.loads((tmp_path / "prefill_at_scale.json").read_text())["rows"]
     assert [(r["kv_config"], r["prefill"]) for r in rows] == [
-        ("bf16", "fa2"), ("bf16", "fa3"), ("fp8", "fa2"), ("fp8", "fa3")
+        ("bf16", "fa2"), ("bf16", "fa3"), ("fp8", "fa2"), ("fp8", "fa3"), ("fp8", "fa3_fp8")
     ]  # fmt: skip
     assert all("error" not in r and r["ttft_s"] > 0 for r in rows), rows
     errs = {(r["kv_config"], r["prefill"]): r["logits_rel_err_vs_bf16_fa2"] for r in rows}

@@ -15,18 +15,21 @@ Per batch, outside the graph, ``plan`` groups the layers by everything a FlashIn
     tensor inside ``attend`` (``quantize_query``; the scale is read on the host: one sync per FP8
     layer per prefill): 24.3 ms (2.04x fa2 bf16, 1.30x fa3 bf16), but both products run in e4m3,
     relative error 3.8e-2 against fp32 on the same cache (fa2: 2.3e-3). Opt in knowingly, like
-    XQA. FlashInfer 0.6.18's FP8 mainloop masks the raw code logits q8.k8 with a finite -5e4
-    (its issue #4267), so ``quantize_query`` floors the query scale to keep a masked key >= 100
-    below in real logit units; FP8 layers with a logit soft-cap are refused (that kernel has none).
+    XQA. Time to first token, Llama-3.1-8B shape, 8 x 16k: 3.85 s against 4.08 s all-bf16 on fa3
+    (1.06x). FlashInfer 0.6.18's FP8 mainloop masks the raw code logits q8.k8 with a finite -5e4
+    (its issue #4267; on the H200 the error follows the masked key's real logit: 0.72 at -1.8,
+    0.87 at -0.45), so ``quantize_query`` floors the query scale to keep a masked key >= 100
+    below in real logit units (1.8e-2 then); FP8 layers with a logit soft-cap are refused (that
+    kernel has none).
 * decode-only batch, model-dtype cache: ``BatchDecodeWithPagedKVCacheWrapper(use_tensor_cores)``.
 * decode-only batch, FP8 cache, the ``fp8_decode`` option (H200, QH=32 KH=8 D=128, bs 32 x 16k;
   benchmarks/RESULTS.md has the dates, commands and the other shapes):
 
   - ``"tensor_cores"`` (default): the same wrapper, the cache widened in registers. With
     ``fp8_decode_math="fp16"`` (default) the query is cast to fp16 and both products run in fp16
-    (e4m3 -> fp16 is one conversion per two values on sm90; e4m3 -> bf16 takes four): 0.380 ms
-    (66% of copy bandwidth), relative error 1.7e-3; with ``"model"`` (bf16 math) 0.427 ms (59%),
-    2.3e-3. fp16's range ends at 65504: a query element beyond it becomes inf (and the output
+    (e4m3 -> fp16 is one conversion per two values on sm90, e4m3 -> bf16 three or four): 0.380
+    ms (66% of copy bandwidth), relative error 1.7e-3; with ``"model"`` (bf16 math) 0.427 ms
+    (59%), 2.3e-3. fp16's range ends at 65504: a query element beyond it becomes inf (and the output
     NaN), never silently clipped; use ``"model"`` for such models.
   - ``"xqa"``: ``trtllm_batch_decode_with_kv_cache(backend="xqa")``, Hopper FP8-MMA kernel.
     0.257 ms (98% of copy bandwidth; 0.27-0.33 ms, bimodal, with PDL on: ``xqa_pdl``) and
