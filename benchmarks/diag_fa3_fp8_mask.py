@@ -1,5 +1,6 @@
 """Diagnostic for fa3's FP8 prefill (FP8 query + FP8 cache) on FlashInfer 0.6.18: is the error the
-finite mask sentinel? WRITTEN 2026-11-30 WITHOUT DEVICE TIME: NOT RUN YET.
+finite mask sentinel? Written 2026-11-30 without device time; run on the H200 2026-12-01 (run 20:
+every prediction below held; benchmarks/RESULTS.md).
 
 Run 16's GPU gate found ``BatchPrefillWithPagedKVCacheWrapper(backend="fa3")`` with FP8 q and
 cache 0.73 off on short prompts (QH 8, KH 2, D 128, page 16, sm_scale 0.05, k_scale 1/64,

@@ -18,7 +18,7 @@
 #   KVQ_SCALE_ARGS="--models llama-3.1-8b" bash scripts/gpu_run.sh scale   # decode at real scale
 #   bash scripts/gpu_run.sh prefill          # FP8-KV prefill paths (fa2 / fa3, FP8 query) vs bf16
 #   KVQ_TTFT_ARGS="--models llama-3.1-8b" bash scripts/gpu_run.sh ttft   # TTFT 8 x 16k per prefill option
-#   bash scripts/gpu_run.sh diagfa3          # fa3 FP8 prefill: the finite mask sentinel (not run yet)
+#   bash scripts/gpu_run.sh diagfa3          # fa3 FP8 prefill: the finite mask sentinel (run 20 of 2026-12-01)
 #   bash scripts/gpu_run.sh hostprof         # cProfile of a CUDA-graph decode step (not in the default)
 #   bash scripts/gpu_run.sh cpusuite         # the CPU suite (README command) on this image's torch, GPU hidden
 #   bash scripts/gpu_run.sh tests jitpack    # ... then pack the FlashInfer modules built here
