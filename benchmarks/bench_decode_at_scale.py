@@ -155,7 +155,7 @@ def point(model, fn, batch: int, ctx: int, args, profile: int) -> dict:
         warm = time.perf_counter() - t0
         gc.collect()
         # as serving engines do after capture (vLLM): long-lived objects out of the collector's
-        # sweeps; run 21 (Gemma, 48 layers) had single steps of 45-117 ms against 13-42 medians
+        # sweeps (run 21's single 45-117 ms steps are not explained by it: RESULTS.md)
         gc.freeze()
         spin_gpu(device, 0.5)
         cuda = device.startswith("cuda")
@@ -171,7 +171,8 @@ def point(model, fn, batch: int, ctx: int, args, profile: int) -> dict:
             marks[-1].record()
         sync(device)
         step_s = (time.perf_counter() - t0) / args.steps
-        times = sorted(a.elapsed_time(b) for a, b in zip(marks, marks[1:])) or [step_s * 1e3]
+        in_order = [round(a.elapsed_time(b), 3) for a, b in zip(marks, marks[1:])]
+        times = sorted(in_order) or [step_s * 1e3]
         prof = profile_steps(step, device, profile) if profile else {}
     finally:
         gc.unfreeze()
@@ -182,6 +183,7 @@ def point(model, fn, batch: int, ctx: int, args, profile: int) -> dict:
     return {"step_ms": step_s * 1e3, "step_median_ms": times[len(times) // 2],
             "step_max_ms": times[-1], "tokens_per_s": batch / step_s,
             "tokens_per_s_median": batch * 1e3 / times[len(times) // 2], "gc_frozen": True,
+            "step_times_ms": in_order,
             "warmup_s_incl_capture": round(warm, 2), **prof}  # fmt: skip
 
 
