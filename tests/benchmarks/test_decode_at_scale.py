@@ -81,3 +81,34 @@ def test_prefill_at_scale_smoke_run(tmp_path):
     assert all("error" not in r and r["ttft_s"] > 0 for r in rows), rows
     errs = {(r["kv_config"], r["prefill"]): r["logits_rel_err_vs_bf16_fa2"] for r in rows}
     assert errs[("bf16", "fa2")] == 0.0 and 0 < errs[("fp8", "fa2")] < 0.1
+
+
+def test_prefill_at_scale_builds_every_variants_modules_in_one_batch(monkeypatch):
+    """FlashInfer's modules for all variants go to one parallel build (run 22 of 2026-12-01 ran out
+    of time building Gemma's fa3 modules variant by variant), each variant with its own KV specs."""
+    import bench_prefill_at_scale as bench
+    from bench_decode_at_scale import build
+
+    from torch_kvq.attention.kernels import ReferenceKernel, flashinfer_jit
+
+    class Spec:  # a JitSpec not yet compiled
+        is_compiled = False
+
+    asked, builds = [], []
+
+    def jit_specs(kernel, specs, phases):
+        quantized = sum(s.is_quantized for s in specs)
+        asked.append((kernel.prefill, quantized, phases))
+        return {f"{kernel.prefill}/{quantized}": Spec()}
+
+    monkeypatch.setattr(flashinfer_jit, "jit_specs", jit_specs)
+    monkeypatch.setattr(flashinfer_jit, "build", lambda mods, max_workers: builds.append(
+        (sorted(mods), max_workers)))  # fmt: skip
+    kvs = kv_configs(MODELS["gemma-3-12b"][3])
+    model = build("gemma-3-12b", kvs["bf16"], ReferenceKernel(), "cpu", True, 8, None)
+    bench.prebuild_all(model, kvs, bench.VARIANTS)
+    n_global = 1  # the smoke Gemma: 5 sliding layers, 1 global (the FP8 one)
+    assert asked == [("fa2", 0, ("prefill",)), ("fa3", 0, ("prefill",)),
+                     ("fa2", n_global, ("prefill",)), ("fa3", n_global, ("prefill",)),
+                     ("fa3_fp8", n_global, ("prefill",))]  # fmt: skip
+    assert len(builds) == 1 and builds[0] == (sorted(f"{p}/{q}" for p, q, _ in asked), 5)
