@@ -180,9 +180,10 @@ def point(model, fn, batch: int, ctx: int, args, profile: int) -> dict:
             if i in alloc.sequences:
                 alloc.free(i)
         runner.close()
-    return {"step_ms": step_s * 1e3, "step_median_ms": times[len(times) // 2],
+    median = times[len(times) // 2]
+    return {"step_ms": step_s * 1e3, "step_median_ms": median,
             "step_max_ms": times[-1], "tokens_per_s": batch / step_s,
-            "tokens_per_s_median": batch * 1e3 / times[len(times) // 2], "gc_frozen": True,
+            "tokens_per_s_median": batch * 1e3 / median, "gc_frozen": True,
             "step_times_ms": in_order,
             "warmup_s_incl_capture": round(warm, 2), **prof}  # fmt: skip
 

@@ -43,6 +43,7 @@ from torch_kvq import kvq_backend  # noqa: E402
 from torch_kvq.attention.kernels import FlashInferKernel, ReferenceKernel  # noqa: E402
 
 VARIANTS = [("bf16", "fa2"), ("bf16", "fa3"), ("fp8", "fa2"), ("fp8", "fa3"), ("fp8", "fa3_fp8")]
+PREFILLS = list(dict.fromkeys(p for _, p in VARIANTS))  # the FlashInferKernel prefill options
 
 
 @torch.no_grad()
@@ -160,12 +161,7 @@ def main() -> None:
     ap.add_argument("--len", type=int, default=16384)
     ap.add_argument("--smoke", action="store_true", help="CPU, tiny shapes, reference kernel")
     ap.add_argument("--eager", action="store_true", help="no torch.compile (bf16 variants only)")
-    ap.add_argument(
-        "--prefills",
-        nargs="+",
-        default=["fa2", "fa3", "fa3_fp8"],
-        choices=["fa2", "fa3", "fa3_fp8"],
-    )
+    ap.add_argument("--prefills", nargs="+", default=PREFILLS, choices=PREFILLS)
     ap.add_argument("--commit", default=os.environ.get("KVQ_COMMIT") or _git_head())
     args = ap.parse_args()
     if args.smoke:
