@@ -465,6 +465,77 @@ def fp16_study(gbps: float, rounds: int, calls: int, save: Callable) -> list[dic
     return rows
 
 
+def tma_path(c: Case, **kw) -> Callable:
+    from torch_kvq.attention.kernels.triton_decode_tma import paged_decode_tma
+
+    out = torch.empty_like(c.q)
+    return lambda: paged_decode_tma(
+        c.q, c.cache8, c.table, c.seq_lens, K_SCALE, V_SCALE, c.sm_scale,
+        max_seq_len=c.ctx, out=out, **kw,
+    )  # fmt: skip
+
+
+def tma_paths(c: Case, cfgs: list[dict[str, Any]]) -> dict[str, Callable]:
+    out = {}
+    for kw in cfgs:
+        name = "tma[w{num_warps},st{num_stages},s{num_splits}]".format(**kw)
+        TRITON_CFG[name] = kw
+        out[name] = lambda kw=kw: tma_path(c, **kw)
+    return out
+
+
+def tma_reference_paths(c: Case) -> dict[str, Callable]:
+    F16 = torch.float16
+    return {
+        "fi_tc_bf16": lambda: fi_wrapper(c, BF16, True),
+        "fi_tc_fp8[q fp16, o bf16]": lambda: fi_wrapper(c, FP8, True, q_dtype=F16, o_dtype=BF16),
+        "xqa_fp8[pdl=False]": lambda: xqa_direct(c, pdl=False),
+        "triton[bn128,w4,st3,s2,qk fp16]": lambda: triton_path(
+            c, block_n=128, num_warps=4, num_stages=3, num_splits=2, qk_dtype=F16
+        ),
+    }
+
+
+def tma_study(gbps: float, rounds: int, calls: int, save: Callable) -> list[dict[str, Any]]:
+    """The TMA-per-page Triton kernel (``triton_decode_tma``) against the accurate FlashInfer
+    path (tensor cores, fp16 math), XQA (FP8 math, at the bound) and the gathering Triton kernel:
+    warps x stages at the default split count, then the split count at the best of those."""
+    from flashinfer.jit.attention.modules import gen_batch_prefill_module
+    from flashinfer.jit.xqa import gen_xqa_module
+
+    from torch_kvq.attention.kernels.flashinfer_jit import build
+
+    F16, I32 = torch.float16, torch.int32
+    mods = {}
+    for qh, kh, d in SHAPES.values():
+        specs = [gen_xqa_module(BF16, FP8, PAGE, d, qh // kh, False, BF16, 1, False)]
+        for q, kv, o in ((F16, FP8, BF16), (BF16, BF16, BF16)):
+            specs.append(
+                gen_batch_prefill_module("fa2", q, kv, o, I32, d, d, 0, False, False, False)
+            )
+        mods.update({js.name: js for js in specs})
+    build(mods, max_workers=len(mods))
+    rows: list[dict[str, Any]] = []
+    for name in ("llama", "gemma_global"):
+        c = Case(name, 32, 16384)
+        grid = [
+            dict(num_warps=w, num_stages=st, num_splits=None) for w in (2, 4) for st in (4, 8, 12)
+        ]
+        found = measure(
+            c, {**tma_reference_paths(c), **tma_paths(c, grid)}, gbps, rounds, calls, "ref8"
+        )
+        rows += found
+        save(rows)
+        tma = [r for r in found if r["path"].startswith("tma") and "ms" in r]
+        if not tma:
+            continue
+        best = TRITON_CFG[min(tma, key=lambda r: r["ms"])["path"]]
+        cfgs = [{**best, "num_splits": s} for s in (1, 2, 4, 8)]
+        rows += measure(c, tma_paths(c, cfgs), gbps, rounds, calls, "ref8")
+        save(rows)
+    return rows
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help="smaller Triton sweep, fewer trials")
@@ -472,15 +543,17 @@ def main() -> None:
     ap.add_argument("--calls", type=int, default=20, help="calls per timed graph")
     ap.add_argument("--fa3", action="store_true", help="also try fa3 with bf16 q + fp8 kv")
     ap.add_argument("--fp16-study", action="store_true", help="only the fp16-math study")
+    ap.add_argument("--tma-study", action="store_true", help="only the TMA Triton kernel study")
     args = ap.parse_args()
     env, copy = environment(), copy_bandwidth()
-    if args.fp16_study:
 
-        def save_rows(rows: list[dict[str, Any]]) -> None:
-            write_results("bench_fp8_decode_paths", {"env": env, "copy": copy, "rows": rows},
-                          markdown(env, copy, rows))  # fmt: skip
+    def save_rows(rows: list[dict[str, Any]]) -> None:
+        write_results("bench_fp8_decode_paths", {"env": env, "copy": copy, "rows": rows},
+                      markdown(env, copy, rows))  # fmt: skip
 
-        fp16_study(copy["GBps"], args.rounds, args.calls, save_rows)
+    if args.fp16_study or args.tma_study:
+        study = tma_study if args.tma_study else fp16_study
+        study(copy["GBps"], args.rounds, args.calls, save_rows)
         return
     builds = start_builds()
     gbps, rows = copy["GBps"], []

@@ -1,0 +1,123 @@
+"""The TMA-per-page Triton decode kernel against the reference attention on the same FP8 cache.
+
+CPU: Triton's interpreter (as in ``test_triton_decode``, fp32 products); GPU: the compiled
+kernel with its default fp16 products, under the gate. Without Triton every test here skips.
+"""
+
+from __future__ import annotations
+
+from types import ModuleType
+
+import pytest
+import torch
+from test_triton_decode import HAS_CUDA, INTERPRETING, LENS, Case, rel_err
+
+from torch_kvq.spec import FP8_DTYPE
+
+
+def dense_table(case: Case) -> torch.Tensor:
+    """The CSR page table as a dense [B, W] block table; padding entries are -1 (never read)."""
+    counts = (case.kv_indptr[1:] - case.kv_indptr[:-1]).tolist()
+    table = torch.full((len(counts), max(counts)), -1, dtype=torch.int32)
+    for b, n in enumerate(counts):
+        table[b, :n] = case.kv_indices[case.kv_indptr[b] : case.kv_indptr[b] + n].cpu()
+    return table.to(case.kv_indices.device)
+
+
+def _run(case: Case, mod: ModuleType, **kw) -> torch.Tensor:
+    from test_triton_decode import K_SCALE, V_SCALE
+
+    table = dense_table(case)
+    return mod.paged_decode_tma(
+        case.q, case.kv_cache, table, case.seq_lens,
+        K_SCALE, V_SCALE, case.sm_scale, max_seq_len=max(case.lens), **kw,
+    )  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def interp() -> ModuleType:
+    if not INTERPRETING:
+        pytest.skip("interpreter tests run on a machine without CUDA (gpu tests cover the rest)")
+    from torch_kvq.attention.kernels import triton_decode_tma
+
+    return triton_decode_tma
+
+
+@pytest.mark.parametrize("qh,kh,d", [(4, 4, 64), (8, 2, 128), (4, 2, 256)])
+@pytest.mark.parametrize("num_splits", [1, 3])
+@pytest.mark.parametrize("window,soft_cap", [(None, None), (100, 5.0)], ids=["global", "swa_cap"])
+def test_interpreter_matches_reference(interp, qh, kh, d, num_splits, window, soft_cap) -> None:
+    case = Case(LENS, qh, kh, d)
+    out = torch.empty(case.q.shape, dtype=torch.float32)
+    kw = dict(window=window, soft_cap=soft_cap, dot_dtype=torch.float32)
+    _run(case, interp, out=out, num_splits=num_splits, **kw)
+    err = rel_err(out, case.ref(window, soft_cap))
+    assert err < 5e-4, f"rel err {err:.2e}"
+
+
+def test_interpreter_rejects_bad_inputs(interp) -> None:
+    case = Case((5,), 8, 4, 64)
+    with pytest.raises(ValueError, match="kv_cache must be contiguous"):
+        case.kv_cache = case.kv_cache.transpose(2, 3).contiguous().transpose(2, 3)
+        _run(case, interp)
+    case = Case((5,), 8, 4, 64, page=8)
+    with pytest.raises(ValueError, match="page >= 16"):
+        _run(case, interp)
+    case = Case((5,), 8, 4, 64)
+    with pytest.raises(ValueError, match="dot_dtype"):
+        _run(case, interp, dot_dtype=torch.int8)
+
+
+# -- GPU: the compiled kernel ---------------------------------------------------------------------
+
+needs_gpu = pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
+
+
+@pytest.mark.gpu
+@needs_gpu
+@pytest.mark.parametrize("qh,kh,d", [(32, 8, 128), (16, 8, 256), (8, 8, 64), (64, 8, 128)])
+@pytest.mark.parametrize("num_splits", [1, 4, None])
+@pytest.mark.parametrize("window,soft_cap", [(None, None), (64, 5.0)], ids=["global", "swa_cap"])
+@pytest.mark.parametrize("cache_dtype", [FP8_DTYPE, torch.bfloat16], ids=["fp8", "bf16"])
+def test_gpu_matches_reference(qh, kh, d, num_splits, window, soft_cap, cache_dtype) -> None:
+    from torch_kvq.attention.kernels import triton_decode_tma
+
+    case = Case((*LENS, 4097), qh, kh, d, cache_dtype=cache_dtype, device="cuda")
+    out = _run(case, triton_decode_tma, num_splits=num_splits, window=window, soft_cap=soft_cap)
+    assert out.dtype == torch.bfloat16 and torch.isfinite(out).all()
+    err = rel_err(out, case.ref(window, soft_cap))
+    assert err < 5e-3, f"rel err {err:.2e}"
+
+
+@pytest.mark.gpu
+@needs_gpu
+@pytest.mark.parametrize("num_warps,num_stages", [(2, 4), (4, 8), (4, 16)])
+def test_gpu_pipeline_depths_match_reference(num_warps, num_stages) -> None:
+    from torch_kvq.attention.kernels import triton_decode_tma
+
+    case = Case(LENS, 32, 8, 128, seed=4, device="cuda")
+    out = torch.empty(case.q.shape, dtype=torch.float32, device="cuda")
+    _run(case, triton_decode_tma, out=out, num_splits=3, num_warps=num_warps, num_stages=num_stages)
+    assert rel_err(out, case.ref()) < 2e-3
+
+
+@pytest.mark.gpu
+@needs_gpu
+def test_gpu_cuda_graph_replay_follows_new_lengths() -> None:
+    """Captured once; replays read seq_lens / page tables from the device (no baked lengths)."""
+    from torch_kvq.attention.kernels import triton_decode_tma
+
+    case = Case((1000, 1000, 1000), 32, 8, 128, seed=5, device="cuda")
+    ws = tuple(torch.empty(s, device="cuda") for s in ((3, 32, 4, 128), (3, 32, 4)))
+    out = torch.empty_like(case.q)
+    run = lambda: _run(case, triton_decode_tma, out=out, num_splits=4, workspace=ws)  # noqa: E731
+    run()  # compile outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        run()
+    case.seq_lens.copy_(torch.tensor([1, 500, 999], dtype=torch.int32))
+    case.lens = (1, 500, 999)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert rel_err(out, case.ref()) < 5e-3

@@ -1,0 +1,197 @@
+"""Paged FP8 decode attention in Triton with one bulk tensor copy (TMA) per cache page.
+
+The split-K kernel in ``triton_decode`` gathers ``BLOCK_N``-token tiles row by row through the
+page table; it reads an FP8 cache at ~47-49% of copy bandwidth on the H200 (run 10 of
+2026-11-30), with 3 stages of 32 KiB tiles limiting it to 2 programs per SM. Here every page of
+every kv head is one 2-D box ``[page, D]`` of the cache seen as ``[P * 2 * page, KH * D]``
+(K rows of page p start at ``2 * page * p``, V rows ``page`` later), loaded by the copy engine
+into a small shared buffer: a page of Llama's head 128 is 2 KiB, so ``num_stages`` can be 8-16
+(16-32 pages in flight per program) at little shared memory.
+
+Math as in ``triton_decode``: e4m3 -> ``dot_dtype`` (fp16 by default: one instruction per two
+values on sm90, exact) in registers, both products accumulate in fp32, online softmax in base 2,
+``k_scale`` folded into the logit scale and ``v_scale`` into the output; splits merged by
+log-sum-exp (``triton_decode._combine``). CUDA-graph capturable: the descriptor holds the cache
+pointer (by value, in the launch), the host reads no device tensor. Import only where Triton is.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
+
+from torch_kvq.attention.kernels.triton_decode import _DOT_DTYPES, _LOG2E, LOG2E, _combine
+
+
+@triton.jit
+def _decode_pages(
+    q_ptr, kv_desc, block_table_ptr, seq_lens_ptr,
+    part_o_ptr, part_lse_ptr, out_ptr,
+    qk_scale_log2, soft_cap, out_scale, window,
+    stride_qb, stride_qh, stride_ob, stride_oh, stride_bt,
+    QH: tl.constexpr, G: tl.constexpr, BLOCK_G: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr,
+    NUM_SPLITS: tl.constexpr, STAGES: tl.constexpr,
+    USE_WINDOW: tl.constexpr, USE_SOFT_CAP: tl.constexpr, DOT: tl.constexpr, DIRECT: tl.constexpr,
+):  # fmt: skip
+    kh = tl.program_id(0)
+    split = tl.program_id(1)
+    b = tl.program_id(2)
+    seq_len = tl.load(seq_lens_ptr + b)
+    table = block_table_ptr + b.to(tl.int64) * stride_bt
+    lo = 0
+    if USE_WINDOW:  # the query at pos = seq_len - 1 sees keys with pos - window < k_pos
+        lo = tl.maximum(seq_len - window, 0)
+    p_lo = lo // PAGE
+    n_pages = (seq_len + PAGE - 1) // PAGE - p_lo
+    per_split = (n_pages + NUM_SPLITS - 1) // NUM_SPLITS
+    p_begin = p_lo + split * per_split
+    p_end = tl.minimum(p_begin + per_split, p_lo + n_pages)
+
+    offs_g = tl.arange(0, BLOCK_G)
+    offs_d = tl.arange(0, D)
+    offs_t = tl.arange(0, PAGE)
+    g_mask = offs_g < G
+    heads = kh * G + offs_g
+    q = tl.load(
+        q_ptr + b * stride_qb + heads[:, None] * stride_qh + offs_d[None, :],
+        mask=g_mask[:, None],
+        other=0.0,
+    ).to(DOT)  # [BLOCK_G, D]
+
+    m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_G], tl.float32)
+    acc = tl.zeros([BLOCK_G, D], tl.float32)
+    col = kh * D
+    for p in tl.range(p_begin, p_end, num_stages=STAGES):  # noqa
+        page = tl.load(table + p)
+        row = page * (2 * PAGE)
+        k = kv_desc.load([row, col])  # [PAGE, D]
+        v = kv_desc.load([row + PAGE, col])
+        s = tl.dot(q, tl.trans(k.to(DOT)))  # [BLOCK_G, PAGE] fp32
+        if USE_SOFT_CAP:  # cap * tanh(x / cap), tanh(y) = 1 - 2 / (exp(2y) + 1)
+            s = s * qk_scale_log2 / _LOG2E
+            s = soft_cap * (1.0 - 2.0 / (tl.exp(2.0 * s / soft_cap) + 1.0)) * _LOG2E
+        else:
+            s = s * qk_scale_log2
+        toks = p * PAGE + offs_t
+        s = tl.where(((toks >= lo) & (toks < seq_len))[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m_i - m_safe)
+        pr = tl.exp2(s - m_safe[:, None])
+        l_i = l_i * alpha + tl.sum(pr, axis=1)
+        acc = acc * alpha[:, None] + tl.dot(pr.to(DOT), v.to(DOT))
+        m_i = m_new
+
+    if DIRECT:
+        o = acc * (out_scale / l_i)[:, None]
+        o_ptrs = out_ptr + b * stride_ob + heads[:, None] * stride_oh + offs_d[None, :]
+        tl.store(o_ptrs, o.to(out_ptr.dtype.element_ty), mask=g_mask[:, None])
+    else:
+        l_safe = tl.where(l_i == 0.0, 1.0, l_i)
+        lse = tl.where(l_i == 0.0, float("-inf"), m_i + tl.log2(l_safe))
+        base = (b.to(tl.int64) * QH + heads) * NUM_SPLITS + split  # [B, QH, S] row
+        tl.store(part_lse_ptr + base, lse, mask=g_mask)
+        o_ptrs = part_o_ptr + base[:, None] * D + offs_d[None, :]
+        tl.store(o_ptrs, acc / l_safe[:, None], mask=g_mask[:, None])
+
+
+def default_num_splits(batch: int, kv_heads: int, max_seq_len: int, page: int, sms: int) -> int:
+    """Splits per (sequence, kv head): the grid fills ``sms`` about 4 times, each split keeping
+    at least 64 pages."""
+    want = -(-4 * sms // (batch * kv_heads))
+    most = max(1, -(-max_seq_len // (64 * page)))
+    return max(1, min(want, most, 64))
+
+
+def paged_decode_tma(
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    k_scale: float,
+    v_scale: float,
+    sm_scale: float,
+    *,
+    max_seq_len: int,
+    window: int | None = None,
+    soft_cap: float | None = None,
+    out: torch.Tensor | None = None,
+    num_splits: int | None = None,
+    num_warps: int = 4,
+    num_stages: int = 8,
+    dot_dtype: torch.dtype = torch.float16,
+    workspace: tuple[torch.Tensor, torch.Tensor] | None = None,
+) -> torch.Tensor:
+    """Decode attention, one query token per sequence, over a paged FP8 (or bf16 / fp16) cache.
+
+    q [B, QH, D] (bf16 / fp16, last dim contiguous); kv_cache [P, 2, page, KH, D] contiguous (K at
+    ``[:, 0]``, V at ``[:, 1]``; dequantized = value * scale); block_table [B, W] int32: sequence
+    b's i-th page is ``block_table[b, i]`` (XQA's dense table; entries past its pages never read);
+    seq_lens [B] int32 tokens cached, the new one included: the query sits at ``seq_lens[b] - 1``
+    and sees keys at ``pos - window < k <= pos``. ``max_seq_len`` (a host bound on seq_lens),
+    ``window``, ``soft_cap``, ``out``, ``num_splits`` and ``workspace`` as in
+    ``triton_decode.paged_decode_fp8``. ``dot_dtype``: the operand dtype of both products;
+    ``num_stages``: pages in flight per program (each stage holds one K and one V page).
+    Returns out [B, QH, D] (``q``'s dtype unless ``out`` is given).
+    """
+    b, qh, d = q.shape
+    pages, two, page, kh, dk = kv_cache.shape
+    if two != 2 or dk != d or qh % kh or d & (d - 1) or page & (page - 1) or page < 16:
+        raise ValueError(
+            f"paged_decode_tma: q {tuple(q.shape)} / kv_cache {tuple(kv_cache.shape)}: need "
+            "kv_cache [P, 2, page, KH, D] with QH % KH == 0, D and page powers of two, page >= 16"
+        )
+    if not kv_cache.is_contiguous() or q.stride(-1) != 1:
+        raise ValueError("paged_decode_tma: kv_cache must be contiguous, q's last dim contiguous")
+    for name, t in (("block_table", block_table), ("seq_lens", seq_lens)):
+        if t.dtype != torch.int32 or t.device != q.device:
+            raise ValueError(f"paged_decode_tma: {name} must be int32 on {q.device}")
+    if block_table.dim() != 2 or block_table.shape[0] != b or block_table.stride(1) != 1:
+        raise ValueError(
+            f"paged_decode_tma: block_table {tuple(block_table.shape)} must be [B={b}, W] with "
+            "a contiguous last dim"
+        )
+    if dot_dtype not in _DOT_DTYPES:
+        raise ValueError(f"paged_decode_tma: dot_dtype must be one of {list(_DOT_DTYPES)}")
+    if window is not None and window <= 0:
+        raise ValueError(f"paged_decode_tma: window must be positive, got {window}")
+    if num_splits is None:
+        sms = torch.cuda.get_device_properties(q.device).multi_processor_count if q.is_cuda else 132
+        num_splits = default_num_splits(b, kh, max_seq_len, page, sms)
+    if out is None:
+        out = torch.empty((b, qh, d), dtype=q.dtype, device=q.device)
+    if out.shape != q.shape or out.stride(-1) != 1:
+        raise ValueError(f"paged_decode_tma: out must be {tuple(q.shape)}, last dim contiguous")
+    direct = num_splits == 1
+    if direct:
+        part_o = part_lse = out  # unused
+    elif workspace is not None:
+        part_o, part_lse = workspace
+        if part_o.shape != (b, qh, num_splits, d) or part_lse.shape != (b, qh, num_splits):
+            raise ValueError("paged_decode_tma: workspace shapes do not match num_splits")
+    else:
+        part_o = torch.empty((b, qh, num_splits, d), dtype=torch.float32, device=q.device)
+        part_lse = torch.empty((b, qh, num_splits), dtype=torch.float32, device=q.device)
+    rows = kv_cache.view(pages * 2 * page, kh * d)
+    desc = TensorDescriptor(rows, list(rows.shape), [kh * d, 1], [page, d])
+    g = qh // kh
+    _decode_pages[(kh, num_splits, b)](
+        q, desc, block_table, seq_lens,
+        part_o, part_lse, out,
+        sm_scale * k_scale * LOG2E, float(soft_cap or 1.0), float(v_scale), int(window or 0),
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1), block_table.stride(0),
+        QH=qh, G=g, BLOCK_G=max(16, triton.next_power_of_2(g)), D=d, PAGE=page,
+        NUM_SPLITS=num_splits, STAGES=num_stages,
+        USE_WINDOW=window is not None, USE_SOFT_CAP=bool(soft_cap),
+        DOT=_DOT_DTYPES[dot_dtype], DIRECT=direct, num_warps=num_warps,
+    )  # fmt: skip
+    if not direct:
+        _combine[(qh, b)](
+            part_o, part_lse, out, float(v_scale), out.stride(0), out.stride(1),
+            QH=qh, D=d, NUM_SPLITS=num_splits, BLOCK_S=triton.next_power_of_2(num_splits),
+            num_warps=4,
+        )  # fmt: skip
+    return out
