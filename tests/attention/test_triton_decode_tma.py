@@ -24,10 +24,10 @@ def dense_table(case: Case) -> torch.Tensor:
     return table.to(case.kv_indices.device)
 
 
-def _run(case: Case, mod: ModuleType, **kw) -> torch.Tensor:
+def _run(case: Case, mod: ModuleType, table: torch.Tensor | None = None, **kw) -> torch.Tensor:
     from test_triton_decode import K_SCALE, V_SCALE
 
-    table = dense_table(case)
+    table = dense_table(case) if table is None else table
     return mod.paged_decode_tma(
         case.q, case.kv_cache, table, case.seq_lens,
         K_SCALE, V_SCALE, case.sm_scale, max_seq_len=max(case.lens), **kw,
@@ -46,10 +46,13 @@ def interp() -> ModuleType:
 @pytest.mark.parametrize("qh,kh,d", [(4, 4, 64), (8, 2, 128), (4, 2, 256)])
 @pytest.mark.parametrize("num_splits", [1, 3])
 @pytest.mark.parametrize("window,soft_cap", [(None, None), (100, 5.0)], ids=["global", "swa_cap"])
-def test_interpreter_matches_reference(interp, qh, kh, d, num_splits, window, soft_cap) -> None:
+@pytest.mark.parametrize("ppi", [1, 2, 4])
+def test_interpreter_matches_reference(
+    interp, qh, kh, d, num_splits, window, soft_cap, ppi
+) -> None:
     case = Case(LENS, qh, kh, d)
     out = torch.empty(case.q.shape, dtype=torch.float32)
-    kw = dict(window=window, soft_cap=soft_cap, dot_dtype=torch.float32)
+    kw = dict(window=window, soft_cap=soft_cap, dot_dtype=torch.float32, pages_per_iter=ppi)
     _run(case, interp, out=out, num_splits=num_splits, **kw)
     err = rel_err(out, case.ref(window, soft_cap))
     assert err < 5e-4, f"rel err {err:.2e}"
@@ -66,6 +69,8 @@ def test_interpreter_rejects_bad_inputs(interp) -> None:
     case = Case((5,), 8, 4, 64)
     with pytest.raises(ValueError, match="dot_dtype"):
         _run(case, interp, dot_dtype=torch.int8)
+    with pytest.raises(ValueError, match="pages_per_iter must be 1, 2 or 4, got 3"):
+        _run(case, interp, pages_per_iter=3)
 
 
 # -- GPU: the compiled kernel ---------------------------------------------------------------------
@@ -79,11 +84,13 @@ needs_gpu = pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
 @pytest.mark.parametrize("num_splits", [1, 4, None])
 @pytest.mark.parametrize("window,soft_cap", [(None, None), (64, 5.0)], ids=["global", "swa_cap"])
 @pytest.mark.parametrize("cache_dtype", [FP8_DTYPE, torch.bfloat16], ids=["fp8", "bf16"])
-def test_gpu_matches_reference(qh, kh, d, num_splits, window, soft_cap, cache_dtype) -> None:
+@pytest.mark.parametrize("ppi", [1, 4])
+def test_gpu_matches_reference(qh, kh, d, num_splits, window, soft_cap, cache_dtype, ppi) -> None:
     from torch_kvq.attention.kernels import triton_decode_tma
 
     case = Case((*LENS, 4097), qh, kh, d, cache_dtype=cache_dtype, device="cuda")
-    out = _run(case, triton_decode_tma, num_splits=num_splits, window=window, soft_cap=soft_cap)
+    kw = dict(num_splits=num_splits, window=window, soft_cap=soft_cap, pages_per_iter=ppi)
+    out = _run(case, triton_decode_tma, **kw)
     assert out.dtype == torch.bfloat16 and torch.isfinite(out).all()
     err = rel_err(out, case.ref(window, soft_cap))
     assert err < 5e-3, f"rel err {err:.2e}"
@@ -91,13 +98,16 @@ def test_gpu_matches_reference(qh, kh, d, num_splits, window, soft_cap, cache_dt
 
 @pytest.mark.gpu
 @needs_gpu
-@pytest.mark.parametrize("num_warps,num_stages", [(2, 4), (4, 8), (4, 16)])
-def test_gpu_pipeline_depths_match_reference(num_warps, num_stages) -> None:
+@pytest.mark.parametrize(
+    "num_warps,num_stages,ppi", [(2, 4, 1), (4, 8, 1), (4, 16, 1), (1, 6, 2), (2, 3, 4), (4, 2, 4)]
+)
+def test_gpu_pipelines_match_reference(num_warps, num_stages, ppi) -> None:
     from torch_kvq.attention.kernels import triton_decode_tma
 
     case = Case(LENS, 32, 8, 128, seed=4, device="cuda")
     out = torch.empty(case.q.shape, dtype=torch.float32, device="cuda")
-    _run(case, triton_decode_tma, out=out, num_splits=3, num_warps=num_warps, num_stages=num_stages)
+    kw = dict(num_warps=num_warps, num_stages=num_stages, pages_per_iter=ppi)
+    _run(case, triton_decode_tma, out=out, num_splits=3, **kw)
     assert rel_err(out, case.ref()) < 2e-3
 
 
@@ -109,8 +119,8 @@ def test_gpu_cuda_graph_replay_follows_new_lengths() -> None:
 
     case = Case((1000, 1000, 1000), 32, 8, 128, seed=5, device="cuda")
     ws = tuple(torch.empty(s, device="cuda") for s in ((3, 32, 4, 128), (3, 32, 4)))
-    out = torch.empty_like(case.q)
-    run = lambda: _run(case, triton_decode_tma, out=out, num_splits=4, workspace=ws)  # noqa: E731
+    out, table = torch.empty_like(case.q), dense_table(case)  # the table: before the capture
+    run = lambda: _run(case, triton_decode_tma, table, out=out, num_splits=4, workspace=ws)  # noqa: E731
     run()  # compile outside the capture
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()

@@ -26,13 +26,34 @@ from torch_kvq.attention.kernels.triton_decode import _DOT_DTYPES, _LOG2E, LOG2E
 
 
 @triton.jit
+def _page_logits(
+    q, kv_desc, table, p, p_end, col, lo, seq_len, qk_scale_log2, soft_cap, offs_t,
+    PAGE: tl.constexpr, DOT: tl.constexpr, USE_SOFT_CAP: tl.constexpr,
+):  # fmt: skip
+    """Page ``p`` of the split (``p >= p_end``: past it, all logits -inf, page 0 read): its
+    base-2 logits [BLOCK_G, PAGE] (fp32) and its V rows [PAGE, D] (cache dtype)."""
+    ok = p < p_end
+    row = tl.load(table + p, mask=ok, other=0) * (2 * PAGE)
+    k = kv_desc.load([row, col])  # [PAGE, D]
+    v = kv_desc.load([row + PAGE, col])
+    s = tl.dot(q, tl.trans(k.to(DOT)))  # [BLOCK_G, PAGE] fp32
+    if USE_SOFT_CAP:  # cap * tanh(x / cap), tanh(y) = 1 - 2 / (exp(2y) + 1)
+        s = s * qk_scale_log2 / _LOG2E
+        s = soft_cap * (1.0 - 2.0 / (tl.exp(2.0 * s / soft_cap) + 1.0)) * _LOG2E
+    else:
+        s = s * qk_scale_log2
+    toks = p * PAGE + offs_t
+    return tl.where(((toks >= lo) & (toks < seq_len) & ok)[None, :], s, float("-inf")), v
+
+
+@triton.jit
 def _decode_pages(
     q_ptr, kv_desc, block_table_ptr, seq_lens_ptr,
     part_o_ptr, part_lse_ptr, out_ptr,
     qk_scale_log2, soft_cap, out_scale, window,
     stride_qb, stride_qh, stride_ob, stride_oh, stride_bt,
     QH: tl.constexpr, G: tl.constexpr, BLOCK_G: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr,
-    NUM_SPLITS: tl.constexpr, STAGES: tl.constexpr,
+    NUM_SPLITS: tl.constexpr, STAGES: tl.constexpr, PPI: tl.constexpr,
     USE_WINDOW: tl.constexpr, USE_SOFT_CAP: tl.constexpr, DOT: tl.constexpr, DIRECT: tl.constexpr,
 ):  # fmt: skip
     kh = tl.program_id(0)
@@ -64,25 +85,95 @@ def _decode_pages(
     l_i = tl.zeros([BLOCK_G], tl.float32)
     acc = tl.zeros([BLOCK_G, D], tl.float32)
     col = kh * D
-    for p in tl.range(p_begin, p_end, num_stages=STAGES):  # noqa
-        page = tl.load(table + p)
-        row = page * (2 * PAGE)
-        k = kv_desc.load([row, col])  # [PAGE, D]
-        v = kv_desc.load([row + PAGE, col])
-        s = tl.dot(q, tl.trans(k.to(DOT)))  # [BLOCK_G, PAGE] fp32
-        if USE_SOFT_CAP:  # cap * tanh(x / cap), tanh(y) = 1 - 2 / (exp(2y) + 1)
-            s = s * qk_scale_log2 / _LOG2E
-            s = soft_cap * (1.0 - 2.0 / (tl.exp(2.0 * s / soft_cap) + 1.0)) * _LOG2E
-        else:
-            s = s * qk_scale_log2
-        toks = p * PAGE + offs_t
-        s = tl.where(((toks >= lo) & (toks < seq_len))[None, :], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+    n_iter = (p_end - p_begin + PPI - 1) // PPI
+    for it in tl.range(0, n_iter, num_stages=STAGES):  # PPI pages per iteration, one softmax update
+        p = p_begin + it * PPI
+        s0, v0 = _page_logits(
+            q,
+            kv_desc,
+            table,
+            p,
+            p_end,
+            col,
+            lo,
+            seq_len,
+            qk_scale_log2,
+            soft_cap,
+            offs_t,
+            PAGE,
+            DOT,
+            USE_SOFT_CAP,
+        )
+        m_blk = tl.max(s0, axis=1)
+        if PPI >= 2:
+            s1, v1 = _page_logits(
+                q,
+                kv_desc,
+                table,
+                p + 1,
+                p_end,
+                col,
+                lo,
+                seq_len,
+                qk_scale_log2,
+                soft_cap,
+                offs_t,
+                PAGE,
+                DOT,
+                USE_SOFT_CAP,
+            )
+            m_blk = tl.maximum(m_blk, tl.max(s1, axis=1))
+        if PPI >= 4:
+            s2, v2 = _page_logits(
+                q,
+                kv_desc,
+                table,
+                p + 2,
+                p_end,
+                col,
+                lo,
+                seq_len,
+                qk_scale_log2,
+                soft_cap,
+                offs_t,
+                PAGE,
+                DOT,
+                USE_SOFT_CAP,
+            )
+            s3, v3 = _page_logits(
+                q,
+                kv_desc,
+                table,
+                p + 3,
+                p_end,
+                col,
+                lo,
+                seq_len,
+                qk_scale_log2,
+                soft_cap,
+                offs_t,
+                PAGE,
+                DOT,
+                USE_SOFT_CAP,
+            )
+            m_blk = tl.maximum(m_blk, tl.maximum(tl.max(s2, axis=1), tl.max(s3, axis=1)))
+        m_new = tl.maximum(m_i, m_blk)
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
         alpha = tl.exp2(m_i - m_safe)
-        pr = tl.exp2(s - m_safe[:, None])
+        pr = tl.exp2(s0 - m_safe[:, None])
         l_i = l_i * alpha + tl.sum(pr, axis=1)
-        acc = acc * alpha[:, None] + tl.dot(pr.to(DOT), v.to(DOT))
+        acc = tl.dot(pr.to(DOT), v0.to(DOT), acc * alpha[:, None])
+        if PPI >= 2:
+            pr = tl.exp2(s1 - m_safe[:, None])
+            l_i += tl.sum(pr, axis=1)
+            acc = tl.dot(pr.to(DOT), v1.to(DOT), acc)
+        if PPI >= 4:
+            pr = tl.exp2(s2 - m_safe[:, None])
+            l_i += tl.sum(pr, axis=1)
+            acc = tl.dot(pr.to(DOT), v2.to(DOT), acc)
+            pr = tl.exp2(s3 - m_safe[:, None])
+            l_i += tl.sum(pr, axis=1)
+            acc = tl.dot(pr.to(DOT), v3.to(DOT), acc)
         m_i = m_new
 
     if DIRECT:
@@ -122,6 +213,7 @@ def paged_decode_tma(
     num_splits: int | None = None,
     num_warps: int = 4,
     num_stages: int = 8,
+    pages_per_iter: int = 1,
     dot_dtype: torch.dtype = torch.float16,
     workspace: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
@@ -134,7 +226,8 @@ def paged_decode_tma(
     and sees keys at ``pos - window < k <= pos``. ``max_seq_len`` (a host bound on seq_lens),
     ``window``, ``soft_cap``, ``out``, ``num_splits`` and ``workspace`` as in
     ``triton_decode.paged_decode_fp8``. ``dot_dtype``: the operand dtype of both products;
-    ``num_stages``: pages in flight per program (each stage holds one K and one V page).
+    ``num_stages``: loop iterations in flight per program, ``pages_per_iter`` (1, 2 or 4) pages
+    each (K and V), all under one online-softmax update.
     Returns out [B, QH, D] (``q``'s dtype unless ``out`` is given).
     """
     b, qh, d = q.shape
@@ -156,6 +249,10 @@ def paged_decode_tma(
         )
     if dot_dtype not in _DOT_DTYPES:
         raise ValueError(f"paged_decode_tma: dot_dtype must be one of {list(_DOT_DTYPES)}")
+    if pages_per_iter not in (1, 2, 4):
+        raise ValueError(
+            f"paged_decode_tma: pages_per_iter must be 1, 2 or 4, got {pages_per_iter}"
+        )
     if window is not None and window <= 0:
         raise ValueError(f"paged_decode_tma: window must be positive, got {window}")
     if num_splits is None:
@@ -184,7 +281,7 @@ def paged_decode_tma(
         sm_scale * k_scale * LOG2E, float(soft_cap or 1.0), float(v_scale), int(window or 0),
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), block_table.stride(0),
         QH=qh, G=g, BLOCK_G=max(16, triton.next_power_of_2(g)), D=d, PAGE=page,
-        NUM_SPLITS=num_splits, STAGES=num_stages,
+        NUM_SPLITS=num_splits, STAGES=num_stages, PPI=pages_per_iter,
         USE_WINDOW=window is not None, USE_SOFT_CAP=bool(soft_cap),
         DOT=_DOT_DTYPES[dot_dtype], DIRECT=direct, num_warps=num_warps,
     )  # fmt: skip
