@@ -3,7 +3,8 @@
 Models (torch_kvq's own decoders at the real dimensions, random bf16 weights made on the GPU):
 Llama-3.1-8B (32 layers, 32/8 heads of 128; FP8 config skips layers 0 and -1) and Gemma-3-12B
 (48 layers, 16/8 heads of 256, 5 sliding (window 1024) : 1 global; FP8 config keeps the sliding
-layers in bf16). Each KV config: all-bf16 vs FP8 through the tensor-core wrapper ("tc") and XQA.
+layers in bf16). Each KV config: all-bf16 vs FP8 through the tensor-core wrapper ("tc"), XQA and
+our Triton kernel ("triton", ``FlashInferKernel(fp8_decode="triton")``).
 "tc" runs the tensor-core decode in fp16 math (FlashInferKernel's default since 2026-11-30 run
 14), "tc-bf16" in bf16 (runs 10-13's "tc"). Sliding-window layers get pools of their own (``window_pages``): they hold ~1024 tokens per
 sequence, not the context.
@@ -85,8 +86,8 @@ def make_kernel(name: str, smoke: bool):
     if smoke:
         return ReferenceKernel()
     opts = dict(phases="decode", unfused_attention=False)
-    if name == "xqa":
-        return FlashInferKernel(fp8_decode="xqa", **opts)
+    if name in ("xqa", "triton"):
+        return FlashInferKernel(fp8_decode=name, **opts)
     # "tc": tensor-core decode in fp16 math (the default); "tc-bf16": in the model dtype
     math = "model" if name == "tc-bf16" else "fp16"
     return FlashInferKernel(fp8_decode="tensor_cores", fp8_decode_math=math, **opts)

@@ -249,6 +249,27 @@ def test_xqa_decode_matches_reference(built, fp8_out: bool) -> None:
 
 @pytest.mark.gpu
 @needs_gpu
+@pytest.mark.parametrize("phases", ["decode", "any"])
+@pytest.mark.parametrize("math", ["fp16", "model"])
+def test_triton_decode_matches_reference(built, phases: str, math: str) -> None:
+    """fp8_decode="triton": FP8 layers (global, sliding + soft-cap) on our Triton kernel, bf16
+    layers on FlashInfer's decode; accurate like the tensor-core path."""
+    sc = Scenario(MIXED, "decode", seed=2)
+    ref = sc.attend(ReferenceKernel())
+    kernel = FlashInferKernel(
+        fp8_decode="triton", phases=phases, unfused_attention=False, fp8_decode_math=math
+    )
+    out = sc.attend(kernel)
+    for s in MIXED:
+        assert out[s.name].dtype == torch.bfloat16 and torch.isfinite(out[s.name]).all(), s.name
+        err = rel_err(out[s.name], ref[s.name])
+        assert err < TOL["fa2"], f"{s.name}: rel err {err:.2e}"
+    with pytest.raises(KernelUnsupportedError, match="Triton decode cannot write FP8 output"):
+        sc.attend(kernel, output_scale=OUT_SCALE)
+
+
+@pytest.mark.gpu
+@needs_gpu
 def test_unfused_eager_form_runs_on_flashinfer(built) -> None:
     from torch_kvq.attention import Attention
 
@@ -419,7 +440,7 @@ def test_constructor_rejects_bad_options(kwargs: dict, match: str) -> None:
 
 def test_configuration_names_match_capability_rows() -> None:
     fp8_layer = (KVQuantMode.FP8_PER_TENSOR, torch.bfloat16)
-    for fp8_decode in ("tensor_cores", "xqa"):
+    for fp8_decode in ("tensor_cores", "xqa", "triton"):
         for phases in ("any", "decode"):
             name = FlashInferKernel(fp8_decode=fp8_decode, phases=phases).name
             assert name in caps.known_kernels()
@@ -427,6 +448,12 @@ def test_configuration_names_match_capability_rows() -> None:
             writes_fp8 = fp8_decode == "xqa" and phases == "decode"
             assert caps.supports(name, "sm90", *fp8_layer, True) is writes_fp8, name
     assert not caps.supports("flashinfer-xqa-decode", "sm100", *fp8_layer, True)
+    for name in ("flashinfer-triton", "flashinfer-triton-decode"):  # our kernel: sm90 only
+        assert caps.unsupported_reason(name, "sm90", MIXED[3]) is None  # FP8, window, soft-cap
+        assert "quant mode 'fp8_per_tensor' is not supported" in caps.unsupported_reason(
+            name, "sm80", MIXED[1]
+        )
+        assert caps.unsupported_reason(name, "sm80", MIXED[0]) is None  # bf16 layers: fa2
 
 
 def test_xqa_block_table_matches_page_tables() -> None:
@@ -470,6 +497,13 @@ def test_group_keys_follow_prefill_and_decode_math_options() -> None:
     assert key(fa3_fp8, fp8, True) == ("decode", "fa2", f16, bf)
     xqa = FlashInferKernel(fp8_decode="xqa")
     assert key(xqa, fp8, True) == ("xqa", "fa2", bf, bf)  # XQA reads the model-dtype query
+    triton = FlashInferKernel(fp8_decode="triton")
+    assert key(triton, fp8, True) == ("triton", "fa2", f16, bf)  # widened to fp16 in-kernel
+    assert key(triton, bf16, True) == ("decode", "fa2", bf, bf)  # bf16 cache: FlashInfer
+    assert key(triton, fp8, False) == ("prefill", "fa2", bf, bf)
+    triton_model = FlashInferKernel(fp8_decode="triton", fp8_decode_math="model")
+    assert key(triton_model, fp8, True) == ("triton", "fa2", bf, bf)
+    assert triton.name == "flashinfer-triton" and "fp8_decode='triton'" in repr(triton)
     assert "prefill='fa3'" in repr(fa3) and "fp8_decode_math='model'" in repr(model_math)
 
 

@@ -159,7 +159,7 @@ HEAD = dict(head_dim=128, query_pre_attn_scalar=128)  # FlashInfer head sizes: 6
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-@pytest.mark.parametrize("fp8_decode", ["tensor_cores", "xqa"])
+@pytest.mark.parametrize("fp8_decode", ["tensor_cores", "xqa", "triton"])
 def test_captured_graphs_match_uncaptured_steps_on_flashinfer(fp8_decode):
     import torch_kvq
     from torch_kvq.attention.kernels.flashinfer_jit import prebuild

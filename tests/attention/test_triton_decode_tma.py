@@ -73,6 +73,18 @@ def test_interpreter_rejects_bad_inputs(interp) -> None:
         _run(case, interp, pages_per_iter=3)
 
 
+def test_default_splits_and_tuned_configs() -> None:
+    """Pure host logic (runs wherever Triton imports, interpreter or not)."""
+    from torch_kvq.attention.kernels import triton_decode_tma as tma
+
+    assert tma.default_num_splits(32, 8, 16384, 16, sms=132) == 8  # 8 * 132 / 256 -> 8
+    assert tma.default_num_splits(110, 8, 16384, 16, sms=132) == 2
+    assert tma.default_num_splits(32, 8, 1000, 16, sms=132) == 1  # < 64 pages: one split
+    assert tma.default_num_splits(1, 1, 2**20, 16, sms=132) == 64  # capped
+    assert tma.tuned(128) == dict(num_warps=1, num_stages=6, pages_per_iter=2)
+    assert tma.tuned(256)["pages_per_iter"] == 1 and tma.tuned(64) == tma.tuned(128)
+
+
 # -- GPU: the compiled kernel ---------------------------------------------------------------------
 
 needs_gpu = pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
@@ -81,10 +93,11 @@ needs_gpu = pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
 @pytest.mark.gpu
 @needs_gpu
 @pytest.mark.parametrize("qh,kh,d", [(32, 8, 128), (16, 8, 256), (8, 8, 64), (64, 8, 128)])
-@pytest.mark.parametrize("num_splits", [1, 4, None])
+@pytest.mark.parametrize("num_splits", [1, None])
 @pytest.mark.parametrize("window,soft_cap", [(None, None), (64, 5.0)], ids=["global", "swa_cap"])
-@pytest.mark.parametrize("cache_dtype", [FP8_DTYPE, torch.bfloat16], ids=["fp8", "bf16"])
-@pytest.mark.parametrize("ppi", [1, 4])
+@pytest.mark.parametrize(
+    "cache_dtype,ppi", [(FP8_DTYPE, 1), (FP8_DTYPE, 2), (torch.bfloat16, 2)], ids=str
+)
 def test_gpu_matches_reference(qh, kh, d, num_splits, window, soft_cap, cache_dtype, ppi) -> None:
     from torch_kvq.attention.kernels import triton_decode_tma
 

@@ -263,7 +263,12 @@ def test_kernel_objects_and_names_are_accepted():
 
 @pytest.mark.parametrize(
     "fp8_decode,phases,output_quant",
-    [("xqa", "decode", True), ("xqa", "any", False), ("tensor_cores", "decode", False)],
+    [
+        ("xqa", "decode", True),
+        ("xqa", "any", False),
+        ("tensor_cores", "decode", False),
+        ("triton", "decode", False),
+    ],
 )
 def test_a_kernel_object_brings_its_capabilities(monkeypatch, fp8_decode, phases, output_quant):
     """make_kvq_backend(kernel=FlashInferKernel(...)) stamps the layers with that configuration's

@@ -239,6 +239,8 @@ def default_kernel(arch: str) -> str:
 #   "flashinfer-xqa"         phases="any",    fp8_decode="xqa"
 #   "flashinfer-decode"      phases="decode", fp8_decode="tensor_cores"
 #   "flashinfer-xqa-decode"  phases="decode", fp8_decode="xqa"
+#   "flashinfer-triton"      phases="any",    fp8_decode="triton"
+#   "flashinfer-triton-decode" phases="decode", fp8_decode="triton"
 # Prefill / mixed batches run fa2 (BatchPrefillWithPagedKVCacheWrapper), which rejects FP8 output,
 # so only a decode-only kernel whose FP8 decode is XQA claims FP8 output, and only on sm90 (the
 # arch where XQA's FP8-output path was run and checked). fa2 and the tensor-core decode wrapper
@@ -246,6 +248,9 @@ def default_kernel(arch: str) -> str:
 # "-xqa" configurations) runs on sm90, sm100/103 and sm120/121 (FlashInfer's xqa.py), pages of 16 to
 # 128 tokens, no logit soft-cap; on sm8x the "-xqa" configurations serve model-dtype layers only.
 # sm90 is the arch we measured; the others are FlashInfer's documented support, not tested here.
+# The "-triton" configurations run FP8 caches through our Triton kernel (triton_decode_tma: bulk
+# tensor copies, Hopper and later), claimed on sm90 only, where it was run; elsewhere they serve
+# model-dtype layers only. It takes any head size FlashInfer does, pages of 16 to 128, soft-caps.
 # No FlashInfer row sets tensor_output_scale: XQA's o_scale is a Python float in FlashInfer
 # 0.6.18 (its bmm1/bmm2 scales take tensors, o_scale does not), so a quant whose scale is a tensor
 # is left unfused there.
@@ -269,4 +274,12 @@ for _arch in _FI_ARCHS:
             head_sizes=_FI_HEAD_SIZES,
             fp8_page_sizes=_XQA_PAGE_SIZES,
             fp8_soft_cap=False,
+        )
+    for _name in ("flashinfer-triton", "flashinfer-triton-decode"):
+        register_capabilities(
+            _name,
+            _arch,
+            _FI_BASE if _arch == "sm90" else _FI_NONE,
+            head_sizes=_FI_HEAD_SIZES,
+            fp8_page_sizes=_XQA_PAGE_SIZES,
         )
