@@ -428,8 +428,13 @@ def fp16_paths(c: Case) -> dict[str, Callable]:
     return p
 
 
-def build_fp16_modules() -> None:
-    """The study's FlashInfer modules (fp16 query), built concurrently up front."""
+def build_study_modules(
+    xqa_dtypes: tuple[torch.dtype, ...], prefill: tuple[tuple[torch.dtype, ...], ...],
+    cuda_core_fp16: bool = False,
+) -> None:  # fmt: skip
+    """Build a study's FlashInfer modules for every shape, concurrently, up front: XQA with each
+    of ``xqa_dtypes`` as query and output dtype, fa2 prefill (the tensor-core decode's kernel) per
+    (q, kv, out) dtype triple in ``prefill``, and the fp16 CUDA-core decode if asked."""
     from flashinfer.jit.attention.modules import gen_batch_decode_module, gen_batch_prefill_module
     from flashinfer.jit.xqa import gen_xqa_module
 
@@ -438,16 +443,23 @@ def build_fp16_modules() -> None:
     F16, I32 = torch.float16, torch.int32
     mods = {}
     for qh, kh, d in SHAPES.values():
-        specs = [gen_xqa_module(F16, FP8, PAGE, d, qh // kh, False, F16, 1, False),
-                 gen_xqa_module(BF16, FP8, PAGE, d, qh // kh, False, BF16, 1, False),
-                 gen_batch_decode_module(F16, FP8, F16, I32, d, d, 0, False, False)]  # fmt: skip
-        for q, kv, o in ((F16, FP8, F16), (F16, FP8, BF16), (BF16, FP8, BF16), (BF16, BF16, BF16)):
+        specs = [gen_xqa_module(x, FP8, PAGE, d, qh // kh, False, x, 1, False) for x in xqa_dtypes]
+        if cuda_core_fp16:
+            specs.append(gen_batch_decode_module(F16, FP8, F16, I32, d, d, 0, False, False))
+        for q, kv, o in prefill:
             specs.append(
                 gen_batch_prefill_module("fa2", q, kv, o, I32, d, d, 0, False, False, False)
             )
         mods.update({js.name: js for js in specs})
+    build(mods, max_workers=len(mods))
+
+
+def build_fp16_modules() -> None:
+    """The fp16 study's FlashInfer modules (fp16 query)."""
+    F16 = torch.float16
+    prefill = ((F16, FP8, F16), (F16, FP8, BF16), (BF16, FP8, BF16), (BF16, BF16, BF16))
     try:
-        build(mods, max_workers=len(mods))
+        build_study_modules((F16, BF16), prefill, cuda_core_fp16=True)
     except Exception:  # noqa: BLE001 - the paths that need a module report its failure
         traceback.print_exc(limit=3)
 
@@ -515,21 +527,7 @@ def tma_study(gbps: float, rounds: int, calls: int, save: Callable) -> list[dict
     """The TMA-per-page Triton kernel (``triton_decode_tma``) against the accurate FlashInfer
     path (tensor cores, fp16 math), XQA (FP8 math, at the bound) and the gathering Triton kernel:
     warps x stages at the default split count, then the split count at the best of those."""
-    from flashinfer.jit.attention.modules import gen_batch_prefill_module
-    from flashinfer.jit.xqa import gen_xqa_module
-
-    from torch_kvq.attention.kernels.flashinfer_jit import build
-
-    F16, I32 = torch.float16, torch.int32
-    mods = {}
-    for qh, kh, d in SHAPES.values():
-        specs = [gen_xqa_module(BF16, FP8, PAGE, d, qh // kh, False, BF16, 1, False)]
-        for q, kv, o in ((F16, FP8, BF16), (BF16, BF16, BF16)):
-            specs.append(
-                gen_batch_prefill_module("fa2", q, kv, o, I32, d, d, 0, False, False, False)
-            )
-        mods.update({js.name: js for js in specs})
-    build(mods, max_workers=len(mods))
+    build_study_modules((BF16,), ((torch.float16, FP8, BF16), (BF16, BF16, BF16)))
     rows: list[dict[str, Any]] = []
     for name in ("llama", "gemma_global"):
         c = Case(name, 32, 16384)
