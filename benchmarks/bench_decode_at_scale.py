@@ -14,7 +14,8 @@ Per (model, kv config, kernel), one compiled model (kvq_backend) whose pools are
   * capacity: the largest batch at ``--capacity-ctx`` (16k) and its tokens/s,
   * ctx sweep at batch 32 (``--ctxs``), batch sweep at 16k (``--batches`` and the capacity batch);
 a point whose pages do not fit the pools is a row with ``"fits": false`` (no timing).
-Each point: sequences filled in chunks of ``--chunk`` tokens (as chunked prefill would: window
+``--fuse-projections``: q/k/v and gate/up as one GEMM each (``fuse_projections()``), for every
+config alike. Each point: sequences filled in chunks of ``--chunk`` tokens (as chunked prefill would: window
 pools release behind), caches hold random values, a ``DecodeGraphRunner`` for that batch and
 context, ``--warmup`` + ``--steps`` decode steps. The bound: (weight bytes + KV bytes the step
 reads: ctx per full layer, min(ctx, window) per sliding layer) / measured copy bandwidth.
@@ -200,6 +201,8 @@ def run_variant(
     margin = args.warmup + args.steps + args.profile_steps + 2
     # build with minimal pools, measure the memory left beside the weights, size the pools to it
     model = build(model_name, kv, kernel, device, args.smoke, 1, 1 if args.windowed else None)
+    if args.fuse_projections:
+        model.fuse_projections()  # q/k/v and gate/up: one GEMM each, as serving engines run
     weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     specs = model.kv_specs
     if device == "cuda":
@@ -223,6 +226,7 @@ def run_variant(
     base = {"model": model_name, "kv_config": kv_name, "kernel": kernel_name if kv_name == "fp8" else "bf16",
             "kv_gib": kv_bytes / 2**30, "kv_budget_gib": budget / 2**30, "max_batch_at_capacity_ctx": max_batch,
             "capacity_ctx": cap_ctx, "weights_gib": weight_bytes / 2**30, "windowed_pools": args.windowed,
+            "fused_projections": args.fuse_projections,
             "date": env["date_utc"], "gpu": env.get("gpu", "cpu"), "commit": args.commit}  # fmt: skip
     points = [("ctx_sweep", 32 if not args.smoke else 2, c) for c in args.ctxs]
     points += [("batch_sweep", b, cap_ctx) for b in args.batches if (b, cap_ctx) != (32, cap_ctx)
@@ -273,6 +277,8 @@ def main() -> None:
                     help="GPU memory kept for activations, workspaces and graphs")  # fmt: skip
     ap.add_argument("--no-windowed", dest="windowed", action="store_false",
                     help="one shared page table (sliding layers hold the whole context)")  # fmt: skip
+    ap.add_argument("--fuse-projections", action="store_true",
+                    help="model.fuse_projections(): q/k/v and gate/up as one GEMM each")  # fmt: skip
     ap.add_argument("--smoke", action="store_true", help="CPU, tiny shapes, reference kernel")
     ap.add_argument("--smoke-budget-mib", type=int, default=64)
     ap.add_argument("--commit", default=os.environ.get("KVQ_COMMIT") or _git_head(),

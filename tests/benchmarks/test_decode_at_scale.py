@@ -44,13 +44,15 @@ def test_smoke_run_and_plot(tmp_path):
     and the plot script draws them."""
     env = {**os.environ, "OUT": str(tmp_path), "PYTHONPATH": str(ROOT)}
     cmd = [sys.executable, str(ROOT / "benchmarks" / "bench_decode_at_scale.py"), "--smoke",
-           "--models", "gemma-3-12b", "--kv", "fp8:tc", "--commit", "test"]  # fmt: skip
+           "--models", "gemma-3-12b", "--kv", "fp8:tc", "--commit", "test",
+           "--fuse-projections"]  # fmt: skip
     subprocess.run(cmd, env=env, check=True, capture_output=True, timeout=600)
     rows = json.loads((tmp_path / "decode_at_scale.json").read_text())["rows"]
     need = {"model", "kv_config", "kernel", "batch", "ctx", "tokens_per_s", "step_ms", "kv_gib",
             "bound_tokens_per_s", "date", "gpu", "commit"}  # fmt: skip
     timed = [r for r in rows if "tokens_per_s" in r]
     assert timed and all(need <= set(r) for r in timed)
+    assert all(r["fused_projections"] for r in rows)
     cap = next(r for r in rows if r["sweep"] == "capacity")
     assert cap["batch"] == cap["max_batch_at_capacity_ctx"] > 2 and cap["fits"]
     assert "error" not in cap, cap.get("error")
