@@ -98,7 +98,7 @@ def test_default_splits_and_tuned_configs() -> None:
     assert tma.default_num_splits(110, 8, 16384, 16, sms=132) == 2
     assert tma.default_num_splits(32, 8, 1000, 16, sms=132) == 1  # < 64 pages: one split
     assert tma.default_num_splits(1, 1, 2**20, 16, sms=132) == 64  # capped
-    assert tma.tuned(128) == dict(num_warps=1, num_stages=6, pages_per_iter=2)
+    assert tma.tuned(128) == dict(num_warps=1, num_stages=6, pages_per_iter=2, lazy_rescale=True)
     assert tma.tuned(256)["pages_per_iter"] == 1 and tma.tuned(64) == tma.tuned(128)
 
 
@@ -143,25 +143,24 @@ def test_gpu_pipelines_match_reference(num_warps, num_stages, ppi) -> None:
 
 @pytest.mark.gpu
 @needs_gpu
-@pytest.mark.parametrize("qh,kh,d,ppi", [(32, 8, 128, 2), (16, 8, 256, 1), (8, 8, 64, 2)])
+@pytest.mark.parametrize("qh,kh,d", [(32, 8, 128), (16, 8, 256), (8, 8, 64)])
 @pytest.mark.parametrize("window,soft_cap", [(None, None), (64, 5.0)], ids=["global", "swa_cap"])
 @pytest.mark.parametrize("q_gain", [1.0, 20.0], ids=["q1", "q20"])
-@pytest.mark.parametrize("v_smem,lazy", [(True, False), (False, True), (True, True)], ids=str)
-def test_gpu_v_smem_and_lazy_rescale_match_reference(
-    qh, kh, d, ppi, window, soft_cap, q_gain, v_smem, lazy
-) -> None:
+@pytest.mark.parametrize("ppi", [1, 2])
+def test_gpu_lazy_rescale_matches_reference(qh, kh, d, ppi, window, soft_cap, q_gain) -> None:
+    """Lazy rescale, compiled (fp16 products: p <= 2^8 must stay exact), against the reference
+    and against the eager rescale."""
     from torch_kvq.attention.kernels import triton_decode_tma
 
     case = Case((*LENS, 4097), qh, kh, d, seed=8, device="cuda")
     case.q = (case.q.float() * q_gain).to(torch.bfloat16)
-    kw = dict(window=window, soft_cap=soft_cap, pages_per_iter=ppi, v_smem=v_smem)
-    out = _run(case, triton_decode_tma, lazy_rescale=lazy, **kw)
+    kw = dict(window=window, soft_cap=soft_cap, pages_per_iter=ppi)
+    out = _run(case, triton_decode_tma, lazy_rescale=True, **kw)
     assert torch.isfinite(out).all()
     err = rel_err(out, case.ref(window, soft_cap))
     assert err < 5e-3, f"rel err {err:.2e}"
-    if v_smem:  # an opaque identity: the same products as without it (bf16 out: 1-ulp flips)
-        same = _run(case, triton_decode_tma, lazy_rescale=lazy, **{**kw, "v_smem": False})
-        assert rel_err(out, same) < 1e-3
+    eager = _run(case, triton_decode_tma, lazy_rescale=False, **kw)
+    assert rel_err(out, eager) < 2e-3
 
 
 @pytest.mark.gpu

@@ -22,7 +22,6 @@ pointer (by value, in the launch), the host reads no device tensor. Import only 
 from __future__ import annotations
 
 import math
-import os
 
 import torch
 import triton
@@ -30,33 +29,6 @@ import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from torch_kvq.attention.kernels.triton_decode import _DOT_DTYPES, _LOG2E, LOG2E, _combine
-
-
-@triton.jit
-def _v_operand(v, DOT: tl.constexpr, V_SMEM: tl.constexpr):
-    """V [PAGE, D] (cache dtype) as the ``DOT`` operand of ``p @ v``.
-
-    The product contracts over tokens, V's rows. Left alone, Triton reads the e4m3 bytes from
-    shared memory straight into the mma operand layout, one byte per load (LDS.U8) plus byte
-    packing: ~96 instructions per Llama page, a quarter of the loop. ``V_SMEM`` puts an opaque
-    identity (inline PTX ``mov``, not pure) after the widening so the layout change cannot move
-    in front of it: wide loads, e4m3 -> fp16 in registers, then through shared memory as 16-bit
-    values into ``ldmatrix.trans`` (sm90 SASS: loop 1004 -> 795 instructions, 255 -> 182
-    registers per thread at 2 pages per iteration)."""
-    v = v.to(DOT)
-    if V_SMEM:
-        if DOT.primitive_bitwidth == 16:
-            bits = v.to(tl.int16, bitcast=True)
-            bits = tl.inline_asm_elementwise(
-                "mov.b16 $0, $1;", "=h,h", [bits], dtype=tl.int16, is_pure=False, pack=1
-            )
-        else:
-            bits = v.to(tl.int32, bitcast=True)
-            bits = tl.inline_asm_elementwise(
-                "mov.b32 $0, $1;", "=r,r", [bits], dtype=tl.int32, is_pure=False, pack=1
-            )
-        v = bits.to(DOT, bitcast=True)
-    return v
 
 
 @triton.jit
@@ -89,7 +61,7 @@ def _decode_pages(
     QH: tl.constexpr, G: tl.constexpr, BLOCK_G: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr,
     NUM_SPLITS: tl.constexpr, STAGES: tl.constexpr, PPI: tl.constexpr,
     USE_WINDOW: tl.constexpr, USE_SOFT_CAP: tl.constexpr, DOT: tl.constexpr, DIRECT: tl.constexpr,
-    V_SMEM: tl.constexpr, LAZY: tl.constexpr,
+    LAZY: tl.constexpr,
 ):  # fmt: skip
     kh = tl.program_id(0)
     split = tl.program_id(1)
@@ -163,18 +135,18 @@ def _decode_pages(
             m_i = m_new
         pr = tl.exp2(s0 - m_safe[:, None])
         l_i += tl.sum(pr, axis=1)
-        acc = tl.dot(pr.to(DOT), _v_operand(v0, DOT, V_SMEM), acc)
+        acc = tl.dot(pr.to(DOT), v0.to(DOT), acc)
         if PPI >= 2:
             pr = tl.exp2(s1 - m_safe[:, None])
             l_i += tl.sum(pr, axis=1)
-            acc = tl.dot(pr.to(DOT), _v_operand(v1, DOT, V_SMEM), acc)
+            acc = tl.dot(pr.to(DOT), v1.to(DOT), acc)
         if PPI >= 4:
             pr = tl.exp2(s2 - m_safe[:, None])
             l_i += tl.sum(pr, axis=1)
-            acc = tl.dot(pr.to(DOT), _v_operand(v2, DOT, V_SMEM), acc)
+            acc = tl.dot(pr.to(DOT), v2.to(DOT), acc)
             pr = tl.exp2(s3 - m_safe[:, None])
             l_i += tl.sum(pr, axis=1)
-            acc = tl.dot(pr.to(DOT), _v_operand(v3, DOT, V_SMEM), acc)
+            acc = tl.dot(pr.to(DOT), v3.to(DOT), acc)
 
     if DIRECT:
         o = acc * (out_scale / l_i)[:, None]
@@ -189,10 +161,6 @@ def _decode_pages(
         tl.store(o_ptrs, acc / l_safe[:, None], mask=g_mask[:, None])
 
 
-def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET") == "1"
-
-
 def default_num_splits(batch: int, kv_heads: int, max_seq_len: int, page: int, sms: int) -> int:
     """Splits per (sequence, kv head): the power of two at or above 8 programs per SM, each split
     keeping at least 64 pages. On the H200 at 32 x 16k (8 kv heads) that is 8 splits: Llama's
@@ -203,16 +171,18 @@ def default_num_splits(batch: int, kv_heads: int, max_seq_len: int, page: int, s
     return max(1, min(want, most, 64))
 
 
-# (warps, stages, pages per iteration) per head size: the fastest of run 27's sweep (2026-12-01,
-# H200, 32 x 16k). One warp per program beats two and four on both shapes.
-TUNED = {128: (1, 6, 2), 256: (1, 8, 1)}
+# (warps, stages, pages per iteration, lazy rescale) per head size: the fastest of runs 27 and 30
+# (2026-12-01, H200, 32 x 16k). One warp per program beats two and four on both shapes; the lazy
+# rescale moved head 128 from 87% to 89-90% of copy bandwidth (run 30; head 256 at 2 pages per
+# iteration lost with it, 1 page per iteration was not measured with it).
+TUNED = {128: (1, 6, 2, True), 256: (1, 8, 1, False)}
 
 
-def tuned(head_size: int) -> dict[str, int]:
+def tuned(head_size: int) -> dict[str, int | bool]:
     """``paged_decode_tma`` keyword arguments measured best for ``head_size`` (head sizes not
     measured take head 128's)."""
-    warps, stages, ppi = TUNED.get(head_size, TUNED[128])
-    return dict(num_warps=warps, num_stages=stages, pages_per_iter=ppi)
+    warps, stages, ppi, lazy = TUNED.get(head_size, TUNED[128])
+    return dict(num_warps=warps, num_stages=stages, pages_per_iter=ppi, lazy_rescale=lazy)
 
 
 def paged_decode_tma(
@@ -232,7 +202,6 @@ def paged_decode_tma(
     num_warps: int = 1,
     num_stages: int = 6,
     pages_per_iter: int = 2,
-    v_smem: bool = False,
     lazy_rescale: bool = False,
     dot_dtype: torch.dtype = torch.float16,
     workspace: tuple[torch.Tensor, torch.Tensor] | None = None,
@@ -247,10 +216,8 @@ def paged_decode_tma(
     ``window``, ``soft_cap``, ``out``, ``num_splits`` and ``workspace`` as in
     ``triton_decode.paged_decode_fp8``. ``dot_dtype``: the operand dtype of both products;
     ``num_stages``: loop iterations in flight per program, ``pages_per_iter`` (1, 2 or 4) pages
-    each (K and V), all under one online-softmax update. ``v_smem``: widen V with wide loads and
-    transpose it through shared memory as 16-bit values (``_v_operand``; ignored by Triton's
-    interpreter, which has no inline PTX: the same values either way). ``lazy_rescale``: move the
-    softmax reference max only when it grew by more than 2^8.
+    each (K and V), all under one online-softmax update. ``lazy_rescale``: move the softmax
+    reference max only when some row's max grew by more than 2^8 (FlashAttention-4's trick).
     Returns out [B, QH, D] (``q``'s dtype unless ``out`` is given).
     """
     b, qh, d = q.shape
@@ -306,8 +273,8 @@ def paged_decode_tma(
         QH=qh, G=g, BLOCK_G=max(16, triton.next_power_of_2(g)), D=d, PAGE=page,
         NUM_SPLITS=num_splits, STAGES=num_stages, PPI=pages_per_iter,
         USE_WINDOW=window is not None, USE_SOFT_CAP=bool(soft_cap),
-        DOT=_DOT_DTYPES[dot_dtype], DIRECT=direct, V_SMEM=v_smem and not _interpreting(),
-        LAZY=lazy_rescale, num_warps=num_warps,
+        DOT=_DOT_DTYPES[dot_dtype], DIRECT=direct, LAZY=lazy_rescale,
+        num_warps=num_warps,
     )  # fmt: skip
     if not direct:
         _combine[(qh, b)](
