@@ -231,7 +231,7 @@ def run_variant(
     points = [("ctx_sweep", 32 if not args.smoke else 2, c) for c in args.ctxs]
     points += [("batch_sweep", b, cap_ctx) for b in args.batches if (b, cap_ctx) != (32, cap_ctx)
                or cap_ctx not in args.ctxs]  # fmt: skip
-    points += [("capacity", max_batch, cap_ctx)]
+    points += [("capacity", max_batch, cap_ctx)] if args.capacity else []
     rows = []
     for kind, batch, ctx in points:
         row = {**base, "sweep": kind, "batch": batch, "ctx": ctx}
@@ -277,6 +277,8 @@ def main() -> None:
                     help="GPU memory kept for activations, workspaces and graphs")  # fmt: skip
     ap.add_argument("--no-windowed", dest="windowed", action="store_false",
                     help="one shared page table (sliding layers hold the whole context)")  # fmt: skip
+    ap.add_argument("--no-capacity", dest="capacity", action="store_false",
+                    help="skip the largest-batch point")  # fmt: skip
     ap.add_argument("--fuse-projections", action="store_true",
                     help="model.fuse_projections(): q/k/v and gate/up as one GEMM each")  # fmt: skip
     ap.add_argument("--smoke", action="store_true", help="CPU, tiny shapes, reference kernel")
