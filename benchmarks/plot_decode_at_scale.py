@@ -4,7 +4,9 @@ Left: tokens/s against context at batch 32; right: tokens/s against batch at 16k
 of each line is the largest batch that fits the GPU). Solid lines are measured (batch / median
 step time: a few steps of a run can stall for tens of ms, which the mean in the tables keeps),
 dashed lines the bandwidth bound (weights + KV read once per step at copy bandwidth); a missing
-point did not fit in memory. Each model's run (date, commit) is in its titles.
+point did not fit in memory. Stars: the same configs with q/k/v and gate/up fused into one GEMM
+each (``--fuse-projections``; measured at 32 x 16k and the largest batch only). Each model's runs
+(date, commit) are in its titles.
 
     python benchmarks/plot_decode_at_scale.py [rows.json] [out.png]
 """
@@ -46,12 +48,23 @@ def main() -> None:
     all_rows = json.loads(src.read_text())
     rows = [r for r in all_rows if r.get("tokens_per_s")]
     models = sorted({r["model"] for r in rows})
-    fig, axes = plt.subplots(len(models), 2, figsize=(12, 5.2 * len(models)), squeeze=False)
+    fig, axes = plt.subplots(len(models), 2, figsize=(12, 5.2 * len(models) + 1.4), squeeze=False)
     for m, (ax_ctx, ax_b) in zip(models, axes):
         bounds_drawn: set[tuple[int, str]] = set()
         tops: set[int] = set()  # the largest batches annotated (the FP8 kernels share one)
+        starred: set[tuple[int, str]] = set()  # one legend entry per axis and fused config
         for (kv, kernel), (label, color) in LABELS.items():
-            mine = [r for r in rows if (r["model"], r["kv_config"], r["kernel"]) == (m, kv, kernel)]
+            ours = [r for r in rows if (r["model"], r["kv_config"], r["kernel"]) == (m, kv, kernel)]
+            mine = [r for r in ours if not r.get("fused_projections")]
+            for r in (r for r in ours if r.get("fused_projections")):
+                ax = ax_ctx if r["sweep"] == "ctx_sweep" else ax_b
+                for a in {ax, ax_b} if r["ctx"] == 16384 else {ax}:
+                    x = r["ctx"] if a is ax_ctx else r["batch"]
+                    name = f"{label.split(' (')[0]}, projections fused"
+                    new = (id(a), name) not in starred
+                    starred.add((id(a), name))
+                    a.plot([x], [tokens_per_s(r)], "*", color=color, markersize=13,
+                           markeredgecolor="black", label=name if new else None)  # fmt: skip
             by_ctx = sorted((r for r in mine if r["sweep"] == "ctx_sweep"), key=lambda r: r["ctx"])
             by_b = sorted((r for r in mine if r["ctx"] == 16384), key=lambda r: r["batch"])
             by_b = list({r["batch"]: r for r in by_b}.values())
@@ -90,11 +103,15 @@ def main() -> None:
         runs = sorted({f"{r['date']}, commit {r['commit']}" for r in rows if r["model"] == m})
         ax_ctx.set_title(f"{m}: tokens/s vs context\n" + "\n".join(runs), fontsize=9)
         ax_b.set_title(f"{m}: tokens/s vs batch at 16k (lines end at full memory)", fontsize=10)
-        ax_b.legend(loc="lower right", fontsize=8)
     fig.suptitle(
         f"Decode on {rows[0]['gpu']}, CUDA graphs, torch_kvq's decoders at real dimensions"
     )
-    fig.tight_layout()
+    legend: dict[str, object] = {}  # one entry per label across the panels, under them
+    for ax in axes.flat:
+        for h, lab in zip(*ax.get_legend_handles_labels()):
+            legend.setdefault(lab, h)
+    fig.tight_layout(rect=(0, 1.4 / (5.2 * len(models) + 1.4), 1, 1))  # 1.4 in for the legend
+    fig.legend(list(legend.values()), list(legend), loc="lower center", ncol=2, fontsize=8)
     fig.savefig(dst, dpi=110)
     print(dst)
 
