@@ -1,0 +1,116 @@
+"""Compile the TMA decode kernel for sm90 on a machine without a GPU and print what the GPU runs.
+
+Triton compiles for a target it is told (``GPUTarget("cuda", 90, 32)``) with the ptxas and
+cuobjdump it ships, so the kernel's registers, shared memory and main-loop instruction mix can be
+read here, before spending device time: run 30 of 2026-12-01 found this way that the V operand
+was gathered one byte at a time (LDS.U8, 64 per Llama page), then measured that moving it
+through shared memory, though 21% fewer instructions, ran slower (docs/fp8_decode_paths.md).
+
+    python scripts/tma_kernel_sass.py                      # the TUNED configs
+    python scripts/tma_kernel_sass.py --head 128 --ppi 2 --stages 6 --lazy --dump k.sass
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import re
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+LOOP_OPS = ("LDS.U8", "LDS.64", "LDS.128", "LDSM.16.M88.4", "LDSM.16.MT88.4", "STS.128",
+            "F2FP.F16.E4M3.UNPACK_B", "HMMA.16816.F32", "FMUL", "IMAD.MOV.U32", "UTMALDG.2D")  # fmt: skip
+
+
+def compile_kernel(head: int, group: int, ppi: int, stages: int, warps: int, lazy: bool):
+    """The compiled ``_decode_pages`` for FP8 pages of 16 tokens, fp16 products, split-K."""
+    import triton
+    import triton.language as tl
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from torch_kvq.attention.kernels import triton_decode_tma as tma
+
+    fn = tma._decode_pages
+    sig = {
+        "q_ptr": "*fp16", "kv_desc": f"tensordesc<fp8e4nv[16, {head}]>", "block_table_ptr": "*i32",
+        "seq_lens_ptr": "*i32", "part_o_ptr": "*fp32", "part_lse_ptr": "*fp32", "out_ptr": "*fp16",
+        "qk_scale_log2": "fp32", "soft_cap": "fp32", "out_scale": "fp32", "window": "i32",
+        "stride_qb": "i32", "stride_qh": "i32", "stride_ob": "i32", "stride_oh": "i32",
+        "stride_bt": "i32",
+    }  # fmt: skip
+    const = dict(QH=group * 8, G=group, BLOCK_G=max(16, triton.next_power_of_2(group)), D=head,
+                 PAGE=16, NUM_SPLITS=8, STAGES=stages, PPI=ppi, USE_WINDOW=False,
+                 USE_SOFT_CAP=False, DOT=tl.float16, DIRECT=False, LAZY=lazy)  # fmt: skip
+    sig.update(dict.fromkeys(const, "constexpr"))
+    src = ASTSource(
+        fn=fn, signature=sig, constexprs={(fn.arg_names.index(k),): v for k, v in const.items()}
+    )
+    opts = dict(num_warps=warps, num_stages=stages)
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=opts)
+
+
+def sass_stats(kernel) -> tuple[dict[str, int], list[str], str]:
+    """Registers, shared bytes, main-loop length; the loop's instruction counts; the SASS."""
+    import triton
+
+    tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+    with tempfile.TemporaryDirectory() as tmp:
+        cubin = Path(tmp) / "k.cubin"
+        cubin.write_bytes(kernel.asm["cubin"])
+        sass = subprocess.run([tool, "-sass", cubin], capture_output=True, text=True).stdout
+        usage = subprocess.run(
+            [tool, "--dump-resource-usage", cubin], capture_output=True, text=True
+        ).stdout
+    ins = [(int(a, 16), t) for a, t in re.findall(r"/\*([0-9a-f]{4,})\*/\s+(.*?);", sass)]
+    loop, most = (0, 0), -1  # the backward branch whose span holds the most tensor-core ops
+    for addr, text in ins:
+        m = re.search(r"BRA\s+(0x[0-9a-f]+)", text)
+        if m and int(m.group(1), 16) < addr:
+            lo = int(m.group(1), 16)
+            n = sum("HMMA" in t for a, t in ins if lo <= a <= addr)
+            if n > most or (n == most and addr - lo < loop[1] - loop[0]):
+                loop, most = (lo, addr), n
+    body = [t for a, t in ins if loop[0] <= a <= loop[1]]
+    ops = collections.Counter(re.sub(r"^@!?U?P\w+\s+", "", t).split()[0] for t in body)
+    regs = int(re.search(r"REG:(\d+)", usage).group(1))
+    head = {
+        "registers": regs,
+        "shared_bytes": kernel.metadata.shared,
+        "loop_instructions": len(body),
+    }
+    return {**head, **{op: ops[op] for op in LOOP_OPS if ops[op]}}, body, sass
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--head", type=int, help="head size (default: every TUNED one)")
+    ap.add_argument(
+        "--group", type=int, help="query heads per kv head (Gemma's 2 at head 256, else 4)"
+    )
+    ap.add_argument("--ppi", type=int)
+    ap.add_argument("--stages", type=int)
+    ap.add_argument("--warps", type=int)
+    ap.add_argument("--lazy", action=argparse.BooleanOptionalAction, default=None)
+    ap.add_argument("--dump", type=Path, help="write the whole SASS here")
+    args = ap.parse_args()
+    from torch_kvq.attention.kernels.triton_decode_tma import TUNED
+
+    for head in [args.head] if args.head else sorted(TUNED):
+        warps, stages, ppi, lazy = TUNED.get(head, TUNED[128])
+        cfg = dict(
+            head=head, group=args.group or (2 if head == 256 else 4), ppi=args.ppi or ppi, stages=args.stages or stages,
+            warps=args.warps or warps, lazy=lazy if args.lazy is None else args.lazy,
+        )  # fmt: skip
+        stats, _, sass = sass_stats(compile_kernel(**cfg))
+        print(cfg, stats)
+        if args.dump:
+            args.dump.write_text(sass)
+
+
+if __name__ == "__main__":
+    main()
