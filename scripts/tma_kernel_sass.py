@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import argparse
 import collections
+import json
+import os
 import re
 import subprocess
 import sys
@@ -33,6 +35,8 @@ def compile_kernel(head: int, group: int, ppi: int, stages: int, warps: int, laz
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        raise RuntimeError("TRITON_INTERPRET=1 is set: the interpreter compiles nothing; unset it")
     from torch_kvq.attention.kernels import triton_decode_tma as tma
 
     fn = tma._decode_pages
@@ -97,6 +101,7 @@ def main() -> None:
     ap.add_argument("--warps", type=int)
     ap.add_argument("--lazy", action=argparse.BooleanOptionalAction, default=None)
     ap.add_argument("--dump", type=Path, help="write the whole SASS here")
+    ap.add_argument("--json", action="store_true", help="one JSON object per config")
     args = ap.parse_args()
     from torch_kvq.attention.kernels.triton_decode_tma import TUNED
 
@@ -107,7 +112,7 @@ def main() -> None:
             warps=args.warps or warps, lazy=lazy if args.lazy is None else args.lazy,
         )  # fmt: skip
         stats, _, sass = sass_stats(compile_kernel(**cfg))
-        print(cfg, stats)
+        print(json.dumps({**cfg, **stats}) if args.json else f"{cfg} {stats}")
         if args.dump:
             args.dump.write_text(sass)
 
