@@ -6,6 +6,9 @@
 #   bash scripts/gpu_run.sh tests attn xqa   # any subset, in that order
 #   KVQ_GPU_TESTS=tests/attention/test_flashinfer_kernel.py KVQ_PYTEST_K="not slow" bash scripts/gpu_run.sh tests
 #   KVQ_PYTEST_M="gpu and not slow" bash scripts/gpu_run.sh tests   # a subset of the GPU tests
+#   KVQ_PYTEST_WORKERS=3 ...   # pytest-xdist workers (untried on the GPU suite): FlashInfer's JIT
+#                              # builds then overlap; without .jit/ the serial suite does not fit
+#                              # one 600 s call (run 31 of 2026-12-01: 385 of 394 in 600 s)
 #
 # The GPU gate: ``tests`` runs every GPU test (``-m gpu``, slow included) unless told otherwise and
 # writes $OUT/gpu_suite.txt: ``commit <hash>`` ($KVQ_COMMIT, else ``git rev-parse HEAD``: the
@@ -82,8 +85,9 @@ for step in ${*:-tests attn xqa model}; do
   case $step in
     tests) marks=${KVQ_PYTEST_M:-gpu}
            cmd="python3 -m pytest -m \"$marks\" -k \"${KVQ_PYTEST_K:-}\" ${KVQ_GPU_TESTS:-tests/}"
+           workers=${KVQ_PYTEST_WORKERS:+-n $KVQ_PYTEST_WORKERS}
            python3 -m pytest -m "$marks" -v -rfEs --durations=20 -p no:cacheprovider --continue-on-collection-errors \
-             -k "${KVQ_PYTEST_K:-}" ${KVQ_GPU_TESTS:-tests/} 2>&1 | tee "$OUT/${KVQ_TEST_LOG:-gpu_test_log.txt}"
+             $workers -k "${KVQ_PYTEST_K:-}" ${KVQ_GPU_TESTS:-tests/} 2>&1 | tee "$OUT/${KVQ_TEST_LOG:-gpu_test_log.txt}"
            rc=${PIPESTATUS[0]}
            suite_record "$cmd" "$OUT/${KVQ_TEST_LOG:-gpu_test_log.txt}" > "$OUT/gpu_suite.txt"
            cat "$OUT/gpu_suite.txt" | tee -a "$LOG"
