@@ -269,8 +269,9 @@ def main() -> None:
     ap.add_argument("--ctxs", type=int, nargs="+", default=[4096, 8192, 16384, 32768])
     ap.add_argument("--batches", type=int, nargs="+", default=[8, 16, 32, 64])
     ap.add_argument("--capacity-ctx", type=int, default=16384)
-    ap.add_argument("--steps", type=int, default=15)
-    ap.add_argument("--warmup", type=int, default=5)
+    ap.add_argument("--steps", type=int, default=40,
+                    help="timed steps; the first few of a point run slow (RESULTS.md, runs 28-33)")  # fmt: skip
+    ap.add_argument("--warmup", type=int, default=8)
     ap.add_argument("--profile-steps", type=int, default=2)
     ap.add_argument("--chunk", type=int, default=1024, help="tokens per fill append (one sequence)")
     ap.add_argument("--headroom-gib", type=float, default=6.0,
