@@ -477,9 +477,11 @@ def fp16_study(gbps: float, rounds: int, calls: int, save: Callable) -> list[dic
     return rows
 
 
-def tma_path(c: Case, **kw) -> Callable:
-    from torch_kvq.attention.kernels.triton_decode_tma import paged_decode_tma
+def tma_path(c: Case, kernel: Any = None, **kw) -> Callable:
+    """``kernel``: a module with ``paged_decode_tma`` (default: the package's)."""
+    from torch_kvq.attention.kernels import triton_decode_tma
 
+    paged_decode_tma = (kernel or triton_decode_tma).paged_decode_tma
     out = torch.empty_like(c.q)
     return lambda: paged_decode_tma(
         c.q, c.cache8, c.table, c.seq_lens, K_SCALE, V_SCALE, c.sm_scale,
@@ -547,6 +549,37 @@ def tma_study(gbps: float, rounds: int, calls: int, save: Callable) -> list[dict
     return rows
 
 
+# (warps, stages, pages per iteration, lazy) per shape: the tuned config first, then neighbours
+# that the variant's lower register count (168 vs 242 at head 128) might open up
+VPERM_GRID = {
+    "llama": [(1, 6, 2, True), (1, 8, 2, True), (1, 4, 2, True), (1, 8, 1, True), (2, 6, 2, True)],
+    "gemma_global": [(1, 8, 1, False), (1, 8, 1, True), (1, 6, 1, False), (1, 6, 2, True)],
+}
+
+
+def vperm_study(gbps: float, rounds: int, calls: int, save: Callable) -> list[dict[str, Any]]:
+    """``tma_variants``' "vperm" (V's columns permuted: no byte gathers) against the package
+    kernel at its tuned config, 32 x 16k, Llama and Gemma global shapes. No FlashInfer."""
+    import tempfile
+
+    from tma_variants import load_variant
+
+    from torch_kvq.attention.kernels import triton_decode_tma as tma
+
+    variant = load_variant("vperm", Path(tempfile.mkdtemp()))
+    rows: list[dict[str, Any]] = []
+    for name, d in (("llama", 128), ("gemma_global", 256)):
+        c = Case(name, 32, 16384)
+        paths: dict[str, Callable] = {"tma[tuned]": lambda c=c, d=d: tma_path(c, **tma.tuned(d))}
+        for w, st, ppi, lazy in VPERM_GRID[name]:
+            kw = dict(num_warps=w, num_stages=st, pages_per_iter=ppi, lazy_rescale=lazy)
+            label = f"tma_vperm[w{w},st{st},ppi{ppi}{',lazy' * lazy}]"
+            paths[label] = lambda c=c, kw=kw: tma_path(c, kernel=variant, **kw)
+        rows += measure(c, paths, gbps, rounds, calls, "ref8")
+        save(rows)
+    return rows
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help="smaller Triton sweep, fewer trials")
@@ -555,6 +588,8 @@ def main() -> None:
     ap.add_argument("--fa3", action="store_true", help="also try fa3 with bf16 q + fp8 kv")
     ap.add_argument("--fp16-study", action="store_true", help="only the fp16-math study")
     ap.add_argument("--tma-study", action="store_true", help="only the TMA Triton kernel study")
+    ap.add_argument("--vperm-study", action="store_true",
+                    help="only the TMA kernel against its permuted-V variant (tma_variants.py)")  # fmt: skip
     args = ap.parse_args()
     env, copy = environment(), copy_bandwidth()
 
@@ -562,8 +597,8 @@ def main() -> None:
         write_results("bench_fp8_decode_paths", {"env": env, "copy": copy, "rows": rows},
                       markdown(env, copy, rows))  # fmt: skip
 
-    if args.fp16_study or args.tma_study:
-        study = tma_study if args.tma_study else fp16_study
+    if args.fp16_study or args.tma_study or args.vperm_study:
+        study = vperm_study if args.vperm_study else tma_study if args.tma_study else fp16_study
         study(copy["GBps"], args.rounds, args.calls, save_rows)
         return
     builds = start_builds()

@@ -28,8 +28,11 @@ LOOP_OPS = ("LDS.U8", "LDS.64", "LDS.128", "LDSM.16.M88.4", "LDSM.16.MT88.4", "S
             "F2FP.F16.E4M3.UNPACK_B", "HMMA.16816.F32", "FMUL", "IMAD.MOV.U32", "UTMALDG.2D")  # fmt: skip
 
 
-def compile_kernel(head: int, group: int, ppi: int, stages: int, warps: int, lazy: bool):
-    """The compiled ``_decode_pages`` for FP8 pages of 16 tokens, fp16 products, split-K."""
+def compile_kernel(
+    head: int, group: int, ppi: int, stages: int, warps: int, lazy: bool, variant: str | None = None
+):
+    """The compiled ``_decode_pages`` for FP8 pages of 16 tokens, fp16 products, split-K;
+    ``variant``: one of ``benchmarks/tma_variants.py``'s instead of the package kernel."""
     import triton
     import triton.language as tl
     from triton.backends.compiler import GPUTarget
@@ -39,6 +42,11 @@ def compile_kernel(head: int, group: int, ppi: int, stages: int, warps: int, laz
         raise RuntimeError("TRITON_INTERPRET=1 is set: the interpreter compiles nothing; unset it")
     from torch_kvq.attention.kernels import triton_decode_tma as tma
 
+    if variant:
+        sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
+        from tma_variants import load_variant
+
+        tma = load_variant(variant, Path(tempfile.mkdtemp()))
     fn = tma._decode_pages
     sig = {
         "q_ptr": "*fp16", "kv_desc": f"tensordesc<fp8e4nv[16, {head}]>", "block_table_ptr": "*i32",
@@ -102,6 +110,7 @@ def main() -> None:
     ap.add_argument("--lazy", action=argparse.BooleanOptionalAction, default=None)
     ap.add_argument("--dump", type=Path, help="write the whole SASS here")
     ap.add_argument("--json", action="store_true", help="one JSON object per config")
+    ap.add_argument("--variant", help="a kernel of benchmarks/tma_variants.py (e.g. vperm)")
     args = ap.parse_args()
     from torch_kvq.attention.kernels.triton_decode_tma import TUNED
 
@@ -110,6 +119,7 @@ def main() -> None:
         cfg = dict(
             head=head, group=args.group or (2 if head == 256 else 4), ppi=args.ppi or ppi, stages=args.stages or stages,
             warps=args.warps or warps, lazy=lazy if args.lazy is None else args.lazy,
+            variant=args.variant,
         )  # fmt: skip
         stats, _, sass = sass_stats(compile_kernel(**cfg))
         print(json.dumps({**cfg, **stats}) if args.json else f"{cfg} {stats}")

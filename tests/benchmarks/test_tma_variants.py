@@ -1,0 +1,47 @@
+"""benchmarks/tma_variants.py: each variant of the TMA decode kernel, built from the package
+kernel's source, computes the reference attention (Triton's interpreter, fp32 products; the GPU
+measurement is ``bench_fp8_decode_paths.py --vperm-study``). Without Triton, or on a machine with
+CUDA (no interpreter there), these skip, as ``test_triton_decode_tma``'s interpreter tests do."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "tests" / "attention"))  # sets TRITON_INTERPRET before Triton loads
+sys.path.insert(0, str(ROOT / "benchmarks"))
+from test_triton_decode import INTERPRETING, LENS, Case, rel_err  # noqa: E402
+from test_triton_decode_tma import _run  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def vperm(tmp_path_factory):
+    if not INTERPRETING:
+        pytest.skip("interpreter tests run on a machine without CUDA")
+    from tma_variants import load_variant
+
+    return load_variant("vperm", tmp_path_factory.mktemp("variants"))
+
+
+@pytest.mark.parametrize("qh,kh,d", [(8, 2, 128), (4, 2, 256), (4, 4, 64)])
+@pytest.mark.parametrize("window,soft_cap", [(None, None), (100, 5.0)], ids=["global", "swa_cap"])
+@pytest.mark.parametrize("ppi,num_splits,lazy", [(1, 1, False), (2, 3, True), (4, 2, False)])
+def test_vperm_matches_reference(vperm, qh, kh, d, window, soft_cap, ppi, num_splits, lazy):
+    case = Case(LENS, qh, kh, d, seed=3)
+    out = torch.empty(case.q.shape, dtype=torch.float32)
+    kw = dict(window=window, soft_cap=soft_cap, dot_dtype=torch.float32, pages_per_iter=ppi)
+    _run(case, vperm, out=out, num_splits=num_splits, lazy_rescale=lazy, **kw)
+    err = rel_err(out, case.ref(window, soft_cap))
+    assert err < 5e-4, f"rel err {err:.2e}"
+
+
+def test_a_variant_whose_anchor_moved_is_refused(monkeypatch) -> None:
+    import tma_variants
+
+    monkeypatch.setitem(tma_variants.VARIANTS, "gone", [("no such line\n", "x")])
+    with pytest.raises(ValueError, match="variant 'gone': edit 0 expects its anchor 1 time"):
+        tma_variants.variant_source("gone")
