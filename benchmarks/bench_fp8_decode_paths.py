@@ -549,32 +549,39 @@ def tma_study(gbps: float, rounds: int, calls: int, save: Callable) -> list[dict
     return rows
 
 
-# (warps, stages, pages per iteration, lazy) per shape: the tuned config first, then neighbours
-# that the variant's lower register count (168 vs 242 at head 128) might open up
+# (warps, stages, pages per iteration, lazy) per shape around the tuned config (run 34 measured
+# the permuted V at these on a variant; run 35 on the package kernel)
 VPERM_GRID = {
-    "llama": [(1, 6, 2, True), (1, 8, 2, True), (1, 4, 2, True), (1, 8, 1, True), (2, 6, 2, True)],
-    "gemma_global": [(1, 8, 1, False), (1, 8, 1, True), (1, 6, 1, False), (1, 6, 2, True)],
-}
+    "llama": [(1, 6, 2, False), (1, 4, 2, True), (1, 5, 2, True), (1, 7, 2, True), (1, 6, 1, True),
+              (1, 6, 4, True)],
+    "gemma_global": [(1, 6, 1, True), (1, 4, 1, False), (1, 5, 1, False), (1, 7, 1, False),
+                     (1, 8, 1, False), (1, 4, 2, False), (1, 6, 2, True)],
+}  # fmt: skip
 
 
 def vperm_study(gbps: float, rounds: int, calls: int, save: Callable) -> list[dict[str, Any]]:
-    """``tma_variants``' "vperm" (V's columns permuted: no byte gathers) against the package
-    kernel at its tuned config, 32 x 16k, Llama and Gemma global shapes. No FlashInfer."""
+    """The package kernel (V's columns permuted) at its tuned config and around it, against
+    ``tma_variants``' "natural" (V in cache order, the kernel before run 34) at the same tuned
+    config, 32 x 16k, Llama and Gemma global shapes. No FlashInfer."""
     import tempfile
 
     from tma_variants import load_variant
 
     from torch_kvq.attention.kernels import triton_decode_tma as tma
 
-    variant = load_variant("vperm", Path(tempfile.mkdtemp()))
+    natural = load_variant("natural", Path(tempfile.mkdtemp()))
     rows: list[dict[str, Any]] = []
     for name, d in (("llama", 128), ("gemma_global", 256)):
         c = Case(name, 32, 16384)
-        paths: dict[str, Callable] = {"tma[tuned]": lambda c=c, d=d: tma_path(c, **tma.tuned(d))}
+        tuned = tma.tuned(d)
+        paths: dict[str, Callable] = {
+            "tma[tuned]": lambda c=c, kw=tuned: tma_path(c, **kw),
+            "tma_natural[tuned]": lambda c=c, kw=tuned: tma_path(c, kernel=natural, **kw),
+        }
         for w, st, ppi, lazy in VPERM_GRID[name]:
             kw = dict(num_warps=w, num_stages=st, pages_per_iter=ppi, lazy_rescale=lazy)
-            label = f"tma_vperm[w{w},st{st},ppi{ppi}{',lazy' * lazy}]"
-            paths[label] = lambda c=c, kw=kw: tma_path(c, kernel=variant, **kw)
+            label = f"tma[w{w},st{st},ppi{ppi}{',lazy' * lazy}]"
+            paths[label] = lambda c=c, kw=kw: tma_path(c, **kw)
         rows += measure(c, paths, gbps, rounds, calls, "ref8")
         save(rows)
     return rows
@@ -589,7 +596,8 @@ def main() -> None:
     ap.add_argument("--fp16-study", action="store_true", help="only the fp16-math study")
     ap.add_argument("--tma-study", action="store_true", help="only the TMA Triton kernel study")
     ap.add_argument("--vperm-study", action="store_true",
-                    help="only the TMA kernel against its permuted-V variant (tma_variants.py)")  # fmt: skip
+                    help="only the TMA kernel around its tuned config, and against V in cache order "
+                         "(tma_variants.py natural)")  # fmt: skip
     args = ap.parse_args()
     env, copy = environment(), copy_bandwidth()
 

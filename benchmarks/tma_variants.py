@@ -1,18 +1,16 @@
-"""Experimental variants of ``torch_kvq.attention.kernels.triton_decode_tma``, built from its
-source for measurement before any of them goes into the package.
+"""Variants of ``torch_kvq.attention.kernels.triton_decode_tma``, built from its source by
+checked text edits, to measure a change against the package kernel in one run (or to try one
+before it goes into the package).
 
-``vperm``: V's columns permuted so that each thread's mma columns are 16 contiguous cache bytes.
-``p @ v`` contracts over tokens; the mma B fragment of lane ``l`` holds column ``l // 4`` of every
-8-column block j, which in V's natural order are 8 bytes apart, so Triton gathers V one byte at
-a time (128 ``LDS.U8`` per two Llama pages, ``scripts/tma_kernel_sass.py``). Seen as column
-``c = j * (D // 16) + r`` <- ``d = r * 16 + j``, lane ``l``'s columns are ``d = 16 * (l // 4) + j``,
-one ``LDS.128`` per token row; the output is written back through the inverse map. The products
-are the same sums in another order of columns. On sm90 (Triton 3.6, compiled without a GPU):
-no ``LDS.U8``, 8 ``LDS.128``, byte permutes (``PRMT`` / ``LOP3``) instead, 242 -> 168 registers
-at Llama's tuned config; no shared-memory round trip (the V-through-shared-memory variant of
-run 30 had one and ran slower).
+``natural``: V's columns in the cache's order, as the kernel was before run 34. ``p @ v``
+contracts over tokens; the mma B fragment of lane ``l`` holds column ``l // 4`` of every 8-column
+block, which in V's natural order are 8 bytes apart, so Triton gathers V one byte at a time (128
+``LDS.U8`` per two Llama pages, ``scripts/tma_kernel_sass.py --variant natural``). The package
+kernel permutes V's columns (``_page_logits``) so that each lane's columns are 16 contiguous
+bytes, one ``LDS.128`` per token row (242 -> 168 registers at Llama's tuned config; Llama
+88 -> 93% of copy bandwidth at 32 x 16k, run 34 of 2026-12-01).
 
-    mod = load_variant("vperm", out_dir)   # a module with the same API (paged_decode_tma, TUNED)
+    mod = load_variant("natural", out_dir)   # a module with the same API (paged_decode_tma, TUNED)
 """
 
 from __future__ import annotations
@@ -25,27 +23,15 @@ from types import ModuleType
 
 # (anchor, replacement) pairs applied to the package kernel's source; each anchor must occur once
 VARIANTS: dict[str, list[tuple[str, str]]] = {
-    "vperm": [
+    "natural": [
         (
-            "    v = kv_desc.load([row + PAGE, col])\n",
-            "    v = kv_desc.load([row + PAGE, col])\n"
-            "    # vperm: column c = j * (D // 16) + r holds d = r * 16 + j\n"
             "    v = tl.reshape(tl.permute(tl.reshape(v, [PAGE, D // 16, 16]), [0, 2, 1]), [PAGE, D])\n",
+            "",
         ),
-        (
-            "    PAGE: tl.constexpr, DOT: tl.constexpr, USE_SOFT_CAP: tl.constexpr,\n):",
-            "    PAGE: tl.constexpr, DOT: tl.constexpr, USE_SOFT_CAP: tl.constexpr,\n"
-            "    D: tl.constexpr = 128,\n):",
-        ),
-        ("offs_t, PAGE, DOT, USE_SOFT_CAP,\n", "offs_t, PAGE, DOT, USE_SOFT_CAP, D,\n"),
-        (
-            "    if DIRECT:\n        o = acc",
-            "    offs_d = (offs_d % (D // 16)) * 16 + offs_d // (D // 16)  # vperm: back to d\n"
-            "    if DIRECT:\n        o = acc",
-        ),
+        ("    offs_d = (offs_d % (D // 16)) * 16 + offs_d // (D // 16)\n", ""),
     ],
 }
-COUNTS = {("vperm", 2): 4}  # the call-site anchor occurs once per page of a 4-page iteration
+COUNTS: dict[tuple[str, int], int] = {}  # (variant, edit) -> times its anchor occurs, if not once
 
 
 def variant_source(name: str) -> str:

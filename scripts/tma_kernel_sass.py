@@ -110,7 +110,7 @@ def main() -> None:
     ap.add_argument("--lazy", action=argparse.BooleanOptionalAction, default=None)
     ap.add_argument("--dump", type=Path, help="write the whole SASS here")
     ap.add_argument("--json", action="store_true", help="one JSON object per config")
-    ap.add_argument("--variant", help="a kernel of benchmarks/tma_variants.py (e.g. vperm)")
+    ap.add_argument("--variant", help="a kernel of benchmarks/tma_variants.py (e.g. natural)")
     args = ap.parse_args()
     from torch_kvq.attention.kernels.triton_decode_tma import TUNED
 

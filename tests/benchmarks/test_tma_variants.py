@@ -23,22 +23,22 @@ from test_triton_decode_tma import (  # noqa: E402
 
 
 @pytest.fixture(scope="module")
-def vperm(tmp_path_factory):
+def natural(tmp_path_factory):
     if not INTERPRETING:
         pytest.skip("interpreter tests run on a machine without CUDA")
     from tma_variants import load_variant
 
-    return load_variant("vperm", tmp_path_factory.mktemp("variants"))
+    return load_variant("natural", tmp_path_factory.mktemp("variants"))
 
 
 @pytest.mark.parametrize("qh,kh,d", [(8, 2, 128), (4, 2, 256), (4, 4, 64)])
 @pytest.mark.parametrize("window,soft_cap", [(None, None), (100, 5.0)], ids=["global", "swa_cap"])
 @pytest.mark.parametrize("ppi,num_splits", [(1, 1), (2, 3), (4, 2)])
-def test_vperm_matches_reference(vperm, qh, kh, d, window, soft_cap, ppi, num_splits):
+def test_natural_matches_reference(natural, qh, kh, d, window, soft_cap, ppi, num_splits):
     """The package kernel's interpreter checks, run on the variant."""
-    matches_reference(vperm, qh, kh, d, num_splits, window, soft_cap, ppi)
+    matches_reference(natural, qh, kh, d, num_splits, window, soft_cap, ppi)
     if ppi < 4:
-        lazy_matches_reference(vperm, qh, kh, d, window, soft_cap, 20.0, ppi, num_splits)
+        lazy_matches_reference(natural, qh, kh, d, window, soft_cap, 20.0, ppi, num_splits)
 
 
 def test_a_variant_whose_anchor_moved_is_refused(monkeypatch) -> None:

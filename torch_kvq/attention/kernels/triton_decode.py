@@ -30,6 +30,53 @@ _LOG2E = tl.constexpr(LOG2E)  # a jit function reads only constexpr globals (Tri
 
 
 @triton.jit
+def _split_range(
+    seq_len, window, split, BLOCK: tl.constexpr, NUM_SPLITS: tl.constexpr, USE_WINDOW: tl.constexpr
+):
+    """The first key position the query sees (``lo``) and split ``split``'s blocks of ``BLOCK``
+    tokens ``[begin, end)`` (empty past the sequence): the blocks from ``lo``'s to the last,
+    shared out evenly."""
+    lo = 0
+    if USE_WINDOW:  # the query at pos = seq_len - 1 sees keys with pos - window < k_pos
+        lo = tl.maximum(seq_len - window, 0)
+    lo_blk = lo // BLOCK
+    n_blk = (seq_len + BLOCK - 1) // BLOCK - lo_blk
+    per_split = (n_blk + NUM_SPLITS - 1) // NUM_SPLITS
+    begin = lo_blk + split * per_split
+    return lo, begin, tl.minimum(begin + per_split, lo_blk + n_blk)
+
+
+@triton.jit
+def _load_q(q_ptr, b, heads, g_mask, offs_d, stride_qb, stride_qh, DT: tl.constexpr):
+    """The query rows of ``heads`` (masked by ``g_mask``) of sequence ``b``, as ``DT``."""
+    ptrs = q_ptr + b * stride_qb + heads[:, None] * stride_qh + offs_d[None, :]
+    return tl.load(ptrs, mask=g_mask[:, None], other=0.0).to(DT)
+
+
+@triton.jit
+def _store_split(
+    acc, m_i, l_i, b, split, heads, g_mask, offs_d, out_ptr, part_o_ptr, part_lse_ptr,
+    out_scale, stride_ob, stride_oh,
+    QH: tl.constexpr, D: tl.constexpr, NUM_SPLITS: tl.constexpr, DIRECT: tl.constexpr,
+):  # fmt: skip
+    """A program's epilogue: ``acc`` [BLOCK_G, D] (fp32, unnormalised; column j is head dim
+    ``offs_d[j]``), running max ``m_i`` and sum ``l_i`` (base 2). ``DIRECT`` (one split): the
+    output, scaled by ``out_scale``; else the split's normalised partial output and log-sum-exp
+    for ``_combine``."""
+    if DIRECT:
+        o = acc * (out_scale / l_i)[:, None]
+        o_ptrs = out_ptr + b * stride_ob + heads[:, None] * stride_oh + offs_d[None, :]
+        tl.store(o_ptrs, o.to(out_ptr.dtype.element_ty), mask=g_mask[:, None])
+    else:
+        l_safe = tl.where(l_i == 0.0, 1.0, l_i)
+        lse = tl.where(l_i == 0.0, float("-inf"), m_i + tl.log2(l_safe))
+        base = (b.to(tl.int64) * QH + heads) * NUM_SPLITS + split  # [B, QH, S] row
+        tl.store(part_lse_ptr + base, lse, mask=g_mask)
+        o_ptrs = part_o_ptr + base[:, None] * D + offs_d[None, :]
+        tl.store(o_ptrs, acc / l_safe[:, None], mask=g_mask[:, None])
+
+
+@triton.jit
 def _decode_split(
     q_ptr, kv_ptr, kv_indptr_ptr, kv_indices_ptr, seq_lens_ptr,
     part_o_ptr, part_lse_ptr, out_ptr,
@@ -47,25 +94,13 @@ def _decode_split(
     b = tl.program_id(2)
     seq_len = tl.load(seq_lens_ptr + b)
     page_base = tl.load(kv_indptr_ptr + b)
-    lo = 0
-    if USE_WINDOW:  # the query at pos = seq_len - 1 sees keys with pos - window < k_pos
-        lo = tl.maximum(seq_len - window, 0)
-    lo_tile = lo // BLOCK_N
-    n_tiles = (seq_len + BLOCK_N - 1) // BLOCK_N - lo_tile
-    tiles_per_split = (n_tiles + NUM_SPLITS - 1) // NUM_SPLITS
-    t_begin = lo_tile + split * tiles_per_split
-    t_end = tl.minimum(t_begin + tiles_per_split, lo_tile + n_tiles)
-
+    lo, t_begin, t_end = _split_range(seq_len, window, split, BLOCK_N, NUM_SPLITS, USE_WINDOW)
     offs_g = tl.arange(0, BLOCK_G)
     offs_d = tl.arange(0, D)
     offs_n = tl.arange(0, BLOCK_N)
     g_mask = offs_g < G
     heads = kh * G + offs_g
-    q = tl.load(
-        q_ptr + b * stride_qb + heads[:, None] * stride_qh + offs_d[None, :],
-        mask=g_mask[:, None],
-        other=0.0,
-    ).to(QK_DTYPE)  # [BLOCK_G, D]
+    q = _load_q(q_ptr, b, heads, g_mask, offs_d, stride_qb, stride_qh, QK_DTYPE)  # [BLOCK_G, D]
 
     m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_G], tl.float32)
@@ -93,18 +128,10 @@ def _decode_split(
         l_i = l_i * alpha + tl.sum(p, axis=1)
         acc = acc * alpha[:, None] + tl.dot(p.to(PV_DTYPE), v.to(PV_DTYPE))
         m_i = m_new
-
-    if DIRECT:
-        o = acc * (out_scale / l_i)[:, None]
-        o_ptrs = out_ptr + b * stride_ob + heads[:, None] * stride_oh + offs_d[None, :]
-        tl.store(o_ptrs, o.to(out_ptr.dtype.element_ty), mask=g_mask[:, None])
-    else:
-        l_safe = tl.where(l_i == 0.0, 1.0, l_i)
-        lse = tl.where(l_i == 0.0, float("-inf"), m_i + tl.log2(l_safe))
-        base = (b.to(tl.int64) * QH + heads) * NUM_SPLITS + split  # [B, QH, S] row
-        tl.store(part_lse_ptr + base, lse, mask=g_mask)
-        o_ptrs = part_o_ptr + base[:, None] * D + offs_d[None, :]
-        tl.store(o_ptrs, acc / l_safe[:, None], mask=g_mask[:, None])
+    _store_split(
+        acc, m_i, l_i, b, split, heads, g_mask, offs_d, out_ptr, part_o_ptr, part_lse_ptr,
+        out_scale, stride_ob, stride_oh, QH, D, NUM_SPLITS, DIRECT,
+    )  # fmt: skip
 
 
 @triton.jit
@@ -124,6 +151,70 @@ def _combine(
     o = tl.load(part_o_ptr + (base + offs_s)[:, None] * D + offs_d[None, :], mask=s_mask[:, None])
     o = tl.sum(o * w[:, None], axis=0) * (out_scale / tl.sum(w, axis=0))
     tl.store(out_ptr + b * stride_ob + h * stride_oh + offs_d, o.to(out_ptr.dtype.element_ty))
+
+
+def check_args(
+    fn: str,
+    q: torch.Tensor,
+    int_tensors: dict[str, torch.Tensor],
+    dot_dtypes: dict[str, torch.dtype],
+    window: int | None,
+) -> None:
+    """The checks both decode kernels share (ValueError naming ``fn`` and the bad argument)."""
+    for name, t in int_tensors.items():
+        if t.dtype != torch.int32 or t.device != q.device:
+            raise ValueError(
+                f"{fn}: {name} must be int32 on {q.device}, got {t.dtype} on {t.device}"
+            )
+    for name, dt in dot_dtypes.items():
+        if dt not in _DOT_DTYPES:
+            raise ValueError(f"{fn}: {name} must be one of {list(_DOT_DTYPES)}, got {dt}")
+    if window is not None and window <= 0:
+        raise ValueError(f"{fn}: window must be positive, got {window}")
+
+
+def split_outputs(
+    fn: str,
+    q: torch.Tensor,
+    out: torch.Tensor | None,
+    num_splits: int,
+    workspace: tuple[torch.Tensor, torch.Tensor] | None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """out [B, QH, D] (allocated in ``q``'s dtype if None) and the split workspace: partial out
+    [B, QH, S, D] and lse [B, QH, S] (fp32; ``workspace`` if given, else allocated; ``out``
+    itself, unused, when S = 1)."""
+    b, qh, d = q.shape
+    if out is None:
+        out = torch.empty((b, qh, d), dtype=q.dtype, device=q.device)
+    if out.shape != q.shape or out.stride(-1) != 1:
+        raise ValueError(f"{fn}: out must be {tuple(q.shape)}, last dim contiguous")
+    if num_splits == 1:
+        return out, out, out
+    if workspace is not None:
+        part_o, part_lse = workspace
+        if part_o.shape != (b, qh, num_splits, d) or part_lse.shape != (b, qh, num_splits):
+            raise ValueError(
+                f"{fn}: workspace shapes {tuple(part_o.shape)} / {tuple(part_lse.shape)} do not "
+                f"match num_splits: need {(b, qh, num_splits, d)} / {(b, qh, num_splits)}"
+            )
+        return out, part_o, part_lse
+    part_o = torch.empty((b, qh, num_splits, d), dtype=torch.float32, device=q.device)
+    part_lse = torch.empty((b, qh, num_splits), dtype=torch.float32, device=q.device)
+    return out, part_o, part_lse
+
+
+def combine_splits(
+    part_o: torch.Tensor, part_lse: torch.Tensor, out: torch.Tensor, v_scale: float, num_splits: int
+) -> torch.Tensor:
+    """Merge the splits into ``out`` (``_combine``; nothing to do for one split)."""
+    if num_splits > 1:
+        b, qh, d = out.shape
+        _combine[(qh, b)](
+            part_o, part_lse, out, float(v_scale), out.stride(0), out.stride(1),
+            QH=qh, D=d, NUM_SPLITS=num_splits, BLOCK_S=triton.next_power_of_2(num_splits),
+            num_warps=4,
+        )  # fmt: skip
+    return out
 
 
 def default_num_splits(batch: int, kv_heads: int, max_seq_len: int, block_n: int, sms: int) -> int:
@@ -180,31 +271,16 @@ def paged_decode_fp8(
         )
     if q.stride(-1) != 1 or kv_cache.stride(-1) != 1:
         raise ValueError("paged_decode_fp8: q and kv_cache need a contiguous last dim")
-    for name, t in (("kv_indptr", kv_indptr), ("kv_indices", kv_indices), ("seq_lens", seq_lens)):
-        if t.dtype != torch.int32 or t.device != q.device:
-            raise ValueError(f"paged_decode_fp8: {name} must be int32 on {q.device}")
-    if qk_dtype not in _DOT_DTYPES or pv_dtype not in _DOT_DTYPES:
-        raise ValueError(f"paged_decode_fp8: dot dtypes must be one of {list(_DOT_DTYPES)}")
-    if window is not None and window <= 0:
-        raise ValueError(f"paged_decode_fp8: window must be positive, got {window}")
+    check_args(
+        "paged_decode_fp8", q, dict(kv_indptr=kv_indptr, kv_indices=kv_indices, seq_lens=seq_lens),
+        dict(qk_dtype=qk_dtype, pv_dtype=pv_dtype), window,
+    )  # fmt: skip
     if num_splits is None:
         sms = torch.cuda.get_device_properties(q.device).multi_processor_count if q.is_cuda else 132
         num_splits = default_num_splits(b, kh, max_seq_len, block_n, sms)
     g = qh // kh
-    if out is None:
-        out = torch.empty((b, qh, d), dtype=q.dtype, device=q.device)
-    if out.shape != q.shape or out.stride(-1) != 1:
-        raise ValueError(f"paged_decode_fp8: out must be {tuple(q.shape)}, last dim contiguous")
+    out, part_o, part_lse = split_outputs("paged_decode_fp8", q, out, num_splits, workspace)
     direct = num_splits == 1
-    if direct:
-        part_o = part_lse = out  # unused
-    elif workspace is not None:
-        part_o, part_lse = workspace
-        if part_o.shape != (b, qh, num_splits, d) or part_lse.shape != (b, qh, num_splits):
-            raise ValueError("paged_decode_fp8: workspace shapes do not match num_splits")
-    else:
-        part_o = torch.empty((b, qh, num_splits, d), dtype=torch.float32, device=q.device)
-        part_lse = torch.empty((b, qh, num_splits), dtype=torch.float32, device=q.device)
     sc = kv_cache.stride()
     _decode_split[(kh, num_splits, b)](
         q, kv_cache, kv_indptr, kv_indices, seq_lens,
@@ -219,10 +295,4 @@ def paged_decode_fp8(
         QK_DTYPE=_DOT_DTYPES[qk_dtype], PV_DTYPE=_DOT_DTYPES[pv_dtype], DIRECT=direct,
         num_warps=num_warps, num_stages=num_stages,
     )  # fmt: skip
-    if not direct:
-        _combine[(qh, b)](
-            part_o, part_lse, out, float(v_scale), out.stride(0), out.stride(1),
-            QH=qh, D=d, NUM_SPLITS=num_splits, BLOCK_S=triton.next_power_of_2(num_splits),
-            num_warps=4,
-        )  # fmt: skip
-    return out
+    return combine_splits(part_o, part_lse, out, v_scale, num_splits)

@@ -7,10 +7,12 @@ every kv head is one 2-D box ``[page, D]`` of the cache seen as ``[P * 2 * page,
 (K rows of page p start at ``2 * page * p``, V rows ``page`` later), loaded by the copy engine
 into a small shared buffer: a page of Llama's head 128 is 2 KiB, so many pages are in flight per
 program at little shared memory. One warp per program, many programs per SM (split-K), 1-2 pages
-per loop iteration under one online-softmax update (``tuned``): on the H200 at 32 x 16k (runs
-26-27 of 2026-12-01) Llama's head 128 reads at 87% of copy bandwidth (0.288 ms; FlashInfer's
-tensor-core decode 66%, XQA's FP8-math kernel 97%) and Gemma-3's head 256 at 91% (0.554 ms; 81%,
-103%), relative error 1.7e-3 against fp32 (XQA 3.8e-2). Two warps per program: 56% / 73%.
+per loop iteration under one online-softmax update (``tuned``). V's columns are permuted in
+registers so that the ``p @ v`` operand loads are 16-byte vectors, not byte gathers
+(``_page_logits``). On the H200 at 32 x 16k (run 34 of 2026-12-01) Llama's head 128 reads at 93%
+of copy bandwidth (0.270 ms; FlashInfer's tensor-core decode 67%, XQA's FP8-math kernel 100%,
+run 30) and Gemma-3's head 256 at 99.8% (0.503 ms; 83%, 106%), relative error 1.7e-3 against
+fp32 (XQA 3.7e-2). Before the permutation: 88% / 93%; with two warps per program: 56% / 73%.
 
 Math as in ``triton_decode``: e4m3 -> ``dot_dtype`` (fp16 by default: one instruction per two
 values on sm90, exact) in registers, both products accumulate in fp32, online softmax in base 2,
@@ -28,20 +30,35 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from torch_kvq.attention.kernels.triton_decode import _DOT_DTYPES, _LOG2E, LOG2E, _combine
+from torch_kvq.attention.kernels.triton_decode import (
+    _DOT_DTYPES,
+    _LOG2E,
+    LOG2E,
+    _load_q,
+    _split_range,
+    _store_split,
+    check_args,
+    combine_splits,
+    split_outputs,
+)
 
 
 @triton.jit
 def _page_logits(
     q, kv_desc, table, p, p_end, col, lo, seq_len, qk_scale_log2, soft_cap, offs_t,
-    PAGE: tl.constexpr, DOT: tl.constexpr, USE_SOFT_CAP: tl.constexpr,
+    PAGE: tl.constexpr, D: tl.constexpr, DOT: tl.constexpr, USE_SOFT_CAP: tl.constexpr,
 ):  # fmt: skip
     """Page ``p`` of the split (``p >= p_end``: past it, all logits -inf, page 0 read): its
-    base-2 logits [BLOCK_G, PAGE] (fp32) and its V rows [PAGE, D] (cache dtype)."""
+    base-2 logits [BLOCK_G, PAGE] (fp32) and its V rows [PAGE, D] (cache dtype) with the columns
+    permuted: column ``c = j * (D // 16) + r`` holds head dim ``d = 16 * r + j``."""
     ok = p < p_end
     row = tl.load(table + p, mask=ok, other=0) * (2 * PAGE)
     k = kv_desc.load([row, col])  # [PAGE, D]
     v = kv_desc.load([row + PAGE, col])
+    # ``p @ v`` sums over tokens, so V's columns may come in any order (the output's follow).
+    # In this order each lane's mma B fragment (column l // 4 of every 8-column block) is 16
+    # contiguous bytes of a row: one 128-bit shared load instead of 16 byte loads (run 34).
+    v = tl.reshape(tl.permute(tl.reshape(v, [PAGE, D // 16, 16]), [0, 2, 1]), [PAGE, D])
     s = tl.dot(q, tl.trans(k.to(DOT)))  # [BLOCK_G, PAGE] fp32
     if USE_SOFT_CAP:  # cap * tanh(x / cap), tanh(y) = 1 - 2 / (exp(2y) + 1)
         s = s * qk_scale_log2 / _LOG2E
@@ -68,25 +85,13 @@ def _decode_pages(
     b = tl.program_id(2)
     seq_len = tl.load(seq_lens_ptr + b)
     table = block_table_ptr + b.to(tl.int64) * stride_bt
-    lo = 0
-    if USE_WINDOW:  # the query at pos = seq_len - 1 sees keys with pos - window < k_pos
-        lo = tl.maximum(seq_len - window, 0)
-    p_lo = lo // PAGE
-    n_pages = (seq_len + PAGE - 1) // PAGE - p_lo
-    per_split = (n_pages + NUM_SPLITS - 1) // NUM_SPLITS
-    p_begin = p_lo + split * per_split
-    p_end = tl.minimum(p_begin + per_split, p_lo + n_pages)
-
+    lo, p_begin, p_end = _split_range(seq_len, window, split, PAGE, NUM_SPLITS, USE_WINDOW)
     offs_g = tl.arange(0, BLOCK_G)
     offs_d = tl.arange(0, D)
     offs_t = tl.arange(0, PAGE)
     g_mask = offs_g < G
     heads = kh * G + offs_g
-    q = tl.load(
-        q_ptr + b * stride_qb + heads[:, None] * stride_qh + offs_d[None, :],
-        mask=g_mask[:, None],
-        other=0.0,
-    ).to(DOT)  # [BLOCK_G, D]
+    q = _load_q(q_ptr, b, heads, g_mask, offs_d, stride_qb, stride_qh, DOT)  # [BLOCK_G, D]
 
     # LAZY: m_i is a reference max moved only when some row's max grew by more than 8 (base 2),
     # as FlashAttention-4 does: p <= 2^8 (exact in fp16), and most iterations skip rescaling acc.
@@ -100,23 +105,23 @@ def _decode_pages(
         p = p_begin + it * PPI
         s0, v0 = _page_logits(
             q, kv_desc, table, p, p_end, col, lo, seq_len, qk_scale_log2, soft_cap,
-            offs_t, PAGE, DOT, USE_SOFT_CAP,
+            offs_t, PAGE, D, DOT, USE_SOFT_CAP,
         )  # fmt: skip
         m_blk = tl.max(s0, axis=1)
         if PPI >= 2:
             s1, v1 = _page_logits(
                 q, kv_desc, table, p + 1, p_end, col, lo, seq_len, qk_scale_log2, soft_cap,
-                offs_t, PAGE, DOT, USE_SOFT_CAP,
+                offs_t, PAGE, D, DOT, USE_SOFT_CAP,
             )  # fmt: skip
             m_blk = tl.maximum(m_blk, tl.max(s1, axis=1))
         if PPI >= 4:
             s2, v2 = _page_logits(
                 q, kv_desc, table, p + 2, p_end, col, lo, seq_len, qk_scale_log2, soft_cap,
-                offs_t, PAGE, DOT, USE_SOFT_CAP,
+                offs_t, PAGE, D, DOT, USE_SOFT_CAP,
             )  # fmt: skip
             s3, v3 = _page_logits(
                 q, kv_desc, table, p + 3, p_end, col, lo, seq_len, qk_scale_log2, soft_cap,
-                offs_t, PAGE, DOT, USE_SOFT_CAP,
+                offs_t, PAGE, D, DOT, USE_SOFT_CAP,
             )  # fmt: skip
             m_blk = tl.maximum(m_blk, tl.maximum(tl.max(s2, axis=1), tl.max(s3, axis=1)))
         m_new = tl.maximum(m_i, m_blk)
@@ -147,18 +152,12 @@ def _decode_pages(
             pr = tl.exp2(s3 - m_safe[:, None])
             l_i += tl.sum(pr, axis=1)
             acc = tl.dot(pr.to(DOT), v3.to(DOT), acc)
-
-    if DIRECT:
-        o = acc * (out_scale / l_i)[:, None]
-        o_ptrs = out_ptr + b * stride_ob + heads[:, None] * stride_oh + offs_d[None, :]
-        tl.store(o_ptrs, o.to(out_ptr.dtype.element_ty), mask=g_mask[:, None])
-    else:
-        l_safe = tl.where(l_i == 0.0, 1.0, l_i)
-        lse = tl.where(l_i == 0.0, float("-inf"), m_i + tl.log2(l_safe))
-        base = (b.to(tl.int64) * QH + heads) * NUM_SPLITS + split  # [B, QH, S] row
-        tl.store(part_lse_ptr + base, lse, mask=g_mask)
-        o_ptrs = part_o_ptr + base[:, None] * D + offs_d[None, :]
-        tl.store(o_ptrs, acc / l_safe[:, None], mask=g_mask[:, None])
+    # acc's column c is head dim d = 16 * (c % (D // 16)) + c // (D // 16) (``_page_logits``)
+    offs_d = (offs_d % (D // 16)) * 16 + offs_d // (D // 16)
+    _store_split(
+        acc, m_i, l_i, b, split, heads, g_mask, offs_d, out_ptr, part_o_ptr, part_lse_ptr,
+        out_scale, stride_ob, stride_oh, QH, D, NUM_SPLITS, DIRECT,
+    )  # fmt: skip
 
 
 def default_num_splits(batch: int, kv_heads: int, max_seq_len: int, page: int, sms: int) -> int:
@@ -171,11 +170,12 @@ def default_num_splits(batch: int, kv_heads: int, max_seq_len: int, page: int, s
     return max(1, min(want, most, 64))
 
 
-# (warps, stages, pages per iteration, lazy rescale) per head size: the fastest of runs 27 and 30
-# (2026-12-01, H200, 32 x 16k). One warp per program beats two and four on both shapes; the lazy
-# rescale moved head 128 from 87% to 89-90% of copy bandwidth (run 30; head 256 at 2 pages per
-# iteration lost with it, 1 page per iteration was not measured with it).
-TUNED = {128: (1, 6, 2, True), 256: (1, 8, 1, False)}
+# (warps, stages, pages per iteration, lazy rescale) per head size: the fastest of runs 27, 30 and
+# 34 (2026-12-01, H200, 32 x 16k). One warp per program beats two and four on both shapes; the
+# lazy rescale moved head 128 from 87% to 89-90% of copy bandwidth (run 30); with V permuted
+# (run 34) head 128 reads at 93% at (1, 6, 2, lazy), 87% at 4 stages, 77% at 8; head 256 at 99.8%
+# at (1, 6, 1), 80-86% at 8 stages.
+TUNED = {128: (1, 6, 2, True), 256: (1, 6, 1, False)}
 
 
 def tuned(head_size: int) -> dict[str, int | bool]:
@@ -217,51 +217,38 @@ def paged_decode_tma(
     ``triton_decode.paged_decode_fp8``. ``dot_dtype``: the operand dtype of both products;
     ``num_stages``: loop iterations in flight per program, ``pages_per_iter`` (1, 2 or 4) pages
     each (K and V), all under one online-softmax update. ``lazy_rescale``: move the softmax
-    reference max only when some row's max grew by more than 2^8 (FlashAttention-4's trick).
+    reference max only when some row's max logit grew by more than 8 in base 2, so the softmax
+    weights stay <= 2^8 (FlashAttention-4's trick).
     Returns out [B, QH, D] (``q``'s dtype unless ``out`` is given).
     """
     b, qh, d = q.shape
     pages, two, page, kh, dk = kv_cache.shape
-    if two != 2 or dk != d or qh % kh or d & (d - 1) or page & (page - 1) or page < 16:
+    if two != 2 or dk != d or qh % kh or d & (d - 1) or d < 16 or page & (page - 1) or page < 16:
         raise ValueError(
             f"paged_decode_tma: q {tuple(q.shape)} / kv_cache {tuple(kv_cache.shape)}: need "
-            "kv_cache [P, 2, page, KH, D] with QH % KH == 0, D and page powers of two, page >= 16"
+            "kv_cache [P, 2, page, KH, D] with QH % KH == 0, D and page powers of two, D >= 16 and "
+            "page >= 16"
         )
     if not kv_cache.is_contiguous() or q.stride(-1) != 1:
         raise ValueError("paged_decode_tma: kv_cache must be contiguous, q's last dim contiguous")
-    for name, t in (("block_table", block_table), ("seq_lens", seq_lens)):
-        if t.dtype != torch.int32 or t.device != q.device:
-            raise ValueError(f"paged_decode_tma: {name} must be int32 on {q.device}")
+    check_args(
+        "paged_decode_tma", q, dict(block_table=block_table, seq_lens=seq_lens),
+        dict(dot_dtype=dot_dtype), window,
+    )  # fmt: skip
     if block_table.dim() != 2 or block_table.shape[0] != b or block_table.stride(1) != 1:
         raise ValueError(
             f"paged_decode_tma: block_table {tuple(block_table.shape)} must be [B={b}, W] with "
             "a contiguous last dim"
         )
-    if dot_dtype not in _DOT_DTYPES:
-        raise ValueError(f"paged_decode_tma: dot_dtype must be one of {list(_DOT_DTYPES)}")
     if pages_per_iter not in (1, 2, 4):
         raise ValueError(
             f"paged_decode_tma: pages_per_iter must be 1, 2 or 4, got {pages_per_iter}"
         )
-    if window is not None and window <= 0:
-        raise ValueError(f"paged_decode_tma: window must be positive, got {window}")
     if num_splits is None:
         sms = torch.cuda.get_device_properties(q.device).multi_processor_count if q.is_cuda else 132
         num_splits = default_num_splits(b, kh, max_seq_len, page, sms)
-    if out is None:
-        out = torch.empty((b, qh, d), dtype=q.dtype, device=q.device)
-    if out.shape != q.shape or out.stride(-1) != 1:
-        raise ValueError(f"paged_decode_tma: out must be {tuple(q.shape)}, last dim contiguous")
+    out, part_o, part_lse = split_outputs("paged_decode_tma", q, out, num_splits, workspace)
     direct = num_splits == 1
-    if direct:
-        part_o = part_lse = out  # unused
-    elif workspace is not None:
-        part_o, part_lse = workspace
-        if part_o.shape != (b, qh, num_splits, d) or part_lse.shape != (b, qh, num_splits):
-            raise ValueError("paged_decode_tma: workspace shapes do not match num_splits")
-    else:
-        part_o = torch.empty((b, qh, num_splits, d), dtype=torch.float32, device=q.device)
-        part_lse = torch.empty((b, qh, num_splits), dtype=torch.float32, device=q.device)
     rows = kv_cache.view(pages * 2 * page, kh * d)
     desc = TensorDescriptor(rows, list(rows.shape), [kh * d, 1], [page, d])
     g = qh // kh
@@ -276,10 +263,4 @@ def paged_decode_tma(
         DOT=_DOT_DTYPES[dot_dtype], DIRECT=direct, LAZY=lazy_rescale,
         num_warps=num_warps,
     )  # fmt: skip
-    if not direct:
-        _combine[(qh, b)](
-            part_o, part_lse, out, float(v_scale), out.stride(0), out.stride(1),
-            QH=qh, D=d, NUM_SPLITS=num_splits, BLOCK_S=triton.next_power_of_2(num_splits),
-            num_warps=4,
-        )  # fmt: skip
-    return out
+    return combine_splits(part_o, part_lse, out, v_scale, num_splits)
