@@ -6,9 +6,10 @@
 #   bash scripts/gpu_run.sh tests attn xqa   # any subset, in that order
 #   KVQ_GPU_TESTS=tests/attention/test_flashinfer_kernel.py KVQ_PYTEST_K="not slow" bash scripts/gpu_run.sh tests
 #   KVQ_PYTEST_M="gpu and not slow" bash scripts/gpu_run.sh tests   # a subset of the GPU tests
-#   KVQ_PYTEST_WORKERS=3 ...   # pytest-xdist workers (untried on the GPU suite): FlashInfer's JIT
-#                              # builds then overlap; without .jit/ the serial suite does not fit
-#                              # one 600 s call (run 31 of 2026-12-01: 385 of 394 in 600 s)
+#   KVQ_PYTEST_WORKERS=4 ...   # pytest-xdist workers: FlashInfer's JIT builds then overlap; without
+#                              # a full .jit/ the serial suite does not fit one 600 s call (run 31
+#                              # of 2026-12-01: 385 of 394 in 600 s)
+#   KVQ_TESTS_TIMEOUT=420 ...  # interrupt the tests then, so that later steps (jitpack) still run
 #
 # The GPU gate: ``tests`` runs every GPU test (``-m gpu``, slow included) unless told otherwise and
 # writes $OUT/gpu_suite.txt: ``commit <hash>`` ($KVQ_COMMIT, else ``git rev-parse HEAD``: the
@@ -84,8 +85,11 @@ for step in ${*:-tests attn xqa model}; do
   echo "=== $step $(date -u +%T)" | tee -a "$LOG"
   case $step in
     tests) marks=${KVQ_PYTEST_M:-gpu}
-           cmd="python3 -m pytest -m \"$marks\" -k \"${KVQ_PYTEST_K:-}\" ${KVQ_GPU_TESTS:-tests/}"
            workers=${KVQ_PYTEST_WORKERS:+-n $KVQ_PYTEST_WORKERS}
+           cmd="python3 -m pytest -m \"$marks\" -k \"${KVQ_PYTEST_K:-}\" $workers ${KVQ_GPU_TESTS:-tests/}"
+           # KVQ_TESTS_TIMEOUT=<s>: interrupt pytest (SIGINT: it still prints its summary) so the
+           # steps after it run within the device's 600 s per call
+           ${KVQ_TESTS_TIMEOUT:+timeout -s INT -k 20 $KVQ_TESTS_TIMEOUT} \
            python3 -m pytest -m "$marks" -v -rfEs --durations=20 -p no:cacheprovider --continue-on-collection-errors \
              $workers -k "${KVQ_PYTEST_K:-}" ${KVQ_GPU_TESTS:-tests/} 2>&1 | tee "$OUT/${KVQ_TEST_LOG:-gpu_test_log.txt}"
            rc=${PIPESTATUS[0]}
