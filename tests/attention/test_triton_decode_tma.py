@@ -98,7 +98,7 @@ def test_default_splits_and_tuned_configs() -> None:
     assert tma.default_num_splits(110, 8, 16384, 16, sms=132) == 2
     assert tma.default_num_splits(32, 8, 1000, 16, sms=132) == 1  # < 64 pages: one split
     assert tma.default_num_splits(1, 1, 2**20, 16, sms=132) == 64  # capped
-    assert tma.tuned(128) == dict(num_warps=1, num_stages=6, pages_per_iter=2, lazy_rescale=True)
+    assert tma.tuned(128) == dict(num_warps=1, num_stages=6, pages_per_iter=1, lazy_rescale=True)
     assert tma.tuned(256)["pages_per_iter"] == 1 and tma.tuned(64) == tma.tuned(128)
 
 

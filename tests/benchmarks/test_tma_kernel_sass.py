@@ -20,19 +20,32 @@ if importlib.util.find_spec("triton") is None:
 ROOT = Path(__file__).resolve().parents[2]
 
 
+def sass_json(*args: str) -> dict:
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    cmd = [sys.executable, str(ROOT / "scripts" / "tma_kernel_sass.py"), *args, "--json"]
+    out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300, check=True)
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
 @pytest.mark.parametrize("ppi", [1, 2])
 def test_loop_holds_one_tma_copy_per_page_and_its_mma(ppi: int) -> None:
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    cmd = [sys.executable, str(ROOT / "scripts" / "tma_kernel_sass.py"), "--head", "128",
-           "--ppi", str(ppi), "--json"]  # fmt: skip
-    out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300, check=True)
-    stats = json.loads(out.stdout.strip().splitlines()[-1])
+    stats = sass_json("--head", "128", "--ppi", str(ppi))
     assert stats["ppi"] == ppi and stats["head"] == 128 and stats["lazy"] is True  # TUNED
     # per page: a K box and a V box, and 16 + 16 m16n8k16 mma for q.k^T and p.v
     assert stats["UTMALDG.2D"] == 2 * ppi
     assert stats["HMMA.16816.F32"] == 32 * ppi
     assert stats["F2FP.F16.E4M3.UNPACK_B"] == 64 * ppi  # e4m3 -> fp16, two values per op
     assert 0 < stats["registers"] <= 255 and stats["shared_bytes"] > 0
+    # V's permuted columns: 16-byte loads, no byte gathers (the "natural" variant's, below)
+    assert "LDS.U8" not in stats and stats["LDS.128"] >= 4 * ppi
+
+
+def test_v_in_cache_order_is_gathered_byte_by_byte() -> None:
+    """What the permutation removes: with V's columns in cache order (``tma_variants``'
+    "natural") each lane's p @ v operand is 16 bytes 8 apart, loaded one by one."""
+    stats = sass_json("--head", "128", "--ppi", "1", "--variant", "natural")
+    assert stats["LDS.U8"] == 64  # per page (one page per iteration): 64 single-byte loads
+    assert stats["HMMA.16816.F32"] == 32
 
 
 def test_refuses_under_the_interpreter() -> None:

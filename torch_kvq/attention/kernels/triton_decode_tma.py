@@ -170,12 +170,12 @@ def default_num_splits(batch: int, kv_heads: int, max_seq_len: int, page: int, s
     return max(1, min(want, most, 64))
 
 
-# (warps, stages, pages per iteration, lazy rescale) per head size: the fastest of runs 27, 30 and
-# 34 (2026-12-01, H200, 32 x 16k). One warp per program beats two and four on both shapes; the
-# lazy rescale moved head 128 from 87% to 89-90% of copy bandwidth (run 30); with V permuted
-# (run 34) head 128 reads at 93% at (1, 6, 2, lazy), 87% at 4 stages, 77% at 8; head 256 at 99.8%
-# at (1, 6, 1), 80-86% at 8 stages.
-TUNED = {128: (1, 6, 2, True), 256: (1, 6, 1, False)}
+# (warps, stages, pages per iteration, lazy rescale) per head size: the fastest of runs 27, 30, 34
+# and 35 (2026-12-01, H200, 32 x 16k). One warp per program beats two and four on both shapes.
+# With V permuted (run 35): head 128 at 94.0% of copy bandwidth at (1, 6, 1, lazy), 91% at 2 pages
+# per iteration, 75-85% at 4 or 7 stages; head 256 at 100% at (1, 6, 1), 99.9% at 5 stages, 81% at
+# 7-8. The lazy rescale: +2-3% at head 128 (run 30), -0.5% at head 256.
+TUNED = {128: (1, 6, 1, True), 256: (1, 6, 1, False)}
 
 
 def tuned(head_size: int) -> dict[str, int | bool]:
