@@ -587,6 +587,28 @@ def vperm_study(gbps: float, rounds: int, calls: int, save: Callable) -> list[di
     return rows
 
 
+# the largest batches at 16k that fit the H200 with FP8 KV (bench_decode_at_scale, runs 36-37)
+CAPACITY_BATCH = {"llama": 110, "gemma_global": 131}
+
+
+def batch_study(gbps: float, rounds: int, calls: int, save: Callable) -> list[dict[str, Any]]:
+    """The TMA kernel at the largest batch (16k) of each shape: its tuned config with the default
+    split count (2 at these batches) and with 1, 3 and 4 splits, and 2 pages per iteration."""
+    from torch_kvq.attention.kernels import triton_decode_tma as tma
+
+    rows: list[dict[str, Any]] = []
+    for name, d in (("llama", 128), ("gemma_global", 256)):
+        c = Case(name, CAPACITY_BATCH[name], 16384)
+        tuned = {**tma.tuned(d), "num_splits": None}
+        cfgs = [tuned] + [{**tuned, "num_splits": s} for s in (1, 3, 4)]
+        cfgs.append({**tuned, "pages_per_iter": 2})
+        rows += measure(c, tma_paths(c, cfgs), gbps, rounds, calls, "ref8")
+        save(rows)
+        del c
+        torch.cuda.empty_cache()
+    return rows
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help="smaller Triton sweep, fewer trials")
@@ -595,6 +617,8 @@ def main() -> None:
     ap.add_argument("--fa3", action="store_true", help="also try fa3 with bf16 q + fp8 kv")
     ap.add_argument("--fp16-study", action="store_true", help="only the fp16-math study")
     ap.add_argument("--tma-study", action="store_true", help="only the TMA Triton kernel study")
+    ap.add_argument("--batch-study", action="store_true",
+                    help="only the TMA kernel at the largest batches, over split counts")  # fmt: skip
     ap.add_argument("--vperm-study", action="store_true",
                     help="only the TMA kernel around its tuned config, and against V in cache order "
                          "(tma_variants.py natural)")  # fmt: skip
@@ -605,8 +629,13 @@ def main() -> None:
         write_results("bench_fp8_decode_paths", {"env": env, "copy": copy, "rows": rows},
                       markdown(env, copy, rows))  # fmt: skip
 
-    if args.fp16_study or args.tma_study or args.vperm_study:
-        study = vperm_study if args.vperm_study else tma_study if args.tma_study else fp16_study
+    if args.fp16_study or args.tma_study or args.vperm_study or args.batch_study:
+        study = (
+            batch_study if args.batch_study
+            else vperm_study if args.vperm_study
+            else tma_study if args.tma_study
+            else fp16_study
+        )  # fmt: skip
         study(copy["GBps"], args.rounds, args.calls, save_rows)
         return
     builds = start_builds()
