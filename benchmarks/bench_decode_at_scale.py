@@ -244,7 +244,8 @@ def run_variant(
         row["bound_tokens_per_s"] = batch / (nbytes / (copy_gbps * 1e9)) if copy_gbps else None
         row["fits"] = fits
         if fits:
-            prof = args.profile_steps if (batch, ctx) == (32, 16384) else 0
+            # the GPU time by kind: at the headline point and the largest batch
+            prof = args.profile_steps if (batch, ctx) == (32, 16384) or kind == "capacity" else 0
             try:
                 row.update(point(model, fn, batch, ctx, args, prof))
                 if row["bound_tokens_per_s"]:
