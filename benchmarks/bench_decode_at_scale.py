@@ -29,6 +29,7 @@ benchmarks/plot_decode_at_scale.py.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import os
 import subprocess
@@ -42,6 +43,7 @@ import torch  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_model_decode import profile_steps, spin_gpu, sync  # noqa: E402
+from clock_sampler import ClockSampler  # noqa: E402
 from gpu_common import copy_bandwidth, environment, write_results  # noqa: E402
 
 import torch_kvq  # noqa: E402
@@ -164,15 +166,19 @@ def point(model, fn, batch: int, ctx: int, args, profile: int) -> dict:
         marks = (
             [torch.cuda.Event(enable_timing=True) for _ in range(args.steps + 1)] if cuda else []
         )
-        t0 = time.perf_counter()
-        for i in range(args.steps):
+        sampler = ClockSampler(torch.cuda.current_device()) if args.sample_clocks and cuda else None
+        with sampler or contextlib.nullcontext():
+            t0 = time.perf_counter()
+            for i in range(args.steps):
+                if cuda:
+                    marks[i].record()
+                step()
             if cuda:
-                marks[i].record()
-            step()
-        if cuda:
-            marks[-1].record()
-        sync(device)
-        step_s = (time.perf_counter() - t0) / args.steps
+                marks[-1].record()
+            sync(device)
+            step_s = (time.perf_counter() - t0) / args.steps
+        if args.sample_clocks:
+            clocks = sampler.summary() if sampler else {"available": False, "why": "not on CUDA"}
         in_order = [round(a.elapsed_time(b), 3) for a, b in zip(marks, marks[1:])]
         times = sorted(in_order) or [step_s * 1e3]
         prof = profile_steps(step, device, profile) if profile else {}
@@ -187,7 +193,8 @@ def point(model, fn, batch: int, ctx: int, args, profile: int) -> dict:
             "step_max_ms": times[-1], "tokens_per_s": batch / step_s,
             "tokens_per_s_median": batch * 1e3 / median, "gc_frozen": True,
             "step_times_ms": in_order,
-            "warmup_s_incl_capture": round(warm, 2), **prof}  # fmt: skip
+            "warmup_s_incl_capture": round(warm, 2), **prof,
+            **({"clocks": clocks} if args.sample_clocks else {})}  # fmt: skip
 
 
 def run_variant(
@@ -283,6 +290,9 @@ def main() -> None:
                     help="skip the largest-batch point")  # fmt: skip
     ap.add_argument("--fuse-projections", action="store_true",
                     help="model.fuse_projections(): q/k/v and gate/up as one GEMM each")  # fmt: skip
+    ap.add_argument("--sample-clocks", action="store_true",
+                    help="NVML clocks, power and clock-event reasons every 5 ms of the timed steps "
+                         "(clock_sampler.py; a thread: off by default)")  # fmt: skip
     ap.add_argument("--smoke", action="store_true", help="CPU, tiny shapes, reference kernel")
     ap.add_argument("--smoke-budget-mib", type=int, default=64)
     ap.add_argument("--commit", default=os.environ.get("KVQ_COMMIT") or _git_head(),

@@ -45,7 +45,7 @@ def test_smoke_run_and_plot(tmp_path):
     env = {**os.environ, "OUT": str(tmp_path), "PYTHONPATH": str(ROOT)}
     cmd = [sys.executable, str(ROOT / "benchmarks" / "bench_decode_at_scale.py"), "--smoke",
            "--models", "gemma-3-12b", "--kv", "fp8:tc", "--commit", "test",
-           "--fuse-projections"]  # fmt: skip
+           "--fuse-projections", "--sample-clocks"]  # fmt: skip
     subprocess.run(cmd, env=env, check=True, capture_output=True, timeout=600)
     rows = json.loads((tmp_path / "decode_at_scale.json").read_text())["rows"]
     need = {"model", "kv_config", "kernel", "batch", "ctx", "tokens_per_s", "step_ms", "kv_gib",
@@ -53,6 +53,8 @@ def test_smoke_run_and_plot(tmp_path):
     timed = [r for r in rows if "tokens_per_s" in r]
     assert timed and all(need <= set(r) for r in timed)
     assert all(r["fused_projections"] for r in rows)
+    # --sample-clocks on CPU says so instead of making up clocks
+    assert all(r["clocks"] == {"available": False, "why": "not on CUDA"} for r in timed)
     cap = next(r for r in rows if r["sweep"] == "capacity")
     assert cap["batch"] == cap["max_batch_at_capacity_ctx"] > 2 and cap["fits"]
     assert "error" not in cap, cap.get("error")
