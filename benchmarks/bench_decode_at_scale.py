@@ -56,6 +56,9 @@ from torch_kvq.models.presets import tiny_gemma3_config, tiny_llama_config  # no
 from torch_kvq.spec import KVCacheConfig  # noqa: E402
 
 PAGE = 16
+# --max-autotune-gemm: the GEMMs are 89% (Llama) / 84% (Gemma) of copy bandwidth on cuBLAS at batch
+# 32 (runs 36-37), the largest share of the step outside attention
+MAX_AUTOTUNE_GEMM = {"max_autotune_gemm": True, "max_autotune_gemm_backends": "ATEN,TRITON"}
 LLAMA_8B = dict(
     vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
     num_attention_heads=32, num_key_value_heads=8, head_dim=128, max_position_embeddings=131072,
@@ -229,11 +232,14 @@ def run_variant(
         flashinfer_jit.prebuild(kernel, model.kv_specs)
     random_caches(model)
     kv_bytes = sum(a.kv_cache.numel() * a.kv_cache.element_size() for a in model.attention_layers)
-    fn = torch.compile(model, backend=torch_kvq.kvq_backend)
+    backend = torch_kvq.kvq_backend
+    if args.max_autotune_gemm:  # Inductor times its Triton GEMM templates against cuBLAS per shape
+        backend = torch_kvq.make_kvq_backend(config_patches=MAX_AUTOTUNE_GEMM)
+    fn = torch.compile(model, backend=backend)
     base = {"model": model_name, "kv_config": kv_name, "kernel": kernel_name if kv_name == "fp8" else "bf16",
             "kv_gib": kv_bytes / 2**30, "kv_budget_gib": budget / 2**30, "max_batch_at_capacity_ctx": max_batch,
             "capacity_ctx": cap_ctx, "weights_gib": weight_bytes / 2**30, "windowed_pools": args.windowed,
-            "fused_projections": args.fuse_projections,
+            "fused_projections": args.fuse_projections, "max_autotune_gemm": args.max_autotune_gemm,
             "date": env["date_utc"], "gpu": env.get("gpu", "cpu"), "commit": args.commit}  # fmt: skip
     points = [("ctx_sweep", 32 if not args.smoke else 2, c) for c in args.ctxs]
     points += [("batch_sweep", b, cap_ctx) for b in args.batches if (b, cap_ctx) != (32, cap_ctx)
@@ -290,6 +296,9 @@ def main() -> None:
                     help="skip the largest-batch point")  # fmt: skip
     ap.add_argument("--fuse-projections", action="store_true",
                     help="model.fuse_projections(): q/k/v and gate/up as one GEMM each")  # fmt: skip
+    ap.add_argument("--max-autotune-gemm", action="store_true",
+                    help="Inductor's GEMM autotuning (Triton templates against cuBLAS) through "
+                         "make_kvq_backend(config_patches=...)")  # fmt: skip
     ap.add_argument("--sample-clocks", action="store_true",
                     help="NVML clocks, power and clock-event reasons every 5 ms of the timed steps "
                          "(clock_sampler.py; a thread: off by default)")  # fmt: skip

@@ -52,7 +52,7 @@ def test_smoke_run_and_plot(tmp_path):
             "bound_tokens_per_s", "date", "gpu", "commit"}  # fmt: skip
     timed = [r for r in rows if "tokens_per_s" in r]
     assert timed and all(need <= set(r) for r in timed)
-    assert all(r["fused_projections"] for r in rows)
+    assert all(r["fused_projections"] and r["max_autotune_gemm"] is False for r in rows)
     # --sample-clocks on CPU says so instead of making up clocks
     assert all(r["clocks"] == {"available": False, "why": "not on CUDA"} for r in timed)
     cap = next(r for r in rows if r["sweep"] == "capacity")
