@@ -15,7 +15,10 @@ Per (model, kv config, kernel), one compiled model (kvq_backend) whose pools are
   * ctx sweep at batch 32 (``--ctxs``), batch sweep at 16k (``--batches`` and the capacity batch);
 a point whose pages do not fit the pools is a row with ``"fits": false`` (no timing).
 ``--fuse-projections``: q/k/v and gate/up as one GEMM each (``fuse_projections()``), for every
-config alike. Each point: sequences filled in chunks of ``--chunk`` tokens (as chunked prefill would: window
+config alike. ``--max-autotune-gemm``: Inductor autotunes the GEMMs (Triton templates against
+cuBLAS). ``--sample-clocks``: NVML clocks, power and clock-event reasons during the timed steps
+(``clock_sampler.py``; row key ``clocks``). The headline point and the capacity point are
+profiled (GPU time by kernel kind, ``--profile-steps``). Each point: sequences filled in chunks of ``--chunk`` tokens (as chunked prefill would: window
 pools release behind), caches hold random values, a ``DecodeGraphRunner`` for that batch and
 context, ``--warmup`` + ``--steps`` decode steps. The bound: (weight bytes + KV bytes the step
 reads: ctx per full layer, min(ctx, window) per sliding layer) / measured copy bandwidth.
