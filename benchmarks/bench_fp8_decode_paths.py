@@ -593,7 +593,8 @@ CAPACITY_BATCH = {"llama": 110, "gemma_global": 131}
 
 def batch_study(gbps: float, rounds: int, calls: int, save: Callable) -> list[dict[str, Any]]:
     """The TMA kernel at the largest batch (16k) of each shape: its tuned config with the default
-    split count (2 at these batches) and with 1, 3 and 4 splits, and 2 pages per iteration."""
+    schedule (2 splits at these batches until run 42; since then the balanced schedule at Llama's
+    110) and with 1, 3 and 4 splits, and 2 pages per iteration."""
     from torch_kvq.attention.kernels import triton_decode_tma as tma
 
     rows: list[dict[str, Any]] = []
@@ -606,6 +607,35 @@ def batch_study(gbps: float, rounds: int, calls: int, save: Callable) -> list[di
         save(rows)
         del c
         torch.cuda.empty_cache()
+    return rows
+
+
+# (programs per SM, max_registers) of the balanced schedule, and the batches, per head size
+BALANCED_GRID = {128: ([(12, 128), (16, 128)], (8, 16, 32, 48, 64, 80, 110)),
+                 256: ([(8, None)], (8, 64, 131))}  # fmt: skip
+
+
+def balanced_study(gbps: float, rounds: int, calls: int, save: Callable) -> list[dict[str, Any]]:
+    """The TMA kernel's balanced schedule (``programs_per_sm``: every program reads the same
+    pages, all resident at once) against its split grid at 16k over batches. Run 41 of
+    2026-12-01 (32 and the largest batch): Llama 110 x 16k 93.4% of copy bandwidth at 12 or 16
+    programs per SM with 128 registers against 84-92% on the split grid, 88% against 94.6% at
+    32 x 16k; Gemma's head 256 97-101% against 100-104% (9 per SM at 224 registers: 70%)."""
+    from torch_kvq.attention.kernels import triton_decode_tma as tma
+
+    rows: list[dict[str, Any]] = []
+    for name, d in (("llama", 128), ("gemma_global", 256)):
+        grid, batches = BALANCED_GRID[d]
+        for batch in batches:
+            c = Case(name, batch, 16384)
+            paths = {"tma[tuned]": lambda c=c, d=d: tma_path(c, **tma.tuned(d))}
+            for per_sm, regs in grid:
+                kw = {**tma.tuned(d), "programs_per_sm": per_sm, "max_registers": regs}
+                paths[f"tma[balanced{per_sm},r{regs}]"] = lambda c=c, kw=kw: tma_path(c, **kw)
+            rows += measure(c, paths, gbps, rounds, calls, "ref8")
+            save(rows)
+            del c
+            torch.cuda.empty_cache()
     return rows
 
 
@@ -646,6 +676,7 @@ STUDIES = {  # --<name>-study: a study alone, instead of the whole sweep
     "vperm": (vperm_study, "the TMA kernel around its tuned config, and against V in cache "
               "order (tma_variants.py natural)"),
     "sliding": (sliding_study, "Gemma's bf16 sliding layers: FlashInfer against the TMA kernel"),
+    "balanced": (balanced_study, "the TMA kernel's balanced schedule against its split grid"),
 }  # fmt: skip
 
 

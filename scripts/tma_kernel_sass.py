@@ -29,9 +29,11 @@ LOOP_OPS = ("LDS.U8", "LDS.64", "LDS.128", "LDSM.16.M88.4", "LDSM.16.MT88.4", "S
 
 
 def compile_kernel(
-    head: int, group: int, ppi: int, stages: int, warps: int, lazy: bool, variant: str | None = None
-):
-    """The compiled ``_decode_pages`` for FP8 pages of 16 tokens, fp16 products, split-K;
+    head: int, group: int, ppi: int, stages: int, warps: int, lazy: bool,
+    variant: str | None = None, balanced: bool = False, max_registers: int | None = None,
+):  # fmt: skip
+    """The compiled ``_decode_pages`` for FP8 pages of 16 tokens, fp16 products, split-K
+    (``balanced``: ``_decode_balanced``, the balanced schedule, for up to 128 sequences);
     ``variant``: one of ``benchmarks/tma_variants.py``'s instead of the package kernel."""
     import triton
     import triton.language as tl
@@ -47,7 +49,10 @@ def compile_kernel(
         from tma_variants import load_variant
 
         tma = load_variant(variant, Path(tempfile.mkdtemp()))
-    fn = tma._decode_pages
+    if balanced:
+        from torch_kvq.attention.kernels import triton_decode_balanced
+
+    fn = triton_decode_balanced._decode_balanced if balanced else tma._decode_pages
     sig = {
         "q_ptr": "*fp16", "kv_desc": f"tensordesc<fp8e4nv[16, {head}]>", "block_table_ptr": "*i32",
         "seq_lens_ptr": "*i32", "part_o_ptr": "*fp32", "part_lse_ptr": "*fp32", "out_ptr": "*fp16",
@@ -58,11 +63,17 @@ def compile_kernel(
     const = dict(QH=group * 8, G=group, BLOCK_G=max(16, triton.next_power_of_2(group)), D=head,
                  PAGE=16, NUM_SPLITS=8, STAGES=stages, PPI=ppi, USE_WINDOW=False,
                  USE_SOFT_CAP=False, DOT=tl.float16, DIRECT=False, LAZY=lazy)  # fmt: skip
+    if balanced:
+        sig = {**{k: v for k, v in sig.items() if k != "stride_qb"}, "B": "i32", "stride_qb": "i32"}
+        del const["QH"], const["NUM_SPLITS"], const["DIRECT"]
+        const.update(KH=8, BLOCK_B=128)
     sig.update(dict.fromkeys(const, "constexpr"))
     src = ASTSource(
         fn=fn, signature=sig, constexprs={(fn.arg_names.index(k),): v for k, v in const.items()}
     )
     opts = dict(num_warps=warps, num_stages=stages)
+    if max_registers:
+        opts["maxnreg"] = max_registers
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=opts)
 
 
@@ -92,6 +103,7 @@ def sass_stats(kernel) -> tuple[dict[str, int], list[str], str]:
     regs = int(re.search(r"REG:(\d+)", usage).group(1))
     head = {
         "registers": regs,
+        "stack_bytes": int(re.search(r"STACK:(\d+)", usage).group(1)),  # > 0: spills
         "shared_bytes": kernel.metadata.shared,
         "loop_instructions": len(body),
     }
@@ -111,16 +123,21 @@ def main() -> None:
     ap.add_argument("--dump", type=Path, help="write the whole SASS here")
     ap.add_argument("--json", action="store_true", help="one JSON object per config")
     ap.add_argument("--variant", help="a kernel of benchmarks/tma_variants.py (e.g. natural)")
+    ap.add_argument("--balanced", action="store_true",
+                    help="the balanced schedule's kernel (at BALANCED's register cap)")
+    ap.add_argument("--max-registers", type=int, help="Triton's maxnreg (0: none)")  # fmt: skip
     args = ap.parse_args()
-    from torch_kvq.attention.kernels.triton_decode_tma import TUNED
+    from torch_kvq.attention.kernels.triton_decode_tma import BALANCED, TUNED
 
     for head in [args.head] if args.head else sorted(TUNED):
         warps, stages, ppi, lazy = TUNED.get(head, TUNED[128])
         cfg = dict(
             head=head, group=args.group or (2 if head == 256 else 4), ppi=args.ppi or ppi, stages=args.stages or stages,
             warps=args.warps or warps, lazy=lazy if args.lazy is None else args.lazy,
-            variant=args.variant,
+            variant=args.variant, balanced=args.balanced, max_registers=args.max_registers,
         )  # fmt: skip
+        if args.balanced and args.max_registers is None and head in BALANCED:
+            cfg["max_registers"] = BALANCED[head][1]
         stats, _, sass = sass_stats(compile_kernel(**cfg))
         print(json.dumps({**cfg, **stats}) if args.json else f"{cfg} {stats}")
         if args.dump:

@@ -53,3 +53,13 @@ def test_refuses_under_the_interpreter() -> None:
     cmd = [sys.executable, str(ROOT / "scripts" / "tma_kernel_sass.py"), "--head", "128"]
     out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
     assert out.returncode != 0 and "TRITON_INTERPRET=1 is set" in out.stderr
+
+
+def test_balanced_schedule_kernel_fits_its_register_cap() -> None:
+    """The balanced schedule's outer loop costs registers (168 uncapped at head 128): at
+    ``BALANCED``'s cap of 128 it compiles without spilling into a loop like the split grid's."""
+    stats = sass_json("--head", "128", "--balanced")
+    assert stats["max_registers"] == 128 and stats["registers"] <= 128
+    assert stats["stack_bytes"] == 0  # no spills
+    assert stats["UTMALDG.2D"] == 2 and stats["HMMA.16816.F32"] == 32
+    assert "LDS.U8" not in stats and stats["LDS.128"] >= 4

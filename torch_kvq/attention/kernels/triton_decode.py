@@ -54,6 +54,24 @@ def _load_q(q_ptr, b, heads, g_mask, offs_d, stride_qb, stride_qh, DT: tl.conste
 
 
 @triton.jit
+def _store_out(acc, l_i, o_ptrs, mask, out_scale):
+    """The normalised output ``acc / l_i * out_scale`` at ``o_ptrs`` [BLOCK_G, D] where ``mask``."""
+    o = acc * (out_scale / l_i)[:, None]
+    tl.store(o_ptrs, o.to(o_ptrs.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _store_part(acc, m_i, l_i, rows, mask, offs_d, part_o_ptr, part_lse_ptr, D: tl.constexpr):
+    """A partial result for a log-sum-exp merge: normalised ``acc`` at ``part_o[rows, :]`` and its
+    log-sum-exp (base 2; -inf for an empty part) at ``part_lse[rows]``, where ``mask`` [BLOCK_G]."""
+    l_safe = tl.where(l_i == 0.0, 1.0, l_i)
+    lse = tl.where(l_i == 0.0, float("-inf"), m_i + tl.log2(l_safe))
+    tl.store(part_lse_ptr + rows, lse, mask=mask)
+    o_ptrs = part_o_ptr + rows[:, None] * D + offs_d[None, :]
+    tl.store(o_ptrs, acc / l_safe[:, None], mask=mask[:, None])
+
+
+@triton.jit
 def _store_split(
     acc, m_i, l_i, b, split, heads, g_mask, offs_d, out_ptr, part_o_ptr, part_lse_ptr,
     out_scale, stride_ob, stride_oh,
@@ -64,16 +82,11 @@ def _store_split(
     output, scaled by ``out_scale``; else the split's normalised partial output and log-sum-exp
     for ``_combine``."""
     if DIRECT:
-        o = acc * (out_scale / l_i)[:, None]
         o_ptrs = out_ptr + b * stride_ob + heads[:, None] * stride_oh + offs_d[None, :]
-        tl.store(o_ptrs, o.to(out_ptr.dtype.element_ty), mask=g_mask[:, None])
+        _store_out(acc, l_i, o_ptrs, g_mask[:, None], out_scale)
     else:
-        l_safe = tl.where(l_i == 0.0, 1.0, l_i)
-        lse = tl.where(l_i == 0.0, float("-inf"), m_i + tl.log2(l_safe))
-        base = (b.to(tl.int64) * QH + heads) * NUM_SPLITS + split  # [B, QH, S] row
-        tl.store(part_lse_ptr + base, lse, mask=g_mask)
-        o_ptrs = part_o_ptr + base[:, None] * D + offs_d[None, :]
-        tl.store(o_ptrs, acc / l_safe[:, None], mask=g_mask[:, None])
+        rows = (b.to(tl.int64) * QH + heads) * NUM_SPLITS + split  # [B, QH, S] row
+        _store_part(acc, m_i, l_i, rows, g_mask, offs_d, part_o_ptr, part_lse_ptr, D)
 
 
 @triton.jit

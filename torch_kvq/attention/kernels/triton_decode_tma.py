@@ -9,16 +9,20 @@ into a small shared buffer: a page of Llama's head 128 is 2 KiB, so many pages a
 program at little shared memory. One warp per program, many programs per SM (split-K), 1-2 pages
 per loop iteration under one online-softmax update (``tuned``). V's columns are permuted in
 registers so that the ``p @ v`` operand loads are 16-byte vectors, not byte gathers
-(``_page_logits``). On the H200 at 32 x 16k (run 34 of 2026-12-01) Llama's head 128 reads at 93%
-of copy bandwidth (0.270 ms; FlashInfer's tensor-core decode 67%, XQA's FP8-math kernel 100%,
-run 30) and Gemma-3's head 256 at 99.8% (0.503 ms; 83%, 106%), relative error 1.7e-3 against
-fp32 (XQA 3.7e-2). Before the permutation: 88% / 93%; with two warps per program: 56% / 73%.
+(``_page_logits``). On the H200 at 32 x 16k (runs 35 and 42 of 2026-12-01, ``TUNED``) Llama's
+head 128 reads at 94% of copy bandwidth (0.267 ms; FlashInfer's tensor-core decode 67%, XQA's
+FP8-math kernel 100%, run 30) and Gemma-3's head 256 at 100% (0.503 ms; 83%, 106%), relative
+error 1.7e-3 against fp32 (XQA 3.7e-2). Before the permutation: 88% / 93% (run 34); with two
+warps per program: 56% / 73%.
 
 Math as in ``triton_decode``: e4m3 -> ``dot_dtype`` (fp16 by default: one instruction per two
 values on sm90, exact) in registers, both products accumulate in fp32, online softmax in base 2,
 ``k_scale`` folded into the logit scale and ``v_scale`` into the output; splits merged by
-log-sum-exp (``triton_decode._combine``). CUDA-graph capturable: the descriptor holds the cache
-pointer (by value, in the launch), the host reads no device tensor. Import only where Triton is.
+log-sum-exp (``triton_decode._combine``). With many (sequence, kv head) pairs the split grid
+neither fills the SMs nor packs into whole waves: there the balanced schedule
+(``triton_decode_balanced``, ``BALANCED``) gives every program an equal run of pages.
+CUDA-graph capturable: the descriptor holds the cache pointer (by value, in the launch), the
+host reads no device tensor. Import only where Triton is.
 """
 
 from __future__ import annotations
@@ -70,36 +74,21 @@ def _page_logits(
 
 
 @triton.jit
-def _decode_pages(
-    q_ptr, kv_desc, block_table_ptr, seq_lens_ptr,
-    part_o_ptr, part_lse_ptr, out_ptr,
-    qk_scale_log2, soft_cap, out_scale, window,
-    stride_qb, stride_qh, stride_ob, stride_oh, stride_bt,
-    QH: tl.constexpr, G: tl.constexpr, BLOCK_G: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr,
-    NUM_SPLITS: tl.constexpr, STAGES: tl.constexpr, PPI: tl.constexpr,
-    USE_WINDOW: tl.constexpr, USE_SOFT_CAP: tl.constexpr, DOT: tl.constexpr, DIRECT: tl.constexpr,
-    LAZY: tl.constexpr,
+def _attend(
+    q, kv_desc, table, p_begin, p_end, col, lo, seq_len, qk_scale_log2, soft_cap,
+    BLOCK_G: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr, STAGES: tl.constexpr,
+    PPI: tl.constexpr, USE_SOFT_CAP: tl.constexpr, DOT: tl.constexpr, LAZY: tl.constexpr,
 ):  # fmt: skip
-    kh = tl.program_id(0)
-    split = tl.program_id(1)
-    b = tl.program_id(2)
-    seq_len = tl.load(seq_lens_ptr + b)
-    table = block_table_ptr + b.to(tl.int64) * stride_bt
-    lo, p_begin, p_end = _split_range(seq_len, window, split, PAGE, NUM_SPLITS, USE_WINDOW)
-    offs_g = tl.arange(0, BLOCK_G)
-    offs_d = tl.arange(0, D)
+    """Pages ``[p_begin, p_end)`` of one sequence's table for one kv head (cache columns ``col``),
+    ``PPI`` per iteration and ``STAGES`` iterations in flight: (acc [BLOCK_G, D] fp32 unnormalised
+    with the columns of ``_acc_cols``, running max, running sum), base 2."""
     offs_t = tl.arange(0, PAGE)
-    g_mask = offs_g < G
-    heads = kh * G + offs_g
-    q = _load_q(q_ptr, b, heads, g_mask, offs_d, stride_qb, stride_qh, DOT)  # [BLOCK_G, D]
-
     # LAZY: m_i is a reference max moved only when some row's max grew by more than 8 (base 2),
     # as FlashAttention-4 does: p <= 2^8 (exact in fp16), and most iterations skip rescaling acc.
     # It starts finite so that fully masked rows give p = 0, not NaN.
     m_i = tl.full([BLOCK_G], -1e30 if LAZY else float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_G], tl.float32)
     acc = tl.zeros([BLOCK_G, D], tl.float32)
-    col = kh * D
     n_iter = (p_end - p_begin + PPI - 1) // PPI
     for it in tl.range(0, n_iter, num_stages=STAGES):  # PPI pages per iteration, one softmax update
         p = p_begin + it * PPI
@@ -152,10 +141,46 @@ def _decode_pages(
             pr = tl.exp2(s3 - m_safe[:, None])
             l_i += tl.sum(pr, axis=1)
             acc = tl.dot(pr.to(DOT), v3.to(DOT), acc)
-    # acc's column c is head dim d = 16 * (c % (D // 16)) + c // (D // 16) (``_page_logits``)
+    return acc, m_i, l_i
+
+
+@triton.jit
+def _acc_cols(D: tl.constexpr):
+    """The head dim of each of ``_attend``'s acc columns: column c holds
+    d = 16 * (c % (D // 16)) + c // (D // 16) (V's permutation in ``_page_logits``)."""
+    offs_d = tl.arange(0, D)
     offs_d = (offs_d % (D // 16)) * 16 + offs_d // (D // 16)
+    return offs_d
+
+
+@triton.jit
+def _decode_pages(
+    q_ptr, kv_desc, block_table_ptr, seq_lens_ptr,
+    part_o_ptr, part_lse_ptr, out_ptr,
+    qk_scale_log2, soft_cap, out_scale, window,
+    stride_qb, stride_qh, stride_ob, stride_oh, stride_bt,
+    QH: tl.constexpr, G: tl.constexpr, BLOCK_G: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr,
+    NUM_SPLITS: tl.constexpr, STAGES: tl.constexpr, PPI: tl.constexpr,
+    USE_WINDOW: tl.constexpr, USE_SOFT_CAP: tl.constexpr, DOT: tl.constexpr, DIRECT: tl.constexpr,
+    LAZY: tl.constexpr,
+):  # fmt: skip
+    """The split grid: one program per (kv head, split, sequence)."""
+    kh = tl.program_id(0)
+    split = tl.program_id(1)
+    b = tl.program_id(2)
+    seq_len = tl.load(seq_lens_ptr + b)
+    table = block_table_ptr + b.to(tl.int64) * stride_bt
+    lo, p_begin, p_end = _split_range(seq_len, window, split, PAGE, NUM_SPLITS, USE_WINDOW)
+    offs_g = tl.arange(0, BLOCK_G)
+    g_mask = offs_g < G
+    heads = kh * G + offs_g
+    q = _load_q(q_ptr, b, heads, g_mask, tl.arange(0, D), stride_qb, stride_qh, DOT)
+    acc, m_i, l_i = _attend(
+        q, kv_desc, table, p_begin, p_end, kh * D, lo, seq_len, qk_scale_log2, soft_cap,
+        BLOCK_G, D, PAGE, STAGES, PPI, USE_SOFT_CAP, DOT, LAZY,
+    )  # fmt: skip
     _store_split(
-        acc, m_i, l_i, b, split, heads, g_mask, offs_d, out_ptr, part_o_ptr, part_lse_ptr,
+        acc, m_i, l_i, b, split, heads, g_mask, _acc_cols(D), out_ptr, part_o_ptr, part_lse_ptr,
         out_scale, stride_ob, stride_oh, QH, D, NUM_SPLITS, DIRECT,
     )  # fmt: skip
 
@@ -170,12 +195,28 @@ def default_num_splits(batch: int, kv_heads: int, max_seq_len: int, page: int, s
     return max(1, min(want, most, 64))
 
 
+def default_schedule(
+    batch: int, kv_heads: int, max_seq_len: int, page: int, head_size: int, sms: int
+) -> tuple[int, tuple[int, int] | None]:
+    """(the split grid's split count, the balanced schedule's (programs per SM, max registers)
+    where ``BALANCED`` prefers it to that grid: 1 or 2 splits, else None)."""
+    splits = default_num_splits(batch, kv_heads, max_seq_len, page, sms)
+    return splits, BALANCED.get(head_size) if splits <= 2 else None
+
+
 # (warps, stages, pages per iteration, lazy rescale) per head size: the fastest of runs 27, 30, 34
 # and 35 (2026-12-01, H200, 32 x 16k). One warp per program beats two and four on both shapes.
 # With V permuted (run 35): head 128 at 94.0% of copy bandwidth at (1, 6, 1, lazy), 91% at 2 pages
 # per iteration, 75-85% at 4 or 7 stages; head 256 at 100% at (1, 6, 1), 99.9% at 5 stages, 81% at
 # 7-8. The lazy rescale: +2-3% at head 128 (run 30), -0.5% at head 256.
 TUNED = {128: (1, 6, 1, True), 256: (1, 6, 1, False)}
+# (programs per SM, max registers) of the balanced schedule (``triton_decode_balanced``), taken
+# when ``num_splits`` and ``programs_per_sm`` are both None, no workspace is given and the split
+# grid would have 1 or 2 splits. Run 42 of 2026-12-01, Llama's head 128 at 16k: 92.0% / 92.5% of
+# copy bandwidth at 80 / 110 sequences against the split grid's 82% / 83% (2 splits); at 8-64
+# sequences (4-16 splits) the split grid is faster (84-95% against 62-90%). Head 256: the split
+# grid at every batch measured (8, 32, 64, 131: 93-104% against 83-101%).
+BALANCED = {128: (16, 128)}
 
 
 def tuned(head_size: int) -> dict[str, int | bool]:
@@ -205,6 +246,8 @@ def paged_decode_tma(
     lazy_rescale: bool = False,
     dot_dtype: torch.dtype = torch.float16,
     workspace: tuple[torch.Tensor, torch.Tensor] | None = None,
+    programs_per_sm: int | None = None,
+    max_registers: int | None = None,
 ) -> torch.Tensor:
     """Decode attention, one query token per sequence, over a paged FP8 (or bf16 / fp16) cache.
 
@@ -218,7 +261,12 @@ def paged_decode_tma(
     ``num_stages``: loop iterations in flight per program, ``pages_per_iter`` (1, 2 or 4) pages
     each (K and V), all under one online-softmax update. ``lazy_rescale``: move the softmax
     reference max only when some row's max logit grew by more than 8 in base 2, so the softmax
-    weights stay <= 2^8 (FlashAttention-4's trick).
+    weights stay <= 2^8 (FlashAttention-4's trick). ``programs_per_sm``: the balanced schedule
+    (``triton_decode_balanced``) with that many programs per SM (at most as many as fit) instead
+    of the split grid; then ``num_splits`` must be None and ``workspace`` is (partial out
+    [P, 2, QH / KH, D], lse [P, 2, QH / KH]) fp32 for P = ``balanced_programs(...)``. With both
+    None and no workspace the schedule is chosen by ``BALANCED``. ``max_registers``: Triton's
+    ``maxnreg`` (per thread), to hold more programs per SM.
     Returns out [B, QH, D] (``q``'s dtype unless ``out`` is given).
     """
     b, qh, d = q.shape
@@ -244,23 +292,40 @@ def paged_decode_tma(
         raise ValueError(
             f"paged_decode_tma: pages_per_iter must be 1, 2 or 4, got {pages_per_iter}"
         )
-    if num_splits is None:
-        sms = torch.cuda.get_device_properties(q.device).multi_processor_count if q.is_cuda else 132
-        num_splits = default_num_splits(b, kh, max_seq_len, page, sms)
-    out, part_o, part_lse = split_outputs("paged_decode_tma", q, out, num_splits, workspace)
-    direct = num_splits == 1
     rows = kv_cache.view(pages * 2 * page, kh * d)
     desc = TensorDescriptor(rows, list(rows.shape), [kh * d, 1], [page, d])
     g = qh // kh
+    common = dict(
+        G=g, BLOCK_G=max(16, triton.next_power_of_2(g)), D=d, PAGE=page, STAGES=num_stages,
+        PPI=pages_per_iter, USE_WINDOW=window is not None, USE_SOFT_CAP=bool(soft_cap),
+        DOT=_DOT_DTYPES[dot_dtype], LAZY=lazy_rescale, num_warps=num_warps,
+        **({"maxnreg": max_registers} if max_registers else {}),
+    )  # fmt: skip
+    scales = (sm_scale * k_scale * LOG2E, float(soft_cap or 1.0), float(v_scale), int(window or 0))
+    if num_splits is None and programs_per_sm is None:
+        sms = torch.cuda.get_device_properties(q.device).multi_processor_count if q.is_cuda else 132
+        splits, balanced = default_schedule(b, kh, max_seq_len, page, d, sms)
+        if balanced is not None and workspace is None:
+            programs_per_sm, regs = balanced
+            common.setdefault("maxnreg", regs)
+        else:
+            num_splits = splits
+    if programs_per_sm is not None:
+        from torch_kvq.attention.kernels.triton_decode_balanced import decode_balanced
+
+        if num_splits is not None or programs_per_sm < 1:
+            raise ValueError(
+                f"paged_decode_tma: programs_per_sm={programs_per_sm!r} needs num_splits=None "
+                f"(got {num_splits!r}) and at least 1 program per SM"
+            )
+        return decode_balanced(
+            q, desc, block_table, seq_lens, scales, out, workspace, max_seq_len, programs_per_sm,
+            kh, page, common,
+        )  # fmt: skip
+    out, part_o, part_lse = split_outputs("paged_decode_tma", q, out, num_splits, workspace)
     _decode_pages[(kh, num_splits, b)](
-        q, desc, block_table, seq_lens,
-        part_o, part_lse, out,
-        sm_scale * k_scale * LOG2E, float(soft_cap or 1.0), float(v_scale), int(window or 0),
+        q, desc, block_table, seq_lens, part_o, part_lse, out, *scales,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), block_table.stride(0),
-        QH=qh, G=g, BLOCK_G=max(16, triton.next_power_of_2(g)), D=d, PAGE=page,
-        NUM_SPLITS=num_splits, STAGES=num_stages, PPI=pages_per_iter,
-        USE_WINDOW=window is not None, USE_SOFT_CAP=bool(soft_cap),
-        DOT=_DOT_DTYPES[dot_dtype], DIRECT=direct, LAZY=lazy_rescale,
-        num_warps=num_warps,
+        QH=qh, NUM_SPLITS=num_splits, DIRECT=num_splits == 1, **common,
     )  # fmt: skip
     return combine_splits(part_o, part_lse, out, v_scale, num_splits)
