@@ -158,8 +158,9 @@ def point(model, fn, batch: int, ctx: int, args, profile: int) -> dict:
             ids = torch.randint(0, vocab, (batch,), device=device)
             return runner(ids, alloc.build_batch([(i, 1) for i in range(batch)], device="cpu"))
 
+        settle = min(2, args.warmup)
         t0 = time.perf_counter()
-        for _ in range(args.warmup):
+        for _ in range(args.warmup - settle):
             step()
         sync(device)
         warm = time.perf_counter() - t0
@@ -168,6 +169,10 @@ def point(model, fn, batch: int, ctx: int, args, profile: int) -> dict:
         # sweeps (run 21's single 45-117 ms steps are not explained by it: RESULTS.md)
         gc.freeze()
         spin_gpu(device, 0.5)
+        # the last warm-up steps right before the timed ones: the spin's GEMMs run at the 700 W
+        # power cap and leave the SM clock at 1590-1635 MHz for ~0.1 s (run 40's NVML samples)
+        for _ in range(settle):
+            step()
         cuda = device.startswith("cuda")
         marks = (
             [torch.cuda.Event(enable_timing=True) for _ in range(args.steps + 1)] if cuda else []
