@@ -142,10 +142,13 @@ def test_gpu_cuda_graph_replay_follows_new_lengths() -> None:
     from torch_kvq.attention.kernels import triton_decode_balanced, triton_decode_tma
 
     case = Case((1000, 1000, 1000), 32, 8, 128, seed=5, device="cuda")
+    # TUNED's head-128 config at 128 registers: 16 programs per SM fit (at 2 pages per iteration,
+    # 10: the launch takes no more than fit, and the workspace must match)
     n = triton_decode_balanced.balanced_programs(case.q, 8, 1000, 16, 16)
     ws = tuple(torch.empty(s, device="cuda") for s in ((n, 2, 4, 128), (n, 2, 4)))
     out, table = torch.empty_like(case.q), dense_table(case)
     kw = dict(out=out, programs_per_sm=16, max_registers=128, workspace=ws)
+    kw.update(triton_decode_tma.tuned(128))
     run = lambda: _run(case, triton_decode_tma, table, **kw)  # noqa: E731
     run()  # compile outside the capture
     torch.cuda.synchronize()
