@@ -17,6 +17,9 @@ NAMES = {
     "void flashinfer::BatchPrefillWithPagedKVCacheKernel<flashinfer::KernelTraits<(fl": "attention_bf16_kv",
     "void flashinfer::MergeStatesKernel<8u, 16u, 8u, 4u, __nv_bfloat16>": "attention_bf16_kv",
     "nvjet_sm90_tst_64x32_64x16_4x1_v_bz_splitK_TNT": "gemm",
+    "_decode_pages": "attention_fp8_kv",  # our Triton kernel: the split grid
+    "_decode_balanced": "attention_fp8_kv",  # the balanced schedule (run 43 counted it "other")
+    "_combine_balanced": "attention_fp8_kv",
     "void at::native::index_elementwise_kernel<128, 4, at::native::gpu_index_kernel<a": "other",
     "triton_red_fused_add_mean_mul_pow_rsqrt_0": "other",
     "ncclDevKernel_AllReduce_Sum_bf16_RING_LL(ncclDevKernelArgsStorage<4096ul>)": "all_reduce",
