@@ -189,7 +189,10 @@ def spin_gpu(device: str, seconds: float = 1.0) -> None:
 # "_combine*", run only on FP8 caches here)
 KERNEL_KINDS = (
     ("all_reduce", ("nccl", "AllReduce", "all_reduce")),  # tensor-parallel runs (bench_tp_decode)
-    ("attention_fp8_kv", ("kernel_mha", "__nv_fp8", "_decode_pages", "_decode_balanced", "_combine")),
+    (
+        "attention_fp8_kv",
+        ("kernel_mha", "__nv_fp8", "_decode_pages", "_decode_balanced", "_combine"),
+    ),
     ("attention_bf16_kv", ("flashinfer::", "MergeState")),
     ("gemm", ("nvjet", "gemm", "cutlass", "xmma", "splitKreduce")),
 )
