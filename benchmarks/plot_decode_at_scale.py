@@ -4,9 +4,9 @@ Left: tokens/s against context at batch 32; right: tokens/s against batch at 16k
 of each line is the largest batch that fits the GPU). Solid lines are measured (batch / median
 step time: a few steps of a run can stall for tens of ms, which the mean in the tables keeps),
 dashed lines the bandwidth bound (weights + KV read once per step at copy bandwidth); a missing
-point did not fit in memory. Stars: the same configs with q/k/v and gate/up fused into one GEMM
-each (``--fuse-projections``; measured at 32 x 16k and the largest batch only). Each model's runs
-(date, commit) are in its titles.
+point did not fit in memory. Solid lines with stars: q/k/v and gate/up fused into one GEMM each
+(``--fuse-projections``, the configs of the headline runs); dotted: earlier runs with separate
+GEMMs. Each model's runs (date, commit) are in its titles.
 
     python benchmarks/plot_decode_at_scale.py [rows.json] [out.png]
 """
@@ -52,46 +52,47 @@ def main() -> None:
     for m, (ax_ctx, ax_b) in zip(models, axes):
         bounds_drawn: set[tuple[int, str]] = set()
         tops: set[int] = set()  # the largest batches annotated (the FP8 kernels share one)
-        starred: set[tuple[int, str]] = set()  # one legend entry per axis and fused config
         for (kv, kernel), (label, color) in LABELS.items():
             ours = [r for r in rows if (r["model"], r["kv_config"], r["kernel"]) == (m, kv, kernel)]
-            mine = [r for r in ours if not r.get("fused_projections")]
-            for r in (r for r in ours if r.get("fused_projections")):
-                ax = ax_ctx if r["sweep"] == "ctx_sweep" else ax_b
-                for a in {ax, ax_b} if r["ctx"] == 16384 else {ax}:
-                    x = r["ctx"] if a is ax_ctx else r["batch"]
-                    name = f"{label.split(' (')[0]}, projections fused"
-                    new = (id(a), name) not in starred
-                    starred.add((id(a), name))
-                    a.plot([x], [tokens_per_s(r)], "*", color=color, markersize=13,
-                           markeredgecolor="black", label=name if new else None)  # fmt: skip
-            by_ctx = sorted((r for r in mine if r["sweep"] == "ctx_sweep"), key=lambda r: r["ctx"])
-            by_b = sorted((r for r in mine if r["ctx"] == 16384), key=lambda r: r["batch"])
-            by_b = list({r["batch"]: r for r in by_b}.values())
-            for ax, pts, key in ((ax_ctx, by_ctx, "ctx"), (ax_b, by_b, "batch")):
-                if not pts:
-                    continue
-                xs = [p[key] for p in pts]
-                ax.plot(xs, [tokens_per_s(p) for p in pts], "o-", color=color, label=label)
-                if (id(ax), kv) not in bounds_drawn and all(
-                    p.get("bound_tokens_per_s") for p in pts
-                ):
-                    bounds_drawn.add((id(ax), kv))
-                    # one bound per KV config (the FP8 kernels share it); none in a CPU smoke run
-                    bound = "bf16" if kv == "bf16" else "FP8"
-                    ax.plot(xs, [p["bound_tokens_per_s"] for p in pts], "--", color=BOUND[kv],
-                            label=f"bandwidth bound, {bound} KV")  # fmt: skip
+            for fused in (True, False):  # fused: the headline configs; separate: earlier runs
+                mine = [r for r in ours if bool(r.get("fused_projections")) == fused]
+                by_ctx = sorted(
+                    (r for r in mine if r["sweep"] == "ctx_sweep"), key=lambda r: r["ctx"]
+                )
+                by_b = sorted((r for r in mine if r["ctx"] == 16384), key=lambda r: r["batch"])
+                by_b = list({r["batch"]: r for r in by_b}.values())
+                name = label if fused else f"{label.split(' (')[0]}, separate q/k/v, gate/up GEMMs"
+                style = (
+                    dict(marker="*", markersize=11, lw=2)
+                    if fused
+                    else dict(marker="o", ls=":", lw=1, alpha=0.5)
+                )
+                for ax, pts, key in ((ax_ctx, by_ctx, "ctx"), (ax_b, by_b, "batch")):
+                    if not pts:
+                        continue
+                    xs = [p[key] for p in pts]
+                    ax.plot(xs, [tokens_per_s(p) for p in pts], color=color, label=name, **style)
+                    if (
+                        (id(ax), kv) not in bounds_drawn
+                        and len(pts) > 1
+                        and all(p.get("bound_tokens_per_s") for p in pts)
+                    ):
+                        bounds_drawn.add((id(ax), kv))
+                        # one bound per KV config (the FP8 kernels share it); none in a CPU smoke run
+                        bound = "bf16" if kv == "bf16" else "FP8"
+                        ax.plot(xs, [p["bound_tokens_per_s"] for p in pts], "--", color=BOUND[kv],
+                                label=f"bandwidth bound, {bound} KV")  # fmt: skip
+                if fused and by_b and by_b[-1]["batch"] not in tops:
+                    top = by_b[-1]
+                    tops.add(top["batch"])
+                    ax_b.annotate(f"max batch {top['batch']}", (top["batch"], tokens_per_s(top)),
+                                  textcoords="offset points", xytext=(-60, 8), color="dimgray")  # fmt: skip
             missing = [r for r in all_rows if (r["model"], r["kv_config"], r["kernel"]) == (m, kv, kernel)
                        and r["sweep"] == "ctx_sweep" and not r.get("fits")]  # fmt: skip
             for r in missing:
                 ax_ctx.annotate(f"{label.split(',')[0]}: {r['ctx'] // 1024}k does not fit",
                                 (r["ctx"], 0), textcoords="offset points", xytext=(-150, 20),
                                 color=color, fontsize=8)  # fmt: skip
-            if by_b and by_b[-1]["batch"] not in tops:
-                top = by_b[-1]
-                tops.add(top["batch"])
-                ax_b.annotate(f"max batch {top['batch']}", (top["batch"], tokens_per_s(top)),
-                              textcoords="offset points", xytext=(-60, 8), color="dimgray")  # fmt: skip
         ax_ctx.set_xscale("log", base=2)
         ax_ctx.set_xticks([4096, 8192, 16384, 32768], ["4k", "8k", "16k", "32k"])
         ax_ctx.set_xlabel("context (tokens per sequence), batch 32")
