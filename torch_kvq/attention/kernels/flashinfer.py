@@ -37,9 +37,11 @@ Per batch, outside the graph, ``plan`` groups the layers by everything a FlashIn
     6.7e-2 with peaked attention, and with V of non-zero mean an output shrink that grows with
     context (-0.4% at 1k, -2.3% at 4k, -10% at 16k). Opt in knowingly.
   - ``"triton"``: our Triton kernel (``triton_decode_tma``: one TMA box per cache page, one warp
-    per program, split-K), XQA's dense block table, the cache widened to fp16 in registers
-    (``fp8_decode_math``: "model" widens to the model dtype): 0.288 ms (87% of copy bandwidth),
-    relative error 1.7e-3; Gemma-3's head 256: 91%. sm90 only (the arch it was measured on).
+    per program, split-K, or the balanced schedule at large batches), XQA's dense block table,
+    the cache widened to fp16 in registers (``fp8_decode_math``: "model" widens to the model
+    dtype): Llama's head 128 at 32 x 16k 0.268 ms (94% of copy bandwidth), relative error
+    1.7e-3; Gemma-3's head 256: 100% (runs 35 and 41 of 2026-12-01). sm90 only (the arch it was
+    measured on).
 
 What a configuration serves (archs, q dtypes, head sizes, XQA's page sizes and soft-cap) is the
 capability table's row for its ``name`` on the GPU's arch (kernels/capabilities.py): the

@@ -53,8 +53,9 @@ def _seq_work(seq_lens_ptr, window, B, KH: tl.constexpr, BLOCK_B: tl.constexpr,
 def _pair_of(unit, seq_lens_ptr, window, B, KH: tl.constexpr, BLOCK_B: tl.constexpr,
              PAGE: tl.constexpr, USE_WINDOW: tl.constexpr):  # fmt: skip
     """The pair holding work unit ``unit``: (sequence b, kv head, the pair's first unit, its
-    pages). Recomputed from ``seq_lens`` per call (cached reads) so that no [BLOCK_B] vector stays
-    live across the page loop (registers: 168 -> 126 at head 128, ``scripts/tma_kernel_sass.py``)."""
+    pages). Recomputed from ``seq_lens`` per call (cached reads) rather than kept live across the
+    page loop; the kernel's registers are held by ``max_registers`` (``BALANCED``): 168 uncapped
+    at head 128 either way (``scripts/tma_kernel_sass.py --balanced --max-registers 0``)."""
     offs_b, n, ends, _ = _seq_work(seq_lens_ptr, window, B, KH, BLOCK_B, PAGE, USE_WINDOW)
     b = tl.sum((ends <= unit).to(tl.int32), axis=0)
     nb = tl.sum(tl.where(offs_b == b, n, 0), axis=0)

@@ -9,7 +9,7 @@ into a small shared buffer: a page of Llama's head 128 is 2 KiB, so many pages a
 program at little shared memory. One warp per program, many programs per SM (split-K), 1-2 pages
 per loop iteration under one online-softmax update (``tuned``). V's columns are permuted in
 registers so that the ``p @ v`` operand loads are 16-byte vectors, not byte gathers
-(``_page_logits``). On the H200 at 32 x 16k (runs 35 and 42 of 2026-12-01, ``TUNED``) Llama's
+(``_page_logits``). On the H200 at 32 x 16k (runs 35, 41, 42 of 2026-12-01, ``TUNED``) Llama's
 head 128 reads at 94% of copy bandwidth (0.267 ms; FlashInfer's tensor-core decode 67%, XQA's
 FP8-math kernel 100%, run 30) and Gemma-3's head 256 at 100% (0.503 ms; 83%, 106%), relative
 error 1.7e-3 against fp32 (XQA 3.7e-2). Before the permutation: 88% / 93% (run 34); with two
