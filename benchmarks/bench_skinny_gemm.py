@@ -1,0 +1,174 @@
+"""The decode step's projections as skinny GEMMs: cuBLAS (what the models run) against a split-K
+Triton GEMM, per shape, against copy bandwidth.
+
+At batch 32 the GEMMs of a decode step read weights at 84-91% of copy bandwidth on the H200, and
+Gemma-3-12B's o_proj (4096 -> 3840) at 40%: 18.2 us per call against 7.4 us for its bytes, 0.52 ms
+of a 14.4 ms step (runs 37 and 45 of 2026-12-01). cuBLAS tiles N by 64 there and does not split
+K: 60 CTAs on 132 SMs. This study times, for every projection of both models at M = 32 and at the
+FP8 config's largest batch, ``F.linear`` against a split-K Triton GEMM over tile and split
+choices, each call on a different copy of the weights (more bytes than the 50 MiB L2), in a CUDA
+graph of ``--calls`` calls. It is a study, not a kernel of the package: a winner would go into the
+models' linear layers (``torch_kvq/models``) behind the GPU gate.
+
+    python benchmarks/bench_skinny_gemm.py                  # H200: writes $OUT/bench_skinny_gemm.json
+    python benchmarks/bench_skinny_gemm.py --smoke          # CPU: Triton's interpreter, tiny shapes
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import os
+import statistics
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+if "--smoke" in sys.argv and "triton" not in sys.modules:
+    os.environ["TRITON_INTERPRET"] = "1"  # read when Triton is imported
+
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+# (K, N) of each projection, fused as the headline runs fuse them (q/k/v, gate/up), and M values:
+# batch 32 and the FP8 config's largest batch at 16k (runs 36-37)
+SHAPES: dict[str, tuple[dict[str, tuple[int, int]], tuple[int, ...]]] = {
+    "llama-3.1-8b": ({"qkv": (4096, 6144), "o": (4096, 4096), "gate_up": (4096, 28672),
+                      "down": (14336, 4096)}, (32, 110)),
+    "gemma-3-12b": ({"qkv": (3840, 8192), "o": (4096, 3840), "gate_up": (3840, 30720),
+                     "down": (15360, 3840)}, (32, 131)),
+}  # fmt: skip
+# (BLOCK_N, BLOCK_K, SPLIT_K, stages) tried per shape
+CONFIGS = [(bn, bk, s, st) for bn, bk, s, st in itertools.product(
+    (32, 64, 128), (128, 256), (1, 2, 4, 8), (3, 4)) if bn * bk <= 128 * 128]  # fmt: skip
+
+
+def gemm_bytes(m: int, k: int, n: int) -> int:
+    """Bytes a bf16 ``[m, k] @ [n, k]^T`` reads and writes once: weights, input, output."""
+    return 2 * (n * k + m * k + m * n)
+
+
+def splitk_linear(x: torch.Tensor, w: torch.Tensor, block_n: int, block_k: int, split_k: int,
+                  stages: int, part: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
+    """``x [M, K] @ w [N, K]^T`` -> [M, N] in x's dtype: programs over (N tiles, K splits, M
+    tiles of up to 128 rows), fp32 partials summed by a second kernel when ``split_k > 1``."""
+    import triton
+    from skinny_gemm_kernels import _reduce_splits, _splitk_mm
+
+    m, k = x.shape
+    n = w.shape[0]
+    block_m = max(16, min(128, triton.next_power_of_2(m)))
+    out = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    if part is None and split_k > 1:
+        part = torch.empty((split_k, m, n), dtype=torch.float32, device=x.device)
+    grid = (triton.cdiv(n, block_n), split_k, triton.cdiv(m, block_m))
+    _splitk_mm[grid](
+        x, w, part if split_k > 1 else out, m, n, k, x.stride(0), w.stride(0),
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split_k, STAGES=stages,
+        num_warps=4,
+    )  # fmt: skip
+    if split_k > 1:
+        _reduce_splits[(triton.cdiv(m * n, 1024),)](part, out, m * n, SPLIT_K=split_k, BLOCK=1024)
+    return out
+
+
+def weights(k: int, n: int, device: str, min_bytes: int, dtype: torch.dtype) -> list[torch.Tensor]:
+    """Copies of a [n, k] weight, enough of them to pass ``min_bytes`` (L2 is 50 MiB)."""
+    copies = max(2, -(-min_bytes // (2 * n * k)))
+    g = torch.Generator(device=device).manual_seed(0)
+    return [(torch.randn((n, k), generator=g, device=device) * 0.02).to(dtype)
+            for _ in range(copies)]  # fmt: skip
+
+
+def study(m: int, k: int, n: int, device: str, calls: int, rounds: int, configs, min_bytes: int,
+          gbps: float | None, dtype: torch.dtype = torch.bfloat16) -> list[dict[str, Any]]:  # fmt: skip
+    """cuBLAS and each split-K config on one shape: ms per call and error against fp32 (the
+    interpreter's bf16 ``tl.dot`` is broken: ``--smoke`` runs fp32)."""
+    from bench_fp8_decode_paths import Timed
+
+    ws = weights(k, n, device, min_bytes, dtype)
+    x = torch.randn((m, k), device=device).to(dtype)
+    ref = F.linear(x.float(), ws[0].float())
+    paths: dict[str, Callable] = {"cublas": lambda w: F.linear(x, w)}
+    for bn, bk, s, st in configs:
+        paths[f"splitk[bn{bn},bk{bk},s{s},st{st}]"] = lambda w, c=(bn, bk, s, st): splitk_linear(
+            x, w, *c
+        )
+    rows = []
+    for name, fn in paths.items():
+        row: dict[str, Any] = {"m": m, "k": k, "n": n, "path": name}
+        try:
+            err = float((fn(ws[0]).float() - ref).norm() / ref.norm())
+            if device == "cuda":
+                it = itertools.cycle(ws)
+                t = Timed(lambda fn=fn, it=it: fn(next(it)), calls)  # a new copy per call
+                for _ in range(rounds):
+                    t.round()
+                row["ms"] = statistics.median(t.rounds)
+                if gbps:
+                    row["pct_copy"] = 100 * gemm_bytes(m, k, n) / (row["ms"] * 1e-3) / 1e9 / gbps
+            row["rel_err"] = err
+        except Exception as e:  # noqa: BLE001 - the row says why
+            row["error"] = f"{e!r:.200}"
+        rows.append(row)
+    return rows
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--models", nargs="+", default=list(SHAPES), choices=list(SHAPES))
+    ap.add_argument("--projections", nargs="+", help="default: all")
+    ap.add_argument("--calls", type=int, default=24, help="calls per timed CUDA graph")
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--smoke", action="store_true", help="CPU interpreter, tiny shapes, no timing")
+    args = ap.parse_args()
+    rows: list[dict[str, Any]] = []
+    if args.smoke:
+        for m, k, n in ((5, 96, 80), (33, 256, 64)):
+            cfgs = [(32, 64, 2, 2), (64, 128, 1, 2), (32, 32, 4, 2)]
+            rows += study(m, k, n, "cpu", 1, 1, cfgs, 0, None, torch.float32)
+        bad = [r for r in rows if "error" in r or r["rel_err"] > 2e-2]
+        print(rows)
+        if bad:
+            raise SystemExit(f"smoke failed: {bad}")
+        return
+    from gpu_common import copy_bandwidth, environment, write_results
+
+    env, gbps = environment(), copy_bandwidth()["GBps"]
+    for model in args.models:
+        projections, ms = SHAPES[model]
+        for proj, (k, n) in projections.items():
+            if args.projections and proj not in args.projections:
+                continue
+            for m in ms:
+                got = study(m, k, n, "cuda", args.calls, args.rounds, CONFIGS, 2**28, gbps)
+                rows += [{"model": model, "proj": proj, **r} for r in got]
+                best = min((r for r in got if "ms" in r), key=lambda r: r["ms"])
+                cub = next(r for r in got if r["path"] == "cublas")
+                print(f"{model} {proj} M={m}: cublas {cub.get('ms', 0):.4f} ms "
+                      f"{cub.get('pct_copy', 0):.0f}%, best {best['path']} {best['ms']:.4f} ms "
+                      f"{best.get('pct_copy', 0):.0f}%", flush=True)  # fmt: skip
+                write_results("bench_skinny_gemm", {"env": env, "copy_GBps": gbps, "rows": rows},
+                              markdown(rows))  # fmt: skip
+
+
+def markdown(rows: list[dict[str, Any]]) -> str:
+    """Per shape: cuBLAS and the fastest split-K config."""
+    lines = ["| model | proj | M | cuBLAS ms / % copy | best split-K | ms / % copy |",
+             "|---|---|---|---|---|---|"]  # fmt: skip
+    shapes = sorted({(r["model"], r["proj"], r["m"]) for r in rows}, key=str)
+    for model, proj, m in shapes:
+        got = [r for r in rows if (r["model"], r["proj"], r["m"]) == (model, proj, m) and "ms" in r]
+        cub = next((r for r in got if r["path"] == "cublas"), None)
+        best = min((r for r in got if r["path"] != "cublas"), key=lambda r: r["ms"], default=None)
+        fmt = lambda r: f"{r['ms']:.4f} / {r.get('pct_copy', 0):.0f}" if r else "-"  # noqa: E731
+        lines.append(f"| {model} | {proj} | {m} | {fmt(cub)} | {best['path'] if best else '-'} "
+                     f"| {fmt(best)} |")  # fmt: skip
+    return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    main()

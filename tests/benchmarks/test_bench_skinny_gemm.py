@@ -1,0 +1,39 @@
+"""bench_skinny_gemm: its shapes are the models' projections; the split-K kernel against torch in
+Triton's interpreter (a subprocess: the interpreter is set before Triton is imported; skipped
+where Triton is not installed, as in CI)."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+from bench_decode_at_scale import GEMMA3_12B, LLAMA_8B  # noqa: E402
+from bench_skinny_gemm import SHAPES, gemm_bytes  # noqa: E402
+
+
+@pytest.mark.parametrize("model,cfg", [("llama-3.1-8b", LLAMA_8B), ("gemma-3-12b", GEMMA3_12B)])
+def test_shapes_are_the_fused_projections(model: str, cfg: dict) -> None:
+    hidden, inter, d = cfg["hidden_size"], cfg["intermediate_size"], cfg["head_dim"]
+    qh, kh = cfg["num_attention_heads"], cfg["num_key_value_heads"]
+    projections, _ = SHAPES[model]
+    assert projections == {
+        "qkv": (hidden, (qh + 2 * kh) * d), "o": (qh * d, hidden),
+        "gate_up": (hidden, 2 * inter), "down": (inter, hidden),
+    }  # fmt: skip
+    assert gemm_bytes(32, 4096, 3840) == 2 * (3840 * 4096 + 32 * 4096 + 32 * 3840)
+
+
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs Triton")
+def test_smoke_split_k_matches_torch() -> None:
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}
+    cmd = [sys.executable, str(ROOT / "benchmarks" / "bench_skinny_gemm.py"), "--smoke"]
+    out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "splitk[bn32,bk32,s4,st2]" in out.stdout
