@@ -55,7 +55,7 @@ def gemm_bytes(m: int, k: int, n: int) -> int:
 
 
 def splitk_linear(x: torch.Tensor, w: torch.Tensor, block_n: int, block_k: int, split_k: int,
-                  stages: int, part: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
+                  stages: int) -> torch.Tensor:  # fmt: skip
     """``x [M, K] @ w [N, K]^T`` -> [M, N] in x's dtype: programs over (N tiles, K splits, M
     tiles of up to 128 rows), fp32 partials summed by a second kernel when ``split_k > 1``."""
     import triton
@@ -65,11 +65,12 @@ def splitk_linear(x: torch.Tensor, w: torch.Tensor, block_n: int, block_k: int, 
     n = w.shape[0]
     block_m = max(16, min(128, triton.next_power_of_2(m)))
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)
-    if part is None and split_k > 1:
-        part = torch.empty((split_k, m, n), dtype=torch.float32, device=x.device)
+    part = (
+        torch.empty((split_k, m, n), dtype=torch.float32, device=x.device) if split_k > 1 else out
+    )
     grid = (triton.cdiv(n, block_n), split_k, triton.cdiv(m, block_m))
     _splitk_mm[grid](
-        x, w, part if split_k > 1 else out, m, n, k, x.stride(0), w.stride(0),
+        x, w, part, m, n, k, x.stride(0), w.stride(0),
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split_k, STAGES=stages,
         num_warps=4,
     )  # fmt: skip
