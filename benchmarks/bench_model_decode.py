@@ -231,6 +231,7 @@ def profile_steps(step, device: str, n: int) -> dict:
     return {
         "profiled_step_ms": wall_ms,
         "gpu_kernel_ms_per_step": gpu_ms,
+        **kernel_gaps(prof.events(), n),
         "gpu_busy_pct": 100 * gpu_ms / wall_ms,
         "gpu_ms_by_kind": {k: round(v, 4) for k, v in sorted(by_kind.items())},
         "kernels_per_step": [
@@ -239,6 +240,34 @@ def profile_steps(step, device: str, n: int) -> dict:
         "top_host_self_ms_per_step": _by_name(
             top_cpu, lambda e: e.self_cpu_time_total / 1e3 / n, 3
         ),
+    }
+
+
+def kernel_gaps(events, n: int, host_gap_us: float = 20.0) -> dict:
+    """Idle GPU time between consecutive kernels (and copies) per step, from the profiler's
+    timeline: gaps under ``host_gap_us`` are launch gaps inside a step's CUDA graph, longer ones
+    the GPU waiting for the host (between steps; the profiler slows the host, so these overstate
+    an unprofiled run's)."""
+    from torch.autograd import DeviceType
+
+    spans = sorted(
+        (e.time_range.start, e.time_range.end) for e in events if e.device_type == DeviceType.CUDA
+    )
+    short = long = 0.0
+    count = 0
+    end = spans[0][1] if spans else 0.0
+    for start, stop in spans[1:]:
+        gap = start - end
+        if gap > 0:
+            if gap < host_gap_us:
+                short, count = short + gap, count + 1
+            else:
+                long += gap
+        end = max(end, stop)
+    return {
+        "launch_gap_ms_per_step": round(short / 1e3 / n, 4),
+        "launch_gaps_per_step": count / n,
+        "host_wait_ms_per_step": round(long / 1e3 / n, 4),
     }
 
 

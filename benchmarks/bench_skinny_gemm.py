@@ -42,8 +42,8 @@ SHAPES: dict[str, tuple[dict[str, tuple[int, int]], tuple[int, ...]]] = {
                      "down": (15360, 3840)}, (32, 131)),
 }  # fmt: skip
 # --quick: a few configs spread over tile widths and splits
-QUICK = [(32, 128, 4, 4), (32, 256, 8, 4), (64, 128, 4, 3), (64, 128, 8, 4), (64, 256, 2, 3),
-         (64, 256, 4, 4), (128, 128, 2, 3), (128, 128, 1, 4)]  # fmt: skip
+QUICK = [(32, 128, 4, 4), (32, 128, 8, 4), (32, 256, 8, 4), (64, 128, 2, 4), (64, 128, 4, 3),
+         (64, 128, 8, 4), (64, 256, 2, 3), (64, 256, 4, 4), (128, 128, 2, 3), (128, 128, 1, 4)]  # fmt: skip
 # (BLOCK_N, BLOCK_K, SPLIT_K, stages) tried per shape
 CONFIGS = [(bn, bk, s, st) for bn, bk, s, st in itertools.product(
     (32, 64, 128), (128, 256), (1, 2, 4, 8), (3, 4)) if bn * bk <= 128 * 128]  # fmt: skip
@@ -127,9 +127,9 @@ def main() -> None:
     ap.add_argument("--projections", nargs="+", help="default: all")
     ap.add_argument("--calls", type=int, default=24, help="calls per timed CUDA graph")
     ap.add_argument("--rounds", type=int, default=5)
-    ap.add_argument(
-        "--quick", action="store_true", help=f"M = 32 only, the {len(QUICK)} QUICK configs"
-    )
+    ap.add_argument("--quick", action="store_true", help=f"the {len(QUICK)} QUICK configs only")
+    ap.add_argument("--ms", type=int, nargs="+",
+                    help="rows (batch) to time; default 32 and the FP8 config's largest batch")  # fmt: skip
     ap.add_argument("--smoke", action="store_true", help="CPU interpreter, tiny shapes, no timing")
     args = ap.parse_args()
     rows: list[dict[str, Any]] = []
@@ -150,7 +150,7 @@ def main() -> None:
         for proj, (k, n) in projections.items():
             if args.projections and proj not in args.projections:
                 continue
-            for m in ms[:1] if args.quick else ms:
+            for m in args.ms or ms:
                 cfgs = QUICK if args.quick else CONFIGS
                 got = study(m, k, n, "cuda", args.calls, args.rounds, cfgs, 2**28, gbps)
                 rows += [{"model": model, "proj": proj, **r} for r in got]

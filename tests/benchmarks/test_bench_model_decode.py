@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
-from bench_model_decode import kernel_kind, kernel_time_bound  # noqa: E402
+from bench_model_decode import kernel_gaps, kernel_kind, kernel_time_bound  # noqa: E402
 
 NAMES = {
     "kernel_mha(unsigned int, float, float const*, Vec<__nv_bfloat16, 128u>*, Vec<__n": "attention_fp8_kv",
@@ -41,3 +41,24 @@ def test_kernel_time_bound():
     assert b["attention_ms"] == {"fp8": 1.5, "bf16": 2.4}
     assert b["measured_kernel_ratio"] == pytest.approx(3.4 / 2.5)
     assert b["ratio_if_rest_at_bound"] == pytest.approx((2.4 + 1.0) / (1.5 + 1.0))
+
+
+def test_kernel_gaps_splits_launch_gaps_from_host_waits():
+    from types import SimpleNamespace
+
+    from torch.autograd import DeviceType
+
+    def ev(start, end, device=DeviceType.CUDA):
+        return SimpleNamespace(device_type=device, time_range=SimpleNamespace(start=start, end=end))
+
+    # two steps: kernels 0-10, 12-20 (2 us gap), overlap 19-25, then the host: 25 -> 100
+    # (75 us wait), 100-110, 113-120 (3 us); a CPU event in between is not a kernel
+    events = [ev(0, 10), ev(12, 20), ev(19, 25), ev(100, 110), ev(113, 120),
+              ev(30, 90, DeviceType.CPU)]  # fmt: skip
+    got = kernel_gaps(events, n=2)
+    assert got == {
+        "launch_gap_ms_per_step": round(5 / 1e3 / 2, 4),
+        "launch_gaps_per_step": 1.0,
+        "host_wait_ms_per_step": round(75 / 1e3 / 2, 4),
+    }
+    assert kernel_gaps([], n=1)["host_wait_ms_per_step"] == 0.0
