@@ -15,7 +15,8 @@ Per (model, kv config, kernel), one compiled model (kvq_backend) whose pools are
   * ctx sweep at batch 32 (``--ctxs``), batch sweep at 16k (``--batches`` and the capacity batch);
 a point whose pages do not fit the pools is a row with ``"fits": false`` (no timing).
 ``--fuse-projections``: q/k/v and gate/up as one GEMM each (``fuse_projections()``), for every
-config alike. ``--max-autotune-gemm``: Inductor autotunes the GEMMs (Triton templates against
+config alike. ``--pdl``: Inductor's Triton kernels with programmatic dependent launch.
+``--max-autotune-gemm``: Inductor autotunes the GEMMs (Triton templates against
 cuBLAS). ``--sample-clocks``: NVML clocks, power and clock-event reasons during the timed steps
 (``clock_sampler.py``; row key ``clocks``). The headline point and the capacity point are
 profiled (GPU time by kernel kind, ``--profile-steps``). Each point: sequences filled in chunks of ``--chunk`` tokens (as chunked prefill would: window
@@ -62,6 +63,10 @@ PAGE = 16
 # --max-autotune-gemm: the GEMMs are 89% (Llama) / 84% (Gemma) of copy bandwidth on cuBLAS at batch
 # 32 (runs 36-37), the largest share of the step outside attention
 MAX_AUTOTUNE_GEMM = {"max_autotune_gemm": True, "max_autotune_gemm_backends": "ATEN,TRITON"}
+# --pdl: Inductor's Triton kernels launch with programmatic dependent launch (Hopper): each may
+# start while the kernel before it drains and waits (gdc_wait) only before it reads that kernel's
+# output; ~685 kernels per Gemma step (run 47)
+PDL = {"triton.enable_pdl": True}
 LLAMA_8B = dict(
     vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
     num_attention_heads=32, num_key_value_heads=8, head_dim=128, max_position_embeddings=131072,
@@ -265,13 +270,15 @@ def run_variant(
     random_caches(model)
     kv_bytes = sum(a.kv_cache.numel() * a.kv_cache.element_size() for a in model.attention_layers)
     backend = torch_kvq.kvq_backend
-    if args.max_autotune_gemm:  # Inductor times its Triton GEMM templates against cuBLAS per shape
-        backend = torch_kvq.make_kvq_backend(config_patches=MAX_AUTOTUNE_GEMM)
+    patches = {**(MAX_AUTOTUNE_GEMM if args.max_autotune_gemm else {}), **(PDL if args.pdl else {})}
+    if patches:  # autotuning: Inductor times its Triton GEMM templates against cuBLAS per shape
+        backend = torch_kvq.make_kvq_backend(config_patches=patches)
     fn = torch.compile(model, backend=backend)
     base = {"model": model_name, "kv_config": kv_name, "kernel": kernel_name if kv_name == "fp8" else "bf16",
             "kv_gib": kv_bytes / 2**30, "kv_budget_gib": budget / 2**30, "max_batch_at_capacity_ctx": max_batch,
             "capacity_ctx": cap_ctx, "weights_gib": weight_bytes / 2**30, "windowed_pools": args.windowed,
             "fused_projections": args.fuse_projections, "max_autotune_gemm": args.max_autotune_gemm,
+            "pdl": args.pdl,
             "date": env["date_utc"], "gpu": env.get("gpu", "cpu"), "commit": args.commit}  # fmt: skip
     points = [("ctx_sweep", 32 if not args.smoke else 2, c) for c in args.ctxs]
     points += [("batch_sweep", b, cap_ctx) for b in args.batches if (b, cap_ctx) != (32, cap_ctx)
@@ -331,6 +338,9 @@ def main() -> None:
     ap.add_argument("--max-autotune-gemm", action="store_true",
                     help="Inductor's GEMM autotuning (Triton templates against cuBLAS) through "
                          "make_kvq_backend(config_patches=...)")  # fmt: skip
+    ap.add_argument("--pdl", action="store_true",
+                    help="Inductor's Triton kernels with programmatic dependent launch "
+                         "(config triton.enable_pdl through make_kvq_backend(config_patches=...))")  # fmt: skip
     ap.add_argument("--sample-clocks", action="store_true",
                     help="NVML clocks, power and clock-event reasons every 5 ms of the timed steps "
                          "(clock_sampler.py; a thread: off by default)")  # fmt: skip
@@ -340,6 +350,8 @@ def main() -> None:
                     help="recorded in every row (default $KVQ_COMMIT, else git HEAD; on the device "
                     "machine .git is stale: pass KVQ_COMMIT)")  # fmt: skip
     args = ap.parse_args()
+    if args.pdl and not hasattr(torch._inductor.config.triton, "enable_pdl"):
+        ap.error(f"--pdl: torch {torch.__version__}'s Inductor has no config triton.enable_pdl")
     if args.smoke:
         args.ctxs, args.batches, args.capacity_ctx = [64, 128], [1, 2], 96
         args.steps, args.warmup, args.profile_steps, args.chunk = 2, 1, 0, 32
