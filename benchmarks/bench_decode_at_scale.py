@@ -15,9 +15,7 @@ Per (model, kv config, kernel), one compiled model (kvq_backend) whose pools are
   * ctx sweep at batch 32 (``--ctxs``), batch sweep at 16k (``--batches`` and the capacity batch);
 a point whose pages do not fit the pools is a row with ``"fits": false`` (no timing).
 ``--fuse-projections``: q/k/v and gate/up as one GEMM each (``fuse_projections()``), for every
-config alike. ``--split-k o_proj=4,64,128,4 ...``: those projections through split-K Triton GEMMs
-whose partials' sum Inductor fuses into the next kernel (``use_split_k``), at up to 128 rows.
-``--pdl``: Inductor's Triton kernels with programmatic dependent launch.
+config alike. ``--pdl``: Inductor's Triton kernels with programmatic dependent launch.
 ``--max-autotune-gemm``: Inductor autotunes the GEMMs (Triton templates against
 cuBLAS). ``--sample-clocks``: NVML clocks, power and clock-event reasons during the timed steps
 (``clock_sampler.py``; row key ``clocks``). The headline point and the capacity point are
@@ -36,7 +34,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import dataclasses
 import gc
 import os
 import subprocess
@@ -60,7 +57,6 @@ from torch_kvq.attention.memory import max_seqs_for_budget, page_bytes, plan_kv_
 from torch_kvq.models.gemma3 import Gemma3Model  # noqa: E402
 from torch_kvq.models.llama import LlamaModel  # noqa: E402
 from torch_kvq.models.presets import tiny_gemma3_config, tiny_llama_config  # noqa: E402
-from torch_kvq.models.splitk import SplitKConfig, use_split_k  # noqa: E402
 from torch_kvq.spec import KVCacheConfig  # noqa: E402
 
 PAGE = 16
@@ -254,8 +250,6 @@ def run_variant(
     model = build(model_name, kv, kernel, device, args.smoke, 1, 1 if args.windowed else None)
     if args.fuse_projections:
         model.fuse_projections()  # q/k/v and gate/up: one GEMM each, as serving engines run
-    if args.split_k:
-        use_split_k(model, args.split_k)  # the skinny projections through split-K Triton GEMMs
     weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     specs = model.kv_specs
     if device == "cuda":
@@ -285,7 +279,6 @@ def run_variant(
             "capacity_ctx": cap_ctx, "weights_gib": weight_bytes / 2**30, "windowed_pools": args.windowed,
             "fused_projections": args.fuse_projections, "max_autotune_gemm": args.max_autotune_gemm,
             "pdl": args.pdl,
-            "split_k": {k: dataclasses.astuple(c) for k, c in args.split_k.items()},
             "date": env["date_utc"], "gpu": env.get("gpu", "cpu"), "commit": args.commit}  # fmt: skip
     points = [("ctx_sweep", 32 if not args.smoke else 2, c) for c in args.ctxs]
     points += [("batch_sweep", b, cap_ctx) for b in args.batches if (b, cap_ctx) != (32, cap_ctx)
@@ -345,9 +338,6 @@ def main() -> None:
     ap.add_argument("--max-autotune-gemm", action="store_true",
                     help="Inductor's GEMM autotuning (Triton templates against cuBLAS) through "
                          "make_kvq_backend(config_patches=...)")  # fmt: skip
-    ap.add_argument("--split-k", nargs="+", type=split_k_arg, metavar="PROJ=SPLITS[,BN,BK,ST]",
-                    help="projections through torch_kvq.models.use_split_k, e.g. o_proj=4,64,128,4 "
-                         "(SplitKConfig(splits, block_n, block_k, stages)); fuse first for qkv_proj")  # fmt: skip
     ap.add_argument("--pdl", action="store_true",
                     help="Inductor's Triton kernels with programmatic dependent launch "
                          "(config triton.enable_pdl through make_kvq_backend(config_patches=...))")  # fmt: skip
@@ -360,7 +350,6 @@ def main() -> None:
                     help="recorded in every row (default $KVQ_COMMIT, else git HEAD; on the device "
                     "machine .git is stale: pass KVQ_COMMIT)")  # fmt: skip
     args = ap.parse_args()
-    args.split_k = dict(args.split_k or [])
     if args.pdl and not hasattr(torch._inductor.config.triton, "enable_pdl"):
         ap.error(f"--pdl: torch {torch.__version__}'s Inductor has no config triton.enable_pdl")
     if args.smoke:
@@ -376,19 +365,6 @@ def main() -> None:
             # after every variant: a run cut short by its time limit keeps what it measured
             write_results("decode_at_scale", {"env": env, "copy_GBps": copy_gbps, "rows": rows},
                           markdown(rows, env, copy_gbps))  # fmt: skip
-
-
-def split_k_arg(text: str) -> tuple[str, SplitKConfig]:
-    """``"o_proj=4,64,128,4"`` -> ("o_proj", SplitKConfig(4, 64, 128, 4))."""
-    name, sep, values = text.partition("=")
-    try:
-        if not sep or not name:
-            raise ValueError(text)
-        return name, SplitKConfig(*(int(v) for v in values.split(",")))
-    except (TypeError, ValueError) as e:
-        raise argparse.ArgumentTypeError(
-            f"--split-k {text!r}: expected PROJ=SPLITS[,BLOCK_N,BLOCK_K,STAGES] ({e})"
-        ) from e
 
 
 def _git_head() -> str:

@@ -1,14 +1,15 @@
 """The decode step's projections as skinny GEMMs: cuBLAS (what the models run) against a split-K
 Triton GEMM, per shape, against copy bandwidth.
 
-At batch 32 the GEMMs of a decode step read weights at 84-91% of copy bandwidth on the H200. Run
-47 (2026-12-01, ``--quick``) timed each projection alone: cuBLAS from 60% (o_proj, 12.5 us for
-7.4 us of bytes) to 94-98% (gate_up) at M = 32; the split-K kernel of ``torch_kvq.models.splitk``
-(``SplitKConfig``, ``use_split_k``) was within 0.3-3 us of it at M = 32 *including* the two torch
-kernels that sum and cast its partials here (in a compiled model Inductor fuses those into the
-consumer) and lost by far at M = 110-131 (its BLOCK_M of 128 reads the weights twice at 131).
-Each call reads a different copy of the weights (more bytes than the 50 MiB L2), in a CUDA graph
-of ``--calls`` calls.
+Each projection of both models at M = 32 and at the FP8 config's largest batch, ``F.linear``
+against a split-K Triton GEMM over tile and split choices, each call on a different copy of the
+weights (more bytes than the 50 MiB L2), in a CUDA graph of ``--calls`` calls.
+
+Run 47 (H200, 2026-12-01, ``--quick``): cuBLAS reads at 60% (o_proj, 12.5 us for 7.4 us of
+bytes) to 94-98% (gate_up) of copy bandwidth at M = 32 and 68-90% at M = 110-131; this kernel
+came within 0.3-3 us at M = 32 (one shape ahead: Gemma's gate_up, 57.8 against 59.4 us) and lost
+by far at 110-131. In the models (runs 49-50, the partials' sum fused by Inductor into the next
+kernel: torch_kvq at commit 41783a1, ``use_split_k``) both steps got slower; cuBLAS stays.
 
     python benchmarks/bench_skinny_gemm.py                  # H200: writes $OUT/bench_skinny_gemm.json
     python benchmarks/bench_skinny_gemm.py --smoke          # CPU: Triton's interpreter, tiny shapes
@@ -56,13 +57,27 @@ def gemm_bytes(m: int, k: int, n: int) -> int:
 
 def splitk_linear(x: torch.Tensor, w: torch.Tensor, block_n: int, block_k: int, split_k: int,
                   stages: int) -> torch.Tensor:  # fmt: skip
-    """``x [M, K] @ w [N, K]^T`` -> [M, N] in x's dtype through the kernel of
-    ``torch_kvq.models.splitk`` (called directly: on CPU the op would take its torch reference, and
-    ``--smoke`` wants the kernel in Triton's interpreter), then the partials' sum and the cast:
-    two torch kernels here (~2 us each), which a compiled model fuses into the consumer."""
-    from torch_kvq.models.splitk_kernel import splitk_partials_triton
+    """``x [M, K] @ w [N, K]^T`` -> [M, N] in x's dtype: programs over (N tiles, K splits, M
+    tiles of up to 128 rows), fp32 partials summed by a second kernel when ``split_k > 1``."""
+    import triton
+    from skinny_gemm_kernels import _reduce_splits, _splitk_mm
 
-    return splitk_partials_triton(x, w, split_k, block_n, block_k, stages).sum(0).to(x.dtype)
+    m, k = x.shape
+    n = w.shape[0]
+    block_m = max(16, min(128, triton.next_power_of_2(m)))
+    out = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    part = (
+        torch.empty((split_k, m, n), dtype=torch.float32, device=x.device) if split_k > 1 else out
+    )
+    grid = (triton.cdiv(n, block_n), split_k, triton.cdiv(m, block_m))
+    _splitk_mm[grid](
+        x, w, part, m, n, k, x.stride(0), w.stride(0),
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split_k, STAGES=stages,
+        num_warps=4,
+    )  # fmt: skip
+    if split_k > 1:
+        _reduce_splits[(triton.cdiv(m * n, 1024),)](part, out, m * n, SPLIT_K=split_k, BLOCK=1024)
+    return out
 
 
 def weights(k: int, n: int, device: str, min_bytes: int, dtype: torch.dtype) -> list[torch.Tensor]:

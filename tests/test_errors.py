@@ -1026,27 +1026,6 @@ def _() -> object:
     return model.load_hf_state_dict({})
 
 
-@case("model.split-k-config")
-def _() -> object:
-    from torch_kvq.models import SplitKConfig
-
-    return SplitKConfig(splits=16)
-
-
-@case("model.split-k-unknown-projection")
-def _() -> object:
-    from torch_kvq.models import SplitKConfig, use_split_k
-
-    return use_split_k(tiny_llama(), {"qkv_proj": SplitKConfig(2)})
-
-
-@case("model.split-k-shape")
-def _() -> object:
-    from torch_kvq.models.splitk import splitk_partials
-
-    return splitk_partials(torch.randn(2, 8), torch.randn(4, 9), 2, 64, 16, 4)
-
-
 @case("generate.empty-prompt")
 def _() -> object:
     return gen([[1, 2], []], 2)

@@ -14,7 +14,7 @@ from types import ModuleType
 import pytest
 import torch
 from test_triton_decode import HAS_CUDA, INTERPRETING, Case, rel_err
-from test_triton_decode_tma import _run, dense_table
+from test_triton_decode_tma import _run, check_on_gpu, dense_table
 
 from torch_kvq.spec import FP8_DTYPE
 
@@ -103,14 +103,8 @@ needs_gpu = pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
 @pytest.mark.parametrize("window,soft_cap", [(None, None), (64, 5.0)], ids=["global", "swa_cap"])
 @pytest.mark.parametrize("cache_dtype", [FP8_DTYPE, torch.bfloat16], ids=str)
 def test_gpu_matches_reference(qh, kh, d, per_sm, regs, window, soft_cap, cache_dtype) -> None:
-    from torch_kvq.attention.kernels import triton_decode_tma
-
-    case = Case((*LENS, 4097), qh, kh, d, cache_dtype=cache_dtype, device="cuda")
-    kw = dict(window=window, soft_cap=soft_cap, programs_per_sm=per_sm, max_registers=regs)
-    out = _run(case, triton_decode_tma, **kw)
-    assert out.dtype == torch.bfloat16 and torch.isfinite(out).all()
-    err = rel_err(out, case.ref(window, soft_cap))
-    assert err < 5e-3, f"rel err {err:.2e}"
+    kw = dict(programs_per_sm=per_sm, max_registers=regs)
+    check_on_gpu((*LENS, 4097), qh, kh, d, cache_dtype, window, soft_cap, **kw)
 
 
 @pytest.mark.gpu

@@ -34,6 +34,18 @@ def _run(case: Case, mod: ModuleType, table: torch.Tensor | None = None, **kw) -
     )  # fmt: skip
 
 
+def check_on_gpu(lens: tuple[int, ...], qh: int, kh: int, d: int, cache_dtype: torch.dtype,
+                 window: int | None, soft_cap: float | None, **kw) -> None:  # fmt: skip
+    """``paged_decode_tma`` with ``kw`` on a CUDA case of ``lens`` against the fp32 reference."""
+    from torch_kvq.attention.kernels import triton_decode_tma
+
+    case = Case(lens, qh, kh, d, cache_dtype=cache_dtype, device="cuda")
+    out = _run(case, triton_decode_tma, window=window, soft_cap=soft_cap, **kw)
+    assert out.dtype == torch.bfloat16 and torch.isfinite(out).all()
+    err = rel_err(out, case.ref(window, soft_cap))
+    assert err < 5e-3, f"rel err {err:.2e}"
+
+
 @pytest.fixture(scope="module")
 def interp() -> ModuleType:
     if not INTERPRETING:
@@ -116,14 +128,8 @@ needs_gpu = pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
     "cache_dtype,ppi", [(FP8_DTYPE, 1), (FP8_DTYPE, 2), (torch.bfloat16, 2)], ids=str
 )
 def test_gpu_matches_reference(qh, kh, d, num_splits, window, soft_cap, cache_dtype, ppi) -> None:
-    from torch_kvq.attention.kernels import triton_decode_tma
-
-    case = Case((*LENS, 4097), qh, kh, d, cache_dtype=cache_dtype, device="cuda")
-    kw = dict(num_splits=num_splits, window=window, soft_cap=soft_cap, pages_per_iter=ppi)
-    out = _run(case, triton_decode_tma, **kw)
-    assert out.dtype == torch.bfloat16 and torch.isfinite(out).all()
-    err = rel_err(out, case.ref(window, soft_cap))
-    assert err < 5e-3, f"rel err {err:.2e}"
+    kw = dict(num_splits=num_splits, pages_per_iter=ppi)
+    check_on_gpu((*LENS, 4097), qh, kh, d, cache_dtype, window, soft_cap, **kw)
 
 
 @pytest.mark.gpu

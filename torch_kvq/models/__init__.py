@@ -11,7 +11,6 @@ from torch_kvq.models.presets import (
     tiny_gemma3_config,
     tiny_llama_config,
 )
-from torch_kvq.models.splitk import SplitKConfig, SplitKLinear, use_split_k
 
 __all__ = [
     "PRESETS",
@@ -19,12 +18,9 @@ __all__ = [
     "GenerateResult",
     "LlamaModel",
     "PagedDecoder",
-    "SplitKConfig",
-    "SplitKLinear",
     "build_model",
     "generate",
     "randomize_weights_",
     "tiny_gemma3_config",
     "tiny_llama_config",
-    "use_split_k",
 ]

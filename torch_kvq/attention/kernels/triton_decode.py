@@ -230,6 +230,16 @@ def combine_splits(
     return out
 
 
+def sm_count(device: torch.device) -> int:
+    """The device's SM count (torch caches the properties); 132 (an H200) off CUDA, where the
+    interpreter runs the schedules a GPU would."""
+    return (
+        torch.cuda.get_device_properties(device).multi_processor_count
+        if device.type == "cuda"
+        else 132
+    )
+
+
 def default_num_splits(batch: int, kv_heads: int, max_seq_len: int, block_n: int, sms: int) -> int:
     """Splits per (sequence, kv head) so the grid fills ``sms`` about 4 times, each split keeping
     at least 8 tiles of ``block_n`` tokens (fewer, longer splits read more per program)."""
@@ -289,8 +299,7 @@ def paged_decode_fp8(
         dict(qk_dtype=qk_dtype, pv_dtype=pv_dtype), window,
     )  # fmt: skip
     if num_splits is None:
-        sms = torch.cuda.get_device_properties(q.device).multi_processor_count if q.is_cuda else 132
-        num_splits = default_num_splits(b, kh, max_seq_len, block_n, sms)
+        num_splits = default_num_splits(b, kh, max_seq_len, block_n, sm_count(q.device))
     g = qh // kh
     out, part_o, part_lse = split_outputs("paged_decode_fp8", q, out, num_splits, workspace)
     direct = num_splits == 1

@@ -30,6 +30,7 @@ from torch_kvq.attention.kernels.triton_decode import (
     _load_q,
     _store_out,
     _store_part,
+    sm_count,
     split_outputs,
 )
 from torch_kvq.attention.kernels.triton_decode_tma import _acc_cols, _attend
@@ -194,8 +195,8 @@ def balanced_programs(
 ) -> int:
     """The balanced schedule's program count: ``per_sm`` per SM (132 off CUDA), at most one per
     page of the batch's (sequence, kv head) pairs at ``max_seq_len``."""
-    sms = torch.cuda.get_device_properties(q.device).multi_processor_count if q.is_cuda else 132
-    return max(1, min(per_sm * sms, q.shape[0] * kv_heads * -(-max_seq_len // page)))
+    most = per_sm * sm_count(q.device)
+    return max(1, min(most, q.shape[0] * kv_heads * -(-max_seq_len // page)))
 
 
 def _balanced_workspace(

@@ -43,6 +43,7 @@ from torch_kvq.attention.kernels.triton_decode import (
     _store_split,
     check_args,
     combine_splits,
+    sm_count,
     split_outputs,
 )
 
@@ -303,8 +304,7 @@ def paged_decode_tma(
     )  # fmt: skip
     scales = (sm_scale * k_scale * LOG2E, float(soft_cap or 1.0), float(v_scale), int(window or 0))
     if num_splits is None and programs_per_sm is None:
-        sms = torch.cuda.get_device_properties(q.device).multi_processor_count if q.is_cuda else 132
-        splits, balanced = default_schedule(b, kh, max_seq_len, page, d, sms)
+        splits, balanced = default_schedule(b, kh, max_seq_len, page, d, sm_count(q.device))
         if balanced is not None and workspace is None:
             programs_per_sm, regs = balanced
             common.setdefault("maxnreg", regs)
