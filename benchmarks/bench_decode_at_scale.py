@@ -271,7 +271,7 @@ def run_variant(
     kv_bytes = sum(a.kv_cache.numel() * a.kv_cache.element_size() for a in model.attention_layers)
     backend = torch_kvq.kvq_backend
     patches = {**(MAX_AUTOTUNE_GEMM if args.max_autotune_gemm else {}), **(PDL if args.pdl else {})}
-    if patches:  # autotuning: Inductor times its Triton GEMM templates against cuBLAS per shape
+    if patches:  # Inductor config for this compile only (GEMM autotuning, PDL)
         backend = torch_kvq.make_kvq_backend(config_patches=patches)
     fn = torch.compile(model, backend=backend)
     base = {"model": model_name, "kv_config": kv_name, "kernel": kernel_name if kv_name == "fp8" else "bf16",
