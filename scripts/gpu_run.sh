@@ -23,6 +23,7 @@
 #   bash scripts/gpu_run.sh prefill          # FP8-KV prefill paths (fa2 / fa3, FP8 query) vs bf16
 #   KVQ_TTFT_ARGS="--models llama-3.1-8b" bash scripts/gpu_run.sh ttft   # TTFT 8 x 16k per prefill option
 #   KVQ_SKINNY_ARGS="--models gemma-3-12b --projections o" bash scripts/gpu_run.sh skinny   # GEMMs: cuBLAS vs split-K
+#   KVQ_L2PF_ARGS="--models gemma-3-12b" bash scripts/gpu_run.sh l2pf   # GEMM weights prefetched into L2 behind the norm
 #   bash scripts/gpu_run.sh diagfa3          # fa3 FP8 prefill: the finite mask sentinel (run 20 of 2026-12-01)
 #   bash scripts/gpu_run.sh hostprof         # cProfile of a CUDA-graph decode step (not in the default)
 #   bash scripts/gpu_run.sh cpusuite         # the CPU suite (README command) on this image's torch, GPU hidden
@@ -105,6 +106,7 @@ for step in ${*:-tests attn xqa model}; do
     scale) python3 benchmarks/bench_decode_at_scale.py ${KVQ_SCALE_ARGS:-} 2>&1 | tee -a "$LOG" ;;
     ttft) python3 benchmarks/bench_prefill_at_scale.py ${KVQ_TTFT_ARGS:-} 2>&1 | tee -a "$LOG" ;;
     skinny) python3 benchmarks/bench_skinny_gemm.py ${KVQ_SKINNY_ARGS:-} 2>&1 | tee -a "$LOG" ;;
+    l2pf) python3 benchmarks/bench_l2_prefetch.py ${KVQ_L2PF_ARGS:-} 2>&1 | tee -a "$LOG" ;;
     diagfa3) python3 benchmarks/diag_fa3_fp8_mask.py 2>&1 | tee -a "$LOG" ;;
     hostprof) python3 benchmarks/profile_graph_step.py ${KVQ_HOSTPROF_ARGS:-} 2>&1 | tee -a "$LOG" ;;
     jitpack) jit=$(python3 -c "import flashinfer.jit.env as e; print(e.FLASHINFER_JIT_DIR)")
