@@ -122,7 +122,7 @@ for step in ${*:-tests attn xqa model}; do
              ls -la "$OUT"/flashinfer_jit.tar.xz.part-* | tee -a "$LOG" ;;
     cpusuite) CUDA_VISIBLE_DEVICES= python3 -m pytest -q -m "not gpu and not slow" -p no:cacheprovider \
                 -n "${KVQ_CPU_WORKERS:-14}" -rfEs tests/ 2>&1 | tail -40 | tee "$OUT/cpu_suite_log.txt" ;;
-    *) echo "unknown step $step (expected tests, attn, xqa, model, paths, prefill, scale, ttft, diagfa3, hostprof, cpusuite, jitpack)" | tee -a "$LOG"; status=2; continue ;;
+    *) echo "unknown step $step (expected tests, attn, xqa, model, paths, prefill, scale, ttft, skinny, l2pf, diagfa3, hostprof, cpusuite, jitpack)" | tee -a "$LOG"; status=2; continue ;;
   esac
   rc=${PIPESTATUS[0]}
   echo "=== $step exit $rc $(date -u +%T)" | tee -a "$LOG"
