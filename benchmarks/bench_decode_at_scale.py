@@ -40,6 +40,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
 
@@ -67,6 +68,27 @@ MAX_AUTOTUNE_GEMM = {"max_autotune_gemm": True, "max_autotune_gemm_backends": "A
 # start while the kernel before it drains and waits (gdc_wait) only before it reads that kernel's
 # output; ~685 kernels per Gemma step (run 47)
 PDL = {"triton.enable_pdl": True}
+
+
+def inductor_patch(text: str) -> dict[str, Any]:
+    """``--inductor key=value``: one Inductor config entry whose key exists in this torch."""
+    import ast
+
+    import torch._inductor.config as cfg
+
+    key, sep, value = text.partition("=")
+    obj = cfg
+    for part in key.split(".")[:-1]:
+        obj = getattr(obj, part, None)
+    if not sep or obj is None or not hasattr(obj, key.split(".")[-1]):
+        raise argparse.ArgumentTypeError(
+            f"--inductor {text!r}: expected KEY=VALUE with KEY an Inductor config of torch "
+            f"{torch.__version__} (e.g. combo_kernels=True)"
+        )
+    try:
+        return {key: ast.literal_eval(value)}
+    except (ValueError, SyntaxError) as e:
+        raise argparse.ArgumentTypeError(f"--inductor {text!r}: {value!r} is not a Python literal") from e
 LLAMA_8B = dict(
     vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
     num_attention_heads=32, num_key_value_heads=8, head_dim=128, max_position_embeddings=131072,
@@ -270,15 +292,16 @@ def run_variant(
     random_caches(model)
     kv_bytes = sum(a.kv_cache.numel() * a.kv_cache.element_size() for a in model.attention_layers)
     backend = torch_kvq.kvq_backend
-    patches = {**(MAX_AUTOTUNE_GEMM if args.max_autotune_gemm else {}), **(PDL if args.pdl else {})}
-    if patches:  # Inductor config for this compile only (GEMM autotuning, PDL)
+    patches = {**(MAX_AUTOTUNE_GEMM if args.max_autotune_gemm else {}), **(PDL if args.pdl else {}),
+               **args.inductor}  # fmt: skip
+    if patches:  # Inductor config for this compile only (GEMM autotuning, PDL, --inductor)
         backend = torch_kvq.make_kvq_backend(config_patches=patches)
     fn = torch.compile(model, backend=backend)
     base = {"model": model_name, "kv_config": kv_name, "kernel": kernel_name if kv_name == "fp8" else "bf16",
             "kv_gib": kv_bytes / 2**30, "kv_budget_gib": budget / 2**30, "max_batch_at_capacity_ctx": max_batch,
             "capacity_ctx": cap_ctx, "weights_gib": weight_bytes / 2**30, "windowed_pools": args.windowed,
             "fused_projections": args.fuse_projections, "max_autotune_gemm": args.max_autotune_gemm,
-            "pdl": args.pdl,
+            "pdl": args.pdl, "inductor_patches": args.inductor,
             "date": env["date_utc"], "gpu": env.get("gpu", "cpu"), "commit": args.commit}  # fmt: skip
     points = [("ctx_sweep", 32 if not args.smoke else 2, c) for c in args.ctxs]
     points += [("batch_sweep", b, cap_ctx) for b in args.batches if (b, cap_ctx) != (32, cap_ctx)
@@ -341,6 +364,8 @@ def main() -> None:
     ap.add_argument("--pdl", action="store_true",
                     help="Inductor's Triton kernels with programmatic dependent launch "
                          "(config triton.enable_pdl through make_kvq_backend(config_patches=...))")  # fmt: skip
+    ap.add_argument("--inductor", type=inductor_patch, nargs="+", default=[], metavar="KEY=VALUE",
+                    help="Inductor config for the compile, e.g. combo_kernels=True (Python literals)")
     ap.add_argument("--sample-clocks", action="store_true",
                     help="NVML clocks, power and clock-event reasons every 5 ms of the timed steps "
                          "(clock_sampler.py; a thread: off by default)")  # fmt: skip
@@ -350,6 +375,7 @@ def main() -> None:
                     help="recorded in every row (default $KVQ_COMMIT, else git HEAD; on the device "
                     "machine .git is stale: pass KVQ_COMMIT)")  # fmt: skip
     args = ap.parse_args()
+    args.inductor = dict(kv for patch in args.inductor for kv in patch.items())
     if args.pdl and not hasattr(torch._inductor.config.triton, "enable_pdl"):
         ap.error(f"--pdl: torch {torch.__version__}'s Inductor has no config triton.enable_pdl")
     if args.smoke:

@@ -654,13 +654,20 @@ def sliding_study(gbps: float, rounds: int, calls: int, save: Callable) -> list[
     """Gemma-3's 40 sliding layers stay bf16 and each reads its window (~1024 tokens) per
     sequence: 2.98 ms of a 14.6 ms step at 32 x 16k, 84.5% of copy bandwidth (run 37). The
     FlashInfer tensor-core decode the model runs for them against the TMA kernel on the same
-    bf16 cache, at batch 32 and 131, over split counts (one split leaves most SMs idle)."""
+    bf16 cache, at batch 32 and 131, over split counts (one split leaves most SMs idle), and
+    FlashInfer's plan without split-KV or with fixed split sizes."""
     from torch_kvq.attention.kernels import triton_decode_tma as tma
 
     rows: list[dict[str, Any]] = []
     for batch in (32, CAPACITY_BATCH["gemma_global"]):
         c = Case("gemma_global", batch, 1024)
         paths: dict[str, Callable] = {"fi_tc_bf16": lambda c=c: fi_wrapper(c, BF16, True)}
+        # FlashInfer's own plan options: no split-KV (no merge kernel), fixed splits in pages
+        paths["fi_tc_bf16[nosplit]"] = lambda c=c: fi_wrapper(c, BF16, True, disable_split_kv=True)
+        for pages in (16, 32):
+            paths[f"fi_tc_bf16[split{pages}p]"] = lambda c=c, p=pages: fi_wrapper(
+                c, BF16, True, fixed_split_size=p
+            )
         for splits in (None, 2, 4, 8, 16):
             kw = {**tma.tuned(256), "num_splits": splits}
             paths[f"tma_bf16[s{splits}]"] = lambda c=c, kw=kw: tma_bf16_path(c, **kw)

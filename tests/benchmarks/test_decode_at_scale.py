@@ -39,6 +39,21 @@ def test_fp8_halves_global_layers_only():
     assert bf16 - fp8 == global_bf16 // 2
 
 
+def test_inductor_patch_parses_known_keys_and_names_bad_ones():
+    import argparse
+
+    from bench_decode_at_scale import inductor_patch
+
+    assert inductor_patch("combo_kernels=True") == {"combo_kernels": True}
+    assert inductor_patch("triton.cudagraphs=False") == {"triton.cudagraphs": False}
+    with pytest.raises(argparse.ArgumentTypeError, match="no_such_knob"):
+        inductor_patch("no_such_knob=1")
+    with pytest.raises(argparse.ArgumentTypeError, match="expected KEY=VALUE"):
+        inductor_patch("combo_kernels")
+    with pytest.raises(argparse.ArgumentTypeError, match="not a Python literal"):
+        inductor_patch("combo_kernels=yes please")
+
+
 def test_smoke_run_and_plot(tmp_path):
     """CPU smoke run (tiny shapes, reference kernel) writes rows with the fields issue 14 lists,
     and the plot script draws them."""
