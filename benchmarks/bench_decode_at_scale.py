@@ -88,7 +88,11 @@ def inductor_patch(text: str) -> dict[str, Any]:
     try:
         return {key: ast.literal_eval(value)}
     except (ValueError, SyntaxError) as e:
-        raise argparse.ArgumentTypeError(f"--inductor {text!r}: {value!r} is not a Python literal") from e
+        raise argparse.ArgumentTypeError(
+            f"--inductor {text!r}: {value!r} is not a Python literal"
+        ) from e
+
+
 LLAMA_8B = dict(
     vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
     num_attention_heads=32, num_key_value_heads=8, head_dim=128, max_position_embeddings=131072,
@@ -364,8 +368,14 @@ def main() -> None:
     ap.add_argument("--pdl", action="store_true",
                     help="Inductor's Triton kernels with programmatic dependent launch "
                          "(config triton.enable_pdl through make_kvq_backend(config_patches=...))")  # fmt: skip
-    ap.add_argument("--inductor", type=inductor_patch, nargs="+", default=[], metavar="KEY=VALUE",
-                    help="Inductor config for the compile, e.g. combo_kernels=True (Python literals)")
+    ap.add_argument(
+        "--inductor",
+        type=inductor_patch,
+        nargs="+",
+        default=[],
+        metavar="KEY=VALUE",
+        help="Inductor config for the compile, e.g. combo_kernels=True (Python literals)",
+    )
     ap.add_argument("--sample-clocks", action="store_true",
                     help="NVML clocks, power and clock-event reasons every 5 ms of the timed steps "
                          "(clock_sampler.py; a thread: off by default)")  # fmt: skip
