@@ -24,6 +24,7 @@
 #   KVQ_TTFT_ARGS="--models llama-3.1-8b" bash scripts/gpu_run.sh ttft   # TTFT 8 x 16k per prefill option
 #   KVQ_SKINNY_ARGS="--models gemma-3-12b --projections o" bash scripts/gpu_run.sh skinny   # GEMMs: cuBLAS vs split-K
 #   KVQ_L2PF_ARGS="--models gemma-3-12b" bash scripts/gpu_run.sh l2pf   # GEMM weights prefetched into L2 behind the norm
+#   bash scripts/gpu_run.sh pairs            # Llama's FP8 decode with two kv heads per program (head-256 view)
 #   bash scripts/gpu_run.sh diagfa3          # fa3 FP8 prefill: the finite mask sentinel (run 20 of 2026-12-01)
 #   bash scripts/gpu_run.sh hostprof         # cProfile of a CUDA-graph decode step (not in the default)
 #   bash scripts/gpu_run.sh cpusuite         # the CPU suite (README command) on this image's torch, GPU hidden
@@ -106,6 +107,7 @@ for step in ${*:-tests attn xqa model}; do
     scale) python3 benchmarks/bench_decode_at_scale.py ${KVQ_SCALE_ARGS:-} 2>&1 | tee -a "$LOG" ;;
     ttft) python3 benchmarks/bench_prefill_at_scale.py ${KVQ_TTFT_ARGS:-} 2>&1 | tee -a "$LOG" ;;
     skinny) python3 benchmarks/bench_skinny_gemm.py ${KVQ_SKINNY_ARGS:-} 2>&1 | tee -a "$LOG" ;;
+    pairs) python3 benchmarks/bench_pair_heads.py ${KVQ_PAIRS_ARGS:-} 2>&1 | tee -a "$LOG" ;;
     l2pf) python3 benchmarks/bench_l2_prefetch.py ${KVQ_L2PF_ARGS:-} 2>&1 | tee -a "$LOG" ;;
     diagfa3) python3 benchmarks/diag_fa3_fp8_mask.py 2>&1 | tee -a "$LOG" ;;
     hostprof) python3 benchmarks/profile_graph_step.py ${KVQ_HOSTPROF_ARGS:-} 2>&1 | tee -a "$LOG" ;;
@@ -122,7 +124,7 @@ for step in ${*:-tests attn xqa model}; do
              ls -la "$OUT"/flashinfer_jit.tar.xz.part-* | tee -a "$LOG" ;;
     cpusuite) CUDA_VISIBLE_DEVICES= python3 -m pytest -q -m "not gpu and not slow" -p no:cacheprovider \
                 -n "${KVQ_CPU_WORKERS:-14}" -rfEs tests/ 2>&1 | tail -40 | tee "$OUT/cpu_suite_log.txt" ;;
-    *) echo "unknown step $step (expected tests, attn, xqa, model, paths, prefill, scale, ttft, skinny, l2pf, diagfa3, hostprof, cpusuite, jitpack)" | tee -a "$LOG"; status=2; continue ;;
+    *) echo "unknown step $step (expected tests, attn, xqa, model, paths, prefill, scale, ttft, skinny, l2pf, pairs, diagfa3, hostprof, cpusuite, jitpack)" | tee -a "$LOG"; status=2; continue ;;
   esac
   rc=${PIPESTATUS[0]}
   echo "=== $step exit $rc $(date -u +%T)" | tee -a "$LOG"

@@ -1,0 +1,104 @@
+"""Llama's head-128 FP8 decode read as Gemma's head 256: two kv heads per program.
+
+The TMA kernel reads Gemma-3's head-256 FP8 pages at 100-104% of copy bandwidth and Llama's
+head-128 pages at 93-98% (runs 35-47 of 2026-12-01): per byte, head 128 pays twice the softmax
+work, loop iterations and copy-engine requests. Two adjacent kv heads of a page are one
+contiguous [page, 2 * D] box of the cache, so the cache seen as ``[pages, 2, page, KH / 2, 2D]``
+is a valid head-256 cache. A block-diagonal query makes the head-256 kernel compute the right
+thing: for kv-head pair j, the query rows of kv head 2j hold their query in columns ``:D`` and
+zeros after, the rows of 2j + 1 zeros then their query in ``D:``; so each row's logits are its
+own head's, and of its output row it keeps the half of its own head (the other half is the
+other head's V under this row's weights, discarded). Same tensor-core work per byte as today
+(the group of 4 query rows is padded to 16 either way), half the rest.
+
+Here the query is built and the output picked by four copies per call (timed with the kernel);
+in a kernel of its own they would be masked loads and stores.
+
+    python benchmarks/bench_pair_heads.py --rounds 5   # H200: $OUT/bench_pair_heads.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+
+def pair_views(q: torch.Tensor, cache: torch.Tensor, kv_heads: int) -> tuple[Any, ...]:
+    """(block-diagonal query buffer [B, QH, 2D], the cache as [pages, 2, page, KH/2, 2D], fill,
+    pick): ``fill()`` writes q into the buffer, ``pick(out2, out)`` writes each row's half."""
+    b, qh, d = q.shape
+    g = qh // kv_heads
+    q2 = torch.zeros(b, qh, 2 * d, dtype=q.dtype, device=q.device)
+    q2v, qv = q2.view(b, kv_heads // 2, 2, g, 2 * d), q.view(b, kv_heads // 2, 2, g, d)
+    cache2 = cache.view(*cache.shape[:3], kv_heads // 2, 2 * d)
+
+    def fill() -> None:
+        q2v[:, :, 0, :, :d].copy_(qv[:, :, 0])
+        q2v[:, :, 1, :, d:].copy_(qv[:, :, 1])
+
+    def pick(out2: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        o2, o = out2.view(b, kv_heads // 2, 2, g, 2 * d), out.view(b, kv_heads // 2, 2, g, d)
+        o[:, :, 0].copy_(o2[:, :, 0, :, :d])
+        o[:, :, 1].copy_(o2[:, :, 1, :, d:])
+        return out
+
+    return q2, cache2, fill, pick
+
+
+def pair_path(c: Any, **kw: Any) -> Callable[[], torch.Tensor]:
+    """The package's TMA kernel on the pair view of ``c``'s FP8 cache, copies included."""
+    from bench_fp8_decode_paths import K_SCALE, V_SCALE
+
+    from torch_kvq.attention.kernels.triton_decode_tma import paged_decode_tma
+
+    q2, cache2, fill, pick = pair_views(c.q, c.cache8, c.kh)
+    out2, out = torch.empty_like(q2), torch.empty_like(c.q)
+
+    def run() -> torch.Tensor:
+        fill()
+        paged_decode_tma(q2, cache2, c.table, c.seq_lens, K_SCALE, V_SCALE, c.sm_scale,
+                         max_seq_len=c.ctx, out=out2, **kw)  # fmt: skip
+        return pick(out2, out)
+
+    return run
+
+
+def main() -> None:
+    from bench_fp8_decode_paths import Case, markdown, measure, tma_path
+    from gpu_common import copy_bandwidth, environment, write_results
+
+    from torch_kvq.attention.kernels import triton_decode_tma as tma
+
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--batches", type=int, nargs="+", default=[32, 110])
+    ap.add_argument("--ctx", type=int, default=16384)
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--calls", type=int, default=20)
+    args = ap.parse_args()
+    env, copy = environment(), copy_bandwidth()
+    rows: list[dict[str, Any]] = []
+    for batch in args.batches:
+        c = Case("llama", batch, args.ctx)
+        paths: dict[str, Callable] = {"tma[package default]": lambda c=c: tma_path(c)}
+        for lazy in (False, True):
+            for splits in (None, 1, 2, 3, 4, 8):
+                kw = {**tma.tuned(256), "lazy_rescale": lazy, "num_splits": splits}
+                paths[f"pair[s{splits}{',lazy' * lazy}]"] = lambda c=c, kw=kw: pair_path(c, **kw)
+        kw = {**tma.tuned(256), "programs_per_sm": 8, "max_registers": None}
+        paths["pair[balanced8]"] = lambda c=c, kw=kw: pair_path(c, **kw)
+        rows += measure(c, paths, copy["GBps"], args.rounds, args.calls, "ref8")
+        write_results("bench_pair_heads", {"env": env, "copy": copy, "rows": rows},
+                      markdown(env, copy, rows))  # fmt: skip
+        del c
+        torch.cuda.empty_cache()
+
+
+if __name__ == "__main__":
+    main()
