@@ -77,7 +77,8 @@ def main() -> None:
     from torch_kvq.attention.kernels import triton_decode_tma as tma
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--batches", type=int, nargs="+", default=[32, 110])
+    ap.add_argument("--batches", type=int, nargs="+", default=[32, 48, 64, 80, 96, 110])
+    ap.add_argument("--splits", type=int, nargs="+", default=[1, 2, 4, 8])
     ap.add_argument("--ctx", type=int, default=16384)
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--calls", type=int, default=20)
@@ -86,13 +87,14 @@ def main() -> None:
     rows: list[dict[str, Any]] = []
     for batch in args.batches:
         c = Case("llama", batch, args.ctx)
-        paths: dict[str, Callable] = {"tma[package default]": lambda c=c: tma_path(c)}
-        for lazy in (False, True):
-            for splits in (None, 1, 2, 3, 4, 8):
-                kw = {**tma.tuned(256), "lazy_rescale": lazy, "num_splits": splits}
-                paths[f"pair[s{splits}{',lazy' * lazy}]"] = lambda c=c, kw=kw: pair_path(c, **kw)
-        kw = {**tma.tuned(256), "programs_per_sm": 8, "max_registers": None}
-        paths["pair[balanced8]"] = lambda c=c, kw=kw: pair_path(c, **kw)
+        # what the models run: the tuned config, the schedule chosen by the package
+        paths: dict[str, Callable] = {"tma[tuned]": lambda c=c: tma_path(c, **tma.tuned(128))}
+        for splits in args.splits:
+            kw = {**tma.tuned(256), "num_splits": splits}
+            paths[f"pair[s{splits}]"] = lambda c=c, kw=kw: pair_path(c, **kw)
+        for per_sm in (6, 8):
+            kw = {**tma.tuned(256), "programs_per_sm": per_sm, "max_registers": None}
+            paths[f"pair[balanced{per_sm}]"] = lambda c=c, kw=kw: pair_path(c, **kw)
         rows += measure(c, paths, copy["GBps"], args.rounds, args.calls, "ref8")
         write_results("bench_pair_heads", {"env": env, "copy": copy, "rows": rows},
                       markdown(env, copy, rows))  # fmt: skip
