@@ -15,11 +15,13 @@ Here the query is built and the output picked by four copies per call (timed wit
 in a kernel of its own they would be masked loads and stores.
 
     python benchmarks/bench_pair_heads.py --rounds 5   # H200: $OUT/bench_pair_heads.json
+    python benchmarks/bench_pair_heads.py --batches 110 --sustain-s 3   # speed at the power cap
 """
 
 from __future__ import annotations
 
 import argparse
+import statistics
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -70,8 +72,39 @@ def pair_path(c: Any, **kw: Any) -> Callable[[], torch.Tensor]:
     return run
 
 
+def sustained(t: Any, seconds: float) -> dict[str, Any]:
+    """Replay a ``Timed`` path's graph back to back for ``seconds`` under NVML sampling: the
+    time per call over the whole stretch and over its last half (after the power cap has had
+    time to act), with the median SM clock and power of that half."""
+    from clock_sampler import ClockSampler
+
+    ev = [torch.cuda.Event(enable_timing=True)]
+    torch.cuda.synchronize()
+    with ClockSampler(every_s=0.005) as clocks:
+        ev[0].record()
+        reps = max(2, int(seconds / (statistics.median(t.rounds) * t.calls * 1e-3)))
+        for i in range(reps):
+            t.graph.replay()
+            if i + 1 in (reps // 2, reps):
+                ev.append(torch.cuda.Event(enable_timing=True))
+                ev[-1].record()
+        torch.cuda.synchronize()
+    per = lambda a, b, n: a.elapsed_time(b) / (n * t.calls)  # noqa: E731
+    c = clocks.summary()
+    row = {"reps": reps, "ms_per_call": per(ev[0], ev[2], reps),
+           "ms_per_call_second_half": per(ev[1], ev[2], reps - reps // 2)}  # fmt: skip
+    if c.get("n"):
+        late = [x for x in c["samples"] if x[0] >= c["samples"][-1][0] / 2]
+        row["sm_mhz_median_second_half"] = statistics.median(x[1] for x in late)
+        row["power_w_median_second_half"] = statistics.median(x[3] for x in late)
+        row["power_cap_share"] = c["reasons_share"].get("sw_power_cap", 0.0)
+    else:
+        row["clocks"] = c
+    return row
+
+
 def main() -> None:
-    from bench_fp8_decode_paths import Case, markdown, measure, tma_path
+    from bench_fp8_decode_paths import Case, Timed, markdown, measure, tma_path
     from gpu_common import copy_bandwidth, environment, write_results
 
     from torch_kvq.attention.kernels import triton_decode_tma as tma
@@ -82,6 +115,9 @@ def main() -> None:
     ap.add_argument("--ctx", type=int, default=16384)
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--calls", type=int, default=20)
+    ap.add_argument("--sustain-s", type=float, default=0.0,
+                    help="then replay the tuned path and the pairs at 2 splits and balanced 8 per "
+                         "SM for this long each under NVML sampling (power-capped speed)")  # fmt: skip
     args = ap.parse_args()
     env, copy = environment(), copy_bandwidth()
     rows: list[dict[str, Any]] = []
@@ -95,9 +131,21 @@ def main() -> None:
         for per_sm in (6, 8):
             kw = {**tma.tuned(256), "programs_per_sm": per_sm, "max_registers": None}
             paths[f"pair[balanced{per_sm}]"] = lambda c=c, kw=kw: pair_path(c, **kw)
-        rows += measure(c, paths, copy["GBps"], args.rounds, args.calls, "ref8")
+        got = measure(c, paths, copy["GBps"], args.rounds, args.calls, "ref8")
+        rows += got
+        ms = {r["path"]: r["ms"] for r in got if "ms" in r}
+        # tuned first and last: the board's temperature may drift over the stretches
+        for name in ("tma[tuned]", "pair[s2]", "pair[balanced8]", "tma[tuned]") * (
+            args.sustain_s > 0
+        ):
+            t = Timed(paths[name](), args.calls)
+            t.rounds = [ms[name]]
+            rows.append({"shape": c.name, "batch": batch, "ctx": c.ctx, "path": name,
+                         "sustained": sustained(t, args.sustain_s)})  # fmt: skip
+            print(batch, name, rows[-1]["sustained"], flush=True)
+        timed = [r for r in rows if "sustained" not in r]
         write_results("bench_pair_heads", {"env": env, "copy": copy, "rows": rows},
-                      markdown(env, copy, rows))  # fmt: skip
+                      markdown(env, copy, timed))  # fmt: skip
         del c
         torch.cuda.empty_cache()
 
