@@ -103,6 +103,38 @@ def sustained(t: Any, seconds: float) -> dict[str, Any]:
     return row
 
 
+def sustained_copy(seconds: float, nbytes: int = 2**31) -> dict[str, Any]:
+    """``gpu_common.copy_bandwidth``'s copy, back to back for ``seconds`` under NVML sampling:
+    GB/s (read + write) over the last half, with its median SM clock and power."""
+    from clock_sampler import ClockSampler
+
+    src = torch.empty(nbytes, dtype=torch.uint8, device="cuda").random_(0, 255)
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    reps = max(2, int(seconds / (2 * nbytes / 4.0e12)))
+    ev = [torch.cuda.Event(enable_timing=True) for _ in range(2)]
+    torch.cuda.synchronize()
+    with ClockSampler(every_s=0.005) as clocks:
+        for i in range(reps):
+            dst.copy_(src)
+            if i + 1 == reps // 2:
+                ev[0].record()
+        ev[1].record()
+        torch.cuda.synchronize()
+    n = reps - reps // 2
+    row: dict[str, Any] = {
+        "reps": reps,
+        "GBps_second_half": 2 * nbytes * n / (ev[0].elapsed_time(ev[1]) * 1e-3) / 1e9,
+    }
+    c = clocks.summary()
+    if c.get("n"):
+        late = [x for x in c["samples"] if x[0] >= c["samples"][-1][0] / 2]
+        row["sm_mhz_median_second_half"] = statistics.median(x[1] for x in late)
+        row["power_w_median_second_half"] = statistics.median(x[3] for x in late)
+        row["power_cap_share"] = c["reasons_share"].get("sw_power_cap", 0.0)
+    return row
+
+
 def main() -> None:
     from bench_fp8_decode_paths import Case, Timed, markdown, measure, tma_path
     from gpu_common import copy_bandwidth, environment, write_results
@@ -121,6 +153,9 @@ def main() -> None:
     args = ap.parse_args()
     env, copy = environment(), copy_bandwidth()
     rows: list[dict[str, Any]] = []
+    if args.sustain_s:
+        rows.append({"path": "copy", "sustained": sustained_copy(args.sustain_s)})
+        print("copy", rows[-1]["sustained"], flush=True)
     for batch in args.batches:
         c = Case("llama", batch, args.ctx)
         # what the models run: the tuned config, the schedule chosen by the package
