@@ -114,6 +114,30 @@ def test_default_splits_and_tuned_configs() -> None:
     assert tma.tuned(256)["pages_per_iter"] == 1 and tma.tuned(64) == tma.tuned(128)
 
 
+def test_unset_config_takes_tuned_and_only_tuned_gets_the_register_cap() -> None:
+    """paged_decode_tma's config arguments left None are tuned(D)'s; BALANCED's register cap
+    applies only to that config (pages_per_iter=2 spilled under it: 2.5x slower, run 54)."""
+    from torch_kvq.attention.kernels import triton_decode_tma as tma
+
+    assert tma.resolve_config(128) == tma.tuned(128)
+    assert tma.resolve_config(256, num_warps=None) == tma.tuned(256)
+    got = tma.resolve_config(128, pages_per_iter=2, lazy_rescale=False)
+    assert got == {**tma.tuned(128), "pages_per_iter": 2, "lazy_rescale": False}
+    cap = tma.BALANCED[128][1]
+    assert tma.balanced_registers(128, tma.resolve_config(128), cap) == cap
+    assert tma.balanced_registers(128, got, cap) is None
+
+
+def test_interpreter_defaults_run_the_tuned_config(interp) -> None:
+    """No config arguments: the same output as tuned(D)'s spelled out (interpreter, fp32)."""
+    case = Case(LENS, 8, 2, 128)
+    outs = [torch.empty(case.q.shape, dtype=torch.float32) for _ in range(2)]
+    _run(case, interp, out=outs[0], dot_dtype=torch.float32, num_splits=3)
+    _run(case, interp, out=outs[1], dot_dtype=torch.float32, num_splits=3, **interp.tuned(128))
+    torch.testing.assert_close(outs[0], outs[1], rtol=0, atol=0)
+    assert rel_err(outs[0], case.ref(None, None)) < 5e-4
+
+
 # -- GPU: the compiled kernel ---------------------------------------------------------------------
 
 needs_gpu = pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")

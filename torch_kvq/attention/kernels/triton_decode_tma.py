@@ -227,6 +227,20 @@ def tuned(head_size: int) -> dict[str, int | bool]:
     return dict(num_warps=warps, num_stages=stages, pages_per_iter=ppi, lazy_rescale=lazy)
 
 
+def resolve_config(head_size: int, **given: int | bool | None) -> dict[str, int | bool]:
+    """``tuned(head_size)`` with each argument ``given`` as not None in its place."""
+    return {**tuned(head_size), **{k: v for k, v in given.items() if v is not None}}
+
+
+def balanced_registers(head_size: int, cfg: dict[str, int | bool], cap: int | None) -> int | None:
+    """The register cap for the balanced schedule chosen by ``BALANCED``: its ``cap`` only at
+    ``tuned(head_size)``, the configuration measured (and compiled spill-free) under it; None
+    (Triton's choice) for any other. Under the cap, pages_per_iter=2 without the lazy rescale
+    spilled 296 bytes (scripts/tma_kernel_sass.py) and read Llama's 110 x 16k at 38% of copy
+    bandwidth against 98% (runs 54-55 of 2026-12-01)."""
+    return cap if cfg == tuned(head_size) else None
+
+
 def paged_decode_tma(
     q: torch.Tensor,
     kv_cache: torch.Tensor,
@@ -241,10 +255,10 @@ def paged_decode_tma(
     soft_cap: float | None = None,
     out: torch.Tensor | None = None,
     num_splits: int | None = None,
-    num_warps: int = 1,
-    num_stages: int = 6,
-    pages_per_iter: int = 2,
-    lazy_rescale: bool = False,
+    num_warps: int | None = None,
+    num_stages: int | None = None,
+    pages_per_iter: int | None = None,
+    lazy_rescale: bool | None = None,
     dot_dtype: torch.dtype = torch.float16,
     workspace: tuple[torch.Tensor, torch.Tensor] | None = None,
     programs_per_sm: int | None = None,
@@ -262,7 +276,8 @@ def paged_decode_tma(
     ``num_stages``: loop iterations in flight per program, ``pages_per_iter`` (1, 2 or 4) pages
     each (K and V), all under one online-softmax update. ``lazy_rescale``: move the softmax
     reference max only when some row's max logit grew by more than 8 in base 2, so the softmax
-    weights stay <= 2^8 (FlashAttention-4's trick). ``programs_per_sm``: the balanced schedule
+    weights stay <= 2^8 (FlashAttention-4's trick). ``num_warps``, ``num_stages``,
+    ``pages_per_iter``, ``lazy_rescale``: None takes ``tuned(D)``'s. ``programs_per_sm``: the balanced schedule
     (``triton_decode_balanced``) with that many programs per SM (at most as many as fit) instead
     of the split grid; then ``num_splits`` must be None and ``workspace`` is (partial out
     [P, 2, QH / KH, D], lse [P, 2, QH / KH]) fp32 for P = ``balanced_programs(...)``. With both
@@ -289,6 +304,12 @@ def paged_decode_tma(
             f"paged_decode_tma: block_table {tuple(block_table.shape)} must be [B={b}, W] with "
             "a contiguous last dim"
         )
+    cfg = resolve_config(
+        d, num_warps=num_warps, num_stages=num_stages, pages_per_iter=pages_per_iter,
+        lazy_rescale=lazy_rescale,
+    )  # fmt: skip
+    num_warps, num_stages = cfg["num_warps"], cfg["num_stages"]
+    pages_per_iter, lazy_rescale = cfg["pages_per_iter"], cfg["lazy_rescale"]
     if pages_per_iter not in (1, 2, 4):
         raise ValueError(
             f"paged_decode_tma: pages_per_iter must be 1, 2 or 4, got {pages_per_iter}"
@@ -306,8 +327,10 @@ def paged_decode_tma(
     if num_splits is None and programs_per_sm is None:
         splits, balanced = default_schedule(b, kh, max_seq_len, page, d, sm_count(q.device))
         if balanced is not None and workspace is None:
-            programs_per_sm, regs = balanced
-            common.setdefault("maxnreg", regs)
+            programs_per_sm, cap = balanced
+            regs = balanced_registers(d, cfg, cap)
+            if regs is not None:
+                common.setdefault("maxnreg", regs)
         else:
             num_splits = splits
     if programs_per_sm is not None:
