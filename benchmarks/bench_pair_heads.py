@@ -159,7 +159,8 @@ def main() -> None:
     for batch in args.batches:
         c = Case("llama", batch, args.ctx)
         # what the models run: the tuned config, the schedule chosen by the package
-        paths: dict[str, Callable] = {"tma[tuned]": lambda c=c: tma_path(c, **tma.tuned(128))}
+        paths: dict[str, Callable] = {"tma[tuned]": lambda c=c: tma_path(c, **tma.tuned(128)),
+                                      "tma[defaults]": lambda c=c: tma_path(c)}  # fmt: skip
         for splits in args.splits:
             kw = {**tma.tuned(256), "num_splits": splits}
             paths[f"pair[s{splits}]"] = lambda c=c, kw=kw: pair_path(c, **kw)

@@ -51,6 +51,13 @@ def _seq_work(seq_lens_ptr, window, B, KH: tl.constexpr, BLOCK_B: tl.constexpr,
 
 
 @triton.jit
+def _seq_base(offs_b, n, ends, b, KH: tl.constexpr):
+    """Of ``_seq_work``'s arrays, sequence ``b``'s pages per pair and its first pair's first unit."""
+    nb = tl.sum(tl.where(offs_b == b, n, 0), axis=0)
+    return nb, tl.sum(tl.where(offs_b == b, ends, 0), axis=0) - nb * KH
+
+
+@triton.jit
 def _pair_of(unit, seq_lens_ptr, window, B, KH: tl.constexpr, BLOCK_B: tl.constexpr,
              PAGE: tl.constexpr, USE_WINDOW: tl.constexpr):  # fmt: skip
     """The pair holding work unit ``unit``: (sequence b, kv head, the pair's first unit, its
@@ -59,8 +66,7 @@ def _pair_of(unit, seq_lens_ptr, window, B, KH: tl.constexpr, BLOCK_B: tl.conste
     at head 128 either way (``scripts/tma_kernel_sass.py --balanced --max-registers 0``)."""
     offs_b, n, ends, _ = _seq_work(seq_lens_ptr, window, B, KH, BLOCK_B, PAGE, USE_WINDOW)
     b = tl.sum((ends <= unit).to(tl.int32), axis=0)
-    nb = tl.sum(tl.where(offs_b == b, n, 0), axis=0)
-    base = tl.sum(tl.where(offs_b == b, ends, 0), axis=0) - nb * KH
+    nb, base = _seq_base(offs_b, n, ends, b, KH)
     kh = (unit - base) // nb
     return b, kh, base + kh * nb, nb
 
@@ -124,9 +130,9 @@ def _combine_balanced(
     h = tl.program_id(0)
     b = tl.program_id(1)
     offs_b, n, ends, total = _seq_work(seq_lens_ptr, window, B, KH, BLOCK_B, PAGE, USE_WINDOW)
-    nb = tl.sum(tl.where(offs_b == b, n, 0), axis=0)
+    nb, base = _seq_base(offs_b, n, ends, b, KH)
     g = h % G
-    pair_start = (tl.sum(tl.where(offs_b == b, ends, 0), axis=0) - (KH - h // G) * nb).to(tl.int64)
+    pair_start = (base + (h // G) * nb).to(tl.int64)
     t = tl.maximum(total, 1).to(tl.int64)
     p0 = ((pair_start + 1) * nprog - 1) // t  # the last program whose range starts at or before
     p1 = ((pair_start + nb) * nprog - 1) // t
