@@ -10,6 +10,10 @@ calls; the variants fork a side stream before the norm and prefetch, with
 output rows), the first columns of every row (``cols``: the K range each output tile reads
 first), or all of it. The side stream joins once, at the end of the graph.
 
+Run 52 (H200, 2026-12-01): the best of 17 variants saved 0-1.7 us per norm + GEMM (gate_up
+most), no size or policy consistently; at most ~0.12 ms of Gemma's step: not adopted. A norm
+before a GEMM cost 0.7-3.1 us more than the two timed apart.
+
     python benchmarks/bench_l2_prefetch.py            # H200: writes $OUT/bench_l2_prefetch.json
     python benchmarks/bench_l2_prefetch.py --ptx      # CPU: compile the prefetch kernel for sm90
 """

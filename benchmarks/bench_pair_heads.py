@@ -14,6 +14,10 @@ other head's V under this row's weights, discarded). Same tensor-core work per b
 Here the query is built and the output picked by four copies per call (timed with the kernel);
 in a kernel of its own they would be masked loads and stores.
 
+Runs 55-58 (H200, 2026-12-01): level with the tuned kernel at 96-110 sequences (98.7% against
+98.4% of copy bandwidth at 110 x 16k), slower below; replayed for 3 s both settle at the 700 W
+cap at ~92% (a copy holds 100% at 625 W). Not taken into the package.
+
     python benchmarks/bench_pair_heads.py --rounds 5   # H200: $OUT/bench_pair_heads.json
     python benchmarks/bench_pair_heads.py --batches 110 --sustain-s 3   # speed at the power cap
 """
