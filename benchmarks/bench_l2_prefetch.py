@@ -156,7 +156,7 @@ def ptx_check() -> None:
 
 
 def main() -> None:
-    from bench_skinny_gemm import SHAPES
+    from bench_skinny_gemm import SHAPES, shapes
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--models", nargs="+", default=list(SHAPES), choices=list(SHAPES))
@@ -175,20 +175,14 @@ def main() -> None:
     variants = [(mode, mib << 20, pol) for mode in ("rows", "cols") for mib in args.mib
                 for pol in ("normal", "evict_last")] + [("all", 0, "normal")]  # fmt: skip
     rows: list[dict[str, Any]] = []
-    for model in args.models:
-        projections, ms = SHAPES[model]
-        for proj, (k, n) in projections.items():
-            if args.projections and proj not in args.projections:
-                continue
-            for m in args.ms or ms:
-                got = study(m, k, n, args.calls, args.rounds, variants, gbps)
-                rows += [{"model": model, "proj": proj, **r} for r in got]
-                best = max(got[3:], key=lambda r: r["saved_us"])
-                print(f"{model} {proj} M={m}: norm+gemm {got[0]['us']:.2f} us (gemm {got[1]['us']:.2f},"
-                      f" norm {got[2]['us']:.2f}, ideal {got[0]['gemm_ideal_us']:.2f}); best "
-                      f"{best['case']} {best['us']:.2f} (saved {best['saved_us']:.2f})", flush=True)  # fmt: skip
-                write_results("bench_l2_prefetch", {"env": env, "copy_GBps": gbps, "rows": rows},
-                              "")  # fmt: skip
+    for model, proj, k, n, m in shapes(args.models, args.projections, args.ms):
+        got = study(m, k, n, args.calls, args.rounds, variants, gbps)
+        rows += [{"model": model, "proj": proj, **r} for r in got]
+        best = max(got[3:], key=lambda r: r["saved_us"])
+        print(f"{model} {proj} M={m}: norm+gemm {got[0]['us']:.2f} us (gemm {got[1]['us']:.2f},"
+              f" norm {got[2]['us']:.2f}, ideal {got[0]['gemm_ideal_us']:.2f}); best "
+              f"{best['case']} {best['us']:.2f} (saved {best['saved_us']:.2f})", flush=True)  # fmt: skip
+        write_results("bench_l2_prefetch", {"env": env, "copy_GBps": gbps, "rows": rows}, "")
 
 
 if __name__ == "__main__":

@@ -76,6 +76,19 @@ def pair_path(c: Any, **kw: Any) -> Callable[[], torch.Tensor]:
     return run
 
 
+def second_half(c: dict[str, Any]) -> dict[str, Any]:
+    """Of a ``ClockSampler.summary()``: the median SM clock and power over the second half of the
+    samples and the share of samples at the power cap (or the summary itself, when it has none)."""
+    if not c.get("n"):
+        return {"clocks": c}
+    late = [x for x in c["samples"] if x[0] >= c["samples"][-1][0] / 2]
+    return {
+        "sm_mhz_median_second_half": statistics.median(x[1] for x in late),
+        "power_w_median_second_half": statistics.median(x[3] for x in late),
+        "power_cap_share": c["reasons_share"].get("sw_power_cap", 0.0),
+    }
+
+
 def sustained(t: Any, seconds: float) -> dict[str, Any]:
     """Replay a ``Timed`` path's graph back to back for ``seconds`` under NVML sampling: the
     time per call over the whole stretch and over its last half (after the power cap has had
@@ -94,17 +107,9 @@ def sustained(t: Any, seconds: float) -> dict[str, Any]:
                 ev[-1].record()
         torch.cuda.synchronize()
     per = lambda a, b, n: a.elapsed_time(b) / (n * t.calls)  # noqa: E731
-    c = clocks.summary()
     row = {"reps": reps, "ms_per_call": per(ev[0], ev[2], reps),
            "ms_per_call_second_half": per(ev[1], ev[2], reps - reps // 2)}  # fmt: skip
-    if c.get("n"):
-        late = [x for x in c["samples"] if x[0] >= c["samples"][-1][0] / 2]
-        row["sm_mhz_median_second_half"] = statistics.median(x[1] for x in late)
-        row["power_w_median_second_half"] = statistics.median(x[3] for x in late)
-        row["power_cap_share"] = c["reasons_share"].get("sw_power_cap", 0.0)
-    else:
-        row["clocks"] = c
-    return row
+    return {**row, **second_half(clocks.summary())}
 
 
 def sustained_copy(seconds: float, nbytes: int = 2**31) -> dict[str, Any]:
@@ -130,13 +135,7 @@ def sustained_copy(seconds: float, nbytes: int = 2**31) -> dict[str, Any]:
         "reps": reps,
         "GBps_second_half": 2 * nbytes * n / (ev[0].elapsed_time(ev[1]) * 1e-3) / 1e9,
     }
-    c = clocks.summary()
-    if c.get("n"):
-        late = [x for x in c["samples"] if x[0] >= c["samples"][-1][0] / 2]
-        row["sm_mhz_median_second_half"] = statistics.median(x[1] for x in late)
-        row["power_w_median_second_half"] = statistics.median(x[3] for x in late)
-        row["power_cap_share"] = c["reasons_share"].get("sw_power_cap", 0.0)
-    return row
+    return {**row, **second_half(clocks.summary())}
 
 
 def main() -> None:

@@ -22,7 +22,7 @@ import itertools
 import os
 import statistics
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -48,6 +48,20 @@ QUICK = [(32, 128, 4, 4), (32, 128, 8, 4), (32, 256, 8, 4), (64, 128, 2, 4), (64
 # (BLOCK_N, BLOCK_K, SPLIT_K, stages) tried per shape
 CONFIGS = [(bn, bk, s, st) for bn, bk, s, st in itertools.product(
     (32, 64, 128), (128, 256), (1, 2, 4, 8), (3, 4)) if bn * bk <= 128 * 128]  # fmt: skip
+
+
+def shapes(
+    models: list[str], projections: list[str] | None, ms: list[int] | None
+) -> Iterator[tuple[str, str, int, int, int]]:
+    """(model, projection, K, N, M) for each projection of ``models`` (all, or those named) at
+    each M (``ms``, or the model's defaults in ``SHAPES``)."""
+    for model in models:
+        projs, default_ms = SHAPES[model]
+        for proj, (k, n) in projs.items():
+            if projections and proj not in projections:
+                continue
+            for m in ms or default_ms:
+                yield model, proj, k, n, m
 
 
 def gemm_bytes(m: int, k: int, n: int) -> int:
@@ -146,22 +160,17 @@ def main() -> None:
     from gpu_common import copy_bandwidth, environment, write_results
 
     env, gbps = environment(), copy_bandwidth()["GBps"]
-    for model in args.models:
-        projections, ms = SHAPES[model]
-        for proj, (k, n) in projections.items():
-            if args.projections and proj not in args.projections:
-                continue
-            for m in args.ms or ms:
-                cfgs = QUICK if args.quick else CONFIGS
-                got = study(m, k, n, "cuda", args.calls, args.rounds, cfgs, 2**28, gbps)
-                rows += [{"model": model, "proj": proj, **r} for r in got]
-                best = min((r for r in got if "ms" in r), key=lambda r: r["ms"])
-                cub = next(r for r in got if r["path"] == "cublas")
-                print(f"{model} {proj} M={m}: cublas {cub.get('ms', 0):.4f} ms "
-                      f"{cub.get('pct_copy', 0):.0f}%, best {best['path']} {best['ms']:.4f} ms "
-                      f"{best.get('pct_copy', 0):.0f}%", flush=True)  # fmt: skip
-                write_results("bench_skinny_gemm", {"env": env, "copy_GBps": gbps, "rows": rows},
-                              markdown(rows))  # fmt: skip
+    for model, proj, k, n, m in shapes(args.models, args.projections, args.ms):
+        cfgs = QUICK if args.quick else CONFIGS
+        got = study(m, k, n, "cuda", args.calls, args.rounds, cfgs, 2**28, gbps)
+        rows += [{"model": model, "proj": proj, **r} for r in got]
+        best = min((r for r in got if "ms" in r), key=lambda r: r["ms"])
+        cub = next(r for r in got if r["path"] == "cublas")
+        print(f"{model} {proj} M={m}: cublas {cub.get('ms', 0):.4f} ms "
+              f"{cub.get('pct_copy', 0):.0f}%, best {best['path']} {best['ms']:.4f} ms "
+              f"{best.get('pct_copy', 0):.0f}%", flush=True)  # fmt: skip
+        write_results("bench_skinny_gemm", {"env": env, "copy_GBps": gbps, "rows": rows},
+                      markdown(rows))  # fmt: skip
 
 
 def markdown(rows: list[dict[str, Any]]) -> str:

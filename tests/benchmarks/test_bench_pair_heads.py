@@ -10,7 +10,7 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
-from bench_pair_heads import pair_views  # noqa: E402
+from bench_pair_heads import pair_views, second_half  # noqa: E402
 
 from torch_kvq.attention.kernels.reference import ref_attention  # noqa: E402
 
@@ -35,3 +35,14 @@ def test_pair_view_attention_equals_per_head_attention(qh, kh, d) -> None:
     # the discarded halves are the other head's V under this row's weights: not the answer
     assert not torch.allclose(out2[..., :d].view(b, kh // 2, 2, -1, d)[:, :, 1],
                               ref.view(b, kh // 2, 2, -1, d)[:, :, 1])  # fmt: skip
+
+
+def test_second_half_reads_the_late_samples() -> None:
+    # samples: [t_s, sm_mhz, mem_mhz, power_w, reason_mask]; 0x4 is sw_power_cap
+    samples = [[0.0, 1980, 3201, 400.0, 0], [1.0, 1900, 3201, 690.0, 4], [2.0, 1650, 3201, 699.0, 4],
+               [3.0, 1680, 3201, 697.0, 4]]  # fmt: skip
+    got = second_half({"n": 4, "samples": samples, "reasons_share": {"sw_power_cap": 0.75}})
+    assert got == {"sm_mhz_median_second_half": 1665.0, "power_w_median_second_half": 698.0,
+                   "power_cap_share": 0.75}  # fmt: skip
+    unavailable = {"available": False, "why": "not on CUDA"}
+    assert second_half(unavailable) == {"clocks": unavailable}

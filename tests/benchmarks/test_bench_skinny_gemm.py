@@ -15,7 +15,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 from bench_decode_at_scale import GEMMA3_12B, LLAMA_8B  # noqa: E402
-from bench_skinny_gemm import SHAPES, gemm_bytes  # noqa: E402
+from bench_skinny_gemm import SHAPES, gemm_bytes, shapes  # noqa: E402
 
 
 @pytest.mark.parametrize("model,cfg", [("llama-3.1-8b", LLAMA_8B), ("gemma-3-12b", GEMMA3_12B)])
@@ -28,6 +28,15 @@ def test_shapes_are_the_fused_projections(model: str, cfg: dict) -> None:
         "gate_up": (hidden, 2 * inter), "down": (inter, hidden),
     }  # fmt: skip
     assert gemm_bytes(32, 4096, 3840) == 2 * (3840 * 4096 + 32 * 4096 + 32 * 3840)
+
+
+def test_shapes_walks_models_projections_and_rows() -> None:
+    every = list(shapes(list(SHAPES), None, None))
+    assert len(every) == sum(len(p) * len(ms) for p, ms in SHAPES.values()) == 16
+    assert list(shapes(["gemma-3-12b"], ["o"], None)) == [
+        ("gemma-3-12b", "o", 4096, 3840, 32), ("gemma-3-12b", "o", 4096, 3840, 131),
+    ]  # fmt: skip
+    assert [m for *_, m in shapes(["llama-3.1-8b"], ["qkv", "down"], [8])] == [8, 8]
 
 
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs Triton")
