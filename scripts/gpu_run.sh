@@ -10,6 +10,10 @@
 #                              # a full .jit/ the serial suite does not fit one 600 s call (run 31
 #                              # of 2026-12-01: 385 of 394 in 600 s)
 #   KVQ_TESTS_TIMEOUT=420 ...  # interrupt the tests then, so that later steps (jitpack) still run
+#   bash scripts/gpu_run.sh tests rest     # ... and run the GPU tests the interrupted step did not
+#                              # reach (in a later call: carry its gpu_test_log.txt and gpu_suite.txt
+#                              # in and set KVQ_REST_LOG / KVQ_REST_RECORD); gpu_suite.txt then
+#                              # records both parts (scripts/gate_rest.py)
 #
 # The GPU gate: ``tests`` runs every GPU test (``-m gpu``, slow included) unless told otherwise and
 # writes $OUT/gpu_suite.txt: ``commit <hash>`` ($KVQ_COMMIT, else ``git rev-parse HEAD``: the
@@ -99,6 +103,26 @@ for step in ${*:-tests attn xqa model}; do
            suite_record "$cmd" "$OUT/${KVQ_TEST_LOG:-gpu_test_log.txt}" > "$OUT/gpu_suite.txt"
            cat "$OUT/gpu_suite.txt" | tee -a "$LOG"
            (exit $rc) ;;
+    rest) # the GPU tests an interrupted ``tests`` step did not reach: its log is $KVQ_REST_LOG and
+          # its record $KVQ_REST_RECORD (default: this call's; from an earlier call, carry them in);
+          # writes gpu_test_log_rest.txt and gpu_suite.txt for both parts (scripts/gate_rest.py)
+          prev_log=${KVQ_REST_LOG:-$OUT/gpu_test_log.txt}; prev_rec=${KVQ_REST_RECORD:-$OUT/gpu_suite.txt}
+          python3 scripts/gate_rest.py missing "$prev_log" > "$OUT/tests_not_reached.txt"
+          workers=${KVQ_PYTEST_WORKERS:+-n $KVQ_PYTEST_WORKERS}
+          if ! grep -q "::" "$OUT/tests_not_reached.txt"; then
+            echo "rest: $prev_log reports every GPU test" | tee -a "$LOG"; (exit 0)
+          else
+            echo "rest: $(grep -c '::' "$OUT/tests_not_reached.txt") GPU tests not reached" | tee -a "$LOG"
+            cp "$prev_rec" "$OUT/gpu_suite_part1.txt"
+            python3 -m pytest -m gpu -v -rfEs --durations=20 -p no:cacheprovider $workers \
+              $(grep "::" "$OUT/tests_not_reached.txt") 2>&1 | tee "$OUT/gpu_test_log_rest.txt"
+            rc=${PIPESTATUS[0]}
+            python3 scripts/gate_rest.py merge "$OUT/gpu_suite_part1.txt" "$OUT/gpu_test_log_rest.txt" \
+              "python3 -m pytest -m gpu $workers <the $(grep -c '::' "$OUT/tests_not_reached.txt") tests of tests_not_reached.txt>" \
+              > "$OUT/gpu_suite.txt"
+            cat "$OUT/gpu_suite.txt" | tee -a "$LOG"
+            (exit $rc)
+          fi ;;
     attn) python3 benchmarks/bench_decode_attention.py 2>&1 | tee -a "$LOG" ;;
     xqa) python3 benchmarks/xqa_accuracy.py 2>&1 | tee -a "$LOG" ;;
     model) python3 benchmarks/bench_model_decode.py ${KVQ_MODEL_ARGS:-} 2>&1 | tee -a "$LOG" ;;
@@ -124,7 +148,7 @@ for step in ${*:-tests attn xqa model}; do
              ls -la "$OUT"/flashinfer_jit.tar.xz.part-* | tee -a "$LOG" ;;
     cpusuite) CUDA_VISIBLE_DEVICES= python3 -m pytest -q -m "not gpu and not slow" -p no:cacheprovider \
                 -n "${KVQ_CPU_WORKERS:-14}" -rfEs tests/ 2>&1 | tail -40 | tee "$OUT/cpu_suite_log.txt" ;;
-    *) echo "unknown step $step (expected tests, attn, xqa, model, paths, prefill, scale, ttft, skinny, l2pf, pairs, diagfa3, hostprof, cpusuite, jitpack)" | tee -a "$LOG"; status=2; continue ;;
+    *) echo "unknown step $step (expected tests, rest, attn, xqa, model, paths, prefill, scale, ttft, skinny, l2pf, pairs, diagfa3, hostprof, cpusuite, jitpack)" | tee -a "$LOG"; status=2; continue ;;
   esac
   rc=${PIPESTATUS[0]}
   echo "=== $step exit $rc $(date -u +%T)" | tee -a "$LOG"

@@ -1,0 +1,96 @@
+"""The GPU gate in parts: which GPU tests an interrupted run did not reach, and one record for all.
+
+A ``tests`` step that must JIT-build FlashInfer's modules does not fit one 600 s device call (run
+59 of 2026-12-01: 353 of 404 tests in 520 s). ``scripts/gpu_run.sh rest`` then runs the tests its
+log does not report, and this script gives both halves:
+
+    python3 scripts/gate_rest.py missing out/gpu_test_log.txt [more logs]   # test ids, one a line
+    python3 scripts/gate_rest.py merge out/gpu_suite.txt out/gpu_test_log_rest.txt "<command>"
+
+``missing`` collects ``pytest -m gpu tests/`` (``--collect-only``, here: no GPU needed) and prints
+the ids no log reports with an outcome (the ``-v`` lines ``tests/...::name PASSED``, with or
+without xdist's ``[gw0] [ 5%]`` prefix). ``merge`` prints the first part's record (``gpu_run.sh``'s
+``gpu_suite.txt``) with its result as ``part 1``, the second log's closing line as ``part 2`` and a
+``result`` line that sums both.
+"""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from collections import Counter
+from pathlib import Path
+
+OUTCOME = re.compile(r"(?:^|\s)(PASSED|FAILED|SKIPPED|ERROR|XFAIL|XPASS)\s+(tests/\S+::\S+)")
+OUTCOME_AFTER = re.compile(r"^(tests/\S+::\S+)\s+(PASSED|FAILED|SKIPPED|ERROR|XFAIL|XPASS)")
+COUNTS = re.compile(r"(\d+) (passed|failed|skipped|errors?|xfailed|xpassed)")
+CLOSING = re.compile(r"^=+ .*\b(passed|failed|errors?|skipped)\b.* =+$")
+
+
+def reported(log: str) -> set[str]:
+    """Test ids that a pytest ``-v`` log reports with an outcome."""
+    ids = {m.group(2) for m in OUTCOME.finditer(log)}
+    ids |= {m.group(1) for line in log.splitlines() if (m := OUTCOME_AFTER.match(line))}
+    return ids
+
+
+def collect_gpu_tests(root: Path) -> list[str]:
+    """``pytest --collect-only -q -m gpu tests/``'s test ids, in collection order."""
+    out = subprocess.run(
+        [sys.executable, "-m", "pytest", "--collect-only", "-q", "-m", "gpu", "-p",
+         "no:cacheprovider", "tests/"],
+        cwd=root, capture_output=True, text=True, timeout=600,
+    ).stdout  # fmt: skip
+    return [line.strip() for line in out.splitlines() if "::" in line and " " not in line.strip()]
+
+
+def closing_line(log: str) -> str:
+    """A pytest log's last summary line (``=== 3 passed, 1 skipped in 2.0s ===``)."""
+    lines = [line.strip() for line in log.splitlines() if CLOSING.match(line.strip())]
+    if not lines:
+        raise ValueError("no pytest closing line (=== N passed ... ===) in the log")
+    return lines[-1]
+
+
+def counts(line: str) -> Counter:
+    """Outcome counts of a closing line; 'error' and 'errors' both count as errors."""
+    got: Counter = Counter()
+    for n, what in COUNTS.findall(line):
+        got["errors" if what.startswith("error") else what] += int(n)
+    return got
+
+
+def merge(record: str, rest_log: str, command: str) -> str:
+    """The first part's record with ``part 1`` / ``part 2`` lines and a summed ``result``."""
+    lines = record.rstrip("\n").splitlines()
+    first = next((line for line in lines if line.startswith("result ")), None)
+    if first is None:
+        raise ValueError("the record has no 'result' line (is it gpu_run.sh's gpu_suite.txt?)")
+    second = closing_line(rest_log)
+    total = counts(first) + counts(second)
+    order = ("passed", "skipped", "failed", "errors", "xfailed", "xpassed")
+    summed = ", ".join(f"{total[k]} {k}" for k in order if total[k] or k in ("passed", "failed"))
+    out = [("part 1 " + line.removeprefix("result ")) if line is first else line for line in lines]
+    out += [f"command {command}", f"part 2 {second}", f"result {summed} (parts 1 and 2)"]
+    return "\n".join(out) + "\n"
+
+
+def main(argv: list[str]) -> int:
+    if len(argv) >= 2 and argv[0] == "missing":
+        seen: set[str] = set()
+        for log in argv[1:]:
+            seen |= reported(Path(log).read_text(errors="replace"))
+        root = Path(__file__).resolve().parent.parent
+        print("\n".join(t for t in collect_gpu_tests(root) if t not in seen))
+        return 0
+    if len(argv) == 4 and argv[0] == "merge":
+        record, rest = (Path(p).read_text(errors="replace") for p in argv[1:3])
+        sys.stdout.write(merge(record, rest, argv[3]))
+        return 0
+    print("\n\n".join(__doc__.split("\n\n")[1:3]), file=sys.stderr)
+    return 2
+
+
+if __name__ == "__main__":
+    raise SystemExit(main(sys.argv[1:]))

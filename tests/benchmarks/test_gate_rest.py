@@ -1,0 +1,64 @@
+"""scripts/gate_rest.py: the GPU tests an interrupted gate did not reach, and one record for both
+parts (runs 59-60 of 2026-12-01 are the real case: 353 + 50 of 404)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "scripts"))
+from gate_rest import counts, merge, reported  # noqa: E402
+
+RESULTS = ROOT / "benchmarks" / "results"
+RECORD = """commit abc1234
+torch_kvq sha256 00
+command python3 -m pytest -m "gpu" -n 4 tests/
+result =========== 353 passed, 1 skipped, 29 warnings in 523.40s (0:08:43) ============
+"""
+
+
+def test_reported_reads_verbose_lines_with_and_without_xdist() -> None:
+    log = (
+        "[gw0] [  0%] PASSED tests/a/test_x.py::test_one[1-2] \n"
+        "[gw3] [ 50%] FAILED tests/a/test_x.py::test_two \n"
+        "tests/b/test_y.py::test_three SKIPPED (needs 2 GPUs)\n"
+        "tests/b/test_y.py::test_four ERROR\n"
+        "FAILED tests/a/test_x.py::test_two - AssertionError\n"
+        "collected 5 items / tests/b/test_y.py::test_five\n"
+    )
+    assert reported(log) == {
+        "tests/a/test_x.py::test_one[1-2]", "tests/a/test_x.py::test_two",
+        "tests/b/test_y.py::test_three", "tests/b/test_y.py::test_four",
+    }  # fmt: skip
+
+
+def test_merge_sums_the_two_parts() -> None:
+    rest = "log...\n========= 49 passed, 1 failed, 42 warnings in 129.50s (0:02:09) =========\n"
+    got = merge(RECORD, rest, "python3 -m pytest -m gpu <50 ids>").splitlines()
+    assert got[0] == "commit abc1234"
+    assert got[3].startswith("part 1 ===") and "353 passed, 1 skipped" in got[3]
+    assert got[-3] == "command python3 -m pytest -m gpu <50 ids>"
+    assert got[-2].startswith("part 2 ===") and "49 passed, 1 failed" in got[-2]
+    assert got[-1] == "result 402 passed, 1 skipped, 1 failed (parts 1 and 2)"
+    assert counts("== 1 error, 2 errors, 3 xfailed in 1s ==") == {"errors": 3, "xfailed": 3}
+    with pytest.raises(ValueError, match="no 'result' line"):
+        merge("commit abc\n", rest, "x")
+    with pytest.raises(ValueError, match="no pytest closing line"):
+        merge(RECORD, "KeyboardInterrupt\n", "x")
+
+
+def test_missing_lists_what_run_59_did_not_reach() -> None:
+    """The real log of run 59 against this tree's GPU tests: the 50 that run 60 then ran (and any
+    GPU test added since), none that the log reports."""
+    log = RESULTS / "h200_2026-12-01_run59_gpu_test_log.txt"
+    got = subprocess.run([sys.executable, str(ROOT / "scripts" / "gate_rest.py"), "missing", str(log)],
+                         capture_output=True, text=True, check=True, timeout=600, cwd=ROOT).stdout  # fmt: skip
+    want = set(
+        (RESULTS / "h200_2026-12-01_run60_tests_not_reached_in_run59.txt").read_text().split()
+    )
+    assert len(want) == 50 and want <= set(got.split())
+    assert not set(got.split()) & reported(log.read_text())
