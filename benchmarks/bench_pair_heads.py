@@ -77,13 +77,15 @@ def pair_path(c: Any, **kw: Any) -> Callable[[], torch.Tensor]:
 
 
 def second_half(c: dict[str, Any]) -> dict[str, Any]:
-    """Of a ``ClockSampler.summary()``: the median SM clock and power over the second half of the
-    samples and the share of samples at the power cap (or the summary itself, when it has none)."""
+    """Of a ``ClockSampler.summary()``: the median SM clock, the memory clocks seen and the median
+    power over the second half of the samples, and the share of samples at the power cap (or the
+    summary itself, when it has none)."""
     if not c.get("n"):
         return {"clocks": c}
     late = [x for x in c["samples"] if x[0] >= c["samples"][-1][0] / 2]
     return {
         "sm_mhz_median_second_half": statistics.median(x[1] for x in late),
+        "mem_mhz_second_half": sorted({x[2] for x in late}),
         "power_w_median_second_half": statistics.median(x[3] for x in late),
         "power_cap_share": c["reasons_share"].get("sw_power_cap", 0.0),
     }

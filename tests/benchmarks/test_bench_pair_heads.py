@@ -42,7 +42,7 @@ def test_second_half_reads_the_late_samples() -> None:
     samples = [[0.0, 1980, 3201, 400.0, 0], [1.0, 1900, 3201, 690.0, 4], [2.0, 1650, 3201, 699.0, 4],
                [3.0, 1680, 3201, 697.0, 4]]  # fmt: skip
     got = second_half({"n": 4, "samples": samples, "reasons_share": {"sw_power_cap": 0.75}})
-    assert got == {"sm_mhz_median_second_half": 1665.0, "power_w_median_second_half": 698.0,
-                   "power_cap_share": 0.75}  # fmt: skip
+    assert got == {"sm_mhz_median_second_half": 1665.0, "mem_mhz_second_half": [3201],
+                   "power_w_median_second_half": 698.0, "power_cap_share": 0.75}  # fmt: skip
     unavailable = {"available": False, "why": "not on CUDA"}
     assert second_half(unavailable) == {"clocks": unavailable}
