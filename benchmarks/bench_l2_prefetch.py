@@ -93,24 +93,22 @@ def chain(xs: torch.Tensor, norm_w: torch.Tensor, ws: list[torch.Tensor], calls:
     return run
 
 
+def repeat(fn: Callable[[int], object], calls: int) -> None:
+    """``fn(0)``, ..., ``fn(calls - 1)``."""
+    for i in range(calls):
+        fn(i)
+
+
 def time_graph(fn: Callable[[], None], calls: int, rounds: int) -> list[float]:
-    """us per call of a captured ``fn``, one value per replay."""
-    fn()
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        fn()
-    g.replay()
-    torch.cuda.synchronize()
-    out = []
+    """us per call of a captured ``fn`` (itself ``calls`` calls), one value per replay."""
+    from bench_fp8_decode_paths import Timed
+
+    t = Timed(fn, 1)  # one capture of the whole chain, fork and join included
+    if t.graph is None:
+        raise RuntimeError(t.note)
     for _ in range(rounds):
-        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        s.record()
-        g.replay()
-        e.record()
-        torch.cuda.synchronize()
-        out.append(s.elapsed_time(e) * 1e3 / calls)
-    return out
+        t.round()
+    return [ms * 1e3 / calls for ms in t.rounds]
 
 
 def study(m: int, k: int, n: int, calls: int, rounds: int, variants: list[tuple[str, int, str]],
@@ -125,8 +123,8 @@ def study(m: int, k: int, n: int, calls: int, rounds: int, variants: list[tuple[
     ideal_us = gemm_bytes(m, k, n) / gbps / 1e3
     cases: dict[str, Callable[[], None]] = {
         "norm+gemm": chain(x, nw, ws, calls, None, side),
-        "gemm": lambda: [F.linear(x, ws[i % len(ws)]) for i in range(calls)] and None,
-        "norm": lambda: [F.rms_norm(x, (k,), nw, 1e-6) for _ in range(calls)] and None,
+        "gemm": lambda: repeat(lambda i: F.linear(x, ws[i % len(ws)]), calls),
+        "norm": lambda: repeat(lambda i: F.rms_norm(x, (k,), nw, 1e-6), calls),
     }
     for v in variants:
         cases[f"pf[{v[0]},{v[1] >> 20}MiB,{v[2]}]"] = chain(x, nw, ws, calls, v, side)

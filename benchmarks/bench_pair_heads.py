@@ -91,53 +91,45 @@ def second_half(c: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def sustained(t: Any, seconds: float) -> dict[str, Any]:
-    """Replay a ``Timed`` path's graph back to back for ``seconds`` under NVML sampling: the
-    time per call over the whole stretch and over its last half (after the power cap has had
-    time to act), with the median SM clock and power of that half."""
+def back_to_back(step: Callable[[], object], reps: int) -> tuple[float, float, dict[str, Any]]:
+    """``step`` ``reps`` times back to back under NVML sampling (every 5 ms): ms for all of them,
+    ms for the second half (after the power cap has had time to act), ``second_half`` clocks."""
     from clock_sampler import ClockSampler
 
-    ev = [torch.cuda.Event(enable_timing=True)]
+    ev = [torch.cuda.Event(enable_timing=True) for _ in range(3)]
     torch.cuda.synchronize()
     with ClockSampler(every_s=0.005) as clocks:
         ev[0].record()
-        reps = max(2, int(seconds / (statistics.median(t.rounds) * t.calls * 1e-3)))
         for i in range(reps):
-            t.graph.replay()
-            if i + 1 in (reps // 2, reps):
-                ev.append(torch.cuda.Event(enable_timing=True))
-                ev[-1].record()
+            step()
+            if i + 1 == reps // 2:
+                ev[1].record()
+        ev[2].record()
         torch.cuda.synchronize()
-    per = lambda a, b, n: a.elapsed_time(b) / (n * t.calls)  # noqa: E731
-    row = {"reps": reps, "ms_per_call": per(ev[0], ev[2], reps),
-           "ms_per_call_second_half": per(ev[1], ev[2], reps - reps // 2)}  # fmt: skip
-    return {**row, **second_half(clocks.summary())}
+    return ev[0].elapsed_time(ev[2]), ev[1].elapsed_time(ev[2]), second_half(clocks.summary())
+
+
+def sustained(replay: Callable[[], object], calls: int, ms_per_call: float,
+              seconds: float) -> dict[str, Any]:  # fmt: skip
+    """A path's graph of ``calls`` calls (``ms_per_call`` each, measured) replayed for
+    ``seconds``: time per call over the whole stretch and over its last half, with the clocks."""
+    reps = max(2, int(seconds / (ms_per_call * calls * 1e-3)))
+    total, late, clocks = back_to_back(replay, reps)
+    row = {"reps": reps, "ms_per_call": total / (reps * calls),
+           "ms_per_call_second_half": late / ((reps - reps // 2) * calls)}  # fmt: skip
+    return {**row, **clocks}
 
 
 def sustained_copy(seconds: float, nbytes: int = 2**31) -> dict[str, Any]:
-    """``gpu_common.copy_bandwidth``'s copy, back to back for ``seconds`` under NVML sampling:
-    GB/s (read + write) over the last half, with its median SM clock and power."""
-    from clock_sampler import ClockSampler
-
+    """``gpu_common.copy_bandwidth``'s copy for ``seconds``: GB/s (read + write) over the last
+    half, with the clocks."""
     src = torch.empty(nbytes, dtype=torch.uint8, device="cuda").random_(0, 255)
     dst = torch.empty_like(src)
     dst.copy_(src)
     reps = max(2, int(seconds / (2 * nbytes / 4.0e12)))
-    ev = [torch.cuda.Event(enable_timing=True) for _ in range(2)]
-    torch.cuda.synchronize()
-    with ClockSampler(every_s=0.005) as clocks:
-        for i in range(reps):
-            dst.copy_(src)
-            if i + 1 == reps // 2:
-                ev[0].record()
-        ev[1].record()
-        torch.cuda.synchronize()
-    n = reps - reps // 2
-    row: dict[str, Any] = {
-        "reps": reps,
-        "GBps_second_half": 2 * nbytes * n / (ev[0].elapsed_time(ev[1]) * 1e-3) / 1e9,
-    }
-    return {**row, **second_half(clocks.summary())}
+    _, late, clocks = back_to_back(lambda: dst.copy_(src), reps)
+    gbps = 2 * nbytes * (reps - reps // 2) / (late * 1e-3) / 1e9
+    return {"reps": reps, "GBps_second_half": gbps, **clocks}
 
 
 def main() -> None:
@@ -180,9 +172,9 @@ def main() -> None:
             args.sustain_s > 0
         ):
             t = Timed(paths[name](), args.calls)
-            t.rounds = [ms[name]]
+            got_s = sustained(t.graph.replay, args.calls, ms[name], args.sustain_s)
             rows.append({"shape": c.name, "batch": batch, "ctx": c.ctx, "path": name,
-                         "sustained": sustained(t, args.sustain_s)})  # fmt: skip
+                         "sustained": got_s})  # fmt: skip
             print(batch, name, rows[-1]["sustained"], flush=True)
         timed = [r for r in rows if "sustained" not in r]
         write_results("bench_pair_heads", {"env": env, "copy": copy, "rows": rows},

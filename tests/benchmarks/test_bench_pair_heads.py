@@ -46,3 +46,19 @@ def test_second_half_reads_the_late_samples() -> None:
                    "power_w_median_second_half": 698.0, "power_cap_share": 0.75}  # fmt: skip
     unavailable = {"available": False, "why": "not on CUDA"}
     assert second_half(unavailable) == {"clocks": unavailable}
+
+
+def test_sustained_divides_by_the_calls_of_each_half(monkeypatch) -> None:
+    import bench_pair_heads
+
+    seen = []
+
+    def fake(step, reps):
+        seen.append(reps)
+        return 90.0, 50.0, {"power_cap_share": 1.0}
+
+    monkeypatch.setattr(bench_pair_heads, "back_to_back", fake)
+    got = bench_pair_heads.sustained(lambda: None, calls=20, ms_per_call=0.5, seconds=0.9)
+    assert seen == [90]  # 0.9 s / (20 calls x 0.5 ms)
+    assert got == {"reps": 90, "ms_per_call": 90.0 / 1800, "ms_per_call_second_half": 50.0 / 900,
+                   "power_cap_share": 1.0}  # fmt: skip
