@@ -305,7 +305,7 @@ def run_variant(
             "kv_gib": kv_bytes / 2**30, "kv_budget_gib": budget / 2**30, "max_batch_at_capacity_ctx": max_batch,
             "capacity_ctx": cap_ctx, "weights_gib": weight_bytes / 2**30, "windowed_pools": args.windowed,
             "fused_projections": args.fuse_projections, "max_autotune_gemm": args.max_autotune_gemm,
-            "pdl": args.pdl, "inductor_patches": args.inductor,
+            "pdl": args.pdl, "inductor_patches": args.inductor, "blas": args.blas,
             "date": env["date_utc"], "gpu": env.get("gpu", "cpu"), "commit": args.commit}  # fmt: skip
     points = [("ctx_sweep", 32 if not args.smoke else 2, c) for c in args.ctxs]
     points += [("batch_sweep", b, cap_ctx) for b in args.batches if (b, cap_ctx) != (32, cap_ctx)
@@ -376,6 +376,8 @@ def main() -> None:
         metavar="KEY=VALUE",
         help="Inductor config for the compile, e.g. combo_kernels=True (Python literals)",
     )
+    ap.add_argument("--blas", choices=("cublas", "cublaslt"), default="cublas",
+                    help="torch's preferred BLAS library for the GEMMs (captured in the graphs)")  # fmt: skip
     ap.add_argument("--sample-clocks", action="store_true",
                     help="NVML clocks, power and clock-event reasons every 5 ms of the timed steps "
                          "(clock_sampler.py; a thread: off by default)")  # fmt: skip
@@ -386,6 +388,8 @@ def main() -> None:
                     "machine .git is stale: pass KVQ_COMMIT)")  # fmt: skip
     args = ap.parse_args()
     args.inductor = dict(kv for patch in args.inductor for kv in patch.items())
+    if args.blas != "cublas":  # torch's default on CUDA; a CPU build refuses cuBLASLt
+        torch.backends.cuda.preferred_blas_library(args.blas)
     if args.pdl and not hasattr(torch._inductor.config.triton, "enable_pdl"):
         ap.error(f"--pdl: torch {torch.__version__}'s Inductor has no config triton.enable_pdl")
     if args.smoke:

@@ -102,27 +102,61 @@ def weights(k: int, n: int, device: str, min_bytes: int, dtype: torch.dtype) -> 
             for _ in range(copies)]  # fmt: skip
 
 
+# the library GEMMs' path names (blas_paths)
+BLAS = ("cublas", "cublaslt", "cublas_kn", "cublaslt_kn")  # fmt: skip
+
+
+def with_blas(library: str, fn: Callable) -> Callable:
+    """``fn`` run with torch's preferred BLAS library set to ``library`` ("cublas", "cublaslt"),
+    the old preference restored after: a CUDA graph captures the library's kernel."""
+
+    def run(*args: Any) -> Any:
+        prev = torch.backends.cuda.preferred_blas_library()
+        torch.backends.cuda.preferred_blas_library(library)
+        try:
+            return fn(*args)
+        finally:
+            torch.backends.cuda.preferred_blas_library(prev)
+
+    return run
+
+
+def blas_paths(
+    x: torch.Tensor, libraries: tuple[str, ...] = ("cublas", "cublaslt")
+) -> dict[str, tuple[Callable, bool]]:
+    """The library GEMMs (a CPU build has only "cublas", its CPU BLAS): each library on the
+    model's [N, K] weight (``F.linear``) and on the weight stored transposed, [K, N]
+    (``x @ w_kn``); value: (fn, takes [K, N])."""
+    linear = lambda w: F.linear(x, w)  # noqa: E731
+    mm_kn = lambda w: torch.mm(x, w)  # noqa: E731
+    paths = {lib: (with_blas(lib, linear), False) for lib in libraries}
+    return paths | {f"{lib}_kn": (with_blas(lib, mm_kn), True) for lib in libraries}
+
+
 def study(m: int, k: int, n: int, device: str, calls: int, rounds: int, configs, min_bytes: int,
           gbps: float | None, dtype: torch.dtype = torch.bfloat16) -> list[dict[str, Any]]:  # fmt: skip
-    """cuBLAS and each split-K config on one shape: ms per call and error against fp32 (the
-    interpreter's bf16 ``tl.dot`` is broken: ``--smoke`` runs fp32)."""
+    """The library GEMMs (``blas_paths``) and each split-K config on one shape: ms per call and
+    error against fp32 (the interpreter's bf16 ``tl.dot`` is broken: ``--smoke`` runs fp32)."""
     from bench_fp8_decode_paths import Timed
 
     ws = weights(k, n, device, min_bytes, dtype)
+    ws_kn = [w.t().contiguous() for w in ws]
     x = torch.randn((m, k), device=device).to(dtype)
     ref = F.linear(x.float(), ws[0].float())
-    paths: dict[str, Callable] = {"cublas": lambda w: F.linear(x, w)}
+    paths = blas_paths(x, ("cublas", "cublaslt") if device == "cuda" else ("cublas",))
     for bn, bk, s, st in configs:
-        paths[f"splitk[bn{bn},bk{bk},s{s},st{st}]"] = lambda w, c=(bn, bk, s, st): splitk_linear(
-            x, w, *c
+        paths[f"splitk[bn{bn},bk{bk},s{s},st{st}]"] = (
+            lambda w, c=(bn, bk, s, st): splitk_linear(x, w, *c),
+            False,
         )
     rows = []
-    for name, fn in paths.items():
+    for name, (fn, kn) in paths.items():
         row: dict[str, Any] = {"m": m, "k": k, "n": n, "path": name}
+        copies = ws_kn if kn else ws
         try:
-            err = float((fn(ws[0]).float() - ref).norm() / ref.norm())
+            err = float((fn(copies[0]).float() - ref).norm() / ref.norm())
             if device == "cuda":
-                it = itertools.cycle(ws)
+                it = itertools.cycle(copies)
                 t = Timed(lambda fn=fn, it=it: fn(next(it)), calls)  # a new copy per call
                 for _ in range(rounds):
                     t.round()
@@ -143,6 +177,7 @@ def main() -> None:
     ap.add_argument("--calls", type=int, default=24, help="calls per timed CUDA graph")
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--quick", action="store_true", help=f"the {len(QUICK)} QUICK configs only")
+    ap.add_argument("--no-splitk", action="store_true", help="the library GEMMs only")
     ap.add_argument("--ms", type=int, nargs="+",
                     help="rows (batch) to time; default 32 and the FP8 config's largest batch")  # fmt: skip
     ap.add_argument("--smoke", action="store_true", help="CPU interpreter, tiny shapes, no timing")
@@ -161,30 +196,30 @@ def main() -> None:
 
     env, gbps = environment(), copy_bandwidth()["GBps"]
     for model, proj, k, n, m in shapes(args.models, args.projections, args.ms):
-        cfgs = QUICK if args.quick else CONFIGS
+        cfgs = [] if args.no_splitk else QUICK if args.quick else CONFIGS
         got = study(m, k, n, "cuda", args.calls, args.rounds, cfgs, 2**28, gbps)
         rows += [{"model": model, "proj": proj, **r} for r in got]
         best = min((r for r in got if "ms" in r), key=lambda r: r["ms"])
-        cub = next(r for r in got if r["path"] == "cublas")
-        print(f"{model} {proj} M={m}: cublas {cub.get('ms', 0):.4f} ms "
-              f"{cub.get('pct_copy', 0):.0f}%, best {best['path']} {best['ms']:.4f} ms "
+        libs = ", ".join(f"{r['path']} {r.get('ms', 0):.4f} ms {r.get('pct_copy', 0):.0f}%"
+                         for r in got if r["path"] in BLAS)  # fmt: skip
+        print(f"{model} {proj} M={m}: {libs}; best {best['path']} {best['ms']:.4f} ms "
               f"{best.get('pct_copy', 0):.0f}%", flush=True)  # fmt: skip
         write_results("bench_skinny_gemm", {"env": env, "copy_GBps": gbps, "rows": rows},
                       markdown(rows))  # fmt: skip
 
 
 def markdown(rows: list[dict[str, Any]]) -> str:
-    """Per shape: cuBLAS and the fastest split-K config."""
-    lines = ["| model | proj | M | cuBLAS ms / % copy | best split-K | ms / % copy |",
-             "|---|---|---|---|---|---|"]  # fmt: skip
+    """Per shape: each library GEMM and the fastest split-K config."""
+    lines = ["| model | proj | M | " + " | ".join(f"{b} ms / % copy" for b in BLAS)
+             + " | best split-K | ms / % copy |", "|---" * (5 + len(BLAS)) + "|"]  # fmt: skip
     shapes = sorted({(r["model"], r["proj"], r["m"]) for r in rows}, key=str)
     for model, proj, m in shapes:
         got = [r for r in rows if (r["model"], r["proj"], r["m"]) == (model, proj, m) and "ms" in r]
-        cub = next((r for r in got if r["path"] == "cublas"), None)
-        best = min((r for r in got if r["path"] != "cublas"), key=lambda r: r["ms"], default=None)
+        libs = [next((r for r in got if r["path"] == b), None) for b in BLAS]
+        best = min((r for r in got if r["path"] not in BLAS), key=lambda r: r["ms"], default=None)
         fmt = lambda r: f"{r['ms']:.4f} / {r.get('pct_copy', 0):.0f}" if r else "-"  # noqa: E731
-        lines.append(f"| {model} | {proj} | {m} | {fmt(cub)} | {best['path'] if best else '-'} "
-                     f"| {fmt(best)} |")  # fmt: skip
+        lines.append(f"| {model} | {proj} | {m} | " + " | ".join(fmt(r) for r in libs)
+                     + f" | {best['path'] if best else '-'} | {fmt(best)} |")  # fmt: skip
     return "\n".join(lines) + "\n"
 
 

@@ -45,4 +45,33 @@ def test_smoke_split_k_matches_torch() -> None:
     cmd = [sys.executable, str(ROOT / "benchmarks" / "bench_skinny_gemm.py"), "--smoke"]
     out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-2000:]
-    assert "splitk[bn32,bk32,s4,st2]" in out.stdout
+    assert "splitk[bn32,bk32,s4,st2]" in out.stdout and "'cublas_kn'" in out.stdout
+
+
+def test_blas_paths_compute_the_projection_and_restore_the_preference(monkeypatch) -> None:
+    import bench_skinny_gemm
+    import torch
+    from bench_skinny_gemm import BLAS, blas_paths
+
+    pref = ["cublas"]  # a CPU build refuses cuBLASLt: the preference is faked, its use recorded
+    during: list[str] = []
+
+    def preferred(backend: str | None = None) -> str:
+        if backend is not None:
+            pref[0] = backend
+        return pref[0]
+
+    monkeypatch.setattr(torch.backends.cuda, "preferred_blas_library", preferred)
+    x, w = torch.randn(5, 24, dtype=torch.float64), torch.randn(16, 24, dtype=torch.float64)
+    paths = blas_paths(x)
+    assert sorted(paths) == sorted(BLAS)
+    for name, (fn, kn) in paths.items():
+        assert kn == name.endswith("_kn")
+        wrapped = bench_skinny_gemm.with_blas(
+            name.removesuffix("_kn"), lambda: during.append(pref[0])
+        )
+        wrapped()
+        torch.testing.assert_close(fn(w.t().contiguous() if kn else w), x @ w.t())
+        assert pref == ["cublas"]  # put back after each call
+    assert during == ["cublas", "cublaslt", "cublas", "cublaslt"]
+    assert list(blas_paths(x, ("cublas",))) == ["cublas", "cublas_kn"]
