@@ -15,7 +15,8 @@ Per (model, kv config, kernel), one compiled model (kvq_backend) whose pools are
   * ctx sweep at batch 32 (``--ctxs``), batch sweep at 16k (``--batches`` and the capacity batch);
 a point whose pages do not fit the pools is a row with ``"fits": false`` (no timing).
 ``--fuse-projections``: q/k/v and gate/up as one GEMM each (``fuse_projections()``), for every
-config alike. ``--pdl``: Inductor's Triton kernels with programmatic dependent launch.
+config alike. ``--weights-kn``: every Linear's weight laid out [K, N] (``weights_kn``);
+``--blas cublaslt``: torch's GEMMs through cuBLASLt. ``--pdl``: Inductor's Triton kernels with programmatic dependent launch.
 ``--max-autotune-gemm``: Inductor autotunes the GEMMs (Triton templates against
 cuBLAS). ``--sample-clocks``: NVML clocks, power and clock-event reasons during the timed steps
 (``clock_sampler.py``; row key ``clocks``). The headline point and the capacity point are
@@ -144,6 +145,21 @@ def build(model_name: str, kv: KVCacheConfig, kernel, device: str, smoke: bool, 
     finally:
         torch.set_default_dtype(old)
     return model
+
+
+def weights_kn(model: torch.nn.Module) -> int:
+    """Store every ``nn.Linear``'s weight transposed: the same [N, K] tensor, laid out [K, N] in
+    memory (strides (1, N)), so that ``F.linear`` runs ``x @ w_kn`` (cuBLAS NN) instead of
+    ``x @ w^T`` (TN): bench_skinny_gemm's ``*_kn`` paths. Tied embeddings (not Linear) stay.
+    Returns how many weights moved."""
+    n = 0
+    for mod in model.modules():
+        if isinstance(mod, torch.nn.Linear):
+            w = mod.weight
+            mod.weight = torch.nn.Parameter(w.detach().t().contiguous().t(), w.requires_grad)
+            del w
+            n += 1
+    return n
 
 
 def step_bytes(model, batch: int, ctx: int, weight_bytes: int) -> int:
@@ -276,6 +292,8 @@ def run_variant(
     model = build(model_name, kv, kernel, device, args.smoke, 1, 1 if args.windowed else None)
     if args.fuse_projections:
         model.fuse_projections()  # q/k/v and gate/up: one GEMM each, as serving engines run
+    if args.weights_kn:
+        weights_kn(model)
     weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     specs = model.kv_specs
     if device == "cuda":
@@ -306,6 +324,7 @@ def run_variant(
             "capacity_ctx": cap_ctx, "weights_gib": weight_bytes / 2**30, "windowed_pools": args.windowed,
             "fused_projections": args.fuse_projections, "max_autotune_gemm": args.max_autotune_gemm,
             "pdl": args.pdl, "inductor_patches": args.inductor, "blas": args.blas,
+            "weights_kn": args.weights_kn,
             "date": env["date_utc"], "gpu": env.get("gpu", "cpu"), "commit": args.commit}  # fmt: skip
     points = [("ctx_sweep", 32 if not args.smoke else 2, c) for c in args.ctxs]
     points += [("batch_sweep", b, cap_ctx) for b in args.batches if (b, cap_ctx) != (32, cap_ctx)
@@ -376,6 +395,8 @@ def main() -> None:
         metavar="KEY=VALUE",
         help="Inductor config for the compile, e.g. combo_kernels=True (Python literals)",
     )
+    ap.add_argument("--weights-kn", action="store_true",
+                    help="every Linear's weight stored [K, N] (weights_kn): cuBLAS NN GEMMs")  # fmt: skip
     ap.add_argument("--blas", choices=("cublas", "cublaslt"), default="cublas",
                     help="torch's preferred BLAS library for the GEMMs (captured in the graphs)")  # fmt: skip
     ap.add_argument("--sample-clocks", action="store_true",

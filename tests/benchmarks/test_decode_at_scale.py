@@ -54,13 +54,33 @@ def test_inductor_patch_parses_known_keys_and_names_bad_ones():
         inductor_patch("combo_kernels=yes please")
 
 
+def test_weights_kn_keeps_each_linear_and_its_output_and_lays_it_out_k_major():
+    import torch
+    from bench_decode_at_scale import weights_kn
+
+    torch.manual_seed(0)
+    emb = torch.nn.Embedding(11, 8)
+    model = torch.nn.Sequential(
+        emb, torch.nn.Linear(8, 12), torch.nn.GELU(), torch.nn.Linear(12, 8)
+    )
+    x = torch.tensor([[1, 4, 7]])
+    want = model(x)
+    assert weights_kn(model) == 2
+    for lin in (model[1], model[3]):
+        n, k = lin.weight.shape
+        assert (n, k) == (lin.out_features, lin.in_features) and lin.weight.stride() == (1, n)
+        assert isinstance(lin.weight, torch.nn.Parameter)
+    assert model[0] is emb and emb.weight.is_contiguous()  # embeddings (tied or not) stay
+    torch.testing.assert_close(model(x), want)
+
+
 def test_smoke_run_and_plot(tmp_path):
     """CPU smoke run (tiny shapes, reference kernel) writes rows with the fields issue 14 lists,
     and the plot script draws them."""
     env = {**os.environ, "OUT": str(tmp_path), "PYTHONPATH": str(ROOT)}
     cmd = [sys.executable, str(ROOT / "benchmarks" / "bench_decode_at_scale.py"), "--smoke",
            "--models", "gemma-3-12b", "--kv", "fp8:tc", "--commit", "test",
-           "--fuse-projections", "--sample-clocks"]  # fmt: skip
+           "--fuse-projections", "--sample-clocks", "--weights-kn"]  # fmt: skip
     subprocess.run(cmd, env=env, check=True, capture_output=True, timeout=600)
     rows = json.loads((tmp_path / "decode_at_scale.json").read_text())["rows"]
     need = {"model", "kv_config", "kernel", "batch", "ctx", "tokens_per_s", "step_ms", "kv_gib",
@@ -68,6 +88,7 @@ def test_smoke_run_and_plot(tmp_path):
     timed = [r for r in rows if "tokens_per_s" in r]
     assert timed and all(need <= set(r) for r in timed)
     assert all(r["fused_projections"] and r["max_autotune_gemm"] is False for r in rows)
+    assert all(r["weights_kn"] and r["blas"] == "cublas" for r in rows)
     # --sample-clocks on CPU says so instead of making up clocks
     assert all(r["clocks"] == {"available": False, "why": "not on CUDA"} for r in timed)
     cap = next(r for r in rows if r["sweep"] == "capacity")
