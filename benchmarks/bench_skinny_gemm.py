@@ -1,15 +1,18 @@
-"""The decode step's projections as skinny GEMMs: cuBLAS (what the models run) against a split-K
-Triton GEMM, per shape, against copy bandwidth.
+"""The decode step's projections as skinny GEMMs: the library GEMMs (cuBLAS, what the models run,
+and cuBLASLt, each on the weight as stored, [N, K], and laid out [K, N]) against a split-K Triton
+GEMM, per shape, against copy bandwidth.
 
-Each projection of both models at M = 32 and at the FP8 config's largest batch, ``F.linear``
-against a split-K Triton GEMM over tile and split choices, each call on a different copy of the
-weights (more bytes than the 50 MiB L2), in a CUDA graph of ``--calls`` calls.
+Each projection of both models at M = 32 and at the FP8 config's largest batch, each path over
+tile and split choices where it has them, each call on a different copy of the weights (more bytes
+than the 50 MiB L2), in a CUDA graph of ``--calls`` calls.
 
 Run 47 (H200, 2026-12-01, ``--quick``): cuBLAS reads at 60% (o_proj, 12.5 us for 7.4 us of
 bytes) to 94-98% (gate_up) of copy bandwidth at M = 32 and 68-90% at M = 110-131; this kernel
 came within 0.3-3 us at M = 32 (one shape ahead: Gemma's gate_up, 57.8 against 59.4 us) and lost
 by far at 110-131. In the models (runs 49-50, the partials' sum fused by Inductor into the next
 kernel: torch_kvq at commit 41783a1, ``use_split_k``) both steps got slower; cuBLAS stays.
+Run 61 (``--no-splitk``): the [K, N] layout (cuBLAS NN) and cuBLASLt take 4.9-7.3 us off a layer's
+four projections (e.g. Gemma's gate_up at M = 32: 61.6 -> 58.6 us, 91 -> 95% of copy bandwidth).
 
     python benchmarks/bench_skinny_gemm.py                  # H200: writes $OUT/bench_skinny_gemm.json
     python benchmarks/bench_skinny_gemm.py --smoke          # CPU: Triton's interpreter, tiny shapes

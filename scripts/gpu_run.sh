@@ -26,7 +26,7 @@
 #   KVQ_SCALE_ARGS="--models llama-3.1-8b" bash scripts/gpu_run.sh scale   # decode at real scale
 #   bash scripts/gpu_run.sh prefill          # FP8-KV prefill paths (fa2 / fa3, FP8 query) vs bf16
 #   KVQ_TTFT_ARGS="--models llama-3.1-8b" bash scripts/gpu_run.sh ttft   # TTFT 8 x 16k per prefill option
-#   KVQ_SKINNY_ARGS="--models gemma-3-12b --projections o" bash scripts/gpu_run.sh skinny   # GEMMs: cuBLAS vs split-K
+#   KVQ_SKINNY_ARGS="--models gemma-3-12b --projections o" bash scripts/gpu_run.sh skinny   # GEMMs: cuBLAS, cuBLASLt, [K, N] vs split-K
 #   KVQ_L2PF_ARGS="--models gemma-3-12b" bash scripts/gpu_run.sh l2pf   # GEMM weights prefetched into L2 behind the norm
 #   bash scripts/gpu_run.sh pairs            # Llama's FP8 decode with two kv heads per program (head-256 view)
 #   bash scripts/gpu_run.sh diagfa3          # fa3 FP8 prefill: the finite mask sentinel (run 20 of 2026-12-01)
