@@ -11,7 +11,7 @@ bytes) to 94-98% (gate_up) of copy bandwidth at M = 32 and 68-90% at M = 110-131
 came within 0.3-3 us at M = 32 (one shape ahead: Gemma's gate_up, 57.8 against 59.4 us) and lost
 by far at 110-131. In the models (runs 49-50, the partials' sum fused by Inductor into the next
 kernel: torch_kvq at commit 41783a1, ``use_split_k``) both steps got slower; cuBLAS stays.
-Run 61 (``--no-splitk``): the [K, N] layout (cuBLAS NN) and cuBLASLt take 4.9-7.3 us off a layer's
+Run 61 (``--no-splitk``): the [K, N] layout (cuBLAS NN) and cuBLASLt take 4.9-9.0 us off a layer's
 four projections (e.g. Gemma's gate_up at M = 32: 61.6 -> 58.6 us, 91 -> 95% of copy bandwidth).
 
     python benchmarks/bench_skinny_gemm.py                  # H200: writes $OUT/bench_skinny_gemm.json
