@@ -16,7 +16,8 @@ Per (model, kv config, kernel), one compiled model (kvq_backend) whose pools are
 a point whose pages do not fit the pools is a row with ``"fits": false`` (no timing).
 ``--fuse-projections``: q/k/v and gate/up as one GEMM each (``fuse_projections()``), for every
 config alike. ``--weights-kn``: every Linear's weight laid out [K, N] (``weights_kn``);
-``--blas cublaslt``: torch's GEMMs through cuBLASLt. ``--pdl``: Inductor's Triton kernels with programmatic dependent launch.
+``--blas cublaslt``: torch's GEMMs through cuBLASLt. ``--pdl``: Inductor's Triton kernels with
+programmatic dependent launch.
 ``--max-autotune-gemm``: Inductor autotunes the GEMMs (Triton templates against
 cuBLAS). ``--sample-clocks``: NVML clocks, power and clock-event reasons during the timed steps
 (``clock_sampler.py``; row key ``clocks``). The headline point and the capacity point are
@@ -409,7 +410,9 @@ def main() -> None:
                     "machine .git is stale: pass KVQ_COMMIT)")  # fmt: skip
     args = ap.parse_args()
     args.inductor = dict(kv for patch in args.inductor for kv in patch.items())
-    if args.blas != "cublas":  # torch's default on CUDA; a CPU build refuses cuBLASLt
+    if args.blas != "cublas":  # torch's default on CUDA
+        if args.smoke:
+            ap.error(f"--blas {args.blas}: a CUDA library; --smoke runs on the CPU")
         torch.backends.cuda.preferred_blas_library(args.blas)
     if args.pdl and not hasattr(torch._inductor.config.triton, "enable_pdl"):
         ap.error(f"--pdl: torch {torch.__version__}'s Inductor has no config triton.enable_pdl")
