@@ -158,7 +158,6 @@ def weights_kn(model: torch.nn.Module) -> int:
         if isinstance(mod, torch.nn.Linear):
             w = mod.weight
             mod.weight = torch.nn.Parameter(w.detach().t().contiguous().t(), w.requires_grad)
-            del w
             n += 1
     return n
 

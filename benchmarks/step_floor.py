@@ -26,9 +26,13 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_decode_at_scale import MODELS  # noqa: E402
 from bench_skinny_gemm import BLAS, SHAPES  # noqa: E402
 
-LAYERS = {"llama-3.1-8b": 32, "gemma-3-12b": 48}  # num_hidden_layers (bench_decode_at_scale)
+
+def layers(model: str) -> int:
+    """The model's layer count, from the config bench_decode_at_scale builds it with."""
+    return MODELS[model][2]["num_hidden_layers"]
 
 
 def best_gemms(skinny_rows: list[dict], model: str, m: int) -> dict[str, tuple[str, float]]:
@@ -57,7 +61,7 @@ def floor(row: dict[str, Any], skinny_rows: list[dict]) -> dict[str, Any]:
     model, batch = row["model"], row["batch"]
     by_kind = row["gpu_ms_by_kind"]
     gemms = best_gemms(skinny_rows, model, batch)
-    projections = LAYERS[model] * sum(ms for _, ms in gemms.values())
+    projections = layers(model) * sum(ms for _, ms in gemms.values())
     # the output projection: the step's GEMM kernels that run once per step
     lm_head = sum(
         ms for _, ms, calls, kind in row["kernels_per_step"] if kind == "gemm" and calls == 1
@@ -83,12 +87,13 @@ def report(f: dict[str, Any]) -> str:
         f"{f['model']} {f['kv_config']}/{f['kernel']} {f['batch']} x {f['ctx']}: step "
         f"{f['step_ms']:.3f} ms, bound {f['bound_ms']:.3f} ms, 90% of it at {f['ms_at_90pct']:.3f} ms",
         f"  attention as the model ran it: {att} ms",
-        f"  projections at the best isolated GEMM x {LAYERS[f['model']]} layers: "
+        f"  projections at the best isolated GEMM x {layers(f['model'])} layers: "
         f"{f['projections_ms']:.3f} ms ({gemms})",
         f"  output projection as the model ran it: {f['lm_head_ms']:.3f} ms",
         f"  library kernels alone: {f['library_ms']:.3f} ms (a step of only these: "
-        f"{f['library_pct_of_bound']:.1f}% of the bound); left before 90%: {f['left_at_90pct_ms']:.3f} ms for the small kernels "
-        f"({f['small_kernels_ms']:.3f} ms in the model) and gaps ({f['launch_gaps_ms']} ms)",
+        f"{f['library_pct_of_bound']:.1f}% of the bound); left before 90%: "
+        f"{f['left_at_90pct_ms']:.3f} ms for the small kernels ({f['small_kernels_ms']:.3f} ms "
+        f"in the model) and gaps ({f['launch_gaps_ms']} ms)",
     ])  # fmt: skip
 
 

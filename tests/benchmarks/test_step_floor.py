@@ -13,6 +13,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 RESULTS = ROOT / "benchmarks" / "results"
 sys.path.insert(0, str(ROOT / "benchmarks"))
+from bench_skinny_gemm import BLAS  # noqa: E402
 from step_floor import best_gemms, floor  # noqa: E402
 
 SKINNY = RESULTS / "h200_2026-12-01_run61_bench_skinny_gemm_blas.json"
@@ -28,7 +29,7 @@ def test_gemma_floor_adds_attention_best_gemms_and_lm_head() -> None:
     row, skinny = rows(GEMMA)[0], rows(SKINNY)
     got = floor(row, skinny)
     best = {p: min(r["ms"] for r in skinny if (r["model"], r["proj"], r["m"]) == (
-        "gemma-3-12b", p, 32) and r["path"] in ("cublas", "cublaslt", "cublas_kn", "cublaslt_kn"))
+        "gemma-3-12b", p, 32) and r["path"] in BLAS)
         for p in ("qkv", "o", "gate_up", "down")}  # fmt: skip
     assert {p: ms for p, (_, ms) in got["gemms"].items()} == best
     once = [k for k in row["kernels_per_step"] if k[3] == "gemm" and k[2] == 1]
