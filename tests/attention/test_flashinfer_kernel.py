@@ -458,7 +458,9 @@ def test_configuration_names_match_capability_rows() -> None:
 
 def test_xqa_block_table_matches_page_tables() -> None:
     md = PageAllocator(64, PAGE).build_batch([(0, 1), (1, 300), (2, 16), (3, 17)])
-    t = FlashInferKernel()._xqa_tables(md, None, None)
+    from torch_kvq.attention.kernels.flashinfer_xqa import block_tables
+
+    t = block_tables(md, None)
     width = max(len(p) for p in md.page_tables)
     dense = [list(p) + [0] * (width - len(p)) for p in md.page_tables]
     assert t.block_tables.tolist() == dense and t.block_tables.dtype == torch.int32

@@ -141,14 +141,15 @@ def test_xqa_block_table_gather():
     refilled in place (the plain case: test_flashinfer_kernel.py)."""
     tables = [[7, 3, 9], [2], [5, 6]]
     md = BatchMetadata.build(tables, [10, 2, 5], [1, 1, 1], 4)
-    kernel = FlashInferKernel()
-    shape = GraphShape(3, 5)
-    g1 = kernel._xqa_tables(md, None, shape)
+    from torch_kvq.attention.kernels.flashinfer_xqa import block_tables
+
+    shape, buffers = GraphShape(3, 5), {}  # FlashInferKernel keeps one such dict
+    g1 = block_tables(md, shape, buffers)
     assert g1.block_tables.tolist() == [[7, 3, 9, 0, 0], [2, 0, 0, 0, 0], [5, 6, 0, 0, 0]]
     assert g1.max_seq_len == 20
     md2 = BatchMetadata.build([[1], [4, 8], [11]], [3, 6, 1], [1, 1, 1], 4)
-    g2 = kernel._xqa_tables(md2, None, shape)
-    assert g2.block_tables.data_ptr() == g1.block_tables.data_ptr()
+    g2 = block_tables(md2, shape, buffers)
+    assert g2.block_tables.data_ptr() == g1.block_tables.data_ptr() and len(buffers) == 1
     assert g1.block_tables.tolist() == [[1, 0, 0, 0, 0], [4, 8, 0, 0, 0], [11, 0, 0, 0, 0]]
 
 

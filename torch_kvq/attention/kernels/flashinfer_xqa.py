@@ -28,11 +28,22 @@ class XQATables:
 
 
 def block_tables(
-    md: BatchMetadata, graph: GraphShape | None, graph_buffer: torch.Tensor | None = None
+    md: BatchMetadata,
+    graph: GraphShape | None,
+    graph_buffers: dict[tuple[int | None, GraphShape], torch.Tensor] | None = None,
+    window: int | None = None,
 ) -> XQATables:
-    """XQA's dense block table [B, W] from the CSR page table (entries past a sequence's pages are
-    0 and never read). Under a CUDA graph W is the shape's ``max_pages_per_seq`` and the table is
-    written into ``graph_buffer`` ([B, W] int32, the shape's fixed buffer the graph reads)."""
+    """XQA's dense block table [B, W] from the CSR page table ``md`` (``window``'s; entries past a
+    sequence's pages are 0 and never read). Under a CUDA graph W is the shape's
+    ``max_pages_per_seq`` and the table is written into the (window, shape)'s fixed [B, W] int32
+    buffer in ``graph_buffers`` (made on first use), which the graph reads."""
+    graph_buffer = None
+    if graph is not None and graph_buffers is not None:
+        graph_buffer = graph_buffers.get((window, graph))
+        if graph_buffer is None:
+            shape = (md.num_seqs, graph.max_pages_per_seq)  # the step's padded batch
+            graph_buffer = torch.empty(shape, dtype=torch.int32, device=md.kv_indices.device)
+            graph_buffers[(window, graph)] = graph_buffer
     width = max(md.pages_per_seq) if graph is None else graph.max_pages_per_seq
     dev = md.kv_indices.device
     cols = torch.arange(width, dtype=torch.int32, device=dev)
@@ -56,7 +67,7 @@ def run(
     pdl: bool,
 ) -> torch.Tensor:
     """One XQA decode call for ``spec``'s layer (see the module docstring for shapes)."""
-    from torch_kvq.attention.kernels.flashinfer import import_flashinfer
+    from torch_kvq.attention.kernels.flashinfer_plan import import_flashinfer
 
     decode = import_flashinfer("flashinfer.decode").trtllm_batch_decode_with_kv_cache
     o_scale = 1.0 if output_scale is None else float(output_scale)

@@ -277,12 +277,13 @@ def paged_decode_tma(
     each (K and V), all under one online-softmax update. ``lazy_rescale``: move the softmax
     reference max only when some row's max logit grew by more than 8 in base 2, so the softmax
     weights stay <= 2^8 (FlashAttention-4's trick). ``num_warps``, ``num_stages``,
-    ``pages_per_iter``, ``lazy_rescale``: None takes ``tuned(D)``'s. ``programs_per_sm``: the balanced schedule
-    (``triton_decode_balanced``) with that many programs per SM (at most as many as fit) instead
-    of the split grid; then ``num_splits`` must be None and ``workspace`` is (partial out
-    [P, 2, QH / KH, D], lse [P, 2, QH / KH]) fp32 for P = ``balanced_programs(...)``. With both
-    None and no workspace the schedule is chosen by ``BALANCED``. ``max_registers``: Triton's
-    ``maxnreg`` (per thread), to hold more programs per SM.
+    ``pages_per_iter``, ``lazy_rescale``: None takes ``tuned(D)``'s. ``programs_per_sm``: the
+    balanced schedule (``triton_decode_balanced``) with that many programs per SM (at most as
+    many as fit) instead of the split grid; then ``num_splits`` must be None and ``workspace``
+    is (partial out [P, 2, QH / KH, D], lse [P, 2, QH / KH]) fp32 for P =
+    ``balanced_programs(...)``. With both None and no workspace the schedule is chosen by
+    ``BALANCED``. ``max_registers``: Triton's ``maxnreg`` (per thread), to hold more programs
+    per SM.
     Returns out [B, QH, D] (``q``'s dtype unless ``out`` is given).
     """
     b, qh, d = q.shape
