@@ -833,7 +833,7 @@ def _() -> object:
 
 @case("kernel.flashinfer-not-installed")
 def _() -> object:
-    from torch_kvq.attention.kernels.flashinfer import import_flashinfer
+    from torch_kvq.attention.kernels.flashinfer_plan import import_flashinfer
 
     with mock.patch.dict(sys.modules, {"flashinfer": None}):  # None: import raises ImportError
         return import_flashinfer()

@@ -377,7 +377,7 @@ def test_fp8_output_refused_where_no_kernel_writes_it(built) -> None:
 @pytest.mark.gpu
 @needs_gpu
 def test_layers_of_one_group_share_one_plan(built) -> None:
-    from torch_kvq.attention.kernels.flashinfer import GroupPlan
+    from torch_kvq.attention.kernels.flashinfer_plan import GroupPlan
 
     infos = [AttentionLayerInfo(f"p.l{i}", 8, 2, D) for i in range(4)]
     specs = make_specs(infos, skip=("p.l3",))  # three FP8 layers, one bf16
@@ -527,7 +527,7 @@ def test_fa3_prefill_refused_off_sm90(monkeypatch: pytest.MonkeyPatch) -> None:
 def test_quantize_query_floors_the_scale_for_the_finite_mask() -> None:
     """fa3's FP8 kernel masks raw code logits with -5e4: the scale keeps that >= 100 below zero
     in real logit units, and never lets a code exceed 448."""
-    from torch_kvq.attention.kernels.flashinfer import quantize_query
+    from torch_kvq.attention.kernels.flashinfer_fa3_fp8 import quantize_query
 
     q = torch.randn(37, 4, 64, dtype=torch.bfloat16) * 3
     amax = float(q.abs().amax())

@@ -37,7 +37,7 @@ class GraphReport:
     """The record of one compiled graph.
 
     ``layers``: layer name -> ``{"mode", "kernel", "arch", "index"}`` for the layers of this graph.
-    ``ops_before`` / ``ops_after``: kvq op counts (see ``passes.common.count_ops``).
+    ``ops_before`` / ``ops_after``: kvq op counts (see ``passes.graph_utils.count_ops``).
     ``source``: ``"passes"``, or ``"fx graph cache hit"`` when Inductor reused a compiled graph
     and this report was recalled from the compile that made it.
     """

@@ -66,7 +66,6 @@ from torch_kvq.attention.kernels.flashinfer_plan import (
     GroupKey,
     GroupPlan,
     HostIndptrs,
-    import_flashinfer,
     plan_wrapper,
 )
 from torch_kvq.attention.metadata import GraphShape
@@ -74,8 +73,6 @@ from torch_kvq.spec import FP8_DTYPE, LayerKVSpec
 
 if TYPE_CHECKING:
     from torch_kvq.attention.context import ForwardContext
-
-__all__ = ["FlashInferKernel", "GroupKey", "GroupPlan", "import_flashinfer", "quantize_query"]
 
 
 FP8Decode = Literal["tensor_cores", "xqa", "triton"]

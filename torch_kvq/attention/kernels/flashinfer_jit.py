@@ -16,7 +16,8 @@ from typing import Any
 
 import torch
 
-from torch_kvq.attention.kernels.flashinfer import FlashInferKernel, GroupKey, import_flashinfer
+from torch_kvq.attention.kernels.flashinfer import FlashInferKernel
+from torch_kvq.attention.kernels.flashinfer_plan import GroupKey, import_flashinfer
 from torch_kvq.spec import FP8_DTYPE, LayerKVSpec
 
 
