@@ -412,7 +412,7 @@ def markdown(env: dict, copy: dict, rows: list[dict]) -> str:
 
 def tma_path(c: Case, kernel: Any = None, **kw) -> Callable:
     """``kernel``: a module with ``paged_decode_tma`` (default: the package's)."""
-    from torch_kvq.attention.kernels import triton_decode_tma
+    from torch_kvq.attention.triton import decode_tma as triton_decode_tma
 
     paged_decode_tma = (kernel or triton_decode_tma).paged_decode_tma
     out = torch.empty_like(c.q)

@@ -62,7 +62,7 @@ def pair_path(c: Any, **kw: Any) -> Callable[[], torch.Tensor]:
     """The package's TMA kernel on the pair view of ``c``'s FP8 cache, copies included."""
     from bench_fp8_decode_paths import K_SCALE, V_SCALE
 
-    from torch_kvq.attention.kernels.triton_decode_tma import paged_decode_tma
+    from torch_kvq.attention.triton.decode_tma import paged_decode_tma
 
     q2, cache2, fill, pick = pair_views(c.q, c.cache8, c.kh)
     out2, out = torch.empty_like(q2), torch.empty_like(c.q)
@@ -136,7 +136,7 @@ def main() -> None:
     from bench_fp8_decode_paths import Case, Timed, markdown, measure, tma_path
     from gpu_common import copy_bandwidth, environment, write_results
 
-    from torch_kvq.attention.kernels import triton_decode_tma as tma
+    from torch_kvq.attention.triton import decode_tma as tma
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--batches", type=int, nargs="+", default=[32, 48, 64, 80, 96, 110])

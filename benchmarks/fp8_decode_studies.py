@@ -175,7 +175,7 @@ def vperm_study(gbps: float, rounds: int, calls: int, save: Callable) -> list[di
 
     from tma_variants import load_variant
 
-    from torch_kvq.attention.kernels import triton_decode_tma as tma
+    from torch_kvq.attention.triton import decode_tma as tma
 
     natural = load_variant("natural", Path(tempfile.mkdtemp()))
     rows: list[dict[str, Any]] = []
@@ -203,7 +203,7 @@ def batch_study(gbps: float, rounds: int, calls: int, save: Callable) -> list[di
     """The TMA kernel at the largest batch (16k) of each shape: its tuned config with the default
     schedule (2 splits at these batches until run 42; since then the balanced schedule at Llama's
     110) and with 1, 3 and 4 splits, and 2 pages per iteration."""
-    from torch_kvq.attention.kernels import triton_decode_tma as tma
+    from torch_kvq.attention.triton import decode_tma as tma
 
     rows: list[dict[str, Any]] = []
     for name, d in (("llama", 128), ("gemma_global", 256)):
@@ -229,7 +229,7 @@ def balanced_study(gbps: float, rounds: int, calls: int, save: Callable) -> list
     2026-12-01 (32 and the largest batch): Llama 110 x 16k 93.4% of copy bandwidth at 12 or 16
     programs per SM with 128 registers against 84-92% on the split grid, 88% against 94.6% at
     32 x 16k; Gemma's head 256 97-101% against 100-104% (9 per SM at 224 registers: 70%)."""
-    from torch_kvq.attention.kernels import triton_decode_tma as tma
+    from torch_kvq.attention.triton import decode_tma as tma
 
     rows: list[dict[str, Any]] = []
     for name, d in (("llama", 128), ("gemma_global", 256)):
@@ -249,7 +249,7 @@ def balanced_study(gbps: float, rounds: int, calls: int, save: Callable) -> list
 
 def tma_bf16_path(c: Case, **kw: Any) -> Callable:
     """The TMA kernel on the bf16 cache (bf16 products: a bf16 cache need not fit fp16)."""
-    from torch_kvq.attention.kernels import triton_decode_tma
+    from torch_kvq.attention.triton import decode_tma as triton_decode_tma
 
     cache, out = c.bf16_cache(), torch.empty_like(c.q)
     return lambda: triton_decode_tma.paged_decode_tma(
@@ -264,7 +264,7 @@ def sliding_study(gbps: float, rounds: int, calls: int, save: Callable) -> list[
     FlashInfer tensor-core decode the model runs for them against the TMA kernel on the same
     bf16 cache, at batch 32 and 131, over split counts (one split leaves most SMs idle), and
     FlashInfer's plan without split-KV or with fixed split sizes."""
-    from torch_kvq.attention.kernels import triton_decode_tma as tma
+    from torch_kvq.attention.triton import decode_tma as tma
 
     rows: list[dict[str, Any]] = []
     for batch in (32, CAPACITY_BATCH["gemma_global"]):

@@ -36,7 +36,7 @@ VARIANTS: dict[str, list[tuple[str, str]]] = {
 def variant_source(name: str) -> str:
     """The package kernel's source with variant ``name``'s edits (ValueError if one no longer
     applies: the kernel changed under it)."""
-    from torch_kvq.attention.kernels import triton_decode_tma
+    from torch_kvq.attention.triton import decode_tma as triton_decode_tma
 
     src = inspect.getsource(triton_decode_tma)
     for i, (anchor, new) in enumerate(VARIANTS[name]):

@@ -42,7 +42,7 @@ def compile_kernel(
 
     if os.environ.get("TRITON_INTERPRET") == "1":
         raise RuntimeError("TRITON_INTERPRET=1 is set: the interpreter compiles nothing; unset it")
-    from torch_kvq.attention.kernels import triton_decode_tma as tma
+    from torch_kvq.attention.triton import decode_tma as tma
 
     if variant:
         sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
@@ -50,9 +50,9 @@ def compile_kernel(
 
         tma = load_variant(variant, Path(tempfile.mkdtemp()))
     if balanced:
-        from torch_kvq.attention.kernels import triton_decode_balanced
+        from torch_kvq.attention.triton import decode_balanced
 
-    fn = triton_decode_balanced._decode_balanced if balanced else tma._decode_pages
+    fn = decode_balanced._decode_balanced if balanced else tma._decode_pages
     sig = {
         "q_ptr": "*fp16", "kv_desc": f"tensordesc<fp8e4nv[16, {head}]>", "block_table_ptr": "*i32",
         "seq_lens_ptr": "*i32", "part_o_ptr": "*fp32", "part_lse_ptr": "*fp32", "out_ptr": "*fp16",
@@ -127,7 +127,7 @@ def main() -> None:
                     help="the balanced schedule's kernel (at BALANCED's register cap)")
     ap.add_argument("--max-registers", type=int, help="Triton's maxnreg (0: none)")  # fmt: skip
     args = ap.parse_args()
-    from torch_kvq.attention.kernels.triton_decode_tma import BALANCED, TUNED
+    from torch_kvq.attention.triton.decode_tma import BALANCED, TUNED
 
     for head in [args.head] if args.head else sorted(TUNED):
         warps, stages, ppi, lazy = TUNED.get(head, TUNED[128])

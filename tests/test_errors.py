@@ -797,6 +797,7 @@ def _() -> object:
     kv_write._triton_kernel.cache_clear()
     try:
         with mock.patch.dict(sys.modules, {"triton": None, "triton.language": None}):
+            sys.modules.pop("torch_kvq.attention.triton.kv_write", None)  # imported anew: fails
             return kv_write.write_kv_triton(*kv_write_args(torch.bfloat16))
     finally:
         kv_write._triton_kernel.cache_clear()

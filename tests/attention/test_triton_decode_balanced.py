@@ -1,4 +1,5 @@
-"""The TMA decode kernel's balanced schedule (``triton_decode_balanced``) against the reference.
+"""The TMA decode kernel's balanced schedule (``attention/triton/decode_balanced.py``) against
+the reference.
 
 CPU: Triton's interpreter with fp32 products, the program count forced from 1 (one program
 reads every pair) to more programs than pages (some read nothing), so that runs cut pairs at
@@ -13,8 +14,7 @@ from types import ModuleType
 
 import pytest
 import torch
-from test_triton_decode import HAS_CUDA, INTERPRETING, Case, rel_err
-from test_triton_decode_tma import _run, check_on_gpu, dense_table
+from triton_case import HAS_CUDA, INTERPRETING, Case, check_on_gpu, dense_table, rel_err, run_tma
 
 from torch_kvq.spec import FP8_DTYPE
 
@@ -25,18 +25,18 @@ LENS = (1, 15, 16, 17, 300, 1000)  # 1 .. 63 pages per pair
 def interp() -> ModuleType:
     if not INTERPRETING:
         pytest.skip("interpreter tests run on a machine without CUDA (gpu tests cover the rest)")
-    from torch_kvq.attention.kernels import triton_decode_tma
+    from torch_kvq.attention.triton import decode_tma
 
-    return triton_decode_tma
+    return decode_tma
 
 
 @pytest.fixture
 def programs(monkeypatch):
     """Set the balanced schedule's program count (off CUDA it is per-SM x 132, capped)."""
-    from torch_kvq.attention.kernels import triton_decode_balanced
+    from torch_kvq.attention.triton import decode_balanced
 
     def force(n: int) -> None:
-        monkeypatch.setattr(triton_decode_balanced, "balanced_programs", lambda *a: n)
+        monkeypatch.setattr(decode_balanced, "balanced_programs", lambda *a: n)
 
     return force
 
@@ -49,7 +49,7 @@ def test_interpreter_matches_reference(interp, programs, nprog, qh, kh, d, windo
     case = Case(LENS, qh, kh, d, seed=nprog)
     out = torch.full(case.q.shape, float("nan"), dtype=torch.float32)
     kw = dict(window=window, soft_cap=soft_cap, dot_dtype=torch.float32, programs_per_sm=1)
-    _run(case, interp, out=out, **kw)
+    run_tma(case, interp, out=out, **kw)
     err = rel_err(out, case.ref(window, soft_cap))
     assert err < 5e-4, f"rel err {err:.2e}"  # NaN (a pair never written) fails too
 
@@ -61,7 +61,7 @@ def test_interpreter_pages_per_iteration_and_lazy_rescale(interp, programs, ppi,
     case.q = (case.q.float() * 20).to(torch.bfloat16)  # logits ~ +-60: the lazy max moves often
     out = torch.empty(case.q.shape, dtype=torch.float32)
     kw = dict(dot_dtype=torch.float32, pages_per_iter=ppi, lazy_rescale=lazy)
-    _run(case, interp, out=out, programs_per_sm=1, **kw)
+    run_tma(case, interp, out=out, programs_per_sm=1, **kw)
     assert rel_err(out, case.ref()) < 5e-4
 
 
@@ -70,19 +70,19 @@ def test_interpreter_workspace_and_bad_arguments(interp, programs) -> None:
     case = Case(LENS, 8, 2, 64)
     ws = (torch.empty(3, 2, 4, 64), torch.empty(3, 2, 4))
     out = torch.empty(case.q.shape, dtype=torch.float32)
-    _run(case, interp, out=out, programs_per_sm=1, workspace=ws, dot_dtype=torch.float32)
+    run_tma(case, interp, out=out, programs_per_sm=1, workspace=ws, dot_dtype=torch.float32)
     assert rel_err(out, case.ref()) < 5e-4
     with pytest.raises(ValueError, match=r"balanced schedule needs \(3, 2, 4, 64\)"):
-        _run(case, interp, programs_per_sm=1, workspace=(ws[0][:2], ws[1][:2]))
+        run_tma(case, interp, programs_per_sm=1, workspace=(ws[0][:2], ws[1][:2]))
     with pytest.raises(ValueError, match="programs_per_sm=2 needs num_splits=None"):
-        _run(case, interp, programs_per_sm=2, num_splits=4)
+        run_tma(case, interp, programs_per_sm=2, num_splits=4)
     with pytest.raises(ValueError, match="at least 1 program per SM"):
-        _run(case, interp, programs_per_sm=0)
+        run_tma(case, interp, programs_per_sm=0)
 
 
 def test_default_schedule() -> None:
     """Pure host logic: the balanced schedule where the split grid would have 1-2 splits."""
-    from torch_kvq.attention.kernels import triton_decode_tma as tma
+    from torch_kvq.attention.triton import decode_tma as tma
 
     assert tma.default_schedule(32, 8, 16384, 16, 128, sms=132) == (8, None)
     assert tma.default_schedule(64, 8, 16384, 16, 128, sms=132) == (4, None)
@@ -112,19 +112,19 @@ def test_gpu_matches_reference(qh, kh, d, per_sm, regs, window, soft_cap, cache_
 def test_gpu_chosen_at_large_batch_and_matches_reference(monkeypatch) -> None:
     """72 sequences x 8 kv heads: the split grid would have 2 splits, so ``paged_decode_tma``
     takes the balanced schedule (``BALANCED``) by itself."""
-    from torch_kvq.attention.kernels import triton_decode_balanced, triton_decode_tma
+    from torch_kvq.attention.triton import decode_balanced, decode_tma
 
     calls = []
-    real = triton_decode_balanced.decode_balanced
+    real = decode_balanced.decode_balanced
     monkeypatch.setattr(
-        triton_decode_balanced, "decode_balanced", lambda *a: calls.append(a[8]) or real(*a)
+        decode_balanced, "decode_balanced", lambda *a: calls.append(a[8]) or real(*a)
     )
     lens = tuple(
         int(x) for x in torch.randint(1, 700, (72,), generator=torch.Generator().manual_seed(2))
     )
     case = Case(lens, 32, 8, 128, seed=2, device="cuda")
-    out = _run(case, triton_decode_tma, **triton_decode_tma.tuned(128))
-    assert calls == [triton_decode_tma.BALANCED[128][0]]
+    out = run_tma(case, decode_tma, **decode_tma.tuned(128))
+    assert calls == [decode_tma.BALANCED[128][0]]
     assert rel_err(out, case.ref()) < 5e-3
 
 
@@ -133,17 +133,17 @@ def test_gpu_chosen_at_large_batch_and_matches_reference(monkeypatch) -> None:
 def test_gpu_cuda_graph_replay_follows_new_lengths() -> None:
     """Captured once; on replay the units, runs and cut pairs follow the new seq_lens (computed
     on the device), including a total below the program count."""
-    from torch_kvq.attention.kernels import triton_decode_balanced, triton_decode_tma
+    from torch_kvq.attention.triton import decode_balanced, decode_tma
 
     case = Case((1000, 1000, 1000), 32, 8, 128, seed=5, device="cuda")
     # TUNED's head-128 config at 128 registers: 16 programs per SM fit (at 2 pages per iteration,
     # 10: the launch takes no more than fit, and the workspace must match)
-    n = triton_decode_balanced.balanced_programs(case.q, 8, 1000, 16, 16)
+    n = decode_balanced.balanced_programs(case.q, 8, 1000, 16, 16)
     ws = tuple(torch.empty(s, device="cuda") for s in ((n, 2, 4, 128), (n, 2, 4)))
     out, table = torch.empty_like(case.q), dense_table(case)
     kw = dict(out=out, programs_per_sm=16, max_registers=128, workspace=ws)
-    kw.update(triton_decode_tma.tuned(128))
-    run = lambda: _run(case, triton_decode_tma, table, **kw)  # noqa: E731
+    kw.update(decode_tma.tuned(128))
+    run = lambda: run_tma(case, decode_tma, table, **kw)  # noqa: E731
     run()  # compile outside the capture
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()

@@ -1,7 +1,8 @@
-"""The TMA-per-page Triton decode kernel against the reference attention on the same FP8 cache.
+"""The TMA-per-page Triton decode kernel (``attention/triton/decode_tma.py``) against the
+reference attention on the same FP8 cache.
 
-CPU: Triton's interpreter (as in ``test_triton_decode``, fp32 products); GPU: the compiled
-kernel with its default fp16 products, under the gate. Without Triton every test here skips.
+CPU: Triton's interpreter (``triton_case``, fp32 products); GPU: the compiled kernel with its
+default fp16 products, under the gate. Without Triton every test here skips.
 """
 
 from __future__ import annotations
@@ -10,49 +11,27 @@ from types import ModuleType
 
 import pytest
 import torch
-from test_triton_decode import HAS_CUDA, INTERPRETING, LENS, Case, rel_err
+from triton_case import (
+    HAS_CUDA,
+    INTERPRETING,
+    LENS,
+    Case,
+    check_on_gpu,
+    dense_table,
+    rel_err,
+    run_tma,
+)
 
 from torch_kvq.spec import FP8_DTYPE
-
-
-def dense_table(case: Case) -> torch.Tensor:
-    """The CSR page table as a dense [B, W] block table; padding entries are -1 (never read)."""
-    counts = (case.kv_indptr[1:] - case.kv_indptr[:-1]).tolist()
-    table = torch.full((len(counts), max(counts)), -1, dtype=torch.int32)
-    for b, n in enumerate(counts):
-        table[b, :n] = case.kv_indices[case.kv_indptr[b] : case.kv_indptr[b] + n].cpu()
-    return table.to(case.kv_indices.device)
-
-
-def _run(case: Case, mod: ModuleType, table: torch.Tensor | None = None, **kw) -> torch.Tensor:
-    from test_triton_decode import K_SCALE, V_SCALE
-
-    table = dense_table(case) if table is None else table
-    return mod.paged_decode_tma(
-        case.q, case.kv_cache, table, case.seq_lens,
-        K_SCALE, V_SCALE, case.sm_scale, max_seq_len=max(case.lens), **kw,
-    )  # fmt: skip
-
-
-def check_on_gpu(lens: tuple[int, ...], qh: int, kh: int, d: int, cache_dtype: torch.dtype,
-                 window: int | None, soft_cap: float | None, **kw) -> None:  # fmt: skip
-    """``paged_decode_tma`` with ``kw`` on a CUDA case of ``lens`` against the fp32 reference."""
-    from torch_kvq.attention.kernels import triton_decode_tma
-
-    case = Case(lens, qh, kh, d, cache_dtype=cache_dtype, device="cuda")
-    out = _run(case, triton_decode_tma, window=window, soft_cap=soft_cap, **kw)
-    assert out.dtype == torch.bfloat16 and torch.isfinite(out).all()
-    err = rel_err(out, case.ref(window, soft_cap))
-    assert err < 5e-3, f"rel err {err:.2e}"
 
 
 @pytest.fixture(scope="module")
 def interp() -> ModuleType:
     if not INTERPRETING:
         pytest.skip("interpreter tests run on a machine without CUDA (gpu tests cover the rest)")
-    from torch_kvq.attention.kernels import triton_decode_tma
+    from torch_kvq.attention.triton import decode_tma
 
-    return triton_decode_tma
+    return decode_tma
 
 
 @pytest.mark.parametrize("qh,kh,d", [(4, 4, 64), (8, 2, 128), (4, 2, 256)])
@@ -65,7 +44,7 @@ def test_interpreter_matches_reference(
     case = Case(LENS, qh, kh, d)
     out = torch.empty(case.q.shape, dtype=torch.float32)
     kw = dict(window=window, soft_cap=soft_cap, dot_dtype=torch.float32, pages_per_iter=ppi)
-    _run(case, interp, out=out, num_splits=num_splits, **kw)
+    run_tma(case, interp, out=out, num_splits=num_splits, **kw)
     err = rel_err(out, case.ref(window, soft_cap))
     assert err < 5e-4, f"rel err {err:.2e}"
 
@@ -82,7 +61,7 @@ def test_interpreter_lazy_rescale_matches_reference(
     case.q = (case.q.float() * q_gain).to(torch.bfloat16)
     out = torch.empty(case.q.shape, dtype=torch.float32)
     kw = dict(window=window, soft_cap=soft_cap, dot_dtype=torch.float32, pages_per_iter=ppi)
-    _run(case, interp, out=out, num_splits=num_splits, lazy_rescale=True, **kw)
+    run_tma(case, interp, out=out, num_splits=num_splits, lazy_rescale=True, **kw)
     err = rel_err(out, case.ref(window, soft_cap))
     assert err < 5e-4, f"rel err {err:.2e}"
 
@@ -91,20 +70,20 @@ def test_interpreter_rejects_bad_inputs(interp) -> None:
     case = Case((5,), 8, 4, 64)
     with pytest.raises(ValueError, match="kv_cache must be contiguous"):
         case.kv_cache = case.kv_cache.transpose(2, 3).contiguous().transpose(2, 3)
-        _run(case, interp)
+        run_tma(case, interp)
     case = Case((5,), 8, 4, 64, page=8)
     with pytest.raises(ValueError, match="page >= 16"):
-        _run(case, interp)
+        run_tma(case, interp)
     case = Case((5,), 8, 4, 64)
     with pytest.raises(ValueError, match="dot_dtype"):
-        _run(case, interp, dot_dtype=torch.int8)
+        run_tma(case, interp, dot_dtype=torch.int8)
     with pytest.raises(ValueError, match="pages_per_iter must be 1, 2 or 4, got 3"):
-        _run(case, interp, pages_per_iter=3)
+        run_tma(case, interp, pages_per_iter=3)
 
 
 def test_default_splits_and_tuned_configs() -> None:
     """Pure host logic (runs wherever Triton imports, interpreter or not)."""
-    from torch_kvq.attention.kernels import triton_decode_tma as tma
+    from torch_kvq.attention.triton import decode_tma as tma
 
     assert tma.default_num_splits(32, 8, 16384, 16, sms=132) == 8  # 8 * 132 / 256 -> 8
     assert tma.default_num_splits(110, 8, 16384, 16, sms=132) == 2
@@ -117,7 +96,7 @@ def test_default_splits_and_tuned_configs() -> None:
 def test_unset_config_takes_tuned_and_only_tuned_gets_the_register_cap() -> None:
     """paged_decode_tma's config arguments left None are tuned(D)'s; BALANCED's register cap
     applies only to that config (pages_per_iter=2 spilled under it: 2.5x slower, run 54)."""
-    from torch_kvq.attention.kernels import triton_decode_tma as tma
+    from torch_kvq.attention.triton import decode_tma as tma
 
     assert tma.resolve_config(128) == tma.tuned(128)
     assert tma.resolve_config(256, num_warps=None) == tma.tuned(256)
@@ -132,8 +111,8 @@ def test_interpreter_defaults_run_the_tuned_config(interp) -> None:
     """No config arguments: the same output as tuned(D)'s spelled out (interpreter, fp32)."""
     case = Case(LENS, 8, 2, 128)
     outs = [torch.empty(case.q.shape, dtype=torch.float32) for _ in range(2)]
-    _run(case, interp, out=outs[0], dot_dtype=torch.float32, num_splits=3)
-    _run(case, interp, out=outs[1], dot_dtype=torch.float32, num_splits=3, **interp.tuned(128))
+    run_tma(case, interp, out=outs[0], dot_dtype=torch.float32, num_splits=3)
+    run_tma(case, interp, out=outs[1], dot_dtype=torch.float32, num_splits=3, **interp.tuned(128))
     torch.testing.assert_close(outs[0], outs[1], rtol=0, atol=0)
     assert rel_err(outs[0], case.ref(None, None)) < 5e-4
 
@@ -162,12 +141,12 @@ def test_gpu_matches_reference(qh, kh, d, num_splits, window, soft_cap, cache_dt
     "num_warps,num_stages,ppi", [(2, 4, 1), (4, 8, 1), (4, 16, 1), (1, 6, 2), (2, 3, 4), (4, 2, 4)]
 )
 def test_gpu_pipelines_match_reference(num_warps, num_stages, ppi) -> None:
-    from torch_kvq.attention.kernels import triton_decode_tma
+    from torch_kvq.attention.triton import decode_tma
 
     case = Case(LENS, 32, 8, 128, seed=4, device="cuda")
     out = torch.empty(case.q.shape, dtype=torch.float32, device="cuda")
     kw = dict(num_warps=num_warps, num_stages=num_stages, pages_per_iter=ppi)
-    _run(case, triton_decode_tma, out=out, num_splits=3, **kw)
+    run_tma(case, decode_tma, out=out, num_splits=3, **kw)
     assert rel_err(out, case.ref()) < 2e-3
 
 
@@ -180,16 +159,16 @@ def test_gpu_pipelines_match_reference(num_warps, num_stages, ppi) -> None:
 def test_gpu_lazy_rescale_matches_reference(qh, kh, d, ppi, window, soft_cap, q_gain) -> None:
     """Lazy rescale, compiled (fp16 products: p <= 2^8 must stay exact), against the reference
     and against the eager rescale."""
-    from torch_kvq.attention.kernels import triton_decode_tma
+    from torch_kvq.attention.triton import decode_tma
 
     case = Case((*LENS, 4097), qh, kh, d, seed=8, device="cuda")
     case.q = (case.q.float() * q_gain).to(torch.bfloat16)
     kw = dict(window=window, soft_cap=soft_cap, pages_per_iter=ppi)
-    out = _run(case, triton_decode_tma, lazy_rescale=True, **kw)
+    out = run_tma(case, decode_tma, lazy_rescale=True, **kw)
     assert torch.isfinite(out).all()
     err = rel_err(out, case.ref(window, soft_cap))
     assert err < 5e-3, f"rel err {err:.2e}"
-    eager = _run(case, triton_decode_tma, lazy_rescale=False, **kw)
+    eager = run_tma(case, decode_tma, lazy_rescale=False, **kw)
     assert rel_err(out, eager) < 2e-3
 
 
@@ -197,12 +176,12 @@ def test_gpu_lazy_rescale_matches_reference(qh, kh, d, ppi, window, soft_cap, q_
 @needs_gpu
 def test_gpu_cuda_graph_replay_follows_new_lengths() -> None:
     """Captured once; replays read seq_lens / page tables from the device (no baked lengths)."""
-    from torch_kvq.attention.kernels import triton_decode_tma
+    from torch_kvq.attention.triton import decode_tma
 
     case = Case((1000, 1000, 1000), 32, 8, 128, seed=5, device="cuda")
     ws = tuple(torch.empty(s, device="cuda") for s in ((3, 32, 4, 128), (3, 32, 4)))
     out, table = torch.empty_like(case.q), dense_table(case)  # the table: before the capture
-    run = lambda: _run(case, triton_decode_tma, table, out=out, num_splits=4, workspace=ws)  # noqa: E731
+    run = lambda: run_tma(case, decode_tma, table, out=out, num_splits=4, workspace=ws)  # noqa: E731
     run()  # compile outside the capture
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-# not imported here: importing Triton before test_triton_decode sets TRITON_INTERPRET would turn
+# not imported here: importing Triton before triton_case sets TRITON_INTERPRET would turn
 # the interpreter tests of this worker off
 if importlib.util.find_spec("triton") is None:
     pytest.skip("needs Triton (its ptxas and cuobjdump)", allow_module_level=True)

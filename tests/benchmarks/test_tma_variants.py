@@ -13,13 +13,13 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "tests" / "attention"))  # sets TRITON_INTERPRET before Triton loads
 sys.path.insert(0, str(ROOT / "benchmarks"))
-from test_triton_decode import INTERPRETING  # noqa: E402
 from test_triton_decode_tma import (  # noqa: E402
     test_interpreter_lazy_rescale_matches_reference as lazy_matches_reference,
 )
 from test_triton_decode_tma import (  # noqa: E402
     test_interpreter_matches_reference as matches_reference,
 )
+from triton_case import INTERPRETING  # noqa: E402
 
 
 @pytest.fixture(scope="module")

@@ -248,9 +248,9 @@ def default_kernel(arch: str) -> str:
 # "-xqa" configurations) runs on sm90, sm100/103 and sm120/121 (FlashInfer's xqa.py), pages of 16 to
 # 128 tokens, no logit soft-cap; on sm8x the "-xqa" configurations serve model-dtype layers only.
 # sm90 is the arch we measured; the others are FlashInfer's documented support, not tested here.
-# The "-triton" configurations run FP8 caches through our Triton kernel (triton_decode_tma: bulk
-# tensor copies, Hopper and later), claimed on sm90 only, where it was run; elsewhere they serve
-# model-dtype layers only. It takes any head size FlashInfer does, pages of 16 to 128, soft-caps.
+# The "-triton" configurations run FP8 caches through our Triton kernel
+# (attention/triton/decode_tma.py: bulk tensor copies, Hopper and later), claimed on sm90 only,
+# where it was run; elsewhere they serve model-dtype layers only. It takes any head size FlashInfer does, pages of 16 to 128, soft-caps.
 # No FlashInfer row sets tensor_output_scale: XQA's o_scale is a Python float in FlashInfer
 # 0.6.18 (its bmm1/bmm2 scales take tensors, o_scale does not), so a quant whose scale is a tensor
 # is left unfused there.

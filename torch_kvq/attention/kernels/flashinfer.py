@@ -31,7 +31,7 @@ docs/fp8_prefill.md, docs/fp8_decode_paths.md):
     FP8-MMA: 0.257 ms (98%; bimodal 0.27-0.33 ms with PDL on: ``xqa_pdl``), writes FP8 output,
     but q and the softmax weights are rounded to e4m3: relative error 3.7e-2 (6.7e-2 peaked; with
     V of non-zero mean the output shrinks with context, -10% at 16k). Opt in knowingly.
-  - ``"triton"``: our kernel (``triton_decode_tma``: one TMA box per cache page, split-K or the
+  - ``"triton"``: our kernel (``attention/triton/decode_tma.py``: one TMA box per cache page, split-K or the
     balanced schedule) over XQA's dense block table, widened to fp16 in registers (``"model"``:
     to the model dtype): 0.268 ms (94%) at head 128, 100% at Gemma-3's 256, error 1.7e-3. sm90.
 
@@ -398,7 +398,7 @@ class FlashInferKernel:
                 "the output quant here (see kernels/capabilities.py)"
             )
         if key.kernel == "triton":  # q [B, QH, D] over XQA's dense block table; imports Triton
-            from torch_kvq.attention.kernels import triton_decode_tma as tma
+            from torch_kvq.attention.triton import decode_tma as tma
 
             t = ctx.plans[(id(self), "xqa_tables", spec.sliding_window)]
             return tma.paged_decode_tma(

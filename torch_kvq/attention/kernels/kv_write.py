@@ -4,8 +4,8 @@
     k, v     [T, KH, D]                     slot_mapping [T] int: page * page_size + offset
 
 ``write_kv`` is what ``kvq::cache_write`` / ``kvq::quant_cache_write`` call. On a CUDA cache it is
-one Triton kernel per layer (one program per token: slot -> page and offset, load k and v, quantize,
-store both); on the CPU it is ``write_kv_torch`` (aten: quantize, page/offset, two index_puts).
+one Triton kernel per layer (``attention/triton/kv_write.py``: one program per token); on the CPU
+it is ``write_kv_torch`` (aten: quantize, page/offset, two index_puts).
 
 Both write the bytes of the unfused form they replace: ``quantize_fp8``, i.e.
 ``clamp(x.float() / scale, ±448)`` cast to e4m3 with round-to-nearest-even, computed as aten
@@ -239,65 +239,13 @@ def _inner_dense(x: torch.Tensor) -> bool:
 
 @functools.cache
 def _triton_kernel() -> Any:
-    """Build the Triton kernel on first use (Triton is imported only here, only for CUDA)."""
+    """The Triton program (``attention/triton/kv_write.py``), imported on first use: Triton is
+    imported only there, only for CUDA."""
     try:
-        import triton
-        import triton.language as tl
+        from torch_kvq.attention.triton.kv_write import kv_write_kernel
     except ImportError as e:  # torch's CUDA wheels ship Triton; a CUDA build without it cannot
         raise KernelUnsupportedError(
             f"the CUDA cache write is a Triton kernel, and Triton cannot be imported ({e}); "
             "install triton (it comes with torch's CUDA wheels)"
         ) from e
-
-    @triton.jit
-    def kv_write_kernel(
-        k_ptr,
-        v_ptr,
-        cache_ptr,
-        slot_ptr,
-        k_op,
-        v_op,
-        k_stride_t,
-        v_stride_t,
-        c_stride_page,
-        c_stride_kv,
-        c_stride_slot,
-        page_size,
-        KH: tl.constexpr,
-        D: tl.constexpr,
-        BLOCK: tl.constexpr,
-        QUANT: tl.constexpr,
-        DIVIDE: tl.constexpr,
-        SCALE_PTR: tl.constexpr,
-        FP8_MAX: tl.constexpr,
-    ):
-        token = tl.program_id(0).to(tl.int64)
-        slot = tl.load(slot_ptr + token).to(tl.int64)
-        page = slot // page_size
-        offset = slot - page * page_size
-        i = tl.arange(0, BLOCK)  # (head, dim) flattened: dense in k, v and the cache
-        mask = i < KH * D
-        k = tl.load(k_ptr + token * k_stride_t + i, mask=mask)
-        v = tl.load(v_ptr + token * v_stride_t + i, mask=mask)
-        if QUANT:  # aten's x.float() / scale: correctly rounded, or times a reciprocal
-            if SCALE_PTR:  # scale tensors on the device: read now (DIVIDE is then always set)
-                k_s = tl.load(k_op)
-                v_s = tl.load(v_op)
-            else:
-                k_s = k_op
-                v_s = v_op
-            if DIVIDE:
-                k = tl.math.div_rn(k.to(tl.float32), k_s)
-                v = tl.math.div_rn(v.to(tl.float32), v_s)
-            else:
-                k = k.to(tl.float32) * k_s
-                v = v.to(tl.float32) * v_s
-            k = tl.clamp(k, -FP8_MAX, FP8_MAX, propagate_nan=tl.PropagateNan.ALL)
-            v = tl.clamp(v, -FP8_MAX, FP8_MAX, propagate_nan=tl.PropagateNan.ALL)
-            k = k.to(tl.float8e4nv, fp_downcast_rounding="rtne")
-            v = v.to(tl.float8e4nv, fp_downcast_rounding="rtne")
-        dst = cache_ptr + page * c_stride_page + offset * c_stride_slot + i
-        tl.store(dst, k, mask=mask)
-        tl.store(dst + c_stride_kv, v, mask=mask)
-
     return kv_write_kernel

@@ -1,4 +1,4 @@
-"""The balanced ("stream-K") schedule of the TMA decode kernel (``triton_decode_tma``).
+"""The balanced ("stream-K") schedule of the TMA decode kernel (``decode_tma``).
 
 The split grid gives every (sequence, kv head) pair the same number of programs. When the pairs
 are many (Llama's 8 kv heads at 80-110 sequences of 16k: 2 splits, 1280-1760 one-warp programs)
@@ -14,8 +14,7 @@ is CUDA-graph capturable like the split grid. Run 42: 92.0% / 92.5% at 80 / 110 
 (16 programs per SM at 128 registers), but 62-89% at 8-64 sequences, where the split grid fills
 the SMs (84-95%); Gemma-3's head 256 is faster on the split grid at every batch measured.
 
-Page loop, math and epilogue are ``triton_decode_tma``'s (``_attend``); import only where Triton
-is.
+Page loop and math are ``helpers.attend``, the TMA decode's; import only where Triton is.
 """
 
 from __future__ import annotations
@@ -26,14 +25,15 @@ import torch
 import triton
 import triton.language as tl
 
-from torch_kvq.attention.kernels.triton_decode import (
-    _load_q,
-    _store_out,
-    _store_part,
+from torch_kvq.attention.triton.helpers import (
+    acc_cols,
+    attend,
+    load_q,
     sm_count,
     split_outputs,
+    store_out,
+    store_part,
 )
-from torch_kvq.attention.kernels.triton_decode_tma import _acc_cols, _attend
 
 
 @triton.jit
@@ -94,7 +94,7 @@ def _decode_balanced(
     first = start
     offs_g = tl.arange(0, BLOCK_G)
     g_mask = offs_g < G
-    offs_d = _acc_cols(D)
+    offs_d = acc_cols(D)
     while start < end:
         b, kh, pair_start, nb = _pair_of(
             start, seq_lens_ptr, window, B, KH, BLOCK_B, PAGE, USE_WINDOW
@@ -104,17 +104,17 @@ def _decode_balanced(
         lo = tl.maximum(seq_len - window, 0) if USE_WINDOW else 0
         p0 = lo // PAGE + start - pair_start
         heads = kh * G + offs_g
-        q = _load_q(q_ptr, b, heads, g_mask, tl.arange(0, D), stride_qb, stride_qh, DOT)
+        q = load_q(q_ptr, b, heads, g_mask, tl.arange(0, D), stride_qb, stride_qh, DOT)
         table = block_table_ptr + b.to(tl.int64) * stride_bt
-        acc, m_i, l_i = _attend(
+        acc, m_i, l_i = attend(
             q, kv_desc, table, p0, p0 + seg_end - start, kh * D, lo, seq_len, qk_scale_log2,
             soft_cap, BLOCK_G, D, PAGE, STAGES, PPI, USE_SOFT_CAP, DOT, LAZY,
         )  # fmt: skip
         whole = (start == pair_start) & (seg_end == pair_start + nb)
         o_ptrs = out_ptr + b * stride_ob + heads[:, None] * stride_oh + offs_d[None, :]
-        _store_out(acc, l_i, o_ptrs, (g_mask & whole)[:, None], out_scale)
+        store_out(acc, l_i, o_ptrs, (g_mask & whole)[:, None], out_scale)
         rows = (pid * 2 + tl.where(start == first, 0, 1)) * G + offs_g  # [P, 2, G] row
-        _store_part(acc, m_i, l_i, rows, g_mask & ~whole, offs_d, part_o_ptr, part_lse_ptr, D)
+        store_part(acc, m_i, l_i, rows, g_mask & ~whole, offs_d, part_o_ptr, part_lse_ptr, D)
         start = seg_end
 
 

@@ -1,26 +1,26 @@
 """Paged FP8 decode attention in Triton with one bulk tensor copy (TMA) per cache page.
 
-The split-K kernel in ``triton_decode`` gathers ``BLOCK_N``-token tiles row by row through the
-page table; it reads an FP8 cache at ~47-49% of copy bandwidth on the H200 (run 10 of
-2026-11-30), with 3 stages of 32 KiB tiles limiting it to 2 programs per SM. Here every page of
-every kv head is one 2-D box ``[page, D]`` of the cache seen as ``[P * 2 * page, KH * D]``
-(K rows of page p start at ``2 * page * p``, V rows ``page`` later), loaded by the copy engine
-into a small shared buffer: a page of Llama's head 128 is 2 KiB, so many pages are in flight per
-program at little shared memory. One warp per program, many programs per SM (split-K), 1-2 pages
-per loop iteration under one online-softmax update (``tuned``). V's columns are permuted in
-registers so that the ``p @ v`` operand loads are 16-byte vectors, not byte gathers
-(``_page_logits``). On the H200 at 32 x 16k (runs 35, 41, 42 of 2026-12-01, ``TUNED``) Llama's
-head 128 reads at 94% of copy bandwidth (0.267 ms; FlashInfer's tensor-core decode 67%, XQA's
-FP8-math kernel 100%, run 30) and Gemma-3's head 256 at 100% (0.503 ms; 83%, 106%), relative
-error 1.7e-3 against fp32 (XQA 3.7e-2). Before the permutation: 88% / 93% (run 34); with two
-warps per program: 56% / 73%.
+A gathering split-K kernel (retired; git keeps it as ``attention/kernels/triton_decode.py``)
+loaded ``BLOCK_N``-token tiles row by row through the page table; it read an FP8 cache at ~47-49%
+of copy bandwidth on the H200 (run 10 of 2026-11-30), with 3 stages of 32 KiB tiles limiting it
+to 2 programs per SM. Here every page of every kv head is one 2-D box ``[page, D]`` of the cache
+seen as ``[P * 2 * page, KH * D]`` (K rows of page p start at ``2 * page * p``, V rows ``page``
+later), loaded by the copy engine into a small shared buffer: a page of Llama's head 128 is
+2 KiB, so many pages are in flight per program at little shared memory. One warp per program,
+many programs per SM (split-K), 1-2 pages per loop iteration under one online-softmax update
+(``tuned``). V's columns are permuted in registers so that the ``p @ v`` operand loads are
+16-byte vectors, not byte gathers (``helpers.page_logits``). On the H200 at 32 x 16k (runs 35,
+41, 42 of 2026-12-01, ``TUNED``) Llama's head 128 reads at 94% of copy bandwidth (0.267 ms;
+FlashInfer's tensor-core decode 67%, XQA's FP8-math kernel 100%, run 30) and Gemma-3's head 256
+at 100% (0.503 ms; 83%, 106%), relative error 1.7e-3 against fp32 (XQA 3.7e-2). Before the
+permutation: 88% / 93% (run 34); with two warps per program: 56% / 73%.
 
-Math as in ``triton_decode``: e4m3 -> ``dot_dtype`` (fp16 by default: one instruction per two
-values on sm90, exact) in registers, both products accumulate in fp32, online softmax in base 2,
-``k_scale`` folded into the logit scale and ``v_scale`` into the output; splits merged by
-log-sum-exp (``triton_decode._combine``). With many (sequence, kv head) pairs the split grid
-neither fills the SMs nor packs into whole waves: there the balanced schedule
-(``triton_decode_balanced``, ``BALANCED``) gives every program an equal run of pages.
+The page loop and the math are ``helpers.attend``'s: e4m3 -> ``dot_dtype`` (fp16 by default: one
+instruction per two values on sm90, exact) in registers, both products accumulate in fp32,
+online softmax in base 2, ``k_scale`` folded into the logit scale and ``v_scale`` into the
+output; splits merged by log-sum-exp (``helpers.combine_splits``). With many (sequence, kv head)
+pairs the split grid neither fills the SMs nor packs into whole waves: there the balanced
+schedule (``decode_balanced``, ``BALANCED``) gives every program an equal run of pages.
 CUDA-graph capturable: the descriptor holds the cache pointer (by value, in the launch), the
 host reads no device tensor. Import only where Triton is.
 """
@@ -34,124 +34,19 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from torch_kvq.attention.kernels.triton_decode import (
-    _DOT_DTYPES,
-    _LOG2E,
+from torch_kvq.attention.triton.helpers import (
+    DOT_DTYPES,
     LOG2E,
-    _load_q,
-    _split_range,
-    _store_split,
+    acc_cols,
+    attend,
     check_args,
     combine_splits,
+    load_q,
     sm_count,
     split_outputs,
+    split_range,
+    store_split,
 )
-
-
-@triton.jit
-def _page_logits(
-    q, kv_desc, table, p, p_end, col, lo, seq_len, qk_scale_log2, soft_cap, offs_t,
-    PAGE: tl.constexpr, D: tl.constexpr, DOT: tl.constexpr, USE_SOFT_CAP: tl.constexpr,
-):  # fmt: skip
-    """Page ``p`` of the split (``p >= p_end``: past it, all logits -inf, page 0 read): its
-    base-2 logits [BLOCK_G, PAGE] (fp32) and its V rows [PAGE, D] (cache dtype) with the columns
-    permuted: column ``c = j * (D // 16) + r`` holds head dim ``d = 16 * r + j``."""
-    ok = p < p_end
-    row = tl.load(table + p, mask=ok, other=0) * (2 * PAGE)
-    k = kv_desc.load([row, col])  # [PAGE, D]
-    v = kv_desc.load([row + PAGE, col])
-    # ``p @ v`` sums over tokens, so V's columns may come in any order (the output's follow).
-    # In this order each lane's mma B fragment (column l // 4 of every 8-column block) is 16
-    # contiguous bytes of a row: one 128-bit shared load instead of 16 byte loads (run 34).
-    v = tl.reshape(tl.permute(tl.reshape(v, [PAGE, D // 16, 16]), [0, 2, 1]), [PAGE, D])
-    s = tl.dot(q, tl.trans(k.to(DOT)))  # [BLOCK_G, PAGE] fp32
-    if USE_SOFT_CAP:  # cap * tanh(x / cap), tanh(y) = 1 - 2 / (exp(2y) + 1)
-        s = s * qk_scale_log2 / _LOG2E
-        s = soft_cap * (1.0 - 2.0 / (tl.exp(2.0 * s / soft_cap) + 1.0)) * _LOG2E
-    else:
-        s = s * qk_scale_log2
-    toks = p * PAGE + offs_t
-    return tl.where(((toks >= lo) & (toks < seq_len) & ok)[None, :], s, float("-inf")), v
-
-
-@triton.jit
-def _attend(
-    q, kv_desc, table, p_begin, p_end, col, lo, seq_len, qk_scale_log2, soft_cap,
-    BLOCK_G: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr, STAGES: tl.constexpr,
-    PPI: tl.constexpr, USE_SOFT_CAP: tl.constexpr, DOT: tl.constexpr, LAZY: tl.constexpr,
-):  # fmt: skip
-    """Pages ``[p_begin, p_end)`` of one sequence's table for one kv head (cache columns ``col``),
-    ``PPI`` per iteration and ``STAGES`` iterations in flight: (acc [BLOCK_G, D] fp32 unnormalised
-    with the columns of ``_acc_cols``, running max, running sum), base 2."""
-    offs_t = tl.arange(0, PAGE)
-    # LAZY: m_i is a reference max moved only when some row's max grew by more than 8 (base 2),
-    # as FlashAttention-4 does: p <= 2^8 (exact in fp16), and most iterations skip rescaling acc.
-    # It starts finite so that fully masked rows give p = 0, not NaN.
-    m_i = tl.full([BLOCK_G], -1e30 if LAZY else float("-inf"), tl.float32)
-    l_i = tl.zeros([BLOCK_G], tl.float32)
-    acc = tl.zeros([BLOCK_G, D], tl.float32)
-    n_iter = (p_end - p_begin + PPI - 1) // PPI
-    for it in tl.range(0, n_iter, num_stages=STAGES):  # PPI pages per iteration, one softmax update
-        p = p_begin + it * PPI
-        s0, v0 = _page_logits(
-            q, kv_desc, table, p, p_end, col, lo, seq_len, qk_scale_log2, soft_cap,
-            offs_t, PAGE, D, DOT, USE_SOFT_CAP,
-        )  # fmt: skip
-        m_blk = tl.max(s0, axis=1)
-        if PPI >= 2:
-            s1, v1 = _page_logits(
-                q, kv_desc, table, p + 1, p_end, col, lo, seq_len, qk_scale_log2, soft_cap,
-                offs_t, PAGE, D, DOT, USE_SOFT_CAP,
-            )  # fmt: skip
-            m_blk = tl.maximum(m_blk, tl.max(s1, axis=1))
-        if PPI >= 4:
-            s2, v2 = _page_logits(
-                q, kv_desc, table, p + 2, p_end, col, lo, seq_len, qk_scale_log2, soft_cap,
-                offs_t, PAGE, D, DOT, USE_SOFT_CAP,
-            )  # fmt: skip
-            s3, v3 = _page_logits(
-                q, kv_desc, table, p + 3, p_end, col, lo, seq_len, qk_scale_log2, soft_cap,
-                offs_t, PAGE, D, DOT, USE_SOFT_CAP,
-            )  # fmt: skip
-            m_blk = tl.maximum(m_blk, tl.maximum(tl.max(s2, axis=1), tl.max(s3, axis=1)))
-        m_new = tl.maximum(m_i, m_blk)
-        if LAZY:
-            if tl.max(m_new - m_i, axis=0) > 8.0:
-                alpha = tl.exp2(m_i - m_new)
-                acc = acc * alpha[:, None]
-                l_i = l_i * alpha
-                m_i = m_new
-            m_safe = m_i
-        else:
-            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-            alpha = tl.exp2(m_i - m_safe)
-            acc = acc * alpha[:, None]
-            l_i = l_i * alpha
-            m_i = m_new
-        pr = tl.exp2(s0 - m_safe[:, None])
-        l_i += tl.sum(pr, axis=1)
-        acc = tl.dot(pr.to(DOT), v0.to(DOT), acc)
-        if PPI >= 2:
-            pr = tl.exp2(s1 - m_safe[:, None])
-            l_i += tl.sum(pr, axis=1)
-            acc = tl.dot(pr.to(DOT), v1.to(DOT), acc)
-        if PPI >= 4:
-            pr = tl.exp2(s2 - m_safe[:, None])
-            l_i += tl.sum(pr, axis=1)
-            acc = tl.dot(pr.to(DOT), v2.to(DOT), acc)
-            pr = tl.exp2(s3 - m_safe[:, None])
-            l_i += tl.sum(pr, axis=1)
-            acc = tl.dot(pr.to(DOT), v3.to(DOT), acc)
-    return acc, m_i, l_i
-
-
-@triton.jit
-def _acc_cols(D: tl.constexpr):
-    """The head dim of each of ``_attend``'s acc columns: column c holds
-    d = 16 * (c % (D // 16)) + c // (D // 16) (V's permutation in ``_page_logits``)."""
-    offs_d = tl.arange(0, D)
-    offs_d = (offs_d % (D // 16)) * 16 + offs_d // (D // 16)
-    return offs_d
 
 
 @triton.jit
@@ -171,17 +66,17 @@ def _decode_pages(
     b = tl.program_id(2)
     seq_len = tl.load(seq_lens_ptr + b)
     table = block_table_ptr + b.to(tl.int64) * stride_bt
-    lo, p_begin, p_end = _split_range(seq_len, window, split, PAGE, NUM_SPLITS, USE_WINDOW)
+    lo, p_begin, p_end = split_range(seq_len, window, split, PAGE, NUM_SPLITS, USE_WINDOW)
     offs_g = tl.arange(0, BLOCK_G)
     g_mask = offs_g < G
     heads = kh * G + offs_g
-    q = _load_q(q_ptr, b, heads, g_mask, tl.arange(0, D), stride_qb, stride_qh, DOT)
-    acc, m_i, l_i = _attend(
+    q = load_q(q_ptr, b, heads, g_mask, tl.arange(0, D), stride_qb, stride_qh, DOT)
+    acc, m_i, l_i = attend(
         q, kv_desc, table, p_begin, p_end, kh * D, lo, seq_len, qk_scale_log2, soft_cap,
         BLOCK_G, D, PAGE, STAGES, PPI, USE_SOFT_CAP, DOT, LAZY,
     )  # fmt: skip
-    _store_split(
-        acc, m_i, l_i, b, split, heads, g_mask, _acc_cols(D), out_ptr, part_o_ptr, part_lse_ptr,
+    store_split(
+        acc, m_i, l_i, b, split, heads, g_mask, acc_cols(D), out_ptr, part_o_ptr, part_lse_ptr,
         out_scale, stride_ob, stride_oh, QH, D, NUM_SPLITS, DIRECT,
     )  # fmt: skip
 
@@ -211,7 +106,7 @@ def default_schedule(
 # per iteration, 75-85% at 4 or 7 stages; head 256 at 100% at (1, 6, 1), 99.9% at 5 stages, 81% at
 # 7-8. The lazy rescale: +2-3% at head 128 (run 30), -0.5% at head 256.
 TUNED = {128: (1, 6, 1, True), 256: (1, 6, 1, False)}
-# (programs per SM, max registers) of the balanced schedule (``triton_decode_balanced``), taken
+# (programs per SM, max registers) of the balanced schedule (``decode_balanced``), taken
 # when ``num_splits`` and ``programs_per_sm`` are both None, no workspace is given and the split
 # grid would have 1 or 2 splits. Run 42 of 2026-12-01, Llama's head 128 at 16k: 92.0% / 92.5% of
 # copy bandwidth at 80 / 110 sequences against the split grid's 82% / 83% (2 splits); at 8-64
@@ -270,15 +165,17 @@ def paged_decode_tma(
     ``[:, 0]``, V at ``[:, 1]``; dequantized = value * scale); block_table [B, W] int32: sequence
     b's i-th page is ``block_table[b, i]`` (XQA's dense table; entries past its pages never read);
     seq_lens [B] int32 tokens cached, the new one included: the query sits at ``seq_lens[b] - 1``
-    and sees keys at ``pos - window < k <= pos``. ``max_seq_len`` (a host bound on seq_lens),
-    ``window``, ``soft_cap``, ``out``, ``num_splits`` and ``workspace`` as in
-    ``triton_decode.paged_decode_fp8``. ``dot_dtype``: the operand dtype of both products;
+    and sees keys at ``pos - window < k <= pos``. ``max_seq_len``: a host bound on seq_lens (picks
+    the schedule; never read from the device). ``soft_cap``: logits = soft_cap * tanh(logits /
+    soft_cap). ``num_splits``: splits per (sequence, kv head) of the split grid (None: chosen
+    from the shape). ``workspace``: (partial out [B, QH, S, D] fp32, lse [B, QH, S] fp32) for
+    S = num_splits, else allocated per call. ``dot_dtype``: the operand dtype of both products;
     ``num_stages``: loop iterations in flight per program, ``pages_per_iter`` (1, 2 or 4) pages
     each (K and V), all under one online-softmax update. ``lazy_rescale``: move the softmax
     reference max only when some row's max logit grew by more than 8 in base 2, so the softmax
     weights stay <= 2^8 (FlashAttention-4's trick). ``num_warps``, ``num_stages``,
     ``pages_per_iter``, ``lazy_rescale``: None takes ``tuned(D)``'s. ``programs_per_sm``: the
-    balanced schedule (``triton_decode_balanced``) with that many programs per SM (at most as
+    balanced schedule (``decode_balanced``) with that many programs per SM (at most as
     many as fit) instead of the split grid; then ``num_splits`` must be None and ``workspace``
     is (partial out [P, 2, QH / KH, D], lse [P, 2, QH / KH]) fp32 for P =
     ``balanced_programs(...)``. With both None and no workspace the schedule is chosen by
@@ -321,7 +218,7 @@ def paged_decode_tma(
     common = dict(
         G=g, BLOCK_G=max(16, triton.next_power_of_2(g)), D=d, PAGE=page, STAGES=num_stages,
         PPI=pages_per_iter, USE_WINDOW=window is not None, USE_SOFT_CAP=bool(soft_cap),
-        DOT=_DOT_DTYPES[dot_dtype], LAZY=lazy_rescale, num_warps=num_warps,
+        DOT=DOT_DTYPES[dot_dtype], LAZY=lazy_rescale, num_warps=num_warps,
         **({"maxnreg": max_registers} if max_registers else {}),
     )  # fmt: skip
     scales = (sm_scale * k_scale * LOG2E, float(soft_cap or 1.0), float(v_scale), int(window or 0))
@@ -335,7 +232,7 @@ def paged_decode_tma(
         else:
             num_splits = splits
     if programs_per_sm is not None:
-        from torch_kvq.attention.kernels.triton_decode_balanced import decode_balanced
+        from torch_kvq.attention.triton.decode_balanced import decode_balanced
 
         if num_splits is not None or programs_per_sm < 1:
             raise ValueError(

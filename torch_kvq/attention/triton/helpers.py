@@ -1,0 +1,281 @@
+"""Device code and host checks shared by the Triton decode kernels (``decode_tma`` and its
+balanced schedule ``decode_balanced``).
+
+The math every decode program runs: one new token per sequence, all G = QH / KH query heads of a
+kv head at once (each K / V byte is read once). A cache page is widened in registers (e4m3 ->
+fp16 / bf16 is exact), both matrix products accumulate in fp32, the softmax is online in base 2,
+``k_scale`` is folded into the logit scale and ``v_scale`` into the output, so FP8 values are
+never rescaled element by element. A program's part of a sequence ends either as the output
+(``store_out``) or as a normalised partial output and its log-sum-exp (``store_part``), merged by
+``combine_splits``. Imports Triton: import only where Triton is installed.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+DOT_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
+LOG2E = 1.4426950408889634
+_LOG2E = tl.constexpr(LOG2E)  # a jit function reads only constexpr globals (Triton 3.6)
+
+
+@triton.jit
+def split_range(
+    seq_len, window, split, BLOCK: tl.constexpr, NUM_SPLITS: tl.constexpr, USE_WINDOW: tl.constexpr
+):
+    """The first key position the query sees (``lo``) and split ``split``'s blocks of ``BLOCK``
+    tokens ``[begin, end)`` (empty past the sequence): the blocks from ``lo``'s to the last,
+    shared out evenly."""
+    lo = 0
+    if USE_WINDOW:  # the query at pos = seq_len - 1 sees keys with pos - window < k_pos
+        lo = tl.maximum(seq_len - window, 0)
+    lo_blk = lo // BLOCK
+    n_blk = (seq_len + BLOCK - 1) // BLOCK - lo_blk
+    per_split = (n_blk + NUM_SPLITS - 1) // NUM_SPLITS
+    begin = lo_blk + split * per_split
+    return lo, begin, tl.minimum(begin + per_split, lo_blk + n_blk)
+
+
+@triton.jit
+def load_q(q_ptr, b, heads, g_mask, offs_d, stride_qb, stride_qh, DT: tl.constexpr):
+    """The query rows of ``heads`` (masked by ``g_mask``) of sequence ``b``, as ``DT``."""
+    ptrs = q_ptr + b * stride_qb + heads[:, None] * stride_qh + offs_d[None, :]
+    return tl.load(ptrs, mask=g_mask[:, None], other=0.0).to(DT)
+
+
+@triton.jit
+def page_logits(
+    q, kv_desc, table, p, p_end, col, lo, seq_len, qk_scale_log2, soft_cap, offs_t,
+    PAGE: tl.constexpr, D: tl.constexpr, DOT: tl.constexpr, USE_SOFT_CAP: tl.constexpr,
+):  # fmt: skip
+    """Page ``p`` of the run (``p >= p_end``: past it, all logits -inf, page 0 read), one TMA box
+    ``[PAGE, D]`` each for K and V: its base-2 logits [BLOCK_G, PAGE] (fp32) and its V rows
+    [PAGE, D] (cache dtype) with the columns permuted: column ``c = j * (D // 16) + r`` holds head
+    dim ``d = 16 * r + j``."""
+    ok = p < p_end
+    row = tl.load(table + p, mask=ok, other=0) * (2 * PAGE)
+    k = kv_desc.load([row, col])  # [PAGE, D]
+    v = kv_desc.load([row + PAGE, col])
+    # ``p @ v`` sums over tokens, so V's columns may come in any order (the output's follow).
+    # In this order each lane's mma B fragment (column l // 4 of every 8-column block) is 16
+    # contiguous bytes of a row: one 128-bit shared load instead of 16 byte loads (run 34).
+    v = tl.reshape(tl.permute(tl.reshape(v, [PAGE, D // 16, 16]), [0, 2, 1]), [PAGE, D])
+    s = tl.dot(q, tl.trans(k.to(DOT)))  # [BLOCK_G, PAGE] fp32
+    if USE_SOFT_CAP:  # cap * tanh(x / cap), tanh(y) = 1 - 2 / (exp(2y) + 1)
+        s = s * qk_scale_log2 / _LOG2E
+        s = soft_cap * (1.0 - 2.0 / (tl.exp(2.0 * s / soft_cap) + 1.0)) * _LOG2E
+    else:
+        s = s * qk_scale_log2
+    toks = p * PAGE + offs_t
+    return tl.where(((toks >= lo) & (toks < seq_len) & ok)[None, :], s, float("-inf")), v
+
+
+@triton.jit
+def attend(
+    q, kv_desc, table, p_begin, p_end, col, lo, seq_len, qk_scale_log2, soft_cap,
+    BLOCK_G: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr, STAGES: tl.constexpr,
+    PPI: tl.constexpr, USE_SOFT_CAP: tl.constexpr, DOT: tl.constexpr, LAZY: tl.constexpr,
+):  # fmt: skip
+    """Pages ``[p_begin, p_end)`` of one sequence's table for one kv head (cache columns ``col``),
+    ``PPI`` per iteration and ``STAGES`` iterations in flight: (acc [BLOCK_G, D] fp32 unnormalised
+    with the columns of ``acc_cols``, running max, running sum), base 2."""
+    offs_t = tl.arange(0, PAGE)
+    # LAZY: m_i is a reference max moved only when some row's max grew by more than 8 (base 2),
+    # as FlashAttention-4 does: p <= 2^8 (exact in fp16), and most iterations skip rescaling acc.
+    # It starts finite so that fully masked rows give p = 0, not NaN.
+    m_i = tl.full([BLOCK_G], -1e30 if LAZY else float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_G], tl.float32)
+    acc = tl.zeros([BLOCK_G, D], tl.float32)
+    n_iter = (p_end - p_begin + PPI - 1) // PPI
+    for it in tl.range(0, n_iter, num_stages=STAGES):  # PPI pages per iteration, one softmax update
+        p = p_begin + it * PPI
+        s0, v0 = page_logits(
+            q, kv_desc, table, p, p_end, col, lo, seq_len, qk_scale_log2, soft_cap,
+            offs_t, PAGE, D, DOT, USE_SOFT_CAP,
+        )  # fmt: skip
+        m_blk = tl.max(s0, axis=1)
+        if PPI >= 2:
+            s1, v1 = page_logits(
+                q, kv_desc, table, p + 1, p_end, col, lo, seq_len, qk_scale_log2, soft_cap,
+                offs_t, PAGE, D, DOT, USE_SOFT_CAP,
+            )  # fmt: skip
+            m_blk = tl.maximum(m_blk, tl.max(s1, axis=1))
+        if PPI >= 4:
+            s2, v2 = page_logits(
+                q, kv_desc, table, p + 2, p_end, col, lo, seq_len, qk_scale_log2, soft_cap,
+                offs_t, PAGE, D, DOT, USE_SOFT_CAP,
+            )  # fmt: skip
+            s3, v3 = page_logits(
+                q, kv_desc, table, p + 3, p_end, col, lo, seq_len, qk_scale_log2, soft_cap,
+                offs_t, PAGE, D, DOT, USE_SOFT_CAP,
+            )  # fmt: skip
+            m_blk = tl.maximum(m_blk, tl.maximum(tl.max(s2, axis=1), tl.max(s3, axis=1)))
+        m_new = tl.maximum(m_i, m_blk)
+        if LAZY:
+            if tl.max(m_new - m_i, axis=0) > 8.0:
+                alpha = tl.exp2(m_i - m_new)
+                acc = acc * alpha[:, None]
+                l_i = l_i * alpha
+                m_i = m_new
+            m_safe = m_i
+        else:
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+            alpha = tl.exp2(m_i - m_safe)
+            acc = acc * alpha[:, None]
+            l_i = l_i * alpha
+            m_i = m_new
+        pr = tl.exp2(s0 - m_safe[:, None])
+        l_i += tl.sum(pr, axis=1)
+        acc = tl.dot(pr.to(DOT), v0.to(DOT), acc)
+        if PPI >= 2:
+            pr = tl.exp2(s1 - m_safe[:, None])
+            l_i += tl.sum(pr, axis=1)
+            acc = tl.dot(pr.to(DOT), v1.to(DOT), acc)
+        if PPI >= 4:
+            pr = tl.exp2(s2 - m_safe[:, None])
+            l_i += tl.sum(pr, axis=1)
+            acc = tl.dot(pr.to(DOT), v2.to(DOT), acc)
+            pr = tl.exp2(s3 - m_safe[:, None])
+            l_i += tl.sum(pr, axis=1)
+            acc = tl.dot(pr.to(DOT), v3.to(DOT), acc)
+    return acc, m_i, l_i
+
+
+@triton.jit
+def acc_cols(D: tl.constexpr):
+    """The head dim of each of ``attend``'s acc columns: column c holds
+    d = 16 * (c % (D // 16)) + c // (D // 16) (V's permutation in ``page_logits``)."""
+    offs_d = tl.arange(0, D)
+    offs_d = (offs_d % (D // 16)) * 16 + offs_d // (D // 16)
+    return offs_d
+
+
+@triton.jit
+def store_out(acc, l_i, o_ptrs, mask, out_scale):
+    """The normalised output ``acc / l_i * out_scale`` at ``o_ptrs`` [BLOCK_G, D] where ``mask``."""
+    o = acc * (out_scale / l_i)[:, None]
+    tl.store(o_ptrs, o.to(o_ptrs.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def store_part(acc, m_i, l_i, rows, mask, offs_d, part_o_ptr, part_lse_ptr, D: tl.constexpr):
+    """A partial result for a log-sum-exp merge: normalised ``acc`` at ``part_o[rows, :]`` and its
+    log-sum-exp (base 2; -inf for an empty part) at ``part_lse[rows]``, where ``mask`` [BLOCK_G]."""
+    l_safe = tl.where(l_i == 0.0, 1.0, l_i)
+    lse = tl.where(l_i == 0.0, float("-inf"), m_i + tl.log2(l_safe))
+    tl.store(part_lse_ptr + rows, lse, mask=mask)
+    o_ptrs = part_o_ptr + rows[:, None] * D + offs_d[None, :]
+    tl.store(o_ptrs, acc / l_safe[:, None], mask=mask[:, None])
+
+
+@triton.jit
+def store_split(
+    acc, m_i, l_i, b, split, heads, g_mask, offs_d, out_ptr, part_o_ptr, part_lse_ptr,
+    out_scale, stride_ob, stride_oh,
+    QH: tl.constexpr, D: tl.constexpr, NUM_SPLITS: tl.constexpr, DIRECT: tl.constexpr,
+):  # fmt: skip
+    """A split program's epilogue: ``acc`` [BLOCK_G, D] (fp32, unnormalised; column j is head dim
+    ``offs_d[j]``), running max ``m_i`` and sum ``l_i`` (base 2). ``DIRECT`` (one split): the
+    output, scaled by ``out_scale``; else the split's normalised partial output and log-sum-exp
+    for ``_combine``."""
+    if DIRECT:
+        o_ptrs = out_ptr + b * stride_ob + heads[:, None] * stride_oh + offs_d[None, :]
+        store_out(acc, l_i, o_ptrs, g_mask[:, None], out_scale)
+    else:
+        rows = (b.to(tl.int64) * QH + heads) * NUM_SPLITS + split  # [B, QH, S] row
+        store_part(acc, m_i, l_i, rows, g_mask, offs_d, part_o_ptr, part_lse_ptr, D)
+
+
+@triton.jit
+def _combine(
+    part_o_ptr, part_lse_ptr, out_ptr, out_scale, stride_ob, stride_oh,
+    QH: tl.constexpr, D: tl.constexpr, NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr,
+):  # fmt: skip
+    h = tl.program_id(0)
+    b = tl.program_id(1)
+    offs_s = tl.arange(0, BLOCK_S)
+    offs_d = tl.arange(0, D)
+    s_mask = offs_s < NUM_SPLITS
+    base = (b.to(tl.int64) * QH + h) * NUM_SPLITS
+    lse = tl.load(part_lse_ptr + base + offs_s, mask=s_mask, other=float("-inf"))
+    m = tl.max(lse, axis=0)
+    w = tl.where(s_mask & (lse > float("-inf")), tl.exp2(lse - m), 0.0)
+    o = tl.load(part_o_ptr + (base + offs_s)[:, None] * D + offs_d[None, :], mask=s_mask[:, None])
+    o = tl.sum(o * w[:, None], axis=0) * (out_scale / tl.sum(w, axis=0))
+    tl.store(out_ptr + b * stride_ob + h * stride_oh + offs_d, o.to(out_ptr.dtype.element_ty))
+
+
+def check_args(
+    fn: str,
+    q: torch.Tensor,
+    int_tensors: dict[str, torch.Tensor],
+    dot_dtypes: dict[str, torch.dtype],
+    window: int | None,
+) -> None:
+    """The argument checks the decode kernels share (ValueError naming ``fn`` and the bad one)."""
+    for name, t in int_tensors.items():
+        if t.dtype != torch.int32 or t.device != q.device:
+            raise ValueError(
+                f"{fn}: {name} must be int32 on {q.device}, got {t.dtype} on {t.device}"
+            )
+    for name, dt in dot_dtypes.items():
+        if dt not in DOT_DTYPES:
+            raise ValueError(f"{fn}: {name} must be one of {list(DOT_DTYPES)}, got {dt}")
+    if window is not None and window <= 0:
+        raise ValueError(f"{fn}: window must be positive, got {window}")
+
+
+def split_outputs(
+    fn: str,
+    q: torch.Tensor,
+    out: torch.Tensor | None,
+    num_splits: int,
+    workspace: tuple[torch.Tensor, torch.Tensor] | None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """out [B, QH, D] (allocated in ``q``'s dtype if None) and the split workspace: partial out
+    [B, QH, S, D] and lse [B, QH, S] (fp32; ``workspace`` if given, else allocated; ``out``
+    itself, unused, when S = 1)."""
+    b, qh, d = q.shape
+    if out is None:
+        out = torch.empty((b, qh, d), dtype=q.dtype, device=q.device)
+    if out.shape != q.shape or out.stride(-1) != 1:
+        raise ValueError(f"{fn}: out must be {tuple(q.shape)}, last dim contiguous")
+    if num_splits == 1:
+        return out, out, out
+    if workspace is not None:
+        part_o, part_lse = workspace
+        if part_o.shape != (b, qh, num_splits, d) or part_lse.shape != (b, qh, num_splits):
+            raise ValueError(
+                f"{fn}: workspace shapes {tuple(part_o.shape)} / {tuple(part_lse.shape)} do not "
+                f"match num_splits: need {(b, qh, num_splits, d)} / {(b, qh, num_splits)}"
+            )
+        return out, part_o, part_lse
+    part_o = torch.empty((b, qh, num_splits, d), dtype=torch.float32, device=q.device)
+    part_lse = torch.empty((b, qh, num_splits), dtype=torch.float32, device=q.device)
+    return out, part_o, part_lse
+
+
+def combine_splits(
+    part_o: torch.Tensor, part_lse: torch.Tensor, out: torch.Tensor, v_scale: float, num_splits: int
+) -> torch.Tensor:
+    """Merge the splits into ``out`` (``_combine``; nothing to do for one split)."""
+    if num_splits > 1:
+        b, qh, d = out.shape
+        _combine[(qh, b)](
+            part_o, part_lse, out, float(v_scale), out.stride(0), out.stride(1),
+            QH=qh, D=d, NUM_SPLITS=num_splits, BLOCK_S=triton.next_power_of_2(num_splits),
+            num_warps=4,
+        )  # fmt: skip
+    return out
+
+
+def sm_count(device: torch.device) -> int:
+    """The device's SM count (torch caches the properties); 132 (an H200) off CUDA, where the
+    interpreter runs the schedules a GPU would."""
+    return (
+        torch.cuda.get_device_properties(device).multi_processor_count
+        if device.type == "cuda"
+        else 132
+    )
