@@ -16,8 +16,7 @@ from dataclasses import dataclass, fields
 
 import torch
 
-FP8_DTYPE = torch.float8_e4m3fn
-FP8_MAX = 448.0  # largest finite float8_e4m3fn value
+FP8_DTYPE = torch.float8_e4m3fn  # what the FP8 modes store; their math: attention/quant.py
 SUPPORTED_PAGE_SIZES = (1, 2, 4, 8, 16, 32, 64, 128)
 # the model (activation / query) dtypes a layer may have; kernels may serve fewer (capabilities.py)
 MODEL_DTYPES = (torch.bfloat16, torch.float16, torch.float32)

@@ -32,7 +32,7 @@ from torch_kvq.attention import (
     forward_context,
     ref_attention,
 )
-from torch_kvq.attention.kernels.base import quantize_fp8
+from torch_kvq.attention.quant import quantize_fp8
 from torch_kvq.spec import AttentionLayerInfo, KVCacheConfig, resolve_layer_specs
 
 NUM_PAGES, PAGE, HEADS, KV_HEADS, D, WINDOW = 10, 4, 4, 2, 8, 5

@@ -115,7 +115,7 @@ def test_flashinfer_check_supported_is_the_table(monkeypatch, arch):
     """For every configuration and layer, the kernel refuses exactly what the table refuses (an
     arch without a row included), and the passes fuse only layers the kernel serves."""
     from torch_kvq.attention.kernels import KernelUnsupportedError
-    from torch_kvq.passes.manager import make_stamp
+    from torch_kvq.passes.stamp import make_stamp
 
     _on_gpu(monkeypatch, arch)
     for name in FI_NAMES:
@@ -174,7 +174,7 @@ def test_head_size_page_size_and_soft_cap_limits():
 
 
 def test_stamp_does_not_fuse_a_layer_outside_the_row():
-    from torch_kvq.passes.manager import make_stamp
+    from torch_kvq.passes.stamp import make_stamp
 
     stamp = make_stamp(_layer(head_size=32), "flashinfer", "sm90")
     assert not stamp.fp8_kv and not stamp.fp8_output

@@ -17,7 +17,7 @@ import torch
 from torch_kvq.attention import ops as _ops  # noqa: F401  (registers torch.ops.kvq.*)
 from torch_kvq.attention.kernels import kv_write
 from torch_kvq.attention.kernels.kv_write import write_kv, write_kv_torch, write_kv_triton
-from torch_kvq.attention.layer import torch_quantize_fp8
+from torch_kvq.attention.quant import quantize_fp8
 from torch_kvq.spec import FP8_DTYPE
 
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -26,7 +26,7 @@ DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 TIE_SCALES = (0.03, 0.0341, 0.02, 1.0 / 3.0)
 QUANT_FORMS = {
     "op": lambda x, s: torch.ops.kvq.quantize_fp8(x, s),
-    "torch": torch_quantize_fp8,
+    "torch": quantize_fp8,
 }
 
 
@@ -157,7 +157,7 @@ def test_cpu_tensor_scale_write_is_the_unfused_expression() -> None:
     want = cache.clone()
     slots = torch.arange(3, 12)
     ks, vs = torch.tensor(0.03), torch.tensor([0.0341])
-    write_kv(want, torch_quantize_fp8(k, ks), torch_quantize_fp8(v, vs), slots)
+    write_kv(want, quantize_fp8(k, ks), quantize_fp8(v, vs), slots)
     write_kv(cache, k, v, slots, (ks, vs))
     assert torch.equal(_bytes(cache), _bytes(want))
 
@@ -178,7 +178,7 @@ def test_fused_tensor_scale_write_equals_unfused(dtype, scale, where, shape) -> 
     ks = torch.full(shape, scale, dtype=torch.float32, device=where)
     vs = torch.full(shape, 1.5 * scale, dtype=torch.float32, device=where)
     want = cache.clone()
-    write_kv(want, torch_quantize_fp8(k, ks), torch_quantize_fp8(v, vs), slots)
+    write_kv(want, quantize_fp8(k, ks), quantize_fp8(v, vs), slots)
     write_kv(cache, k, v, slots.to(torch.int32), (ks, vs))
     assert torch.equal(_bytes(cache), _bytes(want))
 
@@ -191,7 +191,7 @@ def test_one_element_cpu_scale_is_refused_like_aten() -> None:
     cache, k, v, slots = _case(torch.bfloat16, True, 16, 8, 128, t=8, pages=4, seed=1)
     ks = vs = torch.tensor([0.1])
     with pytest.raises(RuntimeError):
-        torch_quantize_fp8(k, ks)
+        quantize_fp8(k, ks)
     with pytest.raises(ValueError, match="both 0-d on the CPU"):
         write_kv(cache, k, v, slots, (ks, vs))
 
@@ -213,5 +213,5 @@ def test_tensor_scale_write_follows_the_buffer_and_captures() -> None:
         vs.fill_(2 * s)
         graph.replay()
         want = cache.clone()  # the unfused form with the same (device tensor) scales
-        write_kv_torch(want, torch_quantize_fp8(k, ks), torch_quantize_fp8(v, vs), slots)
+        write_kv_torch(want, quantize_fp8(k, ks), quantize_fp8(v, vs), slots)
         assert torch.equal(_bytes(cache), _bytes(want)), s

@@ -10,12 +10,11 @@ import torch
 from torch import fx, nn
 
 from torch_kvq.attention import Attention, PageAllocator, ReferenceKernel, forward_context
-from torch_kvq.attention.kernels.base import quantize_fp8
+from torch_kvq.attention.quant import FP8_MAX, quantize_fp8
 from torch_kvq.passes import KVQPassManager, make_kvq_backend
 from torch_kvq.passes.graph_utils import functional_op, op_args
 from torch_kvq.passes.stamp import get_stamp
 from torch_kvq.spec import (
-    FP8_MAX,
     AttentionLayerInfo,
     KVCacheConfig,
     LayerKVSpec,

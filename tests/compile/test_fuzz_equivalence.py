@@ -29,8 +29,9 @@ from torch import nn
 
 from torch_kvq.attention import Attention, PageAllocator, ReferenceKernel, forward_context
 from torch_kvq.attention.kernels.base import AttentionKernel
+from torch_kvq.attention.quant import FP8_MAX
 from torch_kvq.passes import make_kvq_backend
-from torch_kvq.spec import FP8_MAX, AttentionLayerInfo, KVCacheConfig, resolve_layer_specs
+from torch_kvq.spec import AttentionLayerInfo, KVCacheConfig, resolve_layer_specs
 
 HIDDEN = 16
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}

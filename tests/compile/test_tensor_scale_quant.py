@@ -29,6 +29,7 @@ from tests.compile.helpers import (
 from tests.compile.test_fusion_attn import check_close
 from torch_kvq.attention import Attention, ReferenceKernel, forward_context, registry
 from torch_kvq.attention.kernels.capabilities import register_capabilities
+from torch_kvq.attention.quant import FP8_MAX
 from torch_kvq.passes import DEFAULT_PASSES, make_kvq_backend
 from torch_kvq.passes.graph_utils import (
     ATTENTION_FP8,
@@ -37,7 +38,7 @@ from torch_kvq.passes.graph_utils import (
     QUANT_CACHE_WRITE_TS,
     op_args,
 )
-from torch_kvq.spec import FP8_MAX, KVQuantMode
+from torch_kvq.spec import KVQuantMode
 
 TOL = dict(atol=2**-5, rtol=0.15)  # FP8 e4m3 rounding of both sides
 

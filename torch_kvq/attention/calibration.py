@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from torch_kvq.attention.layer import Attention
-from torch_kvq.spec import FP8_MAX
+from torch_kvq.attention.quant import FP8_MAX
 
 
 def amax_to_scale(amax: float, eps: float = 1e-12) -> float:

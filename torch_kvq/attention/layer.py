@@ -13,14 +13,10 @@ from torch import nn
 
 from torch_kvq.attention import ops as _ops  # noqa: F401  (registers torch.ops.kvq.*)
 from torch_kvq.attention import registry
-from torch_kvq.spec import FP8_MAX, LayerKVSpec, check_positive_int
+from torch_kvq.attention.quant import quantize_fp8
+from torch_kvq.spec import LayerKVSpec, check_positive_int
 
 QuantForm = Literal["op", "torch"]
-
-
-def torch_quantize_fp8(x: torch.Tensor, scale: float) -> torch.Tensor:
-    """The torch-native static FP8 quant expression the passes also match (fp32 math, like the op)."""
-    return (x.to(torch.float32) / scale).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
 
 
 class Attention(nn.Module):
@@ -28,7 +24,8 @@ class Attention(nn.Module):
 
     forward(q [T, QH, D], k [T, KH, D], v [T, KH, D]) -> [T, QH, D], for the batch in the active
     forward context. ``quant_form`` picks how k/v quantization is written for FP8 layers: the
-    ``kvq.quantize_fp8`` op or the torch-native expression (both are fused by the passes).
+    ``kvq.quantize_fp8`` op or the torch-native expression (``quant.quantize_fp8``; both are
+    fused by the passes).
     """
 
     def __init__(
@@ -62,7 +59,7 @@ class Attention(nn.Module):
     def _quantize(self, x: torch.Tensor, scale: float) -> torch.Tensor:
         if self.quant_form == "op":
             return torch.ops.kvq.quantize_fp8(x, scale)
-        return torch_quantize_fp8(x, scale)
+        return quantize_fp8(x, scale)  # the torch-native expression, traced
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         spec = self.spec

@@ -34,8 +34,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from torch_kvq.attention import quant
 from torch_kvq.attention.context import get_forward_context
-from torch_kvq.attention.kernels.base import quantize_fp8 as _quantize_fp8
 from torch_kvq.attention.kernels.kv_write import write_kv
 from torch_kvq.attention.metadata import BatchMetadata
 from torch_kvq.spec import FP8_DTYPE, LayerKVSpec, check_scale
@@ -117,7 +117,7 @@ def _check_fp8_cache(
 def quantize_fp8(x: Tensor, scale: float) -> Tensor:
     """Static per-tensor FP8 (e4m3) quantization; x any shape -> same shape, float8_e4m3fn."""
     check_scale(scale, "quantize_fp8 scale")
-    return _quantize_fp8(x, scale, out=_new_output(x, FP8_DTYPE))
+    return quant.quantize_fp8(x, scale, out=_new_output(x, FP8_DTYPE))
 
 
 @quantize_fp8.register_fake
@@ -136,9 +136,9 @@ def dequantize_kv_cache(
     )
     check_scale(k_scale, "dequantize_kv_cache k_scale")
     check_scale(v_scale, "dequantize_kv_cache v_scale")
-    scales = torch.tensor([k_scale, v_scale], dtype=torch.float32, device=kv_cache.device)
-    out = _new_output(kv_cache, out_dtype)
-    return out.copy_(kv_cache.float() * scales.view(1, 2, 1, 1, 1))
+    return quant.dequantize_fp8_kv_cache(
+        kv_cache, k_scale, v_scale, _new_output(kv_cache, out_dtype)
+    )
 
 
 @dequantize_kv_cache.register_fake

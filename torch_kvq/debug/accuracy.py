@@ -17,7 +17,7 @@ import torch
 
 from torch_kvq.attention import Attention, calibrate_kv_scales, ref_attention
 from torch_kvq.attention.calibration import layer_kv_scales
-from torch_kvq.attention.kernels.base import quantize_fp8
+from torch_kvq.attention.quant import dequantize_fp8, quantize_fp8
 from torch_kvq.spec import KVCacheConfig, LayerKVSpec, resolve_layer_specs
 
 DEFAULT_THRESHOLD_DB = 30.0
@@ -238,8 +238,8 @@ def layer_accuracy(
         if calibrate:
             ks, vs = layer_kv_scales(spec.name, float(k.abs().max()), float(v.abs().max()))
         ref = _attend(spec, q, k, v, lens)
-        k8 = quantize_fp8(k, ks).float() * ks
-        v8 = quantize_fp8(v, vs).float() * vs
+        k8 = dequantize_fp8(quantize_fp8(k, ks), ks)
+        v8 = dequantize_fp8(quantize_fp8(v, vs), vs)
         err = _attend(spec, q, k8, v8, lens) - ref
         sig, noise = float(ref.pow(2).sum()), float(err.pow(2).sum())
         sqnr = 10 * math.log10(sig / noise) if noise > 0 else float("inf")

@@ -30,7 +30,7 @@ def layer_plan(
     kernel could fuse an output quant: ``layer_plan`` does not know if the model has one). ValueError for
     an arch the capability table does not know, or one the kernel has no row for."""
     from torch_kvq.attention.kernels import capabilities as caps
-    from torch_kvq.passes.manager import make_stamp
+    from torch_kvq.passes.stamp import make_stamp
 
     caps.check_arch(arch)
     name = kernel or caps.default_kernel(arch)

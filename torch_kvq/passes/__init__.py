@@ -12,9 +12,9 @@ from torch_kvq.passes.fuse_attention_output_quant import FuseAttentionOutputQuan
 from torch_kvq.passes.fuse_dequant_attention import FuseDequantAttentionPass
 from torch_kvq.passes.fuse_quant_cache_write import FuseQuantCacheWritePass
 from torch_kvq.passes.graph_utils import count_ops
-from torch_kvq.passes.manager import DEFAULT_PASSES, PASSES, KVQPassManager, make_stamp
+from torch_kvq.passes.manager import DEFAULT_PASSES, PASSES, KVQPassManager
 from torch_kvq.passes.report import GraphReport, PassStats, last_report, recent_reports
-from torch_kvq.passes.stamp import KVQStamp
+from torch_kvq.passes.stamp import KVQStamp, make_stamp
 
 __all__ = [
     "DEFAULT_PASSES",

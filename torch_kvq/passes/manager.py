@@ -19,7 +19,6 @@ from pathlib import Path
 from torch import fx
 from torch._inductor.custom_graph_pass import CustomGraphPass
 
-from torch_kvq.attention.kernels import capabilities as caps
 from torch_kvq.passes import report
 from torch_kvq.passes.annotate import AnnotatePass
 from torch_kvq.passes.base import KVQPass, PassContext
@@ -29,7 +28,7 @@ from torch_kvq.passes.fuse_attention_output_quant import FuseAttentionOutputQuan
 from torch_kvq.passes.fuse_dequant_attention import FuseDequantAttentionPass
 from torch_kvq.passes.fuse_quant_cache_write import FuseQuantCacheWritePass
 from torch_kvq.passes.graph_utils import count_ops
-from torch_kvq.passes.stamp import KVQStamp
+from torch_kvq.passes.stamp import KVQStamp, make_stamp
 from torch_kvq.spec import LayerKVSpec, spec_table_key
 
 logger = logging.getLogger("torch_kvq")
@@ -45,28 +44,6 @@ PASSES: dict[str, type[KVQPass]] = {
     )
 }
 DEFAULT_PASSES: tuple[str, ...] = tuple(PASSES)
-
-
-def make_stamp(spec: LayerKVSpec, kernel: str, arch: str) -> KVQStamp:
-    """The stamp of one layer: its spec plus what its kernel on ``arch`` can do for it, from the
-    capability table the kernel's own ``check_supported`` reads (ValueError: unknown kernel, or
-    an arch it has no row for)."""
-    q = spec.model_dtype
-    limit = caps.layer_limit(kernel, arch, spec)
-    fp8_kv = (
-        spec.is_quantized and limit is None and caps.supports(kernel, arch, spec.mode, q, False)
-    )
-    fp8_out = fp8_kv and caps.supports(kernel, arch, spec.mode, q, True)
-    fp8_out_t = fp8_out and caps.supports_tensor_output_scale(kernel, arch)
-    return KVQStamp(
-        spec,
-        kernel,
-        arch,
-        fp8_kv=fp8_kv,
-        fp8_output=fp8_out,
-        limit=limit,
-        fp8_output_tensor_scale=fp8_out_t,
-    )
 
 
 def _per_layer(
@@ -85,7 +62,12 @@ def _per_layer(
 
 
 # what the passes' decisions and rewrites depend on beyond the passes package itself
-_DEPENDENCIES = ("spec.py", "attention/ops.py", "attention/kernels/capabilities.py")
+_DEPENDENCIES = (
+    "spec.py",
+    "attention/ops.py",
+    "attention/quant.py",
+    "attention/kernels/capabilities.py",
+)
 
 
 @cache

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 import torch
 from torch import fx
 
+from torch_kvq.attention.quant import FP8_MAX
 from torch_kvq.passes.graph_utils import (
     CONVERT,
     QUANTIZE,
@@ -20,7 +21,6 @@ from torch_kvq.passes.graph_utils import (
     skip_float_casts,
 )
 from torch_kvq.passes.stamp import short_dtype
-from torch_kvq.spec import FP8_MAX
 
 _aten = torch.ops.aten
 _CLAMP = _aten.clamp.default

@@ -1,4 +1,5 @@
-"""The stamp: what ``node.meta["kvq"]`` holds (a layer's spec plus its kernel's decisions).
+"""The stamp: what ``node.meta["kvq"]`` holds (a layer's spec plus its kernel's decisions), and
+``make_stamp``, which decides them from the capability table.
 
 ``node.meta["kvq"]`` is the only meta key the passes write. Passes read the stamp (and a node's
 ``target`` / ``args``), never a global cache dtype.
@@ -11,6 +12,7 @@ from dataclasses import dataclass, replace
 import torch
 from torch import fx
 
+from torch_kvq.attention.kernels import capabilities as caps
 from torch_kvq.spec import LayerKVSpec
 
 META_KEY = "kvq"
@@ -90,6 +92,28 @@ class KVQStamp:
 
     def with_fused(self, what: str) -> KVQStamp:
         return replace(self, fused=(*self.fused, what))
+
+
+def make_stamp(spec: LayerKVSpec, kernel: str, arch: str) -> KVQStamp:
+    """The stamp of one layer: its spec plus what its kernel on ``arch`` can do for it, from the
+    capability table the kernel's own ``check_supported`` reads (ValueError: unknown kernel, or
+    an arch it has no row for)."""
+    q = spec.model_dtype
+    limit = caps.layer_limit(kernel, arch, spec)
+    fp8_kv = (
+        spec.is_quantized and limit is None and caps.supports(kernel, arch, spec.mode, q, False)
+    )
+    fp8_out = fp8_kv and caps.supports(kernel, arch, spec.mode, q, True)
+    fp8_out_t = fp8_out and caps.supports_tensor_output_scale(kernel, arch)
+    return KVQStamp(
+        spec,
+        kernel,
+        arch,
+        fp8_kv=fp8_kv,
+        fp8_output=fp8_out,
+        limit=limit,
+        fp8_output_tensor_scale=fp8_out_t,
+    )
 
 
 def get_stamp(node: fx.Node) -> KVQStamp | None:

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 import torch
 
-from torch_kvq.spec import FP8_MAX, LayerKVSpec
+from torch_kvq.spec import LayerKVSpec
 
 if TYPE_CHECKING:
     from torch_kvq.attention.context import ForwardContext
@@ -57,16 +57,3 @@ class AttentionKernel(Protocol):
         The output is a new contiguous tensor whatever q's strides (a transposed view included):
         the ops' fake implementations promise exactly that to the compiler.
         """
-
-
-def quantize_fp8(
-    x: torch.Tensor, scale: float | torch.Tensor, out: torch.Tensor | None = None
-) -> torch.Tensor:
-    """Static per-tensor FP8 quantization: ``clamp(x / scale, -448, 448)`` in fp32, cast to e4m3.
-    ``scale`` is a Python float or a 1-element float32 tensor (divided as aten divides by it).
-
-    ``out`` (float8_e4m3fn, x's shape) receives the result: the same cast (``.to`` is a copy_), so
-    the same bits, in ``out``'s layout instead of one that follows x's strides.
-    """
-    y = (x.float() / scale).clamp(-FP8_MAX, FP8_MAX)
-    return y.to(torch.float8_e4m3fn) if out is None else out.copy_(y)

@@ -40,8 +40,9 @@ from typing import Any, Literal
 
 import torch
 
-from torch_kvq.attention.kernels.base import KernelUnsupportedError, quantize_fp8
-from torch_kvq.spec import FP8_DTYPE, FP8_MAX
+from torch_kvq.attention.kernels.base import KernelUnsupportedError
+from torch_kvq.attention.quant import FP8_MAX, quantize_fp8
+from torch_kvq.spec import FP8_DTYPE
 
 Scales = tuple[float, float] | tuple[torch.Tensor, torch.Tensor]
 ScaleKind = Literal["float", "tensor", "cpu_tensor"]

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from torch_kvq.attention.kernels.base import quantize_fp8
+from torch_kvq.attention.quant import quantize_fp8
 from torch_kvq.spec import LayerKVSpec
 
 if TYPE_CHECKING:
