@@ -32,8 +32,8 @@ class CleanupPass(KVQPass):
 
 
 def _eliminate_dead_code(graph: fx.Graph) -> int:
-    """``Graph.eliminate_dead_code`` asks ``is_impure()`` of every node (~20 us each for custom
-    ops on torch 2.13); only nodes without users can be dead, so ask only those."""
+    """``Graph.eliminate_dead_code`` asks ``is_impure()`` of every node (slow for custom ops);
+    only nodes without users can be dead, so ask only those."""
     removed = 0
     for node in reversed(graph.nodes):
         if node.op in ("placeholder", "output") or node.users or node.is_impure():

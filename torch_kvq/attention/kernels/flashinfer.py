@@ -2,38 +2,37 @@
 
 Per batch, outside the graph, ``plan`` groups the layers by everything a FlashInfer plan bakes in
 (``flashinfer_plan.GroupKey``) and plans each group once; ``attend`` (inside the ops) only runs.
-Kernels per layer, chosen from the layer's spec (H200 numbers: benchmarks/RESULTS.md,
-docs/fp8_prefill.md, docs/fp8_decode_paths.md):
+Kernels per layer, chosen from the layer's spec (measured speed and error of each:
+docs/fp8_prefill.md, docs/fp8_decode_paths.md, benchmarks/RESULTS.md):
 
-* prefill / mixed batch: ``BatchPrefillWithPagedKVCacheWrapper``, the ``prefill`` option (8
-  prompts x 16k, QH=32 KH=8 D=128, per layer):
+* prefill / mixed batch: ``BatchPrefillWithPagedKVCacheWrapper``, the ``prefill`` option:
 
-  - ``"fa2"`` (default): bf16 q + bf16 cache (49.6 ms), or bf16 q + FP8 cache read in place
-    (``k_scale`` folded into sm_scale, ``v_scale`` on the output; 61.6 ms, 0.81x).
-  - ``"fa3"``: model-dtype layers on the Hopper fa3 kernel (31.5 ms, 1.57x fa2); FP8 layers stay
-    on fa2 (fa3 has no bf16-query / FP8-cache kernel). sm90 only.
+  - ``"fa2"`` (default): bf16 q + bf16 cache, or bf16 q + FP8 cache read in place (``k_scale``
+    folded into sm_scale, ``v_scale`` on the output).
+  - ``"fa3"``: model-dtype layers on the Hopper fa3 kernel (faster than fa2); FP8 layers stay on
+    fa2 (fa3 has no bf16-query / FP8-cache kernel). sm90 only.
   - ``"fa3_fp8"``: as ``"fa3"``, and FP8 layers on fa3's FP8 kernel with the query quantized per
-    tensor inside ``attend`` (``quantize_query``, one host sync per FP8 layer per prefill): 24.3
-    ms (1.30x fa3 bf16), but both products run in e4m3 (relative error 3.8e-2 against fp32;
-    fa2: 2.3e-3): opt in knowingly, like XQA. The query scale has a floor that keeps keys masked
-    by 0.6.18's finite -5e4 (its issue #4267) >= 100 below in real logit units; FP8 layers with
-    a logit soft-cap are refused (that kernel has none).
+    tensor inside ``attend`` (``quantize_query``, one host sync per FP8 layer per prefill):
+    faster still, but both products run in e4m3 (an order of magnitude less accurate than fa2):
+    opt in knowingly, like XQA. The query scale has a floor that keeps keys masked by 0.6.18's
+    finite mask value (its issue #4267) far below the real logits; FP8 layers with a logit
+    soft-cap are refused (that kernel has none).
 * decode-only batch, model-dtype cache: ``BatchDecodeWithPagedKVCacheWrapper(use_tensor_cores)``.
-* decode-only batch, FP8 cache, the ``fp8_decode`` option (QH=32 KH=8 D=128, 32 x 16k):
+* decode-only batch, FP8 cache, the ``fp8_decode`` option:
 
   - ``"tensor_cores"`` (default): the same wrapper, the cache widened in registers. With
     ``fp8_decode_math="fp16"`` (default) the query is cast to fp16 and both products run in fp16
-    (e4m3 -> fp16 is one conversion per two values on sm90, e4m3 -> bf16 three or four): 0.380
-    ms (66% of copy bandwidth), relative error 1.7e-3; ``"model"`` (bf16 math): 0.427 ms, 2.3e-3.
-    A query element beyond fp16's 65504 becomes inf (the output NaN), never silently clipped;
-    use ``"model"`` for such models.
+    (e4m3 -> fp16 is one conversion per two values on sm90, e4m3 -> bf16 three or four);
+    ``"model"``: bf16 math, slower. A query element beyond fp16's 65504 becomes inf (the output
+    NaN), never silently clipped; use ``"model"`` for such models.
   - ``"xqa"``: ``trtllm_batch_decode_with_kv_cache(backend="xqa")`` (``flashinfer_xqa``), Hopper
-    FP8-MMA: 0.257 ms (98%; bimodal 0.27-0.33 ms with PDL on: ``xqa_pdl``), writes FP8 output,
-    but q and the softmax weights are rounded to e4m3: relative error 3.7e-2 (6.7e-2 peaked; with
-    V of non-zero mean the output shrinks with context, -10% at 16k). Opt in knowingly.
-  - ``"triton"``: our kernel (``attention/triton/decode_tma.py``: one TMA box per cache page, split-K or the
-    balanced schedule) over XQA's dense block table, widened to fp16 in registers (``"model"``:
-    to the model dtype): 0.268 ms (94%) at head 128, 100% at Gemma-3's 256, error 1.7e-3. sm90.
+    FP8-MMA: the fastest, writes FP8 output, but q and the softmax weights are rounded to e4m3
+    (an order of magnitude less accurate; with V of non-zero mean the output shrinks with
+    context). Opt in knowingly.
+  - ``"triton"``: our kernel (``attention/triton/decode_tma.py``: one TMA box per cache page,
+    split-K or the balanced schedule) over XQA's dense block table, widened to fp16 in
+    registers (``"model"``: to the model dtype): near XQA's speed at the tensor-core decode's
+    accuracy. sm90.
 
 What a configuration serves (archs, q dtypes, head sizes, XQA's page sizes and soft-cap) is the
 capability table's row for its ``name`` on the GPU's arch (kernels/capabilities.py): the
@@ -98,9 +97,9 @@ class FlashInferKernel:
             unfused form (dequantize the cache, then ``paged_attention``) runs too. Set False for
             fused-only graphs to save a plan per group.
         workspace_bytes: float workspace shared by all wrappers (and the XQA scratch, separately).
-        xqa_pdl: launch XQA with programmatic dependent launch. Off by default: with it on, back
-            to back XQA calls at 32 x 16k took 0.27 or 0.32 ms (bimodal, 80% of copy bandwidth
-            median); with it off 0.257 ms every time (98%) (benchmarks/RESULTS.md, issue 14).
+        xqa_pdl: launch XQA with programmatic dependent launch. Off by default: with it on,
+            back to back XQA calls took one of two times, the slower one often; with it off the
+            faster one every time (benchmarks/RESULTS.md, issue 14).
         prefill: the prefill / mixed-batch kernels, ``"fa2"``, ``"fa3"`` or ``"fa3_fp8"`` (module
             docstring). ``"fa3*"`` need sm90 and ``phases="any"``.
         fp8_decode_math: ``"fp16"`` or ``"model"``: the math dtype of the tensor-core decode of

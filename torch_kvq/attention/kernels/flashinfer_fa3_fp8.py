@@ -2,10 +2,9 @@
 
 FlashInfer 0.6.18's fa3 FP8 mainloop masks the raw code logits q8.k8 with a finite -5e4 and
 scales afterwards (its issue #4267, fixed after 0.6.18). At small query scales a masked key then
-sits close to the real logits: on the H200 the error followed the masked key's real logit (0.72
-at -1.8, 0.87 at -0.45; 2026-12-01 run 20, docs/fa3_fp8_mask_analysis.md). ``quantize_query``
-floors the query scale so a masked key is >= ``FA3_FP8_MASK_MARGIN`` below in real logit units
-(relative error 1.8e-2 then). Imports nothing from FlashInfer.
+sits close to the real logits, and the error follows the masked key's real logit
+(docs/fa3_fp8_mask_analysis.md). ``quantize_query`` floors the query scale so a masked key is
+>= ``FA3_FP8_MASK_MARGIN`` below in real logit units. Imports nothing from FlashInfer.
 """
 
 from __future__ import annotations

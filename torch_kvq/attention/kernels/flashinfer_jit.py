@@ -2,8 +2,8 @@
 
 FlashInfer compiles one module per (q dtype, kv dtype, out dtype, head size, sliding, soft-cap)
 for fa2 / fa3 and per (kv dtype, out dtype, page size, head size, GQA group, sliding) for XQA, on
-first use (fa2 ~15-30 s each, fa3 ~100 s, XQA longer). ``prebuild`` compiles exactly the modules a
-``FlashInferKernel`` will ask for these layers, concurrently (one ninja per module), so a first
+first use (each takes a while; fa3's and XQA's longest). ``prebuild`` compiles exactly the modules
+a ``FlashInferKernel`` will ask for these layers, concurrently (one ninja per module), so a first
 batch does not stall. GPU only; imports flashinfer.
 """
 

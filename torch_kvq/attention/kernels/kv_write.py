@@ -23,8 +23,7 @@ on a rounding tie (``1.5 / 0.03``). Bit-equality with the eager op path is teste
 Tensor scales (``kvq::quant_cache_write_ts``: a 0-d or 1-element float32 tensor, the form a
 module buffer takes) follow the unfused ``x.float() / scale_tensor`` the same way, per where the
 scale lives. On the cache's device: aten's tensor / tensor division, which on CUDA was measured to
-be correctly rounded (H200, torch 2.11: benchmarks/results/h200_2026-11-30_aten_division_probe.txt,
-``cuda_t/t_vs_div32: 0``); ``aten_scalar_division(device, "tensor")`` checks that per device and the
+be correctly rounded; ``aten_scalar_division(device, "tensor")`` checks that per device and the
 Triton kernel loads the scale from its pointer and divides with ``div_rn`` (no host sync, so CUDA
 graphs capture it and replay the buffer's current value); any other measured form is refused. A
 0-d CPU tensor with a CUDA cache is what aten treats like a Python scalar: its value (a CPU read,

@@ -1,18 +1,17 @@
 """The balanced ("stream-K") schedule of the TMA decode kernel (``decode_tma``).
 
 The split grid gives every (sequence, kv head) pair the same number of programs. When the pairs
-are many (Llama's 8 kv heads at 80-110 sequences of 16k: 2 splits, 1280-1760 one-warp programs)
-the programs neither fill the H200's 132 SMs nor pack into whole waves, and the split grid read
-at 82-83% of copy bandwidth (run 42 of 2026-12-01). Here a fixed number of programs, all
+are many (large batches of long sequences: 1-2 splits, thousands of one-warp programs) the
+programs neither fill the SMs nor pack into whole waves. Here a fixed number of programs, all
 resident at once, each take an equal run of the batch's pages: program i of P reads units
 ``[i * T // P, (i + 1) * T // P)`` of the T pages of all pairs laid end to end (sequence-major),
 whatever the lengths; a run may end inside a pair and start the next. Per program at most two
 pairs are cut (its first and its last), so there are two partial slots per program; a pair
 wholly inside a run is written to the output by its program. ``_combine_balanced`` merges the cut
 pairs (log-sum-exp). T and the runs are computed on the device from ``seq_lens``, so the launch
-is CUDA-graph capturable like the split grid. Run 42: 92.0% / 92.5% at 80 / 110 sequences
-(16 programs per SM at 128 registers), but 62-89% at 8-64 sequences, where the split grid fills
-the SMs (84-95%); Gemma-3's head 256 is faster on the split grid at every batch measured.
+is CUDA-graph capturable like the split grid. Where it beats the split grid (large batches at
+head 128; never at head 256) is measured in docs/fp8_decode_paths.md; ``decode_tma.BALANCED``
+picks it there.
 
 Page loop and math are ``helpers.attend``, the TMA decode's; import only where Triton is.
 """
@@ -62,8 +61,8 @@ def _pair_of(unit, seq_lens_ptr, window, B, KH: tl.constexpr, BLOCK_B: tl.conste
              PAGE: tl.constexpr, USE_WINDOW: tl.constexpr):  # fmt: skip
     """The pair holding work unit ``unit``: (sequence b, kv head, the pair's first unit, its
     pages). Recomputed from ``seq_lens`` per call (cached reads) rather than kept live across the
-    page loop; the kernel's registers are held by ``max_registers`` (``BALANCED``): 168 uncapped
-    at head 128 either way (``scripts/tma_kernel_sass.py --balanced --max-registers 0``)."""
+    page loop; the kernel's registers are held by ``max_registers`` (``BALANCED``), uncapped the
+    same either way (``scripts/tma_kernel_sass.py --balanced --max-registers 0``)."""
     offs_b, n, ends, _ = _seq_work(seq_lens_ptr, window, B, KH, BLOCK_B, PAGE, USE_WINDOW)
     b = tl.sum((ends <= unit).to(tl.int32), axis=0)
     nb, base = _seq_base(offs_b, n, ends, b, KH)

@@ -1,19 +1,15 @@
 """Paged FP8 decode attention in Triton with one bulk tensor copy (TMA) per cache page.
 
 A gathering split-K kernel (retired; git keeps it as ``attention/kernels/triton_decode.py``)
-loaded ``BLOCK_N``-token tiles row by row through the page table; it read an FP8 cache at ~47-49%
-of copy bandwidth on the H200 (run 10 of 2026-11-30), with 3 stages of 32 KiB tiles limiting it
-to 2 programs per SM. Here every page of every kv head is one 2-D box ``[page, D]`` of the cache
-seen as ``[P * 2 * page, KH * D]`` (K rows of page p start at ``2 * page * p``, V rows ``page``
-later), loaded by the copy engine into a small shared buffer: a page of Llama's head 128 is
-2 KiB, so many pages are in flight per program at little shared memory. One warp per program,
-many programs per SM (split-K), 1-2 pages per loop iteration under one online-softmax update
-(``tuned``). V's columns are permuted in registers so that the ``p @ v`` operand loads are
-16-byte vectors, not byte gathers (``helpers.page_logits``). On the H200 at 32 x 16k (runs 35,
-41, 42 of 2026-12-01, ``TUNED``) Llama's head 128 reads at 94% of copy bandwidth (0.267 ms;
-FlashInfer's tensor-core decode 67%, XQA's FP8-math kernel 100%, run 30) and Gemma-3's head 256
-at 100% (0.503 ms; 83%, 106%), relative error 1.7e-3 against fp32 (XQA 3.7e-2). Before the
-permutation: 88% / 93% (run 34); with two warps per program: 56% / 73%.
+loaded ``BLOCK_N``-token tiles row by row through the page table, with deep stages of large tiles
+limiting it to few programs per SM. Here every page of every kv head is one 2-D box
+``[page, D]`` of the cache seen as ``[P * 2 * page, KH * D]`` (K rows of page p start at
+``2 * page * p``, V rows ``page`` later), loaded by the copy engine into a small shared buffer:
+a page is a small box, so many pages are in flight per program at little shared memory. One warp
+per program, many programs per SM (split-K), 1-2 pages per loop iteration under one
+online-softmax update (``tuned``). V's columns are permuted in registers so that the ``p @ v``
+operand loads are 16-byte vectors, not byte gathers (``helpers.page_logits``). Its speed against
+copy bandwidth, XQA and FlashInfer's tensor-core decode, per head size: docs/fp8_decode_paths.md.
 
 The page loop and the math are ``helpers.attend``'s: e4m3 -> ``dot_dtype`` (fp16 by default: one
 instruction per two values on sm90, exact) in registers, both products accumulate in fp32,
@@ -83,9 +79,8 @@ def _decode_pages(
 
 def default_num_splits(batch: int, kv_heads: int, max_seq_len: int, page: int, sms: int) -> int:
     """Splits per (sequence, kv head): the power of two at or above 8 programs per SM, each split
-    keeping at least 64 pages. On the H200 at 32 x 16k (8 kv heads) that is 8 splits: Llama's
-    head 128 read at 87% of copy bandwidth with 4 or 8 splits and 75% with 3; Gemma's head 256 at
-    91% with 8 and 88% with 3 (runs 26-27 of 2026-12-01)."""
+    keeping at least 64 pages (a power of two packs the grid into whole waves; fewer, odd counts
+    measured slower)."""
     want = 1 << max(0, math.ceil(math.log2(8 * sms / (batch * kv_heads))))
     most = max(1, -(-max_seq_len // (64 * page)))
     return max(1, min(want, most, 64))
@@ -100,18 +95,14 @@ def default_schedule(
     return splits, BALANCED.get(head_size) if splits <= 2 else None
 
 
-# (warps, stages, pages per iteration, lazy rescale) per head size: the fastest of runs 27, 30, 34
-# and 35 (2026-12-01, H200, 32 x 16k). One warp per program beats two and four on both shapes.
-# With V permuted (run 35): head 128 at 94.0% of copy bandwidth at (1, 6, 1, lazy), 91% at 2 pages
-# per iteration, 75-85% at 4 or 7 stages; head 256 at 100% at (1, 6, 1), 99.9% at 5 stages, 81% at
-# 7-8. The lazy rescale: +2-3% at head 128 (run 30), -0.5% at head 256.
+# (warps, stages, pages per iteration, lazy rescale) per head size: the fastest measured on an
+# H200 (docs/fp8_decode_paths.md). One warp per program beats two and four on both head sizes;
+# the lazy rescale helps at head 128 and not at head 256.
 TUNED = {128: (1, 6, 1, True), 256: (1, 6, 1, False)}
 # (programs per SM, max registers) of the balanced schedule (``decode_balanced``), taken
 # when ``num_splits`` and ``programs_per_sm`` are both None, no workspace is given and the split
-# grid would have 1 or 2 splits. Run 42 of 2026-12-01, Llama's head 128 at 16k: 92.0% / 92.5% of
-# copy bandwidth at 80 / 110 sequences against the split grid's 82% / 83% (2 splits); at 8-64
-# sequences (4-16 splits) the split grid is faster (84-95% against 62-90%). Head 256: the split
-# grid at every batch measured (8, 32, 64, 131: 93-104% against 83-101%).
+# grid would have 1 or 2 splits: there it measured faster at head 128 (Llama); with more splits,
+# and at head 256 at every batch measured, the split grid is faster.
 BALANCED = {128: (16, 128)}
 
 
@@ -130,9 +121,8 @@ def resolve_config(head_size: int, **given: int | bool | None) -> dict[str, int 
 def balanced_registers(head_size: int, cfg: dict[str, int | bool], cap: int | None) -> int | None:
     """The register cap for the balanced schedule chosen by ``BALANCED``: its ``cap`` only at
     ``tuned(head_size)``, the configuration measured (and compiled spill-free) under it; None
-    (Triton's choice) for any other. Under the cap, pages_per_iter=2 without the lazy rescale
-    spilled 296 bytes (scripts/tma_kernel_sass.py) and read Llama's 110 x 16k at 38% of copy
-    bandwidth against 98% (runs 54-55 of 2026-12-01)."""
+    (Triton's choice) for any other. Under the cap, other configurations can spill registers
+    (scripts/tma_kernel_sass.py) and run several times slower."""
     return cap if cfg == tuned(head_size) else None
 
 

@@ -60,7 +60,7 @@ def page_logits(
     v = kv_desc.load([row + PAGE, col])
     # ``p @ v`` sums over tokens, so V's columns may come in any order (the output's follow).
     # In this order each lane's mma B fragment (column l // 4 of every 8-column block) is 16
-    # contiguous bytes of a row: one 128-bit shared load instead of 16 byte loads (run 34).
+    # contiguous bytes of a row: one 128-bit shared load instead of 16 byte loads.
     v = tl.reshape(tl.permute(tl.reshape(v, [PAGE, D // 16, 16]), [0, 2, 1]), [PAGE, D])
     s = tl.dot(q, tl.trans(k.to(DOT)))  # [BLOCK_G, PAGE] fp32
     if USE_SOFT_CAP:  # cap * tanh(x / cap), tanh(y) = 1 - 2 / (exp(2y) + 1)
