@@ -23,9 +23,9 @@ layers get paged caches); vision / audio towers keep their own attention and are
 ``forward``, which takes token ids. Refused at attach (``hf_checks.py``): encoder-decoder models,
 MLA, attention sinks, chunked attention, non-causal layers, cross-layer KV sharing, dynamic RoPE.
 
-``lm = KVQCausalLM.from_hf(hf_model, kv_config, num_pages=...)`` mirrors ``PagedDecoder``:
-``kv_specs``, ``configure_kv``, ``allocator``, ``forward_context``, ``attention_layers``,
-``forward(input_ids [T], positions [T]) -> logits [T, vocab]`` fp32, so
+``lm = KVQCausalLM.from_hf(hf_model, kv_config, num_pages=...)`` is a ``PagedKV`` like
+``PagedDecoder`` (``kv_specs``, ``configure_kv``, ``allocator``, ``forward_context``,
+``attention_layers``) with ``forward(input_ids [T], positions [T]) -> logits [T, vocab]`` fp32, so
 ``torch_kvq.models.generate``, ``DecodeGraphRunner``, ``calibrate_kv_scales`` and
 ``torch.compile(lm, backend=kvq_backend)`` work unchanged. ``lm.generate(input_ids,
 attention_mask=..., **kw)`` runs HF's own ``generate`` through the paged cache (``hf_generate.py``).
@@ -36,7 +36,6 @@ from __future__ import annotations
 
 import inspect
 from collections.abc import Callable, Mapping
-from contextlib import AbstractContextManager
 from dataclasses import replace
 from typing import Any
 
@@ -44,27 +43,17 @@ import torch
 from torch import nn
 
 from torch_kvq.attention import registry
-from torch_kvq.attention.allocator import PageAllocator
-from torch_kvq.attention.context import ForwardContext, forward_context
 from torch_kvq.attention.kernels.base import AttentionKernel
-from torch_kvq.attention.kernels.reference import ReferenceKernel
-from torch_kvq.attention.layer import Attention, QuantForm
-from torch_kvq.attention.memory import WindowPages, layer_pages, window_pools
-from torch_kvq.attention.metadata import BatchMetadata
-from torch_kvq.distributed import TensorParallel, check_ranks_agree, shard_specs
+from torch_kvq.attention.layer import QuantForm
+from torch_kvq.attention.memory import WindowPages
+from torch_kvq.attention.paged_kv import PagedKV
+from torch_kvq.distributed import TensorParallel
 from torch_kvq.integrations import hf_attention as hfa
 from torch_kvq.integrations.hf_checks import check_layer, check_model
 from torch_kvq.integrations.hf_generate import KVQPagedCache, install_forward
 from torch_kvq.integrations.hf_scales import ScaleSource, checkpoint_kv_scales
 from torch_kvq.integrations.hf_tp import shard_hf_model_
-from torch_kvq.spec import (
-    MODEL_DTYPES,
-    AttentionLayerInfo,
-    KVCacheConfig,
-    LayerKVSpec,
-    check_positive_int,
-    resolve_layer_specs,
-)
+from torch_kvq.spec import MODEL_DTYPES, AttentionLayerInfo, KVCacheConfig, check_positive_int
 
 
 def _layer_names(paths: list[str], prefix: str | None) -> list[str]:
@@ -76,8 +65,10 @@ def _layer_names(paths: list[str], prefix: str | None) -> list[str]:
     return [new[head] + dot + rest for head, dot, rest in parts]
 
 
-class KVQCausalLM(nn.Module):
-    """An HF causal LM served by torch-kvq's per-layer paged KV cache (see the module docstring).
+class KVQCausalLM(PagedKV):
+    """An HF causal LM served by torch-kvq's per-layer paged KV cache (see the module docstring);
+    the paged KV (``configure_kv``, ``kv_specs``, ``allocator``, ``forward_context``) is
+    ``PagedKV``'s, as for our own decoders.
 
     forward(input_ids [T], positions [T]) -> logits [T, vocab] fp32, for the sequences of the
     ``BatchMetadata`` in the active forward context (``lm.forward_context(md)``), concatenated
@@ -99,20 +90,21 @@ class KVQCausalLM(nn.Module):
         tp: TensorParallel | None = None,
     ) -> None:
         super().__init__()
-        self.tp = tp
         self.hf = hf_model
         self.config = hf_model.config.get_text_config(decoder=True)
-        self.dtype: torch.dtype = hf_model.dtype
-        self.device = next(hf_model.parameters()).device
-        self.num_pages = num_pages
-        self.window_pages = window_pages
-        self.kernel = kernel if kernel is not None else ReferenceKernel()
-        self.quant_form: QuantForm = quant_form
+        self._init_kv(
+            dtype=hf_model.dtype,
+            device=next(hf_model.parameters()).device,
+            num_pages=num_pages,
+            kernel=kernel,
+            quant_form=quant_form,
+            window_pages=window_pages,
+            tp=tp,
+        )
         self._hf_attn = [c.module for c in calls]  # plain list: not registered twice
         self.layer_paths = dict(zip(_layer_names(paths, prefix), paths))  # name -> HF path
         self.prefix = next(iter(self.layer_paths)).split(".", 1)[0]
         self._calls = calls
-        self._specs: tuple[LayerKVSpec, ...] = ()
         self.configure_kv(kv_config)
         self._old_impl = self.config._attn_implementation
         self.config._attn_implementation = hfa.SERVE
@@ -210,47 +202,19 @@ class KVQCausalLM(nn.Module):
             for name, c in zip(self.layer_paths, self._calls)
         ]
 
-    def configure_kv(self, kv_config: KVCacheConfig) -> None:
-        """Re-resolve the per-layer specs and replace every ``Attention`` (fresh, empty caches) and
-        the page allocator. On a bad config nothing changes (ValueError). ``kv_scales`` keyed by
-        HF path are accepted too when the names carry a prefix. With ``tp``: resolved from the
-        global config, checked equal on every rank (a collective), then given this rank's heads."""
-        global_specs = resolve_layer_specs(self._rekey(kv_config), self.layer_infos(), self.dtype)
-        config = self.config.to_json_string(use_diff=False) if self.tp is not None else None
-        check_ranks_agree(self.tp, global_specs, self.kernel, {"config": config})
-        specs = shard_specs(global_specs, self.tp)
-        pools = window_pools(specs, self.window_pages)
-        for mod in self._hf_attn:
-            old = getattr(mod, hfa.ATTN_ATTR, None)
-            if old is not None:
-                registry.unregister(old)
-                delattr(mod, hfa.ATTN_ATTR)
-        for mod, spec in zip(self._hf_attn, specs):
-            pages = layer_pages(spec, self.num_pages, pools)
-            setattr(mod, hfa.ATTN_ATTR, Attention(spec, pages, self.device, self.quant_form))
-        self.kv_config = kv_config
-        self._specs = specs
-        self.global_kv_specs = global_specs
-        self.allocator = PageAllocator(self.num_pages, kv_config.page_size, pools)
+    def _attention_slots(self) -> list[tuple[nn.Module, str]]:
+        return [(mod, hfa.ATTN_ATTR) for mod in self._hf_attn]
 
-    def _rekey(self, cfg: KVCacheConfig) -> KVCacheConfig:
+    def _rank_facts(self) -> Mapping[str, Any]:
+        return {"config": self.config.to_json_string(use_diff=False)}
+
+    def _layer_config(self, cfg: KVCacheConfig) -> KVCacheConfig:
+        """``kv_scales`` keyed by HF path are accepted too when the names carry a prefix."""
         by_path = {p: n for n, p in self.layer_paths.items() if n != p}
         if not by_path:
             return cfg
         scales = tuple((by_path.get(k, k), v) for k, v in cfg.kv_scales)  # type: ignore[arg-type]
         return _with_scales(cfg, dict(scales))
-
-    @property
-    def kv_specs(self) -> tuple[LayerKVSpec, ...]:
-        return self._specs
-
-    @property
-    def attention_layers(self) -> list[Attention]:
-        return [getattr(m, hfa.ATTN_ATTR) for m in self._hf_attn]
-
-    def forward_context(self, metadata: BatchMetadata) -> AbstractContextManager[ForwardContext]:
-        """``attention.forward_context`` with this model's specs and kernel(s)."""
-        return forward_context(metadata, self._specs, self.kernel)
 
     # --- forward -----------------------------------------------------------------------------
 
@@ -300,11 +264,7 @@ class KVQCausalLM(nn.Module):
 
     def detach(self) -> nn.Module:
         """Give the HF model back as it was (attention implementation, forward, no kvq layers)."""
-        for mod in self._hf_attn:
-            attn = getattr(mod, hfa.ATTN_ATTR, None)
-            if attn is not None:
-                registry.unregister(attn)
-                delattr(mod, hfa.ATTN_ATTR)
+        self._release_attention()
         self.config._attn_implementation = self._old_impl
         self.hf.__dict__.pop("forward", None)
         self.hf._kvq_attached = False

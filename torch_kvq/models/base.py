@@ -9,7 +9,6 @@ RoPE cos/sin rounded to the model dtype) so parity holds to bf16 rounding.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from contextlib import AbstractContextManager
 from typing import Any, ClassVar
 
 import torch
@@ -17,29 +16,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from torch_kvq.attention import registry
-from torch_kvq.attention.allocator import PageAllocator
-from torch_kvq.attention.context import ForwardContext, forward_context
 from torch_kvq.attention.kernels.base import AttentionKernel
-from torch_kvq.attention.kernels.reference import ReferenceKernel
 from torch_kvq.attention.layer import Attention, QuantForm
-from torch_kvq.attention.memory import WindowPages, layer_pages, window_pools
-from torch_kvq.attention.metadata import BatchMetadata
-from torch_kvq.distributed import (
-    TensorParallel,
-    check_ranks_agree,
-    linear,
-    shard_specs,
-    shard_tensor,
-)
+from torch_kvq.attention.memory import WindowPages
+from torch_kvq.attention.paged_kv import PagedKV
+from torch_kvq.distributed import TensorParallel, linear, shard_tensor
 from torch_kvq.models.config import DecoderConfig, RopeSpec, read_config
-from torch_kvq.spec import (
-    MODEL_DTYPES,
-    AttentionLayerInfo,
-    KVCacheConfig,
-    LayerKVSpec,
-    check_positive_int,
-    resolve_layer_specs,
-)
+from torch_kvq.spec import MODEL_DTYPES, AttentionLayerInfo, KVCacheConfig, check_positive_int
 
 
 class RMSNorm(nn.Module):
@@ -139,7 +122,7 @@ class GatedMLP(nn.Module):
 class SelfAttention(nn.Module):
     """q/k/v projections, optional per-head q/k norms, RoPE, paged ``Attention``, o_proj.
 
-    ``attn`` is set by ``PagedDecoder.configure_kv``. forward(h [T, hidden], cos, sin) -> [T, hidden].
+    ``attn`` is set by ``PagedDecoder.configure_kv`` (``PagedKV``). forward(h [T, hidden], cos, sin) -> [T, hidden].
     With ``tp``: this rank's ``num_heads / N`` query and ``num_kv_heads / N`` KV heads, o_proj
     row-parallel (all-reduced).
     """
@@ -197,8 +180,9 @@ class SelfAttention(nn.Module):
         return self.o_proj(out.reshape(t, self.num_heads * self.head_dim))
 
 
-class PagedDecoder(nn.Module):
-    """Base of ``LlamaModel`` / ``Gemma3Model``: embeddings, layers, final norm, LM head, paged KV.
+class PagedDecoder(PagedKV):
+    """Base of ``LlamaModel`` / ``Gemma3Model``: embeddings, layers, final norm, LM head; the
+    paged KV (``configure_kv``, ``kv_specs``, ``allocator``, ``forward_context``) is ``PagedKV``'s.
 
     Subclasses set ``arch`` and implement ``_make_layer`` (and may override ``_embed`` / ``_norm``).
     Attention layer names are ``f"{prefix}.layers.{i}.self_attn.attn"`` (the module path).
@@ -231,17 +215,19 @@ class PagedDecoder(nn.Module):
         if quant_form not in ("op", "torch"):
             raise ValueError(f"quant_form {quant_form!r} unknown; expected 'op' or 'torch'")
         self.config = cfg = read_config(hf_config, self.arch)
-        self.tp = tp  # tensor parallelism: this rank's heads / MLP slice (torch_kvq.distributed)
-        if tp is not None:
+        if tp is not None:  # this rank's heads / MLP slice (torch_kvq.distributed)
             tp.split(cfg.num_heads, "num_heads")
             tp.split(cfg.num_kv_heads, "num_kv_heads")
             tp.split(cfg.intermediate_size, "intermediate_size")
-        self.dtype = dtype
-        self.device = torch.device(device)
-        self.num_pages = num_pages
-        self.window_pages = window_pages
-        self.quant_form: QuantForm = quant_form
-        self.kernel = kernel if kernel is not None else ReferenceKernel()
+        self._init_kv(
+            dtype=dtype,
+            device=torch.device(device),
+            num_pages=num_pages,
+            kernel=kernel,
+            quant_form=quant_form,
+            window_pages=window_pages,
+            tp=tp,
+        )
         self.prefix = prefix if prefix is not None else registry.unique_prefix("model")
         dev = self.device
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size, dtype=dtype, device=dev)
@@ -253,7 +239,6 @@ class PagedDecoder(nn.Module):
                 cfg.hidden_size, cfg.vocab_size, bias=False, dtype=dtype, device=dev
             )
         self._rope_types = tuple(sorted(set(cfg.layer_types)))
-        self._specs: tuple[LayerKVSpec, ...] = ()
         self.configure_kv(kv_config)
 
     def _make_layer(self, i: int) -> nn.Module:
@@ -280,39 +265,11 @@ class PagedDecoder(nn.Module):
             for i in range(cfg.num_layers)
         ]
 
-    def configure_kv(self, kv_config: KVCacheConfig) -> None:
-        """Re-resolve the per-layer specs and replace every ``Attention`` (fresh, empty caches) and
-        the page allocator. On a bad config nothing changes (ValueError). With ``tp`` the specs are
-        resolved from the global config, checked equal on every rank (a collective), then given
-        this rank's heads."""
-        global_specs = resolve_layer_specs(kv_config, self.layer_infos(), self.dtype)
-        check_ranks_agree(self.tp, global_specs, self.kernel, {"config": self.config})
-        specs = shard_specs(global_specs, self.tp)
-        pools = window_pools(specs, self.window_pages)
-        for layer in self.layers:
-            old = layer.self_attn.attn
-            if old is not None:
-                registry.unregister(old)
-                layer.self_attn.attn = None
-        for layer, spec in zip(self.layers, specs):
-            pages = layer_pages(spec, self.num_pages, pools)
-            layer.self_attn.attn = Attention(spec, pages, self.device, self.quant_form)
-        self.kv_config = kv_config
-        self._specs = specs
-        self.global_kv_specs = global_specs
-        self.allocator = PageAllocator(self.num_pages, kv_config.page_size, pools)
+    def _attention_slots(self) -> list[tuple[nn.Module, str]]:
+        return [(layer.self_attn, "attn") for layer in self.layers]
 
-    @property
-    def kv_specs(self) -> tuple[LayerKVSpec, ...]:
-        return self._specs
-
-    @property
-    def attention_layers(self) -> list[Attention]:
-        return [layer.self_attn.attn for layer in self.layers]
-
-    def forward_context(self, metadata: BatchMetadata) -> AbstractContextManager[ForwardContext]:
-        """``attention.forward_context`` with this model's specs and kernel(s)."""
-        return forward_context(metadata, self._specs, self.kernel)
+    def _rank_facts(self) -> Mapping[str, Any]:
+        return {"config": self.config}
 
     # --- weights ----------------------------------------------------------------------------
 
