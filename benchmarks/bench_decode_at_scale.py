@@ -151,7 +151,7 @@ def build(model_name: str, kv: KVCacheConfig, kernel, device: str, smoke: bool, 
 def weights_kn(model: torch.nn.Module) -> int:
     """Store every ``nn.Linear``'s weight transposed: the same [N, K] tensor, laid out [K, N] in
     memory (strides (1, N)), so that ``F.linear`` runs ``x @ w_kn`` (cuBLAS NN) instead of
-    ``x @ w^T`` (TN): bench_skinny_gemm's ``*_kn`` paths. Tied embeddings (not Linear) stay.
+    ``x @ w^T`` (TN; runs 61-63 of 2026-12-01, RESULTS.md). Tied embeddings (not Linear) stay.
     Returns how many weights moved."""
     n = 0
     for mod in model.modules():

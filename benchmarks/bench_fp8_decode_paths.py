@@ -1,27 +1,25 @@
-"""FP8-KV decode attention paths on one GPU: speed against copy bandwidth, error against fp32.
+"""The package's FP8-KV decode attention paths per layer on one GPU: speed against copy
+bandwidth, error against fp32.
 
-Per layer, one new token per sequence, NHD pages of 16, bf16 queries, pages shuffled. Shapes:
-Llama-3.1-8B (QH32 KH8 D128) at 32 x 16k (all paths, Triton sweep, XQA bimodality study), 32 x 4k
-and 64 x 16k; Gemma-3-12B's global layer (QH16 KH8 D256, no window) at 32 x 16k. Paths:
-  fi_tc_bf16 / fi_tc_fp8[...]   BatchDecodeWithPagedKVCacheWrapper(use_tensor_cores=True, fa2),
-                                default plan and each plan knob (fixed_split_size, disable_split_kv)
-  fi_cc_fp8                     the same wrapper with use_tensor_cores=False (CUDA-core decode)
-  xqa_fp8                       trtllm_batch_decode_with_kv_cache(backend="xqa") (FP8 math on sm90)
-  xqa_generic                   flashinfer.xqa.xqa forced onto mha.cu (bf16 math; the Python API
-                                always picks the FP8 Hopper kernel for an FP8 cache on sm90)
-  fi_fa3_fp8kv                  (--fa3 only) fa3 backend with bf16 q, fp8 kv: expected to fail
-  triton[...]                   torch_kvq's split-K kernel, a sweep of its parameters
-Each time: CUDA graph of ``--calls`` calls, replayed once per round, rounds interleaved across
-paths; median, min, max over rounds, plus per-call times (eager, one event pair per call) to
-expose two modes. "% copy" is bytes of K+V read / time over the measured device-to-device copy
-bandwidth (read + write). rel err: Frobenius, against fp32 dense attention on the dequantized
-cache the path read. A path that cannot run gets a row with its error, never a substitute.
+One new token per sequence, NHD pages of 16, bf16 queries, pages shuffled, at 16k context.
+Shapes: Llama-3.1-8B (QH 32, KH 8, D 128) and Gemma-3-12B's global layer (QH 16, KH 8, D 256),
+each at batch 32 and at the largest batch its model fits on an H200 with FP8 KV (110 / 131
+sequences, ``bench_decode_at_scale.py``). Paths, as ``FlashInferKernel`` runs them:
+  fi_tc_bf16                 the tensor-core decode wrapper on a bf16 cache (a skipped layer)
+  fi_tc_fp8                  the same wrapper on the FP8 cache, fp16 math (``fp8_decode_math``
+                             "fp16", the default: the query cast per call, timed with it)
+  fi_tc_fp8[bf16 math]       ``fp8_decode_math="model"``
+  xqa_fp8                    ``fp8_decode="xqa"``: FlashInfer's XQA, FP8 math on sm90, PDL off
+  triton_tma                 ``fp8_decode="triton"``: torch_kvq's TMA split-K decode at its
+                             defaults (tuned config; split grid or balanced schedule, its choice)
+Each path: a CUDA graph of ``--calls`` calls, replayed once per round, rounds interleaved across
+paths; median, min, max over rounds, plus per-call times (one event pair per call) to expose two
+modes. "% copy" is bytes of K+V read / time over the measured device-to-device copy bandwidth
+(read + write). rel err: Frobenius, against fp32 dense attention on the dequantized cache the
+path read. A path that cannot run gets a row with its error, never a substitute.
 
-    python benchmarks/bench_fp8_decode_paths.py --quick    # ~2-3 min on an H200
-    python benchmarks/bench_fp8_decode_paths.py --sliding-study --rounds 5   # one study alone
-
-The studies (``--<name>-study``) live in ``fp8_decode_studies.py``; this module holds the shapes,
-the paths and the timing they share.
+    python benchmarks/bench_fp8_decode_paths.py           # every shape (bash scripts/gpu_run.sh paths)
+    python benchmarks/bench_fp8_decode_paths.py --quick   # batch 32 only
 """
 
 from __future__ import annotations
@@ -49,13 +47,13 @@ SHAPES = {"llama": (32, 8, 128), "gemma_global": (16, 8, 256)}  # QH, KH, D
 class Case:
     """Caches (FP8 and bf16), page tables, queries and fp32 references for one shape."""
 
-    def __init__(self, name: str, batch: int, ctx: int, sorted_pages: bool = False) -> None:
+    def __init__(self, name: str, batch: int, ctx: int) -> None:
         self.name, self.batch, self.ctx = name, batch, ctx
         self.qh, self.kh, self.d = SHAPES[name]
         self.per_seq = -(-ctx // PAGE)
         pages = batch * self.per_seq
         gen = torch.Generator().manual_seed(0)
-        perm = torch.arange(pages) if sorted_pages else torch.randperm(pages, generator=gen)
+        perm = torch.randperm(pages, generator=gen)
         self.table = perm.view(batch, self.per_seq).to(torch.int32).cuda()
         self.kv_indices = self.table.flatten().contiguous()
         self.kv_indptr = (torch.arange(batch + 1, dtype=torch.int32) * self.per_seq).cuda()
@@ -101,21 +99,19 @@ def rel(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def fi_wrapper(
-    c: Case, kv: torch.dtype, tc: bool, backend: str = "fa2", q_dtype: torch.dtype = BF16,
-    o_dtype: torch.dtype | None = None, **plan_kw: Any,
-) -> Callable:  # fmt: skip
-    """``q_dtype`` fp16: the query is cast per call (timed with it) and the math runs in fp16."""
+    c: Case, kv: torch.dtype, q_dtype: torch.dtype = BF16, o_dtype: torch.dtype | None = None
+) -> Callable:
+    """FlashInfer's tensor-core decode wrapper (fa2). ``q_dtype`` fp16: the query is cast per call
+    (timed with it) and the math runs in fp16."""
     import flashinfer
 
-    # fixed split sizes need more than 256 MiB of split-k scratch at 32 x 16k
-    ws = torch.zeros(1024 * 2**20, dtype=torch.uint8, device="cuda")
+    ws = torch.zeros(256 * 2**20, dtype=torch.uint8, device="cuda")
     w = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
-        ws, "NHD", use_tensor_cores=tc, backend=backend
+        ws, "NHD", use_tensor_cores=True, backend="fa2"
     )
     w.plan(
         c.kv_indptr, c.kv_indices, c.last_page_len, c.qh, c.kh, c.d, PAGE,
         q_data_type=q_dtype, kv_data_type=kv, o_data_type=o_dtype or q_dtype, sm_scale=c.sm_scale,
-        **plan_kw,
     )  # fmt: skip
     out = torch.empty(c.q.shape, dtype=o_dtype or q_dtype, device="cuda")
     if kv == FP8 and q_dtype != BF16:
@@ -126,96 +122,47 @@ def fi_wrapper(
     return lambda: w.run(c.q, cache, out=out)
 
 
-def fi_graph_mode_fixed_split(c: Case, split_pages: int) -> Callable:
-    """The wrapper as CUDA-graph engines build it (use_cuda_graph=True) with a fixed split."""
-    import flashinfer
-
-    ws = torch.zeros(256 * 2**20, dtype=torch.uint8, device="cuda")
-    bufs = (c.kv_indptr.clone(), c.kv_indices.clone(), c.last_page_len.clone())
-    w = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
-        ws, "NHD", use_cuda_graph=True, use_tensor_cores=True, backend="fa2",
-        paged_kv_indptr_buffer=bufs[0], paged_kv_indices_buffer=bufs[1],
-        paged_kv_last_page_len_buffer=bufs[2],
-    )  # fmt: skip
-    w.plan(
-        c.kv_indptr, c.kv_indices, c.last_page_len, c.qh, c.kh, c.d, PAGE, q_data_type=BF16,
-        kv_data_type=FP8, o_data_type=BF16, sm_scale=c.sm_scale, fixed_split_size=split_pages,
-    )  # fmt: skip
-    return lambda: w.run(c.q, c.cache8, k_scale=K_SCALE, v_scale=V_SCALE)
-
-
-def xqa_official(c: Case) -> Callable:
-    from flashinfer.decode import trtllm_batch_decode_with_kv_cache
-
-    ws = torch.zeros(256 * 2**20, dtype=torch.uint8, device="cuda")
-    out = torch.empty_like(c.q)
-    return lambda: trtllm_batch_decode_with_kv_cache(
-        c.q, c.cache8, ws, c.table, c.seq_lens, c.ctx, out=out,
-        bmm1_scale=K_SCALE * c.sm_scale, bmm2_scale=V_SCALE, kv_layout="NHD", backend="xqa",
-    )  # fmt: skip
-
-
-def xqa_direct(
-    c: Case, generic: bool = False, sm_count: int | None = None, pdl: bool | None = None,
-    zero_semaphores: bool = False, q_dtype: torch.dtype = BF16,
-) -> Callable:  # fmt: skip
-    """flashinfer.xqa.xqa with its knobs: ``generic`` forces mha.cu (bf16 math) by wrapping the
-    JIT module so its first argument (run_sm90_fp8_mha) is False; ``zero_semaphores`` clears the
-    8 MiB semaphore area before every call (the time then includes that memset, a few us)."""
+def xqa_path(c: Case) -> Callable:
+    """flashinfer.xqa.xqa as ``FlashInferKernel(fp8_decode="xqa")`` calls it (PDL off)."""
     import importlib
 
     # the package's `xqa` attribute is the function (flashinfer/__init__ re-exports it)
     fx = importlib.import_module("flashinfer.xqa")
 
     k, v = c.cache8.unbind(1)
-    out = torch.empty(c.q.shape, dtype=q_dtype, device="cuda").unsqueeze(1)
-    q = c.q.to(q_dtype).unsqueeze(1)
+    out = torch.empty_like(c.q).unsqueeze(1)
     seq = c.seq_lens.unsqueeze(1)
     ws = torch.zeros(256 * 2**20, dtype=torch.uint8, device="cuda")
-    kw = dict(q_scale=K_SCALE * c.sm_scale / V_SCALE * c.d**0.5, kv_scale=V_SCALE)
-    if sm_count is not None:
-        kw["sm_count"] = sm_count
-    if pdl is not None:
-        kw["enable_pdl"] = pdl
+    kw = dict(q_scale=K_SCALE * c.sm_scale / V_SCALE * c.d**0.5, kv_scale=V_SCALE, enable_pdl=False)
 
     def call() -> torch.Tensor:
-        if zero_semaphores:
-            ws[: 8 * 2**20].zero_()
-        fx.xqa(q, k, v, c.table, seq, out, ws[8 * 2**20 :], ws[: 8 * 2**20], c.kh, PAGE, **kw)
+        fx.xqa(c.q.unsqueeze(1), k, v, c.table, seq, out, ws[8 * 2**20 :], ws[: 8 * 2**20], c.kh,
+               PAGE, **kw)  # fmt: skip
         return out.squeeze(1)
 
-    if not generic:
-        return call
-    real = fx.get_xqa_module
-
-    def forced_module(*args: Any, **kwargs: Any) -> Any:
-        mod = real(*args, **kwargs)
-
-        class Forced:
-            @staticmethod
-            def xqa(run_sm90_fp8_mha: bool, *rest: Any, **kw2: Any) -> Any:
-                return mod.xqa(False, *rest, **kw2)
-
-        return Forced
-
-    def generic_call() -> torch.Tensor:
-        fx.get_xqa_module = forced_module
-        try:
-            return call()
-        finally:
-            fx.get_xqa_module = real
-
-    return generic_call
+    return call
 
 
-def triton_path(c: Case, **kw) -> Callable:
-    from torch_kvq.attention.kernels.triton_decode import paged_decode_fp8
+def tma_path(c: Case) -> Callable:
+    """The package's TMA split-K decode at its defaults (``FlashInferKernel(fp8_decode="triton")``)."""
+    from torch_kvq.attention.triton.decode_tma import paged_decode_tma
 
     out = torch.empty_like(c.q)
-    return lambda: paged_decode_fp8(
-        c.q, c.cache8, c.kv_indptr, c.kv_indices, c.seq_lens, K_SCALE, V_SCALE, c.sm_scale,
-        max_seq_len=c.ctx, out=out, **kw,
+    return lambda: paged_decode_tma(
+        c.q, c.cache8, c.table, c.seq_lens, K_SCALE, V_SCALE, c.sm_scale,
+        max_seq_len=c.ctx, out=out,
     )  # fmt: skip
+
+
+PATHS: dict[str, Callable[[Case], Callable]] = {
+    "fi_tc_bf16": lambda c: fi_wrapper(c, BF16),
+    "fi_tc_fp8": lambda c: fi_wrapper(c, FP8, q_dtype=torch.float16, o_dtype=BF16),
+    "fi_tc_fp8[bf16 math]": lambda c: fi_wrapper(c, FP8),
+    "xqa_fp8": xqa_path,
+    "triton_tma": tma_path,
+}
+# (shape, batch) at 16k: 32 sequences, and the largest batch each model fits with FP8 KV
+CASES = [("llama", 32), ("gemma_global", 32), ("llama", 110), ("gemma_global", 131)]
 
 
 # -- timing -----------------------------------------------------------------------------------
@@ -309,70 +256,28 @@ def measure(
     return rows
 
 
-TRITON_CFG: dict[str, dict[str, Any]] = {}  # path name -> paged_decode_fp8 keyword args
-
-
-def triton_paths(c: Case, cfgs: list[dict[str, Any]]) -> dict[str, Callable]:
-    out = {}
-    for kw in cfgs:
-        name = "triton[bn{block_n},w{num_warps},st{num_stages},s{num_splits}".format(**kw)
-        if "qk_dtype" in kw:
-            name += ",qk " + str(kw["qk_dtype"]).removeprefix("torch.")
-        name += "]"
-        TRITON_CFG[name] = kw
-        out[name] = lambda kw=kw: triton_path(c, **kw)
-    return out
-
-
-def triton_sweep(c: Case, copy_gbps: float, quick: bool, calls: int) -> list[dict[str, Any]]:
-    """Tiling at the default split count (s None), then the split count at the best tiling."""
-    grid = [(bn, w, st) for bn in (32, 64, 128) for w in (4, 8) for st in (2, 3, 4)]
-    if quick:
-        grid = [(bn, w, st) for bn in (64, 128) for w in (4, 8) for st in (2, 3)]
-    cfgs = [dict(block_n=bn, num_warps=w, num_stages=st, num_splits=None) for bn, w, st in grid]
-    rows = measure(c, triton_paths(c, cfgs), copy_gbps, 3, calls, "ref8")
-    best = TRITON_CFG[min((r for r in rows if "ms" in r), key=lambda r: r["ms"])["path"]]
-    splits = (1, 2, 4, 8, 16) if quick else (1, 2, 3, 4, 6, 8, 12, 16)
-    cfgs = [{**best, "num_splits": s} for s in splits]
-    return rows + measure(c, triton_paths(c, cfgs), copy_gbps, 3, calls, "ref8")
-
-
-def allocation_study(c: Case, paths: dict[str, Callable], trials: int) -> list[dict[str, Any]]:
-    """Run-to-run modes: the same call on fresh copies of the cache at new addresses."""
-    rows = []
-    for name, make in paths.items():
-        per_trial = []
-        for i in range(trials):
-            pad = torch.empty((i * 37 + 1) * 2**20, dtype=torch.uint8, device="cuda")
-            c.cache8 = torch.empty_like(c.cache8).copy_(c.cache8)
-            t = Timed(make(), 20)
-            for _ in range(3):
-                t.round()
-            per_trial.append(statistics.median(t.rounds))
-            del pad
-        rows.append({"shape": c.name, "batch": c.batch, "ctx": c.ctx, "path": name,
-                     "trial_ms": per_trial, "per_call": modes(per_trial)})  # fmt: skip
-    return rows
-
-
 # -- JIT builds, report, main ------------------------------------------------------------------
 
 
 def start_builds() -> threading.Thread:
-    """Compile the FlashInfer modules the paths need, concurrently, in the background."""
+    """Compile the FlashInfer modules the paths need, concurrently, in the background: XQA per
+    shape, and the fa2 prefill kernel the tensor-core decode runs per (q, kv, out) dtype."""
 
     def run() -> None:
-        from flashinfer.jit.attention.modules import gen_batch_decode_module
+        from flashinfer.jit.attention.modules import gen_batch_prefill_module
         from flashinfer.jit.xqa import gen_xqa_module
 
         from torch_kvq.attention.kernels.flashinfer_jit import build
 
+        F16, I32 = torch.float16, torch.int32
         mods = {}
         for qh, kh, d in SHAPES.values():
-            js = gen_xqa_module(BF16, FP8, PAGE, d, qh // kh, False, BF16, 1, False)
-            mods[js.name] = js
-            js = gen_batch_decode_module(BF16, FP8, BF16, torch.int32, d, d, 0, False, False)
-            mods[js.name] = js
+            specs = [gen_xqa_module(BF16, FP8, PAGE, d, qh // kh, False, BF16, 1, False)]
+            for q, kv, o in ((F16, FP8, BF16), (BF16, FP8, BF16), (BF16, BF16, BF16)):
+                specs.append(
+                    gen_batch_prefill_module("fa2", q, kv, o, I32, d, d, 0, False, False, False)
+                )
+            mods.update({js.name: js for js in specs})
         try:
             build(mods, max_workers=len(mods))
         except Exception:  # noqa: BLE001 - the paths that need a module report its failure
@@ -397,11 +302,6 @@ def markdown(env: dict, copy: dict, rows: list[dict]) -> str:
         pc = r.get("per_call", {})
         md = (f"{pc['low_frac']:.0%} at {pc['low_ms']:.4f}, rest at {pc['high_ms']:.4f}"
               if pc.get("bimodal") else "one")  # fmt: skip
-        if "trial_ms" in r:
-            lines.append(
-                f"{head} trials {', '.join(f'{x:.4f}' for x in r['trial_ms'])} | | | | | {md} |"
-            )
-            continue
         lines.append(
             f"{head} {r['ms']:.4f} ({r['ms_min']:.4f}..{r['ms_max']:.4f}) | {r['pct_copy']:.1f} | "
             f"{r['bound_ms']:.4f} | {r['rel_err']:.2e} | {pc['p10']:.4f}/{pc['p50']:.4f}/"
@@ -410,114 +310,28 @@ def markdown(env: dict, copy: dict, rows: list[dict]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def tma_path(c: Case, kernel: Any = None, **kw) -> Callable:
-    """``kernel``: a module with ``paged_decode_tma`` (default: the package's)."""
-    from torch_kvq.attention.triton import decode_tma as triton_decode_tma
-
-    paged_decode_tma = (kernel or triton_decode_tma).paged_decode_tma
-    out = torch.empty_like(c.q)
-    return lambda: paged_decode_tma(
-        c.q, c.cache8, c.table, c.seq_lens, K_SCALE, V_SCALE, c.sm_scale,
-        max_seq_len=c.ctx, out=out, **kw,
-    )  # fmt: skip
-
-
 def main() -> None:
-    from fp8_decode_studies import STUDIES
-
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--quick", action="store_true", help="smaller Triton sweep, fewer trials")
+    ap.add_argument("--quick", action="store_true", help="batch 32 only (not the largest batches)")
     ap.add_argument("--rounds", type=int, default=7)
     ap.add_argument("--calls", type=int, default=20, help="calls per timed graph")
-    ap.add_argument("--fa3", action="store_true", help="also try fa3 with bf16 q + fp8 kv")
-    for name, (_, what) in STUDIES.items():
-        ap.add_argument(f"--{name}-study", action="store_true", help=f"only {what}")
     args = ap.parse_args()
-    chosen = [study for name, (study, _) in STUDIES.items() if getattr(args, f"{name}_study")]
-    if len(chosen) > 1:
-        ap.error("one --<name>-study at a time")
     env, copy = environment(), copy_bandwidth()
-
-    def save_rows(rows: list[dict[str, Any]]) -> None:
-        write_results("bench_fp8_decode_paths", {"env": env, "copy": copy, "rows": rows},
-                      markdown(env, copy, rows))  # fmt: skip
-
-    if chosen:
-        chosen[0](copy["GBps"], args.rounds, args.calls, save_rows)
-        return
     builds = start_builds()
-    gbps, rows = copy["GBps"], []
-
-    main_case = Case("llama", 32, 16384)
-    rows += triton_sweep(main_case, gbps, args.quick, args.calls)
-    ok = sorted((r for r in rows if "ms" in r), key=lambda r: r["ms"])
-    best = [TRITON_CFG[r["path"]] for r in ok[:3]]  # the 3 fastest go on to every shape
+    rows: list[dict[str, Any]] = []
     builds.join()
-
-    def paths_for(c: Case, full: bool) -> dict[str, Callable]:
-        p: dict[str, Callable] = {
-            "fi_tc_bf16": lambda: fi_wrapper(c, BF16, True),
-            "fi_tc_fp8": lambda: fi_wrapper(c, FP8, True),
-            "xqa_fp8": lambda: xqa_official(c),
-            "xqa_generic": lambda: xqa_direct(c, generic=True),
-            "fi_cc_fp8": lambda: fi_wrapper(c, FP8, False),
-            "triton[default]": lambda: triton_path(c),
-        }
-        p.update(triton_paths(c, best))
-        if full:
-            for sp in (32, 64, 128, 256):  # pages per split: 512 .. 4096 tokens
-                p[f"fi_tc_fp8[fixed_split={sp}]"] = lambda sp=sp: fi_wrapper(
-                    c, FP8, True, fixed_split_size=sp
-                )
-            p["fi_tc_fp8[disable_split_kv]"] = lambda: fi_wrapper(
-                c, FP8, True, disable_split_kv=True
-            )
-            p["fi_tc_fp8[graph_mode,fixed_split=128]"] = lambda: fi_graph_mode_fixed_split(c, 128)
-            p["xqa_fp8[sm_count=528]"] = lambda: xqa_direct(c, sm_count=528)
-            p["xqa_fp8[sm_count=1056]"] = lambda: xqa_direct(c, sm_count=1056)
-            p["xqa_generic[sm_count=528]"] = lambda: xqa_direct(c, generic=True, sm_count=528)
-            if args.fa3:
-                p["fi_fa3_fp8kv"] = lambda: fi_wrapper(c, FP8, True, backend="fa3")
-        return p
-
-    rows += measure(main_case, paths_for(main_case, True), gbps, args.rounds, args.calls, "ref8")
-
-    def save() -> None:  # after every phase: a run cut short keeps what it measured
+    for name, batch in CASES:
+        if args.quick and batch != 32:
+            continue
+        c = Case(name, batch, 16384)
+        paths = {path: (lambda make=make, c=c: make(c)) for path, make in PATHS.items()}
+        rows += measure(c, paths, copy["GBps"], args.rounds, args.calls, "ref8")
+        # after every shape: a run cut short keeps what it measured
         write_results("bench_fp8_decode_paths", {"env": env, "copy": copy, "rows": rows},
                       markdown(env, copy, rows))  # fmt: skip
-
-    save()
-    # XQA bimodality: workspace, PDL, page order, allocation
-    study = {
-        "xqa_fp8[direct]": lambda: xqa_direct(main_case),
-        "xqa_fp8[pdl=False]": lambda: xqa_direct(main_case, pdl=False),
-        "xqa_fp8[semaphores zeroed per call]": lambda: xqa_direct(main_case, zero_semaphores=True),
-    }
-    rows += measure(main_case, study, gbps, args.rounds, args.calls, "ref8")
-    sorted_case = Case("llama", 32, 16384, sorted_pages=True)
-    srt = {"xqa_fp8[sorted pages]": lambda: xqa_direct(sorted_case),
-           "triton[default,sorted pages]": lambda: triton_path(sorted_case),
-           "fi_tc_fp8[sorted pages]": lambda: fi_wrapper(sorted_case, FP8, True)}  # fmt: skip
-    rows += measure(sorted_case, srt, gbps, args.rounds, args.calls, "ref8")
-    alloc = {
-        "xqa_fp8": lambda: xqa_direct(main_case),
-        "triton[default]": lambda: triton_path(main_case),
-    }
-    try:
-        rows += allocation_study(main_case, alloc, 4 if args.quick else 8)
-    except Exception as e:  # noqa: BLE001 - recorded; the shapes below still run
-        rows.append({"path": "allocation study", "error": repr(e)[:300]})
-    save()
-
-    for name, b, ctx in (("llama", 32, 4096), ("llama", 64, 16384), ("gemma_global", 32, 16384)):
-        c = Case(name, b, ctx)
-        rows += measure(c, paths_for(c, False), gbps, args.rounds, args.calls, "ref8")
-        save()
+        del c
+        torch.cuda.empty_cache()
 
 
 if __name__ == "__main__":
-    # run as the module ``bench_fp8_decode_paths``, the one fp8_decode_studies imports (one copy
-    # of its state, e.g. TRITON_CFG, not two)
-    import bench_fp8_decode_paths
-
-    bench_fp8_decode_paths.main()
+    main()

@@ -22,14 +22,9 @@
 # flashinfer and CUDA versions, the command and pytest's closing line. Commit it as
 # benchmarks/results/gpu_suite.txt; it counts only with a clean tree at that commit.
 #   KVQ_MODEL_ARGS="--ctx 16384 --steps 10" bash scripts/gpu_run.sh model
-#   bash scripts/gpu_run.sh paths            # FP8 decode paths vs bandwidth (KVQ_PATHS_ARGS, default --quick)
+#   bash scripts/gpu_run.sh paths            # the package's FP8 decode paths per layer vs copy bandwidth (KVQ_PATHS_ARGS)
 #   KVQ_SCALE_ARGS="--models llama-3.1-8b" bash scripts/gpu_run.sh scale   # decode at real scale
-#   bash scripts/gpu_run.sh prefill          # FP8-KV prefill paths (fa2 / fa3, FP8 query) vs bf16
 #   KVQ_TTFT_ARGS="--models llama-3.1-8b" bash scripts/gpu_run.sh ttft   # TTFT 8 x 16k per prefill option
-#   KVQ_SKINNY_ARGS="--models gemma-3-12b --projections o" bash scripts/gpu_run.sh skinny   # GEMMs: cuBLAS, cuBLASLt, [K, N] vs split-K
-#   KVQ_L2PF_ARGS="--models gemma-3-12b" bash scripts/gpu_run.sh l2pf   # GEMM weights prefetched into L2 behind the norm
-#   bash scripts/gpu_run.sh pairs            # Llama's FP8 decode with two kv heads per program (head-256 view)
-#   bash scripts/gpu_run.sh diagfa3          # fa3 FP8 prefill: the finite mask sentinel (run 20 of 2026-12-01)
 #   bash scripts/gpu_run.sh hostprof         # cProfile of a CUDA-graph decode step (not in the default)
 #   bash scripts/gpu_run.sh cpusuite         # the CPU suite (README command) on this image's torch, GPU hidden
 #   bash scripts/gpu_run.sh tests jitpack    # ... then pack the FlashInfer modules built here
@@ -126,14 +121,9 @@ for step in ${*:-tests attn xqa model}; do
     attn) python3 benchmarks/bench_decode_attention.py 2>&1 | tee -a "$LOG" ;;
     xqa) python3 benchmarks/xqa_accuracy.py 2>&1 | tee -a "$LOG" ;;
     model) python3 benchmarks/bench_model_decode.py ${KVQ_MODEL_ARGS:-} 2>&1 | tee -a "$LOG" ;;
-    paths) python3 benchmarks/bench_fp8_decode_paths.py ${KVQ_PATHS_ARGS:---quick} 2>&1 | tee -a "$LOG" ;;
-    prefill) python3 benchmarks/bench_fp8_prefill.py ${KVQ_PREFILL_ARGS:-} 2>&1 | tee -a "$LOG" ;;
+    paths) python3 benchmarks/bench_fp8_decode_paths.py ${KVQ_PATHS_ARGS:-} 2>&1 | tee -a "$LOG" ;;
     scale) python3 benchmarks/bench_decode_at_scale.py ${KVQ_SCALE_ARGS:-} 2>&1 | tee -a "$LOG" ;;
     ttft) python3 benchmarks/bench_prefill_at_scale.py ${KVQ_TTFT_ARGS:-} 2>&1 | tee -a "$LOG" ;;
-    skinny) python3 benchmarks/bench_skinny_gemm.py ${KVQ_SKINNY_ARGS:-} 2>&1 | tee -a "$LOG" ;;
-    pairs) python3 benchmarks/bench_pair_heads.py ${KVQ_PAIRS_ARGS:-} 2>&1 | tee -a "$LOG" ;;
-    l2pf) python3 benchmarks/bench_l2_prefetch.py ${KVQ_L2PF_ARGS:-} 2>&1 | tee -a "$LOG" ;;
-    diagfa3) python3 benchmarks/diag_fa3_fp8_mask.py 2>&1 | tee -a "$LOG" ;;
     hostprof) python3 benchmarks/profile_graph_step.py ${KVQ_HOSTPROF_ARGS:-} 2>&1 | tee -a "$LOG" ;;
     jitpack) jit=$(python3 -c "import flashinfer.jit.env as e; print(e.FLASHINFER_JIT_DIR)")
              rm -rf /tmp/jitpack && mkdir -p /tmp/jitpack/aot && stamp > /tmp/jitpack/STAMP
@@ -148,7 +138,7 @@ for step in ${*:-tests attn xqa model}; do
              ls -la "$OUT"/flashinfer_jit.tar.xz.part-* | tee -a "$LOG" ;;
     cpusuite) CUDA_VISIBLE_DEVICES= python3 -m pytest -q -m "not gpu and not slow" -p no:cacheprovider \
                 -n "${KVQ_CPU_WORKERS:-14}" -rfEs tests/ 2>&1 | tail -40 | tee "$OUT/cpu_suite_log.txt" ;;
-    *) echo "unknown step $step (expected tests, rest, attn, xqa, model, paths, prefill, scale, ttft, skinny, l2pf, pairs, diagfa3, hostprof, cpusuite, jitpack)" | tee -a "$LOG"; status=2; continue ;;
+    *) echo "unknown step $step (expected tests, rest, attn, xqa, model, paths, scale, ttft, hostprof, cpusuite, jitpack)" | tee -a "$LOG"; status=2; continue ;;
   esac
   rc=${PIPESTATUS[0]}
   echo "=== $step exit $rc $(date -u +%T)" | tee -a "$LOG"

@@ -4,7 +4,7 @@ Triton compiles for a target it is told (``GPUTarget("cuda", 90, 32)``) with the
 cuobjdump it ships, so the kernel's registers, shared memory and main-loop instruction mix can be
 read here, before spending device time: run 30 of 2026-12-01 found this way that the V operand
 was gathered one byte at a time (LDS.U8, 64 per Llama page), then measured that moving it
-through shared memory, though 21% fewer instructions, ran slower (docs/fp8_decode_paths.md).
+through shared memory, though 21% fewer instructions, ran slower (docs/design/fp8_decode_paths.md).
 
     python scripts/tma_kernel_sass.py                      # the TUNED configs
     python scripts/tma_kernel_sass.py --head 128 --ppi 2 --stages 6 --lazy --dump k.sass
@@ -30,11 +30,10 @@ LOOP_OPS = ("LDS.U8", "LDS.64", "LDS.128", "LDSM.16.M88.4", "LDSM.16.MT88.4", "S
 
 def compile_kernel(
     head: int, group: int, ppi: int, stages: int, warps: int, lazy: bool,
-    variant: str | None = None, balanced: bool = False, max_registers: int | None = None,
+    balanced: bool = False, max_registers: int | None = None,
 ):  # fmt: skip
     """The compiled ``_decode_pages`` for FP8 pages of 16 tokens, fp16 products, split-K
-    (``balanced``: ``_decode_balanced``, the balanced schedule, for up to 128 sequences);
-    ``variant``: one of ``benchmarks/tma_variants.py``'s instead of the package kernel."""
+    (``balanced``: ``_decode_balanced``, the balanced schedule, for up to 128 sequences)."""
     import triton
     import triton.language as tl
     from triton.backends.compiler import GPUTarget
@@ -44,11 +43,6 @@ def compile_kernel(
         raise RuntimeError("TRITON_INTERPRET=1 is set: the interpreter compiles nothing; unset it")
     from torch_kvq.attention.triton import decode_tma as tma
 
-    if variant:
-        sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
-        from tma_variants import load_variant
-
-        tma = load_variant(variant, Path(tempfile.mkdtemp()))
     if balanced:
         from torch_kvq.attention.triton import decode_balanced
 
@@ -122,7 +116,6 @@ def main() -> None:
     ap.add_argument("--lazy", action=argparse.BooleanOptionalAction, default=None)
     ap.add_argument("--dump", type=Path, help="write the whole SASS here")
     ap.add_argument("--json", action="store_true", help="one JSON object per config")
-    ap.add_argument("--variant", help="a kernel of benchmarks/tma_variants.py (e.g. natural)")
     ap.add_argument("--balanced", action="store_true",
                     help="the balanced schedule's kernel (at BALANCED's register cap)")
     ap.add_argument("--max-registers", type=int, help="Triton's maxnreg (0: none)")  # fmt: skip
@@ -134,7 +127,7 @@ def main() -> None:
         cfg = dict(
             head=head, group=args.group or (2 if head == 256 else 4), ppi=args.ppi or ppi, stages=args.stages or stages,
             warps=args.warps or warps, lazy=lazy if args.lazy is None else args.lazy,
-            variant=args.variant, balanced=args.balanced, max_registers=args.max_registers,
+            balanced=args.balanced, max_registers=args.max_registers,
         )  # fmt: skip
         if args.balanced and args.max_registers is None and head in BALANCED:
             cfg["max_registers"] = BALANCED[head][1]

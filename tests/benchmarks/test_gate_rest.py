@@ -1,5 +1,5 @@
 """scripts/gate_rest.py: the GPU tests an interrupted gate did not reach, and one record for both
-parts (runs 59-60 of 2026-12-01 are the real case: 353 + 50 of 404)."""
+parts (runs 65-66 of 2026-12-01 are the real case: 349 + 54 of 404)."""
 
 from __future__ import annotations
 
@@ -51,14 +51,14 @@ def test_merge_sums_the_two_parts() -> None:
         merge(RECORD, "KeyboardInterrupt\n", "x")
 
 
-def test_missing_lists_what_run_59_did_not_reach() -> None:
-    """The real log of run 59 against this tree's GPU tests: the 50 that run 60 then ran (and any
+def test_missing_lists_what_run_65_did_not_reach() -> None:
+    """The real log of run 65 against this tree's GPU tests: the 54 that run 66 then ran (and any
     GPU test added since), none that the log reports."""
-    log = RESULTS / "h200_2026-12-01_run59_gpu_test_log.txt"
+    log = RESULTS / "h200_2026-12-01_run65_gpu_test_log.txt"
     got = subprocess.run([sys.executable, str(ROOT / "scripts" / "gate_rest.py"), "missing", str(log)],
                          capture_output=True, text=True, check=True, timeout=600, cwd=ROOT).stdout  # fmt: skip
     want = set(
-        (RESULTS / "h200_2026-12-01_run60_tests_not_reached_in_run59.txt").read_text().split()
+        (RESULTS / "h200_2026-12-01_run66_tests_not_reached_in_run65.txt").read_text().split()
     )
-    assert len(want) == 50 and want <= set(got.split())
+    assert len(want) == 54 and want <= set(got.split())
     assert not set(got.split()) & reported(log.read_text())
