@@ -616,13 +616,13 @@ def _() -> object:
 
 @case("ops.dequantize-non-fp8")
 def _() -> object:
-    return ops.dequantize_kv_cache(torch.zeros(1, 2, 4, 2, 8), 1.0, 1.0, torch.bfloat16)
+    return ops.dequantize_kv_cache(torch.zeros(1, 2, 4, 2, 8), 1.0, 1.0, torch.float32, "l0")
 
 
 @case("ops.dequantize-scale-nan")
 def _() -> object:
     return ops.dequantize_kv_cache(
-        torch.zeros(1, 2, 4, 2, 8).to(FP8_DTYPE), math.nan, 1.0, torch.bfloat16
+        torch.zeros(1, 2, 4, 2, 8).to(FP8_DTYPE), math.nan, 1.0, torch.float32, "l0"
     )
 
 

@@ -11,6 +11,7 @@ from tests.attention.conftest import (
     as_view,
     check_ops_on_views,
     make_layers,
+    opcheck,
 )
 from torch_kvq.attention import PageAllocator, ReferenceKernel, forward_context
 from torch_kvq.spec import FP8_DTYPE, KVCacheConfig
@@ -39,7 +40,7 @@ def test_opcheck_every_op(setup, fp8_safe_allclose) -> None:
     kq, vq = ops.quantize_fp8(k, 0.04), ops.quantize_fp8(v, 0.03)
     cases = [
         (ops.quantize_fp8.default, (k, 0.04)),
-        (ops.dequantize_kv_cache.default, (a_quant.kv_cache, 0.04, 0.03, torch.bfloat16)),
+        (ops.dequantize_kv_cache.default, (a_quant.kv_cache, 0.04, 0.03, torch.float32, quant.name)),
         (ops.cache_write.default, (kq, vq, a_quant.kv_cache.clone(), quant.name)),
         (ops.cache_write.default, (k, v, a_skip.kv_cache.clone(), skip.name)),
         (ops.quant_cache_write.default, (k, v, a_quant.kv_cache.clone(), 0.04, 0.03, quant.name)),
@@ -56,7 +57,7 @@ def test_opcheck_every_op(setup, fp8_safe_allclose) -> None:
         ),
     ]
     for op, args in cases:
-        torch.library.opcheck(op, args)
+        opcheck(op, args)
 
 
 @pytest.mark.parametrize("layout", VIEW_LAYOUTS)
@@ -75,8 +76,8 @@ def test_opcheck_every_op_on_views(setup, fp8_safe_allclose, layout: str) -> Non
         (ops.quantize_fp8, (kv_.float(), 0.04), (k.float(), 0.04)),
         (
             ops.dequantize_kv_cache,
-            (as_cache_view(c8), 0.04, 0.03, torch.bfloat16),
-            (c8, 0.04, 0.03, torch.bfloat16),
+            (as_cache_view(c8), 0.04, 0.03, torch.float32, quant.name),
+            (c8, 0.04, 0.03, torch.float32, quant.name),
         ),
         (ops.cache_write, (kqv, vqv, as_cache_view(c8), quant.name), (kq, vq, c8, quant.name)),
         (ops.cache_write, (kv_, vv, as_cache_view(c16), skip.name), (k, v, c16, skip.name)),
@@ -126,11 +127,10 @@ def test_tensor_scale_ops_equal_their_float_forms(setup) -> None:
 def test_fused_attention_equals_unfused(setup) -> None:
     (_, quant), (_, a_quant), q, k, v = setup
     ops.quant_cache_write(k, v, a_quant.kv_cache, 0.04, 0.03, quant.name)
-    unfused = ops.paged_attention(
-        q, ops.dequantize_kv_cache(a_quant.kv_cache, 0.04, 0.03, torch.bfloat16), quant.name
-    )
+    dequantized = ops.dequantize_kv_cache(a_quant.kv_cache, 0.04, 0.03, torch.float32, quant.name)
+    unfused = ops.paged_attention(q, dequantized, quant.name)
     fused = ops.paged_attention_fp8(q, a_quant.kv_cache, 0.04, 0.03, quant.name)
-    torch.testing.assert_close(fused.float(), unfused.float(), atol=1e-2, rtol=1e-2)
+    assert torch.equal(fused, unfused)  # one semantics: code * scale in fp32, on both paths
     out8 = ops.paged_attention_fp8(q, a_quant.kv_cache, 0.04, 0.03, quant.name, 0.01)
     assert out8.dtype == FP8_DTYPE
     torch.testing.assert_close(
@@ -158,13 +158,13 @@ def test_cache_write_rejects_wrong_dtype(setup) -> None:
 
 def test_paged_attention_rejects_fp8_cache(setup) -> None:
     (_, quant), (_, a_quant), q, k, v = setup
-    with pytest.raises(ValueError, match="needs a torch.bfloat16 cache, got torch.float8_e4m3fn"):
+    with pytest.raises(ValueError, match=r"needs a torch.bfloat16 cache \(or its dequantized float32 one\), got torch.float8_e4m3fn"):
         ops.paged_attention(q, a_quant.kv_cache, quant.name)
 
 
 def test_dequantize_rejects_non_fp8() -> None:
     with pytest.raises(ValueError, match="expects a float8_e4m3fn cache"):
-        ops.dequantize_kv_cache(torch.zeros(1, 2, 4, 2, 8), 1.0, 1.0, torch.bfloat16)
+        ops.dequantize_kv_cache(torch.zeros(1, 2, 4, 2, 8), 1.0, 1.0, torch.float32, "l0")
 
 
 def test_quantize_saturates() -> None:

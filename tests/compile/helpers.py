@@ -208,8 +208,9 @@ def small_case(
 
 class ManualLayer(nn.Module):
     """One FP8 layer written out by hand, to vary what the passes see: ``kv_quant(x, scale)``
-    quantizes k / v, ``dequant_dtype`` is what the cache is dequantized to (cast back to the
-    model dtype for the attention), ``out_form`` quantizes the output (None: no quant) and
+    quantizes k / v, ``dequant_dtype`` is what the cache is dequantized to (float32, the layer's
+    own form, unless given), ``attend_dtype`` what it is cast to before the attention (no cast
+    unless given), ``out_form`` quantizes the output (None: no quant) and
     ``also_return_output`` gives the attention output a second user."""
 
     def __init__(
@@ -217,14 +218,16 @@ class ManualLayer(nn.Module):
         spec: LayerKVSpec,
         num_pages: int,
         kv_quant,
-        dequant_dtype=None,
+        dequant_dtype=torch.float32,
+        attend_dtype=None,
         out_form="op",
         also_return_output=False,
     ):
         super().__init__()
         self.attn = Attention(spec, num_pages)
         self.kv_quant = kv_quant
-        self.dequant_dtype = dequant_dtype or spec.model_dtype
+        self.dequant_dtype = dequant_dtype
+        self.attend_dtype = attend_dtype
         self.out_form = out_form
         self.also_return_output = also_return_output
 
@@ -238,9 +241,9 @@ class ManualLayer(nn.Module):
             self.kv_quant(k, s.k_scale), self.kv_quant(v, s.v_scale), self.attn.kv_cache, s.name
         )
         kv = torch.ops.kvq.dequantize_kv_cache(
-            self.attn.kv_cache, s.k_scale, s.v_scale, self.dequant_dtype
+            self.attn.kv_cache, s.k_scale, s.v_scale, self.dequant_dtype, s.name
         )
-        o = torch.ops.kvq.paged_attention(q, kv.to(s.model_dtype), s.name)
+        o = torch.ops.kvq.paged_attention(q, kv.to(self.attend_dtype or kv.dtype), s.name)
         out = o if self.out_form is None else output_quant(o.reshape(o.shape[0], -1), self.out_form)
         return (out, o) if self.also_return_output else out
 

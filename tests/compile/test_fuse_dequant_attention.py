@@ -56,7 +56,7 @@ def test_attention_counts_unchanged():
 
 
 def test_attention_not_fed_by_a_dequant_is_not_fused():
-    model, md, inputs = manual_case(dequant_dtype=torch.float32)  # dequant to fp32, cast to bf16
+    model, md, inputs = manual_case(attend_dtype=torch.bfloat16)  # dequant to fp32, cast to bf16
     gm = capture_graph(model, inputs, md)
     manager = run_passes(gm, model.specs, PASSES)
     assert not nodes_of(gm, ATTENTION_FP8) and len(nodes_of(gm, ATTENTION)) == 1
@@ -65,6 +65,16 @@ def test_attention_not_fed_by_a_dequant_is_not_fused():
         decision
         == "not fused: the attention's cache is not kvq.dequantize_kv_cache (found prims.convert_element_type)"
     )
+
+
+def test_dequant_to_the_model_dtype_is_not_fused():
+    # the fused attention reads code * scale in fp32; a bf16 dequant rounds first: not the same
+    model, md, inputs = manual_case(dequant_dtype=torch.bfloat16)
+    gm = capture_graph(model, inputs, md)
+    manager = run_passes(gm, model.specs, PASSES)
+    assert not nodes_of(gm, ATTENTION_FP8) and len(nodes_of(gm, DEQUANTIZE)) == 1
+    decision = manager.last.per_layer[model.specs[0].name]["fuse_dequant_attention"]
+    assert decision.startswith("not fused: the cache is dequantized to torch.bfloat16")
 
 
 def test_kernel_that_cannot_read_fp8_keeps_the_dequant():

@@ -76,7 +76,7 @@ class BufferScaleLayer(nn.Module):
         vq = tensor_quant(v, self.v_scale) if self.v_kv == "tensor" else tensor_quant(v, s.v_scale)
         torch.ops.kvq.cache_write(kq, vq, self.attn.kv_cache, s.name)
         kv = torch.ops.kvq.dequantize_kv_cache(
-            self.attn.kv_cache, s.k_scale, s.v_scale, s.model_dtype
+            self.attn.kv_cache, s.k_scale, s.v_scale, torch.float32, s.name
         )
         o = torch.ops.kvq.paged_attention(q, kv, s.name)
         x = o.reshape(o.shape[0], -1)

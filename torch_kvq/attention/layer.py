@@ -67,8 +67,9 @@ class Attention(nn.Module):
             kq = self._quantize(k, spec.k_scale)
             vq = self._quantize(v, spec.v_scale)
             torch.ops.kvq.cache_write(kq, vq, self.kv_cache, spec.name)
+            # fp32: the dequantized values the fused kernels read, never rounded to the model dtype
             kv = torch.ops.kvq.dequantize_kv_cache(
-                self.kv_cache, spec.k_scale, spec.v_scale, spec.model_dtype
+                self.kv_cache, spec.k_scale, spec.v_scale, torch.float32, spec.name
             )
             return torch.ops.kvq.paged_attention(q, kv, spec.name)
         torch.ops.kvq.cache_write(k, v, self.kv_cache, spec.name)

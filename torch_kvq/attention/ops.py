@@ -4,7 +4,7 @@ Unfused (eager, the reference semantics) for an FP8 layer::
 
     kq = kvq.quantize_fp8(k, k_scale); vq = kvq.quantize_fp8(v, v_scale)
     kvq.cache_write(kq, vq, kv_cache, layer)                   # mutates kv_cache
-    kv = kvq.dequantize_kv_cache(kv_cache, k_scale, v_scale, dtype)   # whole cache -> bf16
+    kv = kvq.dequantize_kv_cache(kv_cache, k_scale, v_scale, float32, layer)  # batch's pages
     out = kvq.paged_attention(q, kv, layer)
 
 Fused (what the passes produce)::
@@ -127,22 +127,35 @@ def _(x: Tensor, scale: float) -> Tensor:
 
 @torch.library.custom_op("kvq::dequantize_kv_cache", mutates_args=())
 def dequantize_kv_cache(
-    kv_cache: Tensor, k_scale: float, v_scale: float, out_dtype: torch.dtype
+    kv_cache: Tensor, k_scale: float, v_scale: float, out_dtype: torch.dtype, layer_name: str
 ) -> Tensor:
-    """Whole-cache dequantization [pages, 2, page, KH, D] fp8 -> ``out_dtype`` (the unfused form)."""
+    """The unfused form's read of an FP8 cache [pages, 2, page, KH, D]: the pages the batch in the
+    forward context reads (the layer's page table) dequantized as ``code.float() * scale`` into a
+    new tensor of the cache's shape in ``out_dtype`` (float32 in ``Attention``: the values the fused
+    kernels read). Pages outside the batch are left unset; attention never reads them. So the cost
+    follows the batch's pages, not the pool."""
     _check(
         kv_cache.dtype == FP8_DTYPE,
         f"dequantize_kv_cache expects a float8_e4m3fn cache, got {kv_cache.dtype}",
     )
     check_scale(k_scale, "dequantize_kv_cache k_scale")
     check_scale(v_scale, "dequantize_kv_cache v_scale")
-    return quant.dequantize_fp8_kv_cache(
-        kv_cache, k_scale, v_scale, _new_output(kv_cache, out_dtype)
-    )
+    ctx = get_forward_context()
+    spec = ctx.spec(layer_name)
+    _check_fp8_layer(spec, "dequantize_kv_cache")
+    _check_cache(spec, kv_cache)
+    md = ctx.metadata_for(spec)
+    _check_capacity(spec, kv_cache, md)
+    out = _new_output(kv_cache, out_dtype)
+    pages = md.kv_indices.long()
+    out[pages] = quant.dequantize_fp8_kv_cache(kv_cache[pages], k_scale, v_scale).to(out_dtype)
+    return out
 
 
 @dequantize_kv_cache.register_fake
-def _(kv_cache: Tensor, k_scale: float, v_scale: float, out_dtype: torch.dtype) -> Tensor:
+def _(
+    kv_cache: Tensor, k_scale: float, v_scale: float, out_dtype: torch.dtype, layer_name: str
+) -> Tensor:
     return _new_output(kv_cache, out_dtype)
 
 
@@ -230,14 +243,18 @@ def _(
 
 @torch.library.custom_op("kvq::paged_attention", mutates_args=())
 def paged_attention(q: Tensor, kv_cache: Tensor, layer_name: str) -> Tensor:
-    """Attention over a model-dtype paged cache. q [T, QH, D] -> [T, QH, D] in q's dtype."""
+    """Attention over a model-dtype paged cache, or over a quantized layer's dequantized (float32)
+    one: the unfused form. q [T, QH, D] -> [T, QH, D] in q's dtype."""
     ctx = get_forward_context()
     spec = ctx.spec(layer_name)
     _check_q(spec, q, ctx.metadata.num_tokens)
     _check_cache(spec, kv_cache)
+    dequantized = spec.is_quantized and kv_cache.dtype == torch.float32
     _check(
-        kv_cache.dtype == q.dtype,
-        f"layer {layer_name!r}: paged_attention needs a {q.dtype} cache, got {kv_cache.dtype}",
+        kv_cache.dtype == q.dtype or dequantized,
+        f"layer {layer_name!r}: paged_attention needs a {q.dtype} cache"
+        + (" (or its dequantized float32 one)" if spec.is_quantized else "")
+        + f", got {kv_cache.dtype}",
     )
     _check_capacity(spec, kv_cache, ctx.metadata_for(spec))
     return ctx.kernel(layer_name).attend(ctx, spec, q, kv_cache, 1.0, 1.0, None)

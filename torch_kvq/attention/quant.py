@@ -39,10 +39,9 @@ def dequantize_fp8(x: torch.Tensor, scale: float) -> torch.Tensor:
 
 
 def dequantize_fp8_kv_cache(
-    kv_cache: torch.Tensor, k_scale: float, v_scale: float, out: torch.Tensor
+    kv_pages: torch.Tensor, k_scale: float, v_scale: float
 ) -> torch.Tensor:
-    """A whole FP8 cache [pages, 2, page, KH, D] (K at ``[:, 0]``, V at ``[:, 1]``) dequantized
-    in fp32 into ``out`` (its shape, in the model dtype): the unfused form's
-    ``kvq::dequantize_kv_cache``."""
-    scales = torch.tensor([k_scale, v_scale], dtype=torch.float32, device=kv_cache.device)
-    return out.copy_(kv_cache.float() * scales.view(1, 2, 1, 1, 1))
+    """FP8 cache pages [n, 2, page, KH, D] (K at ``[:, 0]``, V at ``[:, 1]``) dequantized in fp32:
+    ``code.float() * scale``, never rounded to the model dtype (what the fused kernels read)."""
+    scales = torch.tensor([k_scale, v_scale], dtype=torch.float32, device=kv_pages.device)
+    return kv_pages.float() * scales.view(1, 2, 1, 1, 1)

@@ -1,6 +1,6 @@
 """Tensor parallelism for an unmodified transformers model: its modules sharded in place.
 
-Not transformers' own ``tp_plan`` / DTensor path (README, "Tensor parallelism" says why): each
+Not transformers' own ``tp_plan`` / DTensor path (docs/tensor-parallel.md says why): each
 decoder layer's ``q_proj`` / ``k_proj`` / ``v_proj`` and ``mlp.gate_proj`` / ``up_proj`` keep
 this rank's output rows (column-parallel, plain ``nn.Linear`` with fewer outputs), ``o_proj`` and
 ``mlp.down_proj`` become ``RowParallelLinear`` (this rank's input columns, then a functional

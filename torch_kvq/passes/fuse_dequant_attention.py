@@ -1,10 +1,10 @@
-"""fuse_dequant_attention: dequantize the whole cache + attention -> attention on the FP8 cache.
+"""fuse_dequant_attention: dequantize the cache + attention -> attention on the FP8 cache.
 
 Applies where the attention's stamp says the layer is quantized and its kernel reads FP8 caches
-in place. No model-dtype copy of the cache is materialized any more::
+in place. No dequantized copy of the cache is materialized any more::
 
     before:
-        dequantize_kv_cache = kvq.dequantize_kv_cache(getitem_1, 0.5, 0.25, torch.bfloat16)
+        dequantize_kv_cache = kvq.dequantize_kv_cache(getitem_1, 0.5, 0.25, torch.float32, 'l0')
         paged_attention = kvq.paged_attention(q, dequantize_kv_cache, 'l0')
     after:
         paged_attention_fp8 = kvq.paged_attention_fp8(q, getitem_1, 0.5, 0.25, 'l0')
@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from typing import ClassVar
 
+import torch
 from torch import fx
 
 from torch_kvq.passes.base import KVQPass, PassContext
@@ -60,10 +61,11 @@ class FuseDequantAttentionPass(KVQPass):
                 )
                 continue
             d = op_args(deq)
-            if d["out_dtype"] != stamp.spec.model_dtype:
+            if d["out_dtype"] != torch.float32:
                 ctx.decide(
                     stamp.layer,
-                    f"not fused: the cache is dequantized to {d['out_dtype']}, the layer runs in {stamp.spec.model_dtype}",
+                    f"not fused: the cache is dequantized to {d['out_dtype']}, and the fused "
+                    "attention reads code * scale in float32 (it would not compute the same)",
                 )
                 continue
             with graph.inserting_before(node):

@@ -3,7 +3,7 @@
 Per batch, outside the graph, ``plan`` groups the layers by everything a FlashInfer plan bakes in
 (``flashinfer_plan.GroupKey``) and plans each group once; ``attend`` (inside the ops) only runs.
 Kernels per layer, chosen from the layer's spec (measured speed and error of each:
-docs/fp8_prefill.md, docs/fp8_decode_paths.md, benchmarks/RESULTS.md):
+docs/design/fp8_prefill.md, docs/design/fp8_decode_paths.md, benchmarks/RESULTS.md):
 
 * prefill / mixed batch: ``BatchPrefillWithPagedKVCacheWrapper``, the ``prefill`` option:
 
@@ -351,6 +351,10 @@ class FlashInferKernel:
         output_scale: float | torch.Tensor | None,
     ) -> torch.Tensor:
         """q [T, QH, D], kv_cache [pages, 2, page, KH, D] -> [T, QH, D] (see module docstring)."""
+        if spec.is_quantized and kv_cache.dtype == torch.float32 != spec.model_dtype:
+            # the unfused form's dequantized (fp32) cache: FlashInfer reads no fp32 cache, so it
+            # attends over that cache rounded to the model dtype (the fused kernels read the codes)
+            kv_cache = kv_cache.to(spec.model_dtype)
         plan = ctx.plans.get((id(self), spec.name, kv_cache.dtype))
         if plan is None:
             if kv_cache.dtype not in (spec.storage_dtype, spec.model_dtype):

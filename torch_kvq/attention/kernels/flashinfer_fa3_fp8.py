@@ -3,7 +3,7 @@
 FlashInfer 0.6.18's fa3 FP8 mainloop masks the raw code logits q8.k8 with a finite -5e4 and
 scales afterwards (its issue #4267, fixed after 0.6.18). At small query scales a masked key then
 sits close to the real logits, and the error follows the masked key's real logit
-(docs/fa3_fp8_mask_analysis.md). ``quantize_query`` floors the query scale so a masked key is
+(docs/design/fa3_fp8_mask_analysis.md). ``quantize_query`` floors the query scale so a masked key is
 >= ``FA3_FP8_MASK_MARGIN`` below in real logit units. Imports nothing from FlashInfer.
 """
 

@@ -9,7 +9,7 @@ a page is a small box, so many pages are in flight per program at little shared 
 per program, many programs per SM (split-K), 1-2 pages per loop iteration under one
 online-softmax update (``tuned``). V's columns are permuted in registers so that the ``p @ v``
 operand loads are 16-byte vectors, not byte gathers (``helpers.page_logits``). Its speed against
-copy bandwidth, XQA and FlashInfer's tensor-core decode, per head size: docs/fp8_decode_paths.md.
+copy bandwidth, XQA and FlashInfer's tensor-core decode, per head size: docs/design/fp8_decode_paths.md.
 
 The page loop and the math are ``helpers.attend``'s: e4m3 -> ``dot_dtype`` (fp16 by default: one
 instruction per two values on sm90, exact) in registers, both products accumulate in fp32,
@@ -96,7 +96,7 @@ def default_schedule(
 
 
 # (warps, stages, pages per iteration, lazy rescale) per head size: the fastest measured on an
-# H200 (docs/fp8_decode_paths.md). One warp per program beats two and four on both head sizes;
+# H200 (docs/design/fp8_decode_paths.md). One warp per program beats two and four on both head sizes;
 # the lazy rescale helps at head 128 and not at head 256.
 TUNED = {128: (1, 6, 1, True), 256: (1, 6, 1, False)}
 # (programs per SM, max registers) of the balanced schedule (``decode_balanced``), taken
