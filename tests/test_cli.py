@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from torch_kvq import cli
+from torch_kvq.cli import args as cli_args
 
 
 def run_main(capsys, *argv: str) -> tuple[int, str, str]:
@@ -171,12 +172,13 @@ def test_inspect_head_dim_and_a_partly_served_model(capsys):
 _NO_TORCH = """
 import sys, argparse, importlib
 import torch_kvq.cli as c
+from torch_kvq.cli.args import SUBCOMMANDS
 c.build_parser(load=[]).format_help()  # what ``kvq --help`` builds
 for name in ("demo", "inspect", "accuracy", "dump"):  # their parsers (``kvq <sub> --help``)
     sub = argparse.ArgumentParser().add_subparsers()
-    importlib.import_module(c.SUBCOMMANDS[name][0]).add_parser(sub)
+    importlib.import_module(SUBCOMMANDS[name][0]).add_parser(sub)
     sub.choices[name].format_help()
-c.build_parser().format_help()  # every parser, with the --hf / --hf-config options added
+c.build_parser().format_help()  # every parser, with the model source group
 assert "torch" not in sys.modules, sorted(m for m in sys.modules if m.startswith("torch"))
 """
 
@@ -191,24 +193,26 @@ def test_help_imports_no_torch():
 def test_help_lists_every_subcommand_without_loading_it(capsys):
     code, out, _ = run_main(capsys, "--help")
     assert code == 0
-    for name, (_, help_line) in cli.SUBCOMMANDS.items():
+    for name, (_, help_line) in cli_args.SUBCOMMANDS.items():
         assert name in out and help_line.split()[0] in out
 
 
 def test_torch_free_copies_match_the_originals():
     import argparse
 
-    from torch_kvq.debug import accuracy, accuracy_cmd
+    from torch_kvq.cli import accuracy as accuracy_cmd
+    from torch_kvq.debug import accuracy
     from torch_kvq.models import PRESETS
     from torch_kvq.spec import SUPPORTED_PAGE_SIZES
 
-    assert cli.PRESET_NAMES == tuple(sorted(PRESETS))
-    assert cli.PAGE_SIZES == tuple(SUPPORTED_PAGE_SIZES)
+    assert cli_args.PRESET_NAMES == tuple(sorted(PRESETS))
+    assert cli_args.DEFAULT_PRESET in PRESETS
+    assert cli_args.PAGE_SIZES == tuple(SUPPORTED_PAGE_SIZES)
     assert accuracy_cmd.DEFAULT_THRESHOLD_DB == accuracy.DEFAULT_THRESHOLD_DB
     parser = cli.build_parser()  # every subcommand's full parser
     (sub,) = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
     helps = {a.dest: a.help for a in sub._choices_actions}
-    assert helps == {name: help_line for name, (_, help_line) in cli.SUBCOMMANDS.items()}
+    assert helps == {name: help_line for name, (_, help_line) in cli_args.SUBCOMMANDS.items()}
 
 
 def test_lazy_package_names():

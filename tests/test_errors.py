@@ -1273,11 +1273,17 @@ def _() -> object:
 # --- kvq inspect -------------------------------------------------------------------------------
 
 
-def inspect(*argv: str) -> object:
+def kvq(*argv: str) -> object:
+    """Run a ``kvq`` subcommand's runner (what ``main`` turns into ``kvq <sub>: error: ...``)."""
     from torch_kvq.cli import build_parser
 
-    args = build_parser().parse_args(["inspect", *argv])
+    args = build_parser().parse_args(list(argv))
+    args.argv = list(argv)
     return args.func(args)
+
+
+def inspect(*argv: str) -> object:
+    return kvq("inspect", *argv)
 
 
 @case("inspect.layers-not-served")
@@ -1288,6 +1294,14 @@ def _() -> object:
 @case("inspect.head-dim-zero")
 def _() -> object:
     return inspect("--head-dim", "0")
+
+
+# --- kvq: the model source and the other shared options -----------------------------------------
+
+
+@case("cli.hf-config-needs-weights")
+def _() -> object:
+    return kvq("demo", "--hf-config", "/nonexistent/config.json")
 
 
 @case("calibration.no-attention-layers")

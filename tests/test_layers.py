@@ -1,5 +1,4 @@
-"""Layers depend one way: spec -> attention -> passes / models -> debug, demo, integrations ->
-cli. Every import in ``torch_kvq/`` (module level, in functions, under TYPE_CHECKING) is read
+"""Layers depend one way: spec -> attention -> passes / models -> debug, integrations -> cli. Every import in ``torch_kvq/`` (module level, in functions, under TYPE_CHECKING) is read
 with ``ast``; no module may import one of a higher layer."""
 
 from __future__ import annotations
@@ -18,9 +17,7 @@ LAYERS: dict[str, int] = {
     "torch_kvq.passes": 2,
     "torch_kvq.models": 2,
     "torch_kvq.debug": 3,
-    "torch_kvq.demo": 3,
     "torch_kvq.integrations": 3,
-    "torch_kvq.cli_args": 3,
     "torch_kvq.cli": 4,
 }
 

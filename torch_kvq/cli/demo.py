@@ -1,9 +1,9 @@
 """``kvq demo``: a small mixed FP8 / bf16 model generating, checked against an all-bf16 run.
 
-Builds a preset model (Gemma-style by default: FP8 KV cache on the global layers, sliding-window
-layers kept in bf16) with fixed random weights, generates greedily for a few prompts of different
-lengths, prints the per-layer table and the largest logit difference to the all-bf16 model fed
-the same tokens.
+Builds the model the shared options name (a preset, Gemma-style by default: FP8 KV cache on the
+global layers, sliding-window layers kept in bf16; or ``--hf FAMILY``) with fixed random weights,
+generates greedily for a few prompts of different lengths, prints the per-layer table and the
+largest logit difference to the same model with an all-bf16 cache fed the same tokens.
 """
 
 from __future__ import annotations
@@ -13,6 +13,8 @@ import sys
 import time
 from typing import Any
 
+from torch_kvq.cli.args import SUBCOMMANDS, CommandError, add_model_args, model_label, positive_int
+
 COMPILE_MODES = ("off", "kvq", "kvq-eager")
 # kvq-eager: kvq_backend's passes on the real post-grad graph, then the FX graph runs without
 # Inductor codegen (~10 s). "kvq" adds Inductor (a ~45 s cold compile on 2 CPU cores).
@@ -21,15 +23,13 @@ PROMPT_LENS = (5, 23, 12)
 
 
 def add_parser(sub: Any) -> None:
-    from torch_kvq.cli_args import SUBCOMMANDS, add_model_args, positive_int
-
     p = sub.add_parser(
         "demo",
         help=SUBCOMMANDS["demo"][1],
         description="Generate with a small mixed FP8/bf16 KV-cache model (fixed random weights) "
         "and compare its logits with an all-bf16 run fed the same tokens.",
     )
-    add_model_args(p)  # --preset --kv-cache-dtype --skip/--no-skip --page-size --layers --seed
+    add_model_args(p)  # --preset|--hf|--hf-config --kv-cache-dtype --skip/--no-skip ... --seed
     p.add_argument("--max-new-tokens", type=positive_int, default=8)
     p.add_argument(
         "--compile",
@@ -51,8 +51,6 @@ def add_parser(sub: Any) -> None:
 
 def _kvq_backend(mode: str) -> Any:
     """The compile backend for ``--compile kvq`` / ``kvq-eager``, imported only then."""
-    from torch_kvq.cli_args import CommandError
-
     try:
         from torch_kvq.passes import kvq_backend, make_kvq_backend
     except ImportError as e:
@@ -99,8 +97,6 @@ def run(args: argparse.Namespace) -> int:
     tp = distributed.init_tensor_parallel("gloo", "cpu")
     try:
         if tp.size != args.tp:
-            from torch_kvq.cli_args import CommandError
-
             raise CommandError(f"--tp {args.tp}, but torchrun started {tp.size} ranks")
         mute = tp.rank != 0  # rank 0 prints; every rank runs the same steps
         out = contextlib.redirect_stdout(io.StringIO()) if mute else contextlib.nullcontext()
@@ -122,7 +118,7 @@ def run(args: argparse.Namespace) -> int:
 def _run(args: argparse.Namespace, tp: Any) -> int:
     import torch
 
-    from torch_kvq.cli_args import kv_config_from_args, model_from_args
+    from torch_kvq.cli.sources import kv_config_from_args, model_from_args
     from torch_kvq.models import generate
     from torch_kvq.spec import KVCacheConfig, format_spec_table
 
@@ -161,7 +157,7 @@ def _run(args: argparse.Namespace, tp: Any) -> int:
         for a in model.attention_layers
     }
     print(
-        f"kvq demo: preset {args.preset}, kv_cache_dtype={kv.kv_cache_dtype!r}, "
+        f"kvq demo: {model_label(args)}, kv_cache_dtype={kv.kv_cache_dtype!r}, "
         f"skip_layers={kv.skip_layers}, page_size {kv.page_size}, compile {args.compile}, "
         f"seed {args.seed}"
         + (f", tensor-parallel over {tp.size} ranks (this table: rank 0's heads)" if tp else "")
