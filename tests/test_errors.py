@@ -1046,6 +1046,23 @@ def _() -> object:
     return gen([[1] * 40], 2)
 
 
+@case("generate.prompts-float-tensor")
+def _() -> object:
+    return gen(torch.ones(2, 3), 2)
+
+
+@case("generate.prompt-is-a-tensor")
+def _() -> object:
+    return gen([torch.tensor([1, 2]), torch.tensor([3])], 2)
+
+
+@case("accuracy.empty-prompt")
+def _() -> object:
+    from torch_kvq.debug.accuracy import layer_accuracy
+
+    return layer_accuracy(tiny_llama(), [[1, 2], []], KVCacheConfig("fp8", page_size=4))
+
+
 # --- graph level: the compile backend, the pass manager and the annotate pass ------------------
 
 
@@ -1483,6 +1500,12 @@ def _() -> object:
     ids, mask = torch.tensor([[3, 4, 0], [5, 6, 7]]), torch.tensor([[1, 1, 0], [1, 1, 1]])
     with _detached(lm := _attach(_hf())):
         return lm.generate(ids, attention_mask=mask, max_new_tokens=2, do_sample=False)
+
+
+@case("hf.generate-empty-prompt")
+def _() -> object:
+    with _detached(lm := _attach(_hf())):
+        return lm.generate(torch.zeros(1, 0, dtype=torch.long), max_new_tokens=2, do_sample=False)
 
 
 @case("hf.generate-beam-search")
