@@ -96,6 +96,7 @@ def test_bad_values_exit_2_with_the_reason(capsys, argv, message):
         (["demo", "--max-new-tokens", "0"], "expected a positive int, got '0'"),
         (["demo", "--compile", "inductor"], "invalid choice: 'inductor'"),
         (["demo", "--skip", "0", "--no-skip"], "not allowed with argument"),
+        (["demo", "--tp", "0"], "expected a positive int, got '0'"),
     ],
 )
 def test_usage_errors_exit_2(capsys, argv, message):

@@ -1321,6 +1321,62 @@ def _() -> object:
     return kvq("demo", "--hf-config", "/nonexistent/config.json")
 
 
+def inspect_config(text: str) -> object:
+    """``kvq inspect --hf-config`` on a config.json holding ``text``."""
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as folder:
+        (Path(folder) / "config.json").write_text(text)
+        return inspect("--hf-config", folder)
+
+
+@case("cli.hf-config-bad-json")
+def _() -> object:
+    return inspect_config('{"model_type": "llama",')
+
+
+@case("cli.hf-config-unknown-model-type")
+def _() -> object:
+    return inspect_config('{"model_type": "llama9"}')
+
+
+@case("cli.hf-config-encoder-decoder")
+def _() -> object:
+    return inspect_config('{"model_type": "t5", "num_layers": 1, "d_model": 32, "num_heads": 2}')
+
+
+@case("cli.hf-config-no-causal-lm")
+def _() -> object:
+    return inspect_config('{"model_type": "vit", "num_hidden_layers": 1, "hidden_size": 32}')
+
+
+def demo_tp(*argv: str) -> object:
+    """``kvq demo ... --tp N`` with torchrun never started: a check that let it through fails."""
+    from torch_kvq import distributed
+
+    def relaunch(*_: object) -> int:
+        raise AssertionError("torchrun started before --tp was checked")
+
+    with mock.patch.object(distributed, "relaunch", relaunch):
+        return kvq("demo", *argv)
+
+
+@case("cli.tp-heads-not-divisible")
+def _() -> object:
+    return demo_tp("--preset", "llama-tiny", "--tp", "3")
+
+
+@case("cli.tp-hf-model")
+def _() -> object:
+    return demo_tp("--hf", "qwen2", "--tp", "2")
+
+
+@case("cli.tp-no-torchrun")
+def _() -> object:
+    with mock.patch("torch.distributed.is_available", return_value=False):
+        return demo_tp("--tp", "2")
+
+
 @case("calibration.no-attention-layers")
 def _() -> object:
     return calibrate_kv_scales(torch.nn.Linear(2, 2), lambda: None)

@@ -83,3 +83,23 @@ def test_hf_config_without_weights_is_for_inspect_only(capsys, tmp_path):
     assert code == 0, err
     assert "LlamaForCausalLM" in out.splitlines()[0]
     assert "(all-bfloat16: 2048)" in out  # 4 layers x 2 KV heads x head size 64 x (k, v) x 2 B
+
+
+def test_hf_config_failures_are_clean_errors(capsys, tmp_path):
+    """transformers' own failures on a config: ``kvq inspect: error: ...``, exit 2, naming the
+    file, no traceback and no list of transformers' classes."""
+    import transformers
+
+    t5 = transformers.T5Config(
+        vocab_size=64, d_model=32, d_kv=8, d_ff=64, num_layers=1, num_heads=2
+    )
+    t5.save_pretrained(tmp_path / "t5")
+    code, out, err = run_main(capsys, "inspect", "--hf-config", str(tmp_path / "t5"))
+    assert code == 2 and not out
+    assert err.startswith("kvq inspect: error: --hf-config") and "Traceback" not in err, err
+    assert "encoder-decoder is not supported" in err and "should be one of" not in err, err
+    bad = tmp_path / "bad.json"
+    bad.write_text('{"model_type": "llama", "hidden_size": 64,,}')
+    code, out, err = run_main(capsys, "inspect", "--hf-config", str(bad))
+    assert code == 2 and not out
+    assert f"kvq inspect: error: --hf-config: {str(bad)!r} is not a JSON config: " in err, err

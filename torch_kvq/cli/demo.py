@@ -79,6 +79,23 @@ def _bar(
     return bar, on_step
 
 
+def _check_tp(args: argparse.Namespace) -> None:
+    """``--tp N``, checked before torchrun starts: the model's heads split N ways, and this torch
+    has torch.distributed and torchrun."""
+    import importlib.util
+
+    import torch.distributed as dist
+
+    from torch_kvq.cli.sources import check_tp
+
+    check_tp(args, args.tp)
+    if not dist.is_available() or importlib.util.find_spec("torch.distributed.run") is None:
+        raise CommandError(
+            f"--tp {args.tp} re-runs this command under torchrun (torch.distributed.run), which "
+            "this torch build lacks; run without --tp"
+        )
+
+
 def run(args: argparse.Namespace) -> int:
     import contextlib
     import io
@@ -86,6 +103,7 @@ def run(args: argparse.Namespace) -> int:
     from torch_kvq import distributed
 
     if args.tp > 1 and not distributed.under_torchrun():
+        _check_tp(args)
         print(f"kvq demo: starting {args.tp} ranks (torchrun --standalone) ...", file=sys.stderr)
         return distributed.relaunch(args.tp, ["-m", "torch_kvq.cli", *args.argv])
     if args.tp == 1:

@@ -5,7 +5,8 @@
 a preset ``PagedDecoder``, or a ``KVQCausalLM`` around a transformers model, either a tiny
 random-weight one of a family (``--hf``) or one built from a local config.json on the meta device
 (``--hf-config``: no weights, so only the plan can be read from it). transformers is imported
-only when one of those is used.
+only when one of those is used. Failures of foreign code (transformers, a bad JSON file) become a
+``CommandError`` naming the file: ``kvq <cmd>: error: ...``, exit 2, no traceback.
 """
 
 from __future__ import annotations
@@ -64,6 +65,20 @@ def preset_config(args: argparse.Namespace) -> dict[str, Any]:
     return PRESETS[args.preset][0](**overrides)
 
 
+def check_tp(args: argparse.Namespace, size: int) -> None:
+    """Tensor parallelism over ``size`` ranks: a preset whose query and KV heads both divide."""
+    if args.hf is not None or args.hf_config is not None:
+        raise CommandError("--tp runs the presets; --hf models take tp= in KVQCausalLM.from_hf")
+    config = preset_config(args)
+    heads, kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
+    if heads % size or kv_heads % size:
+        fits = [n for n in range(1, kv_heads + 1) if heads % n == 0 and kv_heads % n == 0]
+        raise CommandError(
+            f"--tp {size} does not divide the {heads} query heads and {kv_heads} KV heads of "
+            f"preset {args.preset}; expected one of {fits}"
+        )
+
+
 def model_from_args(
     args: argparse.Namespace,
     kv_config: KVCacheConfig | None = None,
@@ -76,8 +91,8 @@ def model_from_args(
     rank's tensor-parallel shard (presets only). ``weights=False``: the caller reads the plan only
     (``kvq inspect``), so ``--hf-config``'s meta-device model will do."""
     kv = kv_config if kv_config is not None else kv_config_from_args(args)
-    if (args.hf is not None or args.hf_config is not None) and tp is not None:
-        raise CommandError("--tp runs the presets; --hf models take tp= in KVQCausalLM.from_hf")
+    if tp is not None:
+        check_tp(args, tp.size)
     if args.hf_config is not None:
         if weights:
             raise CommandError(
@@ -117,7 +132,15 @@ def hf_config_lm(path: str, kv: KVCacheConfig, overrides: dict[str, Any]) -> Any
 
     hf = _meta_model(path, load_config(path), overrides)
     with _no_meta_autocast():
-        return KVQCausalLM.from_hf(hf, kv, num_pages=1)
+        try:
+            return KVQCausalLM.from_hf(hf, kv, num_pages=1)
+        except (ValueError, CommandError):
+            raise  # ours: they name the layer and what is unsupported
+        except Exception as e:  # noqa: BLE001 - transformers' forward on the meta device
+            raise CommandError(
+                f"--hf-config {path!r}: the one-token dry run of {type(hf).__name__} on the meta "
+                f"device failed ({type(e).__name__}: {e})"
+            ) from None
 
 
 def load_config(path: str) -> Any:
@@ -126,18 +149,37 @@ def load_config(path: str) -> Any:
     file = p / "config.json" if p.is_dir() else p
     if not file.is_file():
         raise CommandError(f"--hf-config {path!r}: no such config.json (nothing is downloaded)")
+    try:
+        data = json.loads(file.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise CommandError(f"--hf-config: {str(file)!r} is not a JSON config: {e}") from None
+    if not isinstance(data, dict) or "model_type" not in data:
+        raise CommandError(f"--hf-config {str(file)!r}: the config has no model_type")
     import transformers
 
-    data = json.loads(file.read_text())
-    if "model_type" not in data:
-        raise CommandError(f"--hf-config {path!r}: the config has no model_type")
-    return transformers.AutoConfig.for_model(**data)
+    if data["model_type"] not in transformers.CONFIG_MAPPING:
+        raise CommandError(
+            f"--hf-config {str(file)!r}: model_type {data['model_type']!r} is not one transformers "
+            f"{transformers.__version__} knows"
+        )
+    try:
+        return transformers.AutoConfig.for_model(**data)
+    except Exception as e:  # noqa: BLE001 - transformers' own errors, reported without traceback
+        raise CommandError(
+            f"--hf-config {str(file)!r}: transformers cannot read it ({type(e).__name__}: {e})"
+        ) from None
 
 
 def _meta_model(path: str, config: Any, overrides: dict[str, Any]) -> torch.nn.Module:
     import torch
     import transformers
 
+    if getattr(config, "is_encoder_decoder", False):
+        raise CommandError(
+            f"--hf-config {path!r}: model_type {config.model_type!r} is an encoder-decoder model; "
+            "encoder-decoder is not supported (torch-kvq attaches decoder-only causal language "
+            "models)"
+        )
     text = config.get_text_config(decoder=True)
     layers = overrides.get("num_hidden_layers")
     if layers is not None:
@@ -152,7 +194,20 @@ def _meta_model(path: str, config: Any, overrides: dict[str, Any]) -> torch.nn.M
         try:
             model = transformers.AutoModelForCausalLM.from_config(config)
         except ValueError:  # multimodal models that generate text
-            model = transformers.AutoModelForImageTextToText.from_config(config)
+            try:
+                model = transformers.AutoModelForImageTextToText.from_config(config)
+            except ValueError:
+                raise CommandError(
+                    f"--hf-config {path!r}: model_type {config.model_type!r} has no causal "
+                    "language model class in transformers (AutoModelForCausalLM, "
+                    "AutoModelForImageTextToText); torch-kvq attaches decoder-only causal "
+                    "language models"
+                ) from None
+        except Exception as e:  # noqa: BLE001 - transformers' own errors, without traceback
+            raise CommandError(
+                f"--hf-config {path!r}: transformers cannot build model_type "
+                f"{config.model_type!r} from it ({type(e).__name__}: {e})"
+            ) from None
     return model.to(dtype if dtype in (torch.bfloat16, torch.float16) else torch.bfloat16).eval()
 
 
