@@ -85,6 +85,16 @@ def test_hf_config_without_weights_is_for_inspect_only(capsys, tmp_path):
     assert "(all-bfloat16: 2048)" in out  # 4 layers x 2 KV heads x head size 64 x (k, v) x 2 B
 
 
+def test_mistral_every_layer_sliding_keeps_every_layer_bf16_and_says_so(capsys):
+    code, out, err = run_main(capsys, "inspect", "--hf", "mistral")
+    assert code == 0, err
+    assert (
+        "note: skip rule 'sliding_window' matches every layer (every layer of this model has a "
+        "sliding window): no layer is quantized"
+    ) in " ".join(out.split())
+    assert "0 of 4 layers quantized" in out
+
+
 def test_hf_config_failures_are_clean_errors(capsys, tmp_path):
     """transformers' own failures on a config: ``kvq inspect: error: ...``, exit 2, naming the
     file, no traceback and no list of transformers' classes."""

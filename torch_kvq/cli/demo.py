@@ -10,10 +10,18 @@ from __future__ import annotations
 
 import argparse
 import sys
+import textwrap
 import time
 from typing import Any
 
-from torch_kvq.cli.args import SUBCOMMANDS, CommandError, add_model_args, model_label, positive_int
+from torch_kvq.cli.args import (
+    SUBCOMMANDS,
+    CommandError,
+    add_model_args,
+    add_wide_arg,
+    model_label,
+    positive_int,
+)
 
 COMPILE_MODES = ("off", "kvq", "kvq-eager")
 # kvq-eager: kvq_backend's passes on the real post-grad graph, then the FX graph runs without
@@ -46,6 +54,7 @@ def add_parser(sub: Any) -> None:
         help="tensor parallelism over N CPU processes (gloo): re-runs this command under "
         "torchrun --standalone --nproc-per-node N; each rank holds 1/N of the KV heads",
     )
+    add_wide_arg(p)
     p.set_defaults(func=run)
 
 
@@ -137,8 +146,9 @@ def _run(args: argparse.Namespace, tp: Any) -> int:
     import torch
 
     from torch_kvq.cli.sources import kv_config_from_args, model_from_args
+    from torch_kvq.cli.tables import WIDTH, layer_table
     from torch_kvq.models import generate
-    from torch_kvq.spec import KVCacheConfig, format_spec_table
+    from torch_kvq.spec import KVCacheConfig
 
     kv = kv_config_from_args(args)
     model = model_from_args(args, kv, tp=tp)  # ValueError on bad rules -> exit 2
@@ -170,25 +180,34 @@ def _run(args: argparse.Namespace, tp: Any) -> int:
         )
     t2 = time.perf_counter()
 
-    cache_kib = {
+    columns = {
         a.layer_name: {"cache KiB": f"{a.kv_cache.nbytes / 1024:.0f}"}
         for a in model.attention_layers
     }
-    print(
-        f"kvq demo: {model_label(args)}, kv_cache_dtype={kv.kv_cache_dtype!r}, "
-        f"skip_layers={kv.skip_layers}, page_size {kv.page_size}, compile {args.compile}, "
-        f"seed {args.seed}"
-        + (f", tensor-parallel over {tp.size} ranks (this table: rank 0's heads)" if tp else "")
-    )
-    print()
-    print(format_spec_table(model.kv_specs, cache_kib))
+    report = None
     if args.compile != "off":
         from torch_kvq.passes import last_report
 
         report = last_report()
-        if report is not None:
-            print()
+    if report is not None and not args.wide:  # --wide: the pass report's per-layer table
+        for name, cols in columns.items():
+            cols["fused"] = ", ".join(report.fused(name)) or "nothing"
+    print(f"kvq demo: {model_label(args)}, compile {args.compile}, seed {args.seed}")
+    print(
+        f"KV config: kv_cache_dtype={kv.kv_cache_dtype!r}, skip_layers={kv.skip_layers}, "
+        f"page_size {kv.page_size}"
+    )
+    if tp:
+        print(f"tensor-parallel over {tp.size} ranks (this table: rank 0's heads)")
+    print()
+    print(layer_table(model.kv_specs, columns, kv.skip_layers, wide=args.wide, also=("cache KiB",)))
+    if report is not None:
+        print()
+        if args.wide:
             print(report.format())
+        else:
+            print(textwrap.fill(report.summary(), WIDTH))
+            print("(--wide: the pass report per layer, with why a fusion passed a layer over)")
     print()
     print(
         "The weights are random (fixed seed), so the generated tokens mean nothing and often "
@@ -200,7 +219,8 @@ def _run(args: argparse.Namespace, tp: Any) -> int:
         own = out.logits[i].argmax(-1).tolist()
         agree += sum(a == b for a, b in zip(own, ref.tokens[i]))
         total += len(own)
-        print(f"prompt {i} ({len(p)} tokens): bf16 greedy {ref.tokens[i]}  quantized greedy {own}")
+        head = f"prompt {i} ({len(p)} tokens): "
+        print(f"{head}bf16 greedy      {ref.tokens[i]}\n{' ' * len(head)}quantized greedy {own}")
     prefill = max(
         (a - b).abs().max().item() for a, b in zip(out.prefill_logits, ref.prefill_logits)
     )
@@ -214,13 +234,14 @@ def _run(args: argparse.Namespace, tp: Any) -> int:
     print()
     print(
         f"max |logit diff| vs all-bf16: prefill {prefill:.4f}, decode {decode} "
-        f"(max |logit| {scale:.2f}); next-token agreement {agree}/{total}"
+        f"(max |logit| {scale:.2f})"
     )
+    print(f"next-token agreement {agree}/{total}")
     print(f"KV cache: {kib:.0f} KiB vs {ref_kib:.0f} KiB all-bf16")
     first, rest = step_times[:2], step_times[2:]
     print(
-        f"timings: all-bf16 eager {t1 - t0:.2f} s; quantized ({args.compile}) {t2 - t1:.2f} s: "
-        f"prefill + first decode {sum(first):.2f} s"
+        f"timings: all-bf16 eager {t1 - t0:.2f} s; quantized ({args.compile}) {t2 - t1:.2f} s:\n"
+        f"  prefill + first decode {sum(first):.2f} s"
         + (" (each includes its compile)" if args.compile != "off" else "")
         + (
             f", then {len(rest)} decode step{'s' if len(rest) != 1 else ''} at "

@@ -98,7 +98,8 @@ def run(args: argparse.Namespace) -> int:
     _prepare_out(out)
     kv = kv_config_from_args(args)
     model = model_from_args(args, kv)
-    (out / "plan.txt").write_text(format_plan(model.kv_specs, layer_plan(model.kv_specs)) + "\n")
+    plan = format_plan(model.kv_specs, layer_plan(model.kv_specs), kv.skip_layers)
+    (out / "plan.txt").write_text(plan + "\n")
     backend = make_kvq_backend(
         inner=args.inner, dump_dir=out / "passes", config_patches={"fx_graph_cache": False}
     )

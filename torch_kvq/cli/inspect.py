@@ -12,7 +12,7 @@ import json
 from collections.abc import Sequence
 from typing import Any
 
-from torch_kvq.cli.args import SUBCOMMANDS, CommandError, add_model_args, model_label
+from torch_kvq.cli.args import SUBCOMMANDS, CommandError, add_model_args, add_wide_arg, model_label
 
 
 def add_parser(sub: Any) -> None:
@@ -42,6 +42,7 @@ def add_parser(sub: Any) -> None:
         "--head-dim", type=int, default=None, help="override the model's head size (e.g. 128)"
     )
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    add_wide_arg(p)
     p.set_defaults(func=run)
 
 
@@ -58,9 +59,13 @@ def unserved_error(rows: Sequence[dict[str, Any]]) -> CommandError | None:
 
 
 def run(args: argparse.Namespace) -> int:
+    import sys
+
     from torch_kvq.attention.kernels import capabilities as caps
     from torch_kvq.cli.sources import kv_config_from_args, model_from_args
-    from torch_kvq.debug.plan import format_plan, layer_plan
+    from torch_kvq.cli.tables import layer_table
+    from torch_kvq.debug.plan import OUTPUT_QUANT_NOTE, layer_plan, plan_columns
+    from torch_kvq.spec import skip_rule_notes
 
     caps.check_arch(args.arch)  # ValueError listing the known archs
     kv = kv_config_from_args(args)
@@ -68,34 +73,37 @@ def run(args: argparse.Namespace) -> int:
     model = model_from_args(args, kv, num_pages=1, weights=False)
     if args.kernel is not None:
         caps.capabilities(args.kernel, args.arch)  # ValueError naming the kernel / arch
-    rows = layer_plan(model.kv_specs, args.kernel, args.arch)
+    specs = model.kv_specs
+    rows = layer_plan(specs, args.kernel, args.arch)
     if args.json:
         print(json.dumps(rows, indent=2, default=str))
-        err = unserved_error(rows)
-        if err is not None:
-            raise err
-        return 0
-    kernel = rows[0]["kernel"] + (
-        f" (the default shown for {args.arch}; compiles never pick one: choose with --kernel)"
-        if args.kernel is None
-        else ""
-    )
-    hf = getattr(model, "hf", None)
-    label = model_label(args) + (f", {type(hf).__name__}" if args.hf_config else "")
-    print(
-        f"kvq inspect: {label}, kv_cache_dtype={kv.kv_cache_dtype!r}, "
-        f"skip_layers={kv.skip_layers}, arch {args.arch}, kernel {kernel}"
-    )
-    print()
-    print(format_plan(model.kv_specs, rows))
-    q = sum(1 for s in model.kv_specs if s.is_quantized)
-    print()
-    print(
-        f"{q} of {len(model.kv_specs)} layers quantized; KV bytes per token (all layers): "
-        f"{sum(s.cache_bytes_per_token for s in model.kv_specs)} "
-        f"(all-{str(model.dtype).replace('torch.', '')}: "
-        f"{sum(2 * s.num_kv_heads * s.head_size * s.model_dtype.itemsize for s in model.kv_specs)})"
-    )
+        for note in skip_rule_notes(kv.skip_layers, specs):  # stdout stays JSON
+            print(f"kvq inspect: {note}", file=sys.stderr)
+    else:
+        kernel = f"{rows[0]['kernel']} on {args.arch}" + (
+            " (the default shown; compiles never pick one: choose with --kernel)"
+            if args.kernel is None
+            else ""
+        )
+        hf = getattr(model, "hf", None)
+        print(f"kvq inspect: {model_label(args)}" + (f", {type(hf).__name__}" if hf else ""))
+        print(f"kernel {kernel}")
+        print(f"KV config: kv_cache_dtype={kv.kv_cache_dtype!r}, skip_layers={kv.skip_layers}")
+        print()
+        table = layer_table(
+            specs, plan_columns(rows), kv.skip_layers, wide=args.wide, also=("bytes/token",)
+        )
+        print(table)
+        print()
+        print(OUTPUT_QUANT_NOTE)
+        q = sum(1 for s in specs if s.is_quantized)
+        full = sum(2 * s.num_kv_heads * s.head_size * s.model_dtype.itemsize for s in specs)
+        print()
+        print(
+            f"{q} of {len(specs)} layers quantized; KV bytes per token (all layers): "
+            f"{sum(s.cache_bytes_per_token for s in specs)} "
+            f"(all-{str(model.dtype).replace('torch.', '')}: {full})"
+        )
     err = unserved_error(rows)
     if err is not None:
         raise err

@@ -54,8 +54,8 @@ def layer_plan(
 
 
 OUTPUT_QUANT_NOTE = (
-    "output quant: whether the kernel could fuse a static FP8 quant of the attention output, if "
-    "the model has one;\ninspect does not trace the model, and the preset models have none (a "
+    "output quant: whether the kernel could fuse a static FP8 quant of the attention output, if\n"
+    "the model has one; inspect does not trace the model, and the preset models have none (a\n"
     "compile reports 'not fused: no static FP8 quant of the attention output')."
 )
 
@@ -69,10 +69,9 @@ def _output_quant(not_served: str | None, kv_block: str | None, out_block: str |
     return out_block.removeprefix("not fused: ")
 
 
-def format_plan(specs: Sequence[LayerKVSpec], rows: Sequence[dict[str, Any]]) -> str:
-    from torch_kvq.spec import format_spec_table
-
-    extra = {
+def plan_columns(rows: Sequence[dict[str, Any]]) -> dict[str, dict[str, str]]:
+    """The plan's table columns per layer name: ``kernel``, ``will fuse``, ``output quant``."""
+    return {
         r["name"]: {
             "kernel": r["kernel"],
             "will fuse": r["fuses"],
@@ -80,4 +79,15 @@ def format_plan(specs: Sequence[LayerKVSpec], rows: Sequence[dict[str, Any]]) ->
         }
         for r in rows
     }
-    return format_spec_table(specs, extra) + "\n\n" + OUTPUT_QUANT_NOTE
+
+
+def format_plan(
+    specs: Sequence[LayerKVSpec],
+    rows: Sequence[dict[str, Any]],
+    skip_layers: Sequence[int | str] = (),
+) -> str:
+    """The per-layer table with the plan's columns, the skip-rule notes and the output-quant note."""
+    from torch_kvq.spec import format_spec_table
+
+    table = format_spec_table(specs, plan_columns(rows), skip_layers=skip_layers)
+    return table + "\n\n" + OUTPUT_QUANT_NOTE
