@@ -51,25 +51,25 @@ def _overrides(args: argparse.Namespace) -> dict[str, Any]:
     return overrides
 
 
-def preset_config(args: argparse.Namespace) -> dict[str, Any]:
-    """The preset's HF-style config dict with the overrides applied (``--layers`` on a Gemma 3
-    preset keeps its 2 sliding : 1 global pattern)."""
-    from torch_kvq.models import PRESETS
-
+def preset_overrides(args: argparse.Namespace) -> dict[str, Any]:
+    """The preset config's overrides (``--layers`` on a Gemma 3 preset keeps its 2 sliding :
+    1 global pattern)."""
     overrides = _overrides(args)
     if "num_hidden_layers" in overrides and args.preset.startswith("gemma3"):
         n = overrides["num_hidden_layers"]
         overrides["layer_types"] = [
             "full_attention" if i % 3 == 2 else "sliding_attention" for i in range(n)
         ]
-    return PRESETS[args.preset][0](**overrides)
+    return overrides
 
 
 def check_tp(args: argparse.Namespace, size: int) -> None:
     """Tensor parallelism over ``size`` ranks: a preset whose query and KV heads both divide."""
     if args.hf is not None or args.hf_config is not None:
         raise CommandError("--tp runs the presets; --hf models take tp= in KVQCausalLM.from_hf")
-    config = preset_config(args)
+    from torch_kvq.models import PRESETS
+
+    config = PRESETS[args.preset][0](**preset_overrides(args))
     heads, kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
     if heads % size or kv_heads % size:
         fits = [n for n in range(1, kv_heads + 1) if heads % n == 0 and kv_heads % n == 0]
@@ -104,8 +104,8 @@ def model_from_args(
         return tiny_lm(args.hf, kv, args.seed, num_pages, _overrides(args))
     from torch_kvq.models import build_model
 
-    config = preset_config(args)
-    return build_model(args.preset, kv, seed=args.seed, num_pages=num_pages, tp=tp, **config)
+    overrides = preset_overrides(args)
+    return build_model(args.preset, kv, seed=args.seed, num_pages=num_pages, tp=tp, **overrides)
 
 
 def tiny_lm(
