@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import gc
+import json
 import re
 import sys
 from pathlib import Path
@@ -10,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from torch_kvq import cli
+from torch_kvq.cli import args as cli_args
 
 
 def run_main(capsys, *argv: str) -> tuple[int, str, str]:
@@ -43,6 +45,10 @@ def test_demo_default_gemma_fp8_with_sliding_layers_kept(capsys, monkeypatch):
     # a newcomer reads why the generations repeat and what the CPU timings are not
     assert "The weights are random" in out and "say nothing about speed on a GPU" in out
     assert "then 1 decode step at" in out  # 3 new tokens: prefill, first decode, then one
+    # it fits a 100-column terminal: what fused is a summary under the table (--wide: columns)
+    assert max(len(line) for line in out.splitlines()) <= 100, out
+    assert "k_scale" not in out and "fuse_quant_cache_write" not in out
+    assert "fused:\n  nothing: layers 0, 1, 3, 4\n  quant+write, dequant+attn: layers 2, 5" in out
 
 
 def test_demo_llama_with_repeated_skips(capsys):
@@ -95,6 +101,7 @@ def test_bad_values_exit_2_with_the_reason(capsys, argv, message):
         (["demo", "--max-new-tokens", "0"], "expected a positive int, got '0'"),
         (["demo", "--compile", "inductor"], "invalid choice: 'inductor'"),
         (["demo", "--skip", "0", "--no-skip"], "not allowed with argument"),
+        (["demo", "--tp", "0"], "expected a positive int, got '0'"),
     ],
 )
 def test_usage_errors_exit_2(capsys, argv, message):
@@ -105,8 +112,10 @@ def test_usage_errors_exit_2(capsys, argv, message):
 def test_demo_compiled_with_the_kvq_passes(capsys):
     """--compile kvq-eager: the kvq passes on the post-grad graph, no Inductor codegen."""
     gc.collect()  # models other tests left for the collector still hold the names "model.*"
-    code, out, err = run_main(capsys, "demo", "--compile", "kvq-eager", "--max-new-tokens", "1")
+    argv = ("demo", "--compile", "kvq-eager", "--max-new-tokens", "1", "--wide")
+    code, out, err = run_main(capsys, *argv)
     assert code == 0, err
+    assert "k_scale  v_scale  cache KiB" in out  # --wide: every column of the spec table
     rows = [line for line in out.splitlines() if line.startswith("model.")]  # the pass report
     fused = [line for line in rows if "fused quant+write" in line and "fused dequant+attn" in line]
     kept = [line for line in rows if line.split()[1] == "none" and "kept bf16" in line]
@@ -145,11 +154,15 @@ def test_inspect_shows_layers_the_kernel_cannot_serve_and_fails(capsys):
     (the default kernel for sm90, said so) and the command exits 2 naming the reason."""
     code, out, err = run_main(capsys, "inspect", "--arch", "sm90")
     assert code == 2
-    assert "kernel flashinfer (the default shown for sm90; compiles never pick one" in out
-    not_served = [line for line in out.splitlines() if "NOT SERVED: head size 32" in line]
-    assert len(not_served) == 6, out
+    assert "kernel flashinfer on sm90 (the default shown; compiles never pick one" in out
+    assert (
+        "  NOT SERVED: head size 32 is not supported; expected one of (64, 128, 256): every " in out
+    )
     assert "kernel 'flashinfer' on sm90 cannot serve 6 of 6 layers" in err, err
     assert "expected one of (64, 128, 256)" in err
+    code, out, _ = run_main(capsys, "inspect", "--arch", "sm90", "--wide")  # one row per layer
+    not_served = [line for line in out.splitlines() if "NOT SERVED: head size 32" in line]
+    assert code == 2 and len(not_served) == 6, out
 
 
 def test_inspect_head_dim_and_a_partly_served_model(capsys):
@@ -161,22 +174,64 @@ def test_inspect_head_dim_and_a_partly_served_model(capsys):
         capsys, "inspect", "--arch", "sm86", "--kernel", "flashinfer-xqa", "--head-dim", "128"
     )
     assert code == 2
-    assert out.count("NOT SERVED: quant mode 'fp8_per_tensor' is not supported") == 2, out
+    (line,) = [x for x in out.splitlines() if "NOT SERVED: quant mode 'fp8_per_tensor'" in x]
+    assert line.endswith(": layers 2, 5"), out
     assert "cannot serve 2 of 6 layers" in err
     code, _, err = run_main(capsys, "inspect", "--head-dim", "0")
     assert code == 2 and "--head-dim must be a positive int, got 0" in err
+
+
+def test_inspect_fits_100_columns_and_wide_shows_every_column(capsys):
+    code, out, err = run_main(capsys, "inspect")
+    assert code == 0, err
+    assert max(len(line) for line in out.splitlines()) <= 100, out
+    header = next(line for line in out.splitlines() if line.startswith("idx"))
+    assert header.split() == ["idx", "layer", "type", "mode", "cache", "dtype", "bytes/token"]
+    assert (
+        "will fuse:\n  kept bf16 (skipped: skip rule 'sliding_window'): layers 0, 1, 3, 4\n" in out
+    )
+    assert "  quant+write, dequant+attention: layers 2, 5\n" in out
+    code, out, err = run_main(capsys, "inspect", "--wide")
+    assert code == 0, err
+    header = next(line for line in out.splitlines() if line.startswith("idx"))
+    assert "k_scale" in header and "output quant" in header and "will fuse" in header
+    assert "will fuse:" not in out
+
+
+def test_a_type_rule_matching_no_layer_is_reported(capsys):
+    """The default skip rule 'sliding_window' on a model without sliding windows quantizes every
+    layer: not an error (one config serves several models), but said under the table."""
+    note = (
+        "note: skip rule 'sliding_window' matches no layer (this model has no sliding-window "
+        "layers): every layer is quantized"
+    )
+    code, out, err = run_main(capsys, "inspect", "--preset", "llama-tiny")
+    assert code == 0 and note in " ".join(out.split()), out + err  # wrapped at 100 columns
+    assert max(len(line) for line in out.splitlines()) <= 100, out
+    code, out, err = run_main(capsys, "inspect", "--preset", "llama-tiny", "--wide")
+    assert code == 0 and note in out.splitlines(), out + err  # the spec table's own line
+    code, out, err = run_main(capsys, "inspect", "--preset", "llama-tiny", "--json")
+    assert code == 0 and len(json.loads(out)) == 4
+    assert f"kvq inspect: {note}" in err
+    argv = ("demo", "--preset", "llama-tiny", "--max-new-tokens", "1", "--compile", "off")
+    code, out, err = run_main(capsys, *argv)
+    assert code == 0 and note in " ".join(out.split()), out + err
+    assert max(len(line) for line in out.splitlines()) <= 100, out
+    code, out, _ = run_main(capsys, "inspect")  # Gemma: the rule splits the layers, no note
+    assert code == 0 and "note:" not in out
 
 
 # ``kvq --help`` must stay fast: no torch (6-9 s to import) until a subcommand runs.
 _NO_TORCH = """
 import sys, argparse, importlib
 import torch_kvq.cli as c
+from torch_kvq.cli.args import SUBCOMMANDS
 c.build_parser(load=[]).format_help()  # what ``kvq --help`` builds
 for name in ("demo", "inspect", "accuracy", "dump"):  # their parsers (``kvq <sub> --help``)
     sub = argparse.ArgumentParser().add_subparsers()
-    importlib.import_module(c.SUBCOMMANDS[name][0]).add_parser(sub)
+    importlib.import_module(SUBCOMMANDS[name][0]).add_parser(sub)
     sub.choices[name].format_help()
-c.build_parser().format_help()  # every parser, with the --hf / --hf-config options added
+c.build_parser().format_help()  # every parser, with the model source group
 assert "torch" not in sys.modules, sorted(m for m in sys.modules if m.startswith("torch"))
 """
 
@@ -191,24 +246,26 @@ def test_help_imports_no_torch():
 def test_help_lists_every_subcommand_without_loading_it(capsys):
     code, out, _ = run_main(capsys, "--help")
     assert code == 0
-    for name, (_, help_line) in cli.SUBCOMMANDS.items():
+    for name, (_, help_line) in cli_args.SUBCOMMANDS.items():
         assert name in out and help_line.split()[0] in out
 
 
 def test_torch_free_copies_match_the_originals():
     import argparse
 
-    from torch_kvq.debug import accuracy, accuracy_cmd
+    from torch_kvq.cli import accuracy as accuracy_cmd
+    from torch_kvq.debug import accuracy
     from torch_kvq.models import PRESETS
     from torch_kvq.spec import SUPPORTED_PAGE_SIZES
 
-    assert cli.PRESET_NAMES == tuple(sorted(PRESETS))
-    assert cli.PAGE_SIZES == tuple(SUPPORTED_PAGE_SIZES)
+    assert cli_args.PRESET_NAMES == tuple(sorted(PRESETS))
+    assert cli_args.DEFAULT_PRESET in PRESETS
+    assert cli_args.PAGE_SIZES == tuple(SUPPORTED_PAGE_SIZES)
     assert accuracy_cmd.DEFAULT_THRESHOLD_DB == accuracy.DEFAULT_THRESHOLD_DB
     parser = cli.build_parser()  # every subcommand's full parser
     (sub,) = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
     helps = {a.dest: a.help for a in sub._choices_actions}
-    assert helps == {name: help_line for name, (_, help_line) in cli.SUBCOMMANDS.items()}
+    assert helps == {name: help_line for name, (_, help_line) in cli_args.SUBCOMMANDS.items()}
 
 
 def test_lazy_package_names():

@@ -1047,6 +1047,23 @@ def _() -> object:
     return gen([[1] * 40], 2)
 
 
+@case("generate.prompts-float-tensor")
+def _() -> object:
+    return gen(torch.ones(2, 3), 2)
+
+
+@case("generate.prompt-is-a-tensor")
+def _() -> object:
+    return gen([torch.tensor([1, 2]), torch.tensor([3])], 2)
+
+
+@case("accuracy.empty-prompt")
+def _() -> object:
+    from torch_kvq.debug.accuracy import layer_accuracy
+
+    return layer_accuracy(tiny_llama(), [[1, 2], []], KVCacheConfig("fp8", page_size=4))
+
+
 # --- graph level: the compile backend, the pass manager and the annotate pass ------------------
 
 
@@ -1274,11 +1291,17 @@ def _() -> object:
 # --- kvq inspect -------------------------------------------------------------------------------
 
 
-def inspect(*argv: str) -> object:
+def kvq(*argv: str) -> object:
+    """Run a ``kvq`` subcommand's runner (what ``main`` turns into ``kvq <sub>: error: ...``)."""
     from torch_kvq.cli import build_parser
 
-    args = build_parser().parse_args(["inspect", *argv])
+    args = build_parser().parse_args(list(argv))
+    args.argv = list(argv)
     return args.func(args)
+
+
+def inspect(*argv: str) -> object:
+    return kvq("inspect", *argv)
 
 
 @case("inspect.layers-not-served")
@@ -1289,6 +1312,70 @@ def _() -> object:
 @case("inspect.head-dim-zero")
 def _() -> object:
     return inspect("--head-dim", "0")
+
+
+# --- kvq: the model source and the other shared options -----------------------------------------
+
+
+@case("cli.hf-config-needs-weights")
+def _() -> object:
+    return kvq("demo", "--hf-config", "/nonexistent/config.json")
+
+
+def inspect_config(text: str) -> object:
+    """``kvq inspect --hf-config`` on a config.json holding ``text``."""
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as folder:
+        (Path(folder) / "config.json").write_text(text)
+        return inspect("--hf-config", folder)
+
+
+@case("cli.hf-config-bad-json")
+def _() -> object:
+    return inspect_config('{"model_type": "llama",')
+
+
+@case("cli.hf-config-unknown-model-type")
+def _() -> object:
+    return inspect_config('{"model_type": "llama9"}')
+
+
+@case("cli.hf-config-encoder-decoder")
+def _() -> object:
+    return inspect_config('{"model_type": "t5", "num_layers": 1, "d_model": 32, "num_heads": 2}')
+
+
+@case("cli.hf-config-no-causal-lm")
+def _() -> object:
+    return inspect_config('{"model_type": "vit", "num_hidden_layers": 1, "hidden_size": 32}')
+
+
+def demo_tp(*argv: str) -> object:
+    """``kvq demo ... --tp N`` with torchrun never started: a check that let it through fails."""
+    from torch_kvq import distributed
+
+    def relaunch(*_: object) -> int:
+        raise AssertionError("torchrun started before --tp was checked")
+
+    with mock.patch.object(distributed, "relaunch", relaunch):
+        return kvq("demo", *argv)
+
+
+@case("cli.tp-heads-not-divisible")
+def _() -> object:
+    return demo_tp("--preset", "llama-tiny", "--tp", "3")
+
+
+@case("cli.tp-hf-model")
+def _() -> object:
+    return demo_tp("--hf", "qwen2", "--tp", "2")
+
+
+@case("cli.tp-no-torchrun")
+def _() -> object:
+    with mock.patch("torch.distributed.is_available", return_value=False):
+        return demo_tp("--tp", "2")
 
 
 @case("calibration.no-attention-layers")
@@ -1470,6 +1557,12 @@ def _() -> object:
     ids, mask = torch.tensor([[3, 4, 0], [5, 6, 7]]), torch.tensor([[1, 1, 0], [1, 1, 1]])
     with _detached(lm := _attach(_hf())):
         return lm.generate(ids, attention_mask=mask, max_new_tokens=2, do_sample=False)
+
+
+@case("hf.generate-empty-prompt")
+def _() -> object:
+    with _detached(lm := _attach(_hf())):
+        return lm.generate(torch.zeros(1, 0, dtype=torch.long), max_new_tokens=2, do_sample=False)
 
 
 @case("hf.generate-beam-search")

@@ -384,10 +384,46 @@ def _resolve_scales(
     return out
 
 
+_TYPE_RULES = {  # rule -> (whether it matches a layer, what a model it matches none of has)
+    "sliding_window": (True, "this model has no sliding-window layers"),
+    "full_attention": (False, "every layer of this model has a sliding window"),
+}
+
+
+def skip_rule_notes(skip_layers: Iterable[int | str], specs: Sequence[LayerKVSpec]) -> list[str]:
+    """Notes for the attention-type rules (``"sliding_window"``, ``"full_attention"``) that
+    match no layer or every layer of a quantized model. Not errors, unlike a glob that matches
+    nothing: one config serves several models (a Llama has no sliding-window layers). But such a
+    rule quantizes every layer, or keeps every layer unquantized, which a reader should see."""
+    if not any(s.is_quantized or s.skip_reason for s in specs):
+        return []  # the config quantizes nothing: no rule changed anything
+    notes = []
+    for rule in skip_layers:
+        if rule not in _TYPE_RULES:
+            continue
+        sliding, what_none = _TYPE_RULES[rule]
+        hits = sum((s.sliding_window is not None) == sliding for s in specs)
+        if hits == 0:
+            every = ": every layer is quantized" if all(s.is_quantized for s in specs) else ""
+            notes.append(f"note: skip rule {rule!r} matches no layer ({what_none}){every}")
+        elif hits == len(specs):
+            what_all = _TYPE_RULES["full_attention" if sliding else "sliding_window"][1]
+            notes.append(
+                f"note: skip rule {rule!r} matches every layer ({what_all}): no layer is quantized"
+            )
+    return notes
+
+
 def format_spec_table(
-    specs: Sequence[LayerKVSpec], extra: Mapping[str, Mapping[str, str]] | None = None
+    specs: Sequence[LayerKVSpec],
+    extra: Mapping[str, Mapping[str, str]] | None = None,
+    *,
+    columns: Sequence[str] | None = None,
+    skip_layers: Iterable[int | str] = (),
 ) -> str:
-    """A readable per-layer table. ``extra`` adds columns per layer name (e.g. what was fused)."""
+    """A readable per-layer table. ``extra`` adds columns per layer name (e.g. what was fused).
+    ``columns``: the column names to show, in table order (None: all). ``skip_layers``: the
+    config's rules; the notes of ``skip_rule_notes`` follow the table."""
     extra = extra or {}
     extra_cols = sorted({c for cols in extra.values() for c in cols})
     header = [
@@ -401,6 +437,9 @@ def format_spec_table(
         "v_scale",
         *extra_cols,
     ]
+    unknown = [c for c in columns or () if c not in header]
+    if unknown:
+        raise ValueError(f"unknown table columns {unknown}; the table has {header}")
     rows = []
     for s in specs:
         window = f"sliding({s.sliding_window})" if s.sliding_window else "global"
@@ -417,9 +456,13 @@ def format_spec_table(
                 *[extra.get(s.name, {}).get(c, "") for c in extra_cols],
             ]
         )
+    keep = [i for i, h in enumerate(header) if columns is None or h in columns]
+    header, rows = [header[i] for i in keep], [[r[i] for i in keep] for r in rows]
     widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(header)]
     line = lambda cells: "  ".join(c.ljust(w) for c, w in zip(cells, widths)).rstrip()  # noqa: E731
-    return "\n".join([line(header), line(["-" * w for w in widths]), *(line(r) for r in rows)])
+    table = [line(header), line(["-" * w for w in widths]), *(line(r) for r in rows)]
+    notes = skip_rule_notes(skip_layers, specs)
+    return "\n".join(table + ([""] + notes if notes else []))
 
 
 def spec_table_key(specs: Iterable[LayerKVSpec]) -> str:

@@ -93,7 +93,7 @@ def test_depyf_warning_a_user_cannot_act_on_is_silenced(tmp_path) -> None:
 
     import torch
 
-    from torch_kvq.debug.dump import _depyf_context
+    from torch_kvq.cli.dump import _depyf_context
 
     torch._dynamo.reset()
     with warnings.catch_warnings(record=True) as seen:
@@ -108,7 +108,7 @@ def test_depyf_warning_a_user_cannot_act_on_is_silenced(tmp_path) -> None:
 
 def test_phase_labels_count_by_graph_id_when_the_report_list_is_full() -> None:
     """recent_reports() keeps the newest 64; a dump run late in a process still finds its graphs."""
-    from torch_kvq.debug.dump import _label, _last_graph_id
+    from torch_kvq.cli.dump import _label, _last_graph_id
     from torch_kvq.passes import report
 
     def add(folder):

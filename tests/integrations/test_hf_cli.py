@@ -31,7 +31,7 @@ def test_demo_hf_family(capsys):
     code, out, err = run_main(capsys, "demo", "--hf", "qwen2", "--max-new-tokens", "2")
     assert code == 0, err
     assert "transformers qwen2" in out and "fused quant+write 2, dequant+attn 2" in out, out
-    assert "max |logit diff| vs kv 'auto'" in out
+    assert "max |logit diff| vs all-bf16" in out and "next-token agreement" in out
 
 
 def test_accuracy_on_a_tiny_hf_model(capsys):
@@ -58,3 +58,58 @@ def test_dump_on_a_tiny_hf_model(capsys, tmp_path):
     after = [line for line in out.splitlines() if line.startswith("ops after:")]
     assert after and all(f"'kvq.quant_cache_write': {fp8}" in a for a in after), out
     assert all("dequantize_kv_cache" not in a for a in after), out
+
+
+def test_every_subcommand_takes_one_model_source(capsys):
+    """``--preset`` | ``--hf`` | ``--hf-config``: one mutually exclusive group on every
+    subcommand; ``kvq inspect --hf`` plans a tiny family."""
+    for sub in ("demo", "inspect", "dump", "accuracy"):
+        code, _, err = run_main(capsys, sub, "--preset", "llama-tiny", "--hf", "qwen2")
+        assert code == 2 and "argument --hf: not allowed with argument --preset" in err, err
+        code, _, err = run_main(capsys, sub, "--hf", "qwen2", "--hf-config", "x")
+        assert code == 2 and "not allowed with argument --hf" in err, err
+    code, out, err = run_main(capsys, "inspect", "--hf", "qwen2")
+    assert code == 0, err
+    assert "kvq inspect: transformers qwen2 (tiny, random weights)" in out
+    assert "2 of 4 layers quantized" in out
+
+
+def test_hf_config_without_weights_is_for_inspect_only(capsys, tmp_path):
+    tiny_hf_config("llama").save_pretrained(tmp_path)
+    code, out, err = run_main(capsys, "demo", "--hf-config", str(tmp_path))
+    assert code == 2 and not out
+    assert err.startswith("kvq demo: error: --hf-config") and "only kvq inspect" in err, err
+    code, out, err = run_main(capsys, "inspect", "--hf-config", str(tmp_path), "--head-dim", "64")
+    assert code == 0, err
+    assert "LlamaForCausalLM" in out.splitlines()[0]
+    assert "(all-bfloat16: 2048)" in out  # 4 layers x 2 KV heads x head size 64 x (k, v) x 2 B
+
+
+def test_mistral_every_layer_sliding_keeps_every_layer_bf16_and_says_so(capsys):
+    code, out, err = run_main(capsys, "inspect", "--hf", "mistral")
+    assert code == 0, err
+    assert (
+        "note: skip rule 'sliding_window' matches every layer (every layer of this model has a "
+        "sliding window): no layer is quantized"
+    ) in " ".join(out.split())
+    assert "0 of 4 layers quantized" in out
+
+
+def test_hf_config_failures_are_clean_errors(capsys, tmp_path):
+    """transformers' own failures on a config: ``kvq inspect: error: ...``, exit 2, naming the
+    file, no traceback and no list of transformers' classes."""
+    import transformers
+
+    t5 = transformers.T5Config(
+        vocab_size=64, d_model=32, d_kv=8, d_ff=64, num_layers=1, num_heads=2
+    )
+    t5.save_pretrained(tmp_path / "t5")
+    code, out, err = run_main(capsys, "inspect", "--hf-config", str(tmp_path / "t5"))
+    assert code == 2 and not out
+    assert err.startswith("kvq inspect: error: --hf-config") and "Traceback" not in err, err
+    assert "encoder-decoder is not supported" in err and "should be one of" not in err, err
+    bad = tmp_path / "bad.json"
+    bad.write_text('{"model_type": "llama", "hidden_size": 64,,}')
+    code, out, err = run_main(capsys, "inspect", "--hf-config", str(bad))
+    assert code == 2 and not out
+    assert f"kvq inspect: error: --hf-config: {str(bad)!r} is not a JSON config: " in err, err

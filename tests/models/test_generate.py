@@ -90,6 +90,17 @@ def test_bad_arguments(fp32_model, prompts, n, force, message):
     assert fp32_model.allocator.num_free_pages == 32
 
 
+def test_a_2d_integer_tensor_is_a_batch_of_prompts(fp32_model):
+    rows = [[1, 2, 3, 4], [9, 8, 7, 6]]
+    as_lists = generate(fp32_model, rows, 3)
+    as_tensor = generate(fp32_model, torch.tensor(rows), 3)
+    assert as_tensor.tokens == as_lists.tokens
+    torch.testing.assert_close(as_tensor.logits, as_lists.logits, atol=0, rtol=0)
+    with pytest.raises(ValueError, match=r"prompts\[0\] is empty"):
+        generate(fp32_model, torch.zeros(1, 0, dtype=torch.long), 2)
+    assert fp32_model.allocator.num_free_pages == 32
+
+
 def test_on_step_reports_every_forward_pass():
     from torch_kvq.models import build_model, generate
     from torch_kvq.spec import KVCacheConfig

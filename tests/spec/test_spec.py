@@ -17,6 +17,7 @@ from torch_kvq.spec import (
     format_spec_table,
     parse_kv_cache_dtype,
     resolve_layer_specs,
+    skip_rule_notes,
     spec_table_key,
 )
 
@@ -223,3 +224,49 @@ def test_table_shows_both_modes_and_dtypes() -> None:
         "fp8_per_tensor" in lines[4] and "float8_e4m3fn" in lines[4] and "quant+write" in lines[4]
     )
     assert "none" in lines[2] and "bfloat16" in lines[2] and "sliding(16)" in lines[2]
+
+
+def uniform(n: int, window: int | None) -> list[AttentionLayerInfo]:
+    """n layers that all have ``window`` (a Mistral) or none (a Llama)."""
+    return [AttentionLayerInfo(f"m.layers.{i}.attn", 8, 2, 32, window) for i in range(n)]
+
+
+@pytest.mark.parametrize(
+    "window, rules, note",
+    [
+        (None, ("sliding_window",), "note: skip rule 'sliding_window' matches no layer (this "
+         "model has no sliding-window layers): every layer is quantized"),
+        (None, ("sliding_window", 0), "note: skip rule 'sliding_window' matches no layer (this "
+         "model has no sliding-window layers)"),
+        (None, ("full_attention",), "note: skip rule 'full_attention' matches every layer (this "
+         "model has no sliding-window layers): no layer is quantized"),
+        (4096, ("sliding_window",), "note: skip rule 'sliding_window' matches every layer (every "
+         "layer of this model has a sliding window): no layer is quantized"),
+        (4096, ("full_attention",), "note: skip rule 'full_attention' matches no layer (every "
+         "layer of this model has a sliding window): every layer is quantized"),
+    ],
+)  # fmt: skip
+def test_a_type_rule_that_matches_no_layer_or_every_layer_is_noted(window, rules, note) -> None:
+    specs = resolve_layer_specs(KVCacheConfig("fp8", skip_layers=rules), uniform(3, window))
+    assert skip_rule_notes(rules, specs) == [note]
+    table = format_spec_table(specs, skip_layers=rules).splitlines()
+    assert table[-2:] == ["", note]  # after the table, a blank line between
+
+
+def test_no_note_when_the_rules_split_the_layers_or_nothing_is_quantized() -> None:
+    rules = ("sliding_window",)
+    gemma = resolve_layer_specs(KVCacheConfig("fp8", skip_layers=rules), layers())
+    assert skip_rule_notes(rules, gemma) == []
+    auto = resolve_layer_specs(KVCacheConfig("auto", skip_layers=rules), uniform(3, None))
+    assert skip_rule_notes(rules, auto) == []
+    assert "note" not in format_spec_table(gemma, skip_layers=rules)
+
+
+def test_table_columns_pick_and_keep_the_table_order() -> None:
+    specs = resolve_layer_specs(KVCacheConfig("fp8"), layers(2))
+    extra = {s.name: {"fused": "x"} for s in specs}
+    table = format_spec_table(specs, extra, columns=("fused", "idx", "mode")).splitlines()
+    assert table[0].split() == ["idx", "mode", "fused"]
+    assert table[2].split() == ["0", "fp8_per_tensor", "x"]
+    with pytest.raises(ValueError, match=r"unknown table columns \['bytes'\]; the table has"):
+        format_spec_table(specs, columns=("idx", "bytes"))

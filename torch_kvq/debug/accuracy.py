@@ -218,6 +218,10 @@ def layer_accuracy(
         model.dtype,
     )
     lens = [len(p) for p in prompts]
+    if not lens:
+        raise ValueError("prompts is empty; expected at least one prompt")
+    if 0 in lens:  # the allocator would name the sequence by its key, an object()
+        raise ValueError(f"prompts[{lens.index(0)}] is empty; expected at least one token id")
     seq_ids = [object() for _ in prompts]
     md = model.allocator.build_batch([(s, n) for s, n in zip(seq_ids, lens)], model.device)
     ids = torch.tensor([t for p in prompts for t in p], dtype=torch.long, device=model.device)

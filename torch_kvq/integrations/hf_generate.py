@@ -107,6 +107,11 @@ class KVQPagedCache(Cache):
     def _new_tokens(self, input_ids: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
         """[B, S] ids and the 2D mask -> [B, S] bool: which of the S new columns are real tokens."""
         b, s = input_ids.shape
+        if s == 0:  # the allocator would name the sequence by its key, an object()
+            raise ValueError(
+                f"input_ids of shape {tuple(input_ids.shape)} has no tokens; expected at least "
+                "one token id per prompt"
+            )
         if mask is None:
             return torch.ones(b, s, dtype=torch.bool, device=input_ids.device)
         if mask.dim() != 2 or mask.shape[0] != b or mask.shape[1] != self.columns + s:

@@ -36,6 +36,11 @@ class GenerateResult:
 
 def _check_ids(what: str, ids: Sequence[Sequence[int]], vocab: int) -> None:
     for i, seq in enumerate(ids):
+        if isinstance(seq, torch.Tensor):
+            raise ValueError(
+                f"{what}[{i}] is a tensor; expected a list of int token ids (.tolist() of it), "
+                "or pass one 2-D integer tensor [batch, tokens]"
+            )
         if not seq:
             raise ValueError(f"{what}[{i}] is empty; expected at least one token id")
         bad = [
@@ -47,10 +52,23 @@ def _check_ids(what: str, ids: Sequence[Sequence[int]], vocab: int) -> None:
             )
 
 
+def _prompt_lists(prompts: list[list[int]] | torch.Tensor) -> list[list[int]]:
+    """A 2-D integer tensor [batch, tokens] as one list of ids per row; anything else as given."""
+    if not isinstance(prompts, torch.Tensor):
+        return prompts
+    if prompts.dim() != 2 or prompts.dtype.is_floating_point or prompts.dtype.is_complex:
+        raise ValueError(
+            f"prompts as a tensor must be a 2-D integer tensor [batch, tokens], got "
+            f"{prompts.dtype} of shape {tuple(prompts.shape)}; prompts of different lengths: a "
+            "list of token-id lists (.tolist() of each)"
+        )
+    return prompts.tolist()
+
+
 @torch.no_grad()
 def generate(
     model: PagedDecoder,
-    prompts: list[list[int]],
+    prompts: list[list[int]] | torch.Tensor,
     max_new_tokens: int,
     forward: Forward | None = None,
     *,
@@ -58,7 +76,8 @@ def generate(
     on_step: Callable[[int, int, float], None] | None = None,
     decode: DecodeGraphRunner | None = None,
 ) -> GenerateResult:
-    """Greedy decoding of ``prompts`` (sequences of different lengths, one batch).
+    """Greedy decoding of ``prompts`` (sequences of different lengths, one batch): lists of
+    token ids, or a 2-D integer tensor [batch, tokens] of prompts of one length.
 
     ``force_tokens`` (one list of ``max_new_tokens`` ids per prompt) feeds those tokens instead of
     the argmax, so two models can be compared along the same path; ``tokens`` then equals it and
@@ -71,6 +90,7 @@ def generate(
     """
     tp = getattr(model, "tp", None)
     with refuse_together(tp, "generate call", (prompts, max_new_tokens, force_tokens)):
+        prompts = _prompt_lists(prompts)
         _check_args(model, prompts, max_new_tokens, force_tokens, decode)
     run = forward if forward is not None else model
     dev = model.device
@@ -132,7 +152,10 @@ def _check_args(
 ) -> None:
     vocab = model.config.vocab_size
     if not isinstance(prompts, (list, tuple)) or not prompts:
-        raise ValueError(f"prompts must be a non-empty list of token-id lists, got {prompts!r}")
+        raise ValueError(
+            f"prompts must be a non-empty list of token-id lists or a 2-D integer tensor, got "
+            f"{prompts!r}"
+        )
     _check_ids("prompts", prompts, vocab)
     if (
         isinstance(max_new_tokens, bool)

@@ -2,7 +2,7 @@
 ``<pass>.before.py`` / ``.after.py`` (readable code), ``<pass>.diff`` and ``<pass>.after.svg``
 (``graph_svg``), then ``report.txt`` / ``report.json``.
 
-``kvq dump`` (``torch_kvq.debug.dump``) adds depyf's files and an index.html on top.
+``kvq dump`` (``torch_kvq.cli.dump``) adds depyf's files and an index.html on top.
 """
 
 from __future__ import annotations

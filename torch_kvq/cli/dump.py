@@ -22,6 +22,8 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from torch_kvq.cli.args import SUBCOMMANDS, CommandError, add_model_args, model_label
+
 if TYPE_CHECKING:  # torch is imported by the runner only: ``kvq dump --help`` stays fast
     from torch_kvq.passes.report import GraphReport
 
@@ -34,8 +36,6 @@ def _depyf_context(folder: Path, want: bool) -> Iterator[None]:
     if not want:
         yield
         return
-    from torch_kvq.cli_args import CommandError
-
     try:
         import depyf
     except ImportError as e:
@@ -50,13 +50,11 @@ def _depyf_context(folder: Path, want: bool) -> Iterator[None]:
 
 
 def add_parser(sub: Any) -> None:
-    from torch_kvq.cli_args import add_model_args
-
     p = sub.add_parser(
         "dump",
-        help="compile a model with kvq_backend and write per-pass dumps, diffs, SVGs, depyf files",
+        help=SUBCOMMANDS["dump"][1],
         description=(
-            "Compile a preset model with kvq_backend, run a prefill and a decode step, and write "
+            "Compile a model (a preset or --hf FAMILY) with kvq_backend, run a prefill and a decode step, and write "
             "into --out: per-pass before/after code, diffs, SVG pictures and stats for every "
             "compiled graph, depyf's Dynamo/AOT/Inductor stage dumps, the per-layer plan, and an "
             "index.html linking them."
@@ -77,8 +75,6 @@ def add_parser(sub: Any) -> None:
 
 
 def _prepare_out(out: Path) -> None:
-    from torch_kvq.cli_args import CommandError
-
     try:
         out.mkdir(parents=True, exist_ok=True)
         probe = out / ".kvq_write_test"
@@ -91,7 +87,7 @@ def _prepare_out(out: Path) -> None:
 def run(args: argparse.Namespace) -> int:
     import torch
 
-    from torch_kvq.cli_args import kv_config_from_args, model_from_args, model_label
+    from torch_kvq.cli.sources import kv_config_from_args, model_from_args
     from torch_kvq.debug.dump_index import write_index
     from torch_kvq.debug.plan import format_plan, layer_plan
     from torch_kvq.models import generate
@@ -102,7 +98,8 @@ def run(args: argparse.Namespace) -> int:
     _prepare_out(out)
     kv = kv_config_from_args(args)
     model = model_from_args(args, kv)
-    (out / "plan.txt").write_text(format_plan(model.kv_specs, layer_plan(model.kv_specs)) + "\n")
+    plan = format_plan(model.kv_specs, layer_plan(model.kv_specs), kv.skip_layers)
+    (out / "plan.txt").write_text(plan + "\n")
     backend = make_kvq_backend(
         inner=args.inner, dump_dir=out / "passes", config_patches={"fx_graph_cache": False}
     )

@@ -1,11 +1,12 @@
-"""The ``kvq`` command: ``kvq <subcommand> ...``.
+"""The ``kvq`` command: ``kvq <subcommand> ...``; the top layer of torch_kvq (nothing imports it).
 
-Each subcommand lives in its own module with ``add_parser(subparsers)``, which adds its parser and
-sets ``func`` (``args -> exit code``). To add one, write the module and list it in
-``cli_args.SUBCOMMANDS`` (name -> module, one-line help); shared options and ``CommandError`` are
-in ``cli_args`` too (subcommand modules never import this module). ``kvq --help`` imports none of those modules (nor torch): the
-subcommand list is built from ``SUBCOMMANDS``; only the subcommand named on the command line is
-imported and gets its full parser, so keep torch imports inside the runners.
+Each subcommand is a module of this package with ``add_parser(subparsers)``, which adds its parser
+and sets ``func`` (``args -> exit code``). To add one, write the module and list it in
+``args.SUBCOMMANDS`` (name -> module, one-line help). The options every subcommand shares (the
+model source ``--preset`` | ``--hf`` | ``--hf-config``, the KV config) and ``CommandError`` are in
+``args``; ``sources`` builds the model they name. ``kvq --help`` imports no subcommand module (nor
+torch): the list is built from ``SUBCOMMANDS``; only the subcommand named on the command line is
+imported and gets its full parser, so torch imports stay inside the runners.
 Bad input a subcommand finds late (a ``ValueError`` from our APIs, or a ``CommandError``) is
 printed as ``kvq <subcommand>: error: <message>`` with exit code 2, like argparse's own errors.
 """
@@ -17,15 +18,7 @@ import importlib
 import sys
 from collections.abc import Iterable, Sequence
 
-from torch_kvq.cli_args import (  # noqa: F401  (names the tests and older code read here)
-    PAGE_SIZES,
-    PRESET_NAMES,
-    SUBCOMMANDS,
-    CommandError,
-    add_model_args,
-    kv_config_from_args,
-    model_from_args,
-)
+from torch_kvq.cli.args import SUBCOMMANDS, CommandError
 
 
 def build_parser(load: Iterable[str] | None = None) -> argparse.ArgumentParser:
@@ -38,15 +31,11 @@ def build_parser(load: Iterable[str] | None = None) -> argparse.ArgumentParser:
     )
     parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    loaded = False
     for name, (module, help_line) in SUBCOMMANDS.items():
         if load is None or name in load:
             importlib.import_module(module).add_parser(sub)
-            loaded = True
         else:
             sub.add_parser(name, help=help_line)
-    if loaded:
-        importlib.import_module("torch_kvq.integrations.hf_cli").extend(sub)  # --hf-config, --hf
     return parser
 
 
@@ -63,7 +52,3 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (ValueError, CommandError) as e:
         print(f"kvq {args.command}: error: {e}", file=sys.stderr)
         return 2
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

@@ -6,13 +6,13 @@ import argparse
 from pathlib import Path
 from typing import Any
 
+from torch_kvq.cli.args import SUBCOMMANDS, CommandError, add_model_args, model_label
+
 PROMPT_LENS = (24, 9, 40, 17)
 DEFAULT_THRESHOLD_DB = 30.0  # a copy of torch_kvq.debug.accuracy's, which imports torch
 
 
 def add_parser(sub: Any) -> None:
-    from torch_kvq.cli_args import SUBCOMMANDS, add_model_args
-
     p = sub.add_parser(
         "accuracy",
         help=SUBCOMMANDS["accuracy"][1],
@@ -43,7 +43,7 @@ def add_parser(sub: Any) -> None:
 def run(args: argparse.Namespace) -> int:
     import torch
 
-    from torch_kvq.cli_args import CommandError, kv_config_from_args, model_from_args, model_label
+    from torch_kvq.cli.sources import kv_config_from_args, model_from_args
     from torch_kvq.debug.accuracy import layer_accuracy
     from torch_kvq.progress import Progress, activity
 

@@ -1,17 +1,27 @@
 """``kvq demo``: a small mixed FP8 / bf16 model generating, checked against an all-bf16 run.
 
-Builds a preset model (Gemma-style by default: FP8 KV cache on the global layers, sliding-window
-layers kept in bf16) with fixed random weights, generates greedily for a few prompts of different
-lengths, prints the per-layer table and the largest logit difference to the all-bf16 model fed
-the same tokens.
+Builds the model the shared options name (a preset, Gemma-style by default: FP8 KV cache on the
+global layers, sliding-window layers kept in bf16; or ``--hf FAMILY``) with fixed random weights,
+generates greedily for a few prompts of different lengths, prints the per-layer table and the
+largest logit difference to the same model with an all-bf16 cache fed the same tokens.
 """
 
 from __future__ import annotations
 
 import argparse
 import sys
+import textwrap
 import time
 from typing import Any
+
+from torch_kvq.cli.args import (
+    SUBCOMMANDS,
+    CommandError,
+    add_model_args,
+    add_wide_arg,
+    model_label,
+    positive_int,
+)
 
 COMPILE_MODES = ("off", "kvq", "kvq-eager")
 # kvq-eager: kvq_backend's passes on the real post-grad graph, then the FX graph runs without
@@ -21,15 +31,13 @@ PROMPT_LENS = (5, 23, 12)
 
 
 def add_parser(sub: Any) -> None:
-    from torch_kvq.cli_args import SUBCOMMANDS, add_model_args, positive_int
-
     p = sub.add_parser(
         "demo",
         help=SUBCOMMANDS["demo"][1],
         description="Generate with a small mixed FP8/bf16 KV-cache model (fixed random weights) "
         "and compare its logits with an all-bf16 run fed the same tokens.",
     )
-    add_model_args(p)  # --preset --kv-cache-dtype --skip/--no-skip --page-size --layers --seed
+    add_model_args(p)  # --preset|--hf|--hf-config --kv-cache-dtype --skip/--no-skip ... --seed
     p.add_argument("--max-new-tokens", type=positive_int, default=8)
     p.add_argument(
         "--compile",
@@ -46,13 +54,12 @@ def add_parser(sub: Any) -> None:
         help="tensor parallelism over N CPU processes (gloo): re-runs this command under "
         "torchrun --standalone --nproc-per-node N; each rank holds 1/N of the KV heads",
     )
+    add_wide_arg(p)
     p.set_defaults(func=run)
 
 
 def _kvq_backend(mode: str) -> Any:
     """The compile backend for ``--compile kvq`` / ``kvq-eager``, imported only then."""
-    from torch_kvq.cli_args import CommandError
-
     try:
         from torch_kvq.passes import kvq_backend, make_kvq_backend
     except ImportError as e:
@@ -81,6 +88,23 @@ def _bar(
     return bar, on_step
 
 
+def _check_tp(args: argparse.Namespace) -> None:
+    """``--tp N``, checked before torchrun starts: the model's heads split N ways, and this torch
+    has torch.distributed and torchrun."""
+    import importlib.util
+
+    import torch.distributed as dist
+
+    from torch_kvq.cli.sources import check_tp
+
+    check_tp(args, args.tp)
+    if not dist.is_available() or importlib.util.find_spec("torch.distributed.run") is None:
+        raise CommandError(
+            f"--tp {args.tp} re-runs this command under torchrun (torch.distributed.run), which "
+            "this torch build lacks; run without --tp"
+        )
+
+
 def run(args: argparse.Namespace) -> int:
     import contextlib
     import io
@@ -88,6 +112,7 @@ def run(args: argparse.Namespace) -> int:
     from torch_kvq import distributed
 
     if args.tp > 1 and not distributed.under_torchrun():
+        _check_tp(args)
         print(f"kvq demo: starting {args.tp} ranks (torchrun --standalone) ...", file=sys.stderr)
         return distributed.relaunch(args.tp, ["-m", "torch_kvq.cli", *args.argv])
     if args.tp == 1:
@@ -99,8 +124,6 @@ def run(args: argparse.Namespace) -> int:
     tp = distributed.init_tensor_parallel("gloo", "cpu")
     try:
         if tp.size != args.tp:
-            from torch_kvq.cli_args import CommandError
-
             raise CommandError(f"--tp {args.tp}, but torchrun started {tp.size} ranks")
         mute = tp.rank != 0  # rank 0 prints; every rank runs the same steps
         out = contextlib.redirect_stdout(io.StringIO()) if mute else contextlib.nullcontext()
@@ -122,9 +145,10 @@ def run(args: argparse.Namespace) -> int:
 def _run(args: argparse.Namespace, tp: Any) -> int:
     import torch
 
-    from torch_kvq.cli_args import kv_config_from_args, model_from_args
+    from torch_kvq.cli.sources import kv_config_from_args, model_from_args
+    from torch_kvq.cli.tables import WIDTH, layer_table
     from torch_kvq.models import generate
-    from torch_kvq.spec import KVCacheConfig, format_spec_table
+    from torch_kvq.spec import KVCacheConfig
 
     kv = kv_config_from_args(args)
     model = model_from_args(args, kv, tp=tp)  # ValueError on bad rules -> exit 2
@@ -156,25 +180,34 @@ def _run(args: argparse.Namespace, tp: Any) -> int:
         )
     t2 = time.perf_counter()
 
-    cache_kib = {
+    columns = {
         a.layer_name: {"cache KiB": f"{a.kv_cache.nbytes / 1024:.0f}"}
         for a in model.attention_layers
     }
-    print(
-        f"kvq demo: preset {args.preset}, kv_cache_dtype={kv.kv_cache_dtype!r}, "
-        f"skip_layers={kv.skip_layers}, page_size {kv.page_size}, compile {args.compile}, "
-        f"seed {args.seed}"
-        + (f", tensor-parallel over {tp.size} ranks (this table: rank 0's heads)" if tp else "")
-    )
-    print()
-    print(format_spec_table(model.kv_specs, cache_kib))
+    report = None
     if args.compile != "off":
         from torch_kvq.passes import last_report
 
         report = last_report()
-        if report is not None:
-            print()
+    if report is not None and not args.wide:  # --wide: the pass report's per-layer table
+        for name, cols in columns.items():
+            cols["fused"] = ", ".join(report.fused(name)) or "nothing"
+    print(f"kvq demo: {model_label(args)}, compile {args.compile}, seed {args.seed}")
+    print(
+        f"KV config: kv_cache_dtype={kv.kv_cache_dtype!r}, skip_layers={kv.skip_layers}, "
+        f"page_size {kv.page_size}"
+    )
+    if tp:
+        print(f"tensor-parallel over {tp.size} ranks (this table: rank 0's heads)")
+    print()
+    print(layer_table(model.kv_specs, columns, kv.skip_layers, wide=args.wide, also=("cache KiB",)))
+    if report is not None:
+        print()
+        if args.wide:
             print(report.format())
+        else:
+            print(textwrap.fill(report.summary(), WIDTH))
+            print("(--wide: the pass report per layer, with why a fusion passed a layer over)")
     print()
     print(
         "The weights are random (fixed seed), so the generated tokens mean nothing and often "
@@ -186,7 +219,8 @@ def _run(args: argparse.Namespace, tp: Any) -> int:
         own = out.logits[i].argmax(-1).tolist()
         agree += sum(a == b for a, b in zip(own, ref.tokens[i]))
         total += len(own)
-        print(f"prompt {i} ({len(p)} tokens): bf16 greedy {ref.tokens[i]}  quantized greedy {own}")
+        head = f"prompt {i} ({len(p)} tokens): "
+        print(f"{head}bf16 greedy      {ref.tokens[i]}\n{' ' * len(head)}quantized greedy {own}")
     prefill = max(
         (a - b).abs().max().item() for a, b in zip(out.prefill_logits, ref.prefill_logits)
     )
@@ -200,13 +234,14 @@ def _run(args: argparse.Namespace, tp: Any) -> int:
     print()
     print(
         f"max |logit diff| vs all-bf16: prefill {prefill:.4f}, decode {decode} "
-        f"(max |logit| {scale:.2f}); next-token agreement {agree}/{total}"
+        f"(max |logit| {scale:.2f})"
     )
+    print(f"next-token agreement {agree}/{total}")
     print(f"KV cache: {kib:.0f} KiB vs {ref_kib:.0f} KiB all-bf16")
     first, rest = step_times[:2], step_times[2:]
     print(
-        f"timings: all-bf16 eager {t1 - t0:.2f} s; quantized ({args.compile}) {t2 - t1:.2f} s: "
-        f"prefill + first decode {sum(first):.2f} s"
+        f"timings: all-bf16 eager {t1 - t0:.2f} s; quantized ({args.compile}) {t2 - t1:.2f} s:\n"
+        f"  prefill + first decode {sum(first):.2f} s"
         + (" (each includes its compile)" if args.compile != "off" else "")
         + (
             f", then {len(rest)} decode step{'s' if len(rest) != 1 else ''} at "
