@@ -18,14 +18,6 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 PREFIXES = ("torch_kvq/", "benchmarks/", "examples/", "scripts/", "tests/", "docs/")
 
-# TEMPORARY (issue 30): paths of the target layout that the library and CLI branches create.
-# The lead empties this at merge; a listed path that exists fails, so it cannot linger.
-NOT_YET_MOVED = frozenset(
-    {
-        "torch_kvq/cli/",
-    }
-)
-
 CODE = re.compile(r"(`+)(.+?)\1", re.S)  # inline code and fenced blocks alike
 LINK = re.compile(r"!?\[[^\]]*\]\(([^)\s]+)\)")
 AT_COMMIT = re.compile(r"\s*\((?:[^()]*?\bscript )?at ([0-9a-f]{7,40})\b")
@@ -79,8 +71,6 @@ def dangling(files: list[Path], root: Path = ROOT) -> list[str]:
                 ):
                     bad.append(f"{where}: {path} (not in commit {sha})")
                 continue
-            if path in NOT_YET_MOVED:
-                continue
             hits = list(root.glob(path.rstrip("/"))) if "*" in path else [root / path]
             if (
                 not hits
@@ -106,11 +96,6 @@ def test_every_named_path_exists() -> None:
     files = doc_files()
     assert len(files) > 10 and all(f.exists() for f in files)
     assert dangling(files) == []
-
-
-def test_not_yet_moved_lists_only_missing_paths() -> None:
-    """The temporary allow-list empties as the moved files land."""
-    assert sorted(p for p in NOT_YET_MOVED if (ROOT / p).exists()) == []
 
 
 def test_library_docstrings_name_existing_docs() -> None:
