@@ -12,6 +12,7 @@ ROOT = Path(__file__).resolve().parents[1] / "torch_kvq"
 # module prefix -> layer (the longest matching prefix wins); higher layers may import lower ones
 LAYERS: dict[str, int] = {
     "torch_kvq.progress": 0,  # stderr progress lines; imports nothing of ours
+    "torch_kvq.user_cache": 0,  # where fetched / converted files live; imports nothing of ours
     "torch_kvq.spec": 0,
     "torch_kvq.attention": 1,
     "torch_kvq.distributed": 1,  # tensor parallelism: shards, collectives, rank agreement
@@ -20,6 +21,7 @@ LAYERS: dict[str, int] = {
     "torch_kvq.debug": 3,
     "torch_kvq.demo": 3,
     "torch_kvq.integrations": 3,
+    "torch_kvq.evaluation": 3,  # trained-model accuracy: uses integrations, models, passes
     "torch_kvq.cli_args": 3,
     "torch_kvq.cli": 4,
 }
