@@ -259,17 +259,22 @@ def _convert(src: _Source, final: Path) -> None:
         kw["quantization_config"] = GgufConfig(dequantize=True)
     except ImportError:  # 4.x always dequantizes
         pass
+    what = f"converting {gguf.name} once (dequantizing its weights) into {final.parent}"
+    with _quiet(transformers), activity(what):
+        model = transformers.AutoModelForCausalLM.from_pretrained(
+            str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32, **kw
+        )
+        tok = transformers.AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+        _save(src, model, tok, final)
+
+
+@contextlib.contextmanager
+def _quiet(transformers: Any) -> Iterator[None]:
+    """transformers' own progress bars off (ours says what happens), restored after."""
     bars = transformers.utils.logging.is_progress_bar_enabled()
-    transformers.utils.logging.disable_progress_bar()  # our activity line says what happens
+    transformers.utils.logging.disable_progress_bar()
     try:
-        with activity(
-            f"converting {gguf.name} once (dequantizing its weights) into {final.parent}"
-        ):
-            model = transformers.AutoModelForCausalLM.from_pretrained(
-                str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32, **kw
-            )
-            tok = transformers.AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
-            _save(src, model, tok, final)
+        yield
     finally:
         if bars:
             transformers.utils.logging.enable_progress_bar()
@@ -356,10 +361,11 @@ def load_hf(
     for attempt in (0, 1):
         folder = _converted(src, rebuild=attempt == 1)
         try:
-            model = transformers.AutoModelForCausalLM.from_pretrained(
-                str(folder), dtype=dtype, attn_implementation="eager"
-            )
-            tok = transformers.AutoTokenizer.from_pretrained(str(folder))
+            with _quiet(transformers):
+                model = transformers.AutoModelForCausalLM.from_pretrained(
+                    str(folder), dtype=dtype, attn_implementation="eager"
+                )
+                tok = transformers.AutoTokenizer.from_pretrained(str(folder))
             break
         except Exception as e:  # an unreadable converted cache: rebuild it once
             if src.folder is not None or attempt == 1:
