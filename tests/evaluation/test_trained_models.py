@@ -128,3 +128,31 @@ def test_gguf_cache_is_built_once_and_rebuilt_when_damaged(tmp_path, monkeypatch
     (folder / trained.MARKER).write_text(json.dumps(marker))
     model, _ = trained.load_hf(gguf)
     assert len(calls) == 3 and model.config.num_hidden_layers >= 1
+
+
+def test_config_from_a_gguf_header_alone(tmp_path, monkeypatch):
+    """``model_config`` of a GGUF with no converted cache reads only its header."""
+    gguf = trained.shipped_gguf("gemma3-270m")
+    monkeypatch.setenv("TORCH_KVQ_CACHE", str(tmp_path))  # no converted folder there
+    cfg = trained.model_config(gguf)
+    assert (cfg.model_type, cfg.num_hidden_layers, cfg.head_dim, cfg.sliding_window) == (
+        "gemma3_text",
+        18,
+        256,
+        512,
+    )
+    assert cfg.layer_types[4:6] == ["sliding_attention", "full_attention"]
+    assert cfg.vocab_size == 262144 and cfg.tie_word_embeddings
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", sorted(trained.SHIPPED))
+def test_header_config_equals_autoconfig(name):
+    """The fast header path gives what transformers' own GGUF config path gives (minutes)."""
+    import transformers
+
+    gguf = trained.shipped_gguf(name)
+    fast = trained._header_config(gguf).to_dict()
+    slow = transformers.AutoConfig.from_pretrained(str(gguf.parent), gguf_file=gguf.name).to_dict()
+    fast.pop("_name_or_path"), slow.pop("_name_or_path")
+    assert fast == slow

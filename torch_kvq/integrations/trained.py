@@ -410,7 +410,110 @@ def model_config(source: str | Path) -> Any:
         return transformers.AutoConfig.from_pretrained(str(cached))
     _need("gguf")
     gguf = src.gguf if src.gguf is not None else shipped_gguf(src.label)
+    fast = _header_config(gguf)
+    if fast is not None:
+        return fast
     return transformers.AutoConfig.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+
+
+FAST_CONFIG_ARCHS = ("llama", "gemma3")  # where _header_config was checked against AutoConfig
+
+
+def _header_config(gguf: Path) -> Any:
+    """A Llama / Gemma-3 GGUF's transformers config from its metadata keys alone, or None.
+
+    ``AutoConfig.from_pretrained(dir, gguf_file=...)`` builds these architectures' configs through
+    transformers' legacy reader, which parses the whole vocabulary into Python objects first
+    (a minute or more on 2 busy cores). This walks the header (``_gguf_header``) and applies the
+    key mapping and fix-ups the legacy path applies to these architectures (a test checks the
+    result equals AutoConfig's); other architectures, or a transformers without the mapping,
+    give None (the caller falls back to AutoConfig)."""
+    try:
+        import transformers
+        from transformers.integrations.ggml import GGUF_CONFIG_DEFAULTS_MAPPING, GGUF_CONFIG_MAPPING
+    except ImportError:
+        return None
+    meta, tensors = _gguf_header(gguf)
+    arch = meta.get("general.architecture")
+    if arch not in FAST_CONFIG_ARCHS or "mistral" in str(meta.get("general.name", "")).lower():
+        return None
+    cfg: dict[str, Any] = {"tie_word_embeddings": "output.weight" not in tensors}
+    cfg.update(GGUF_CONFIG_DEFAULTS_MAPPING.get(arch, {}))
+    for key, value in meta.items():
+        prefix, _, rest = key.partition(".")
+        target = GGUF_CONFIG_MAPPING.get(prefix, {}).get(rest)
+        if target not in (None, -1):
+            cfg[target] = value
+    if cfg["model_type"] == "gemma3":  # the GGUF holds the text backbone only
+        cfg["model_type"] = "gemma3_text"
+    if "vocab_size" not in cfg:
+        cfg["vocab_size"] = meta["tokenizer.ggml.tokens"]  # a string array: its length
+    return transformers.AutoConfig.for_model(**cfg)
+
+
+_SCALARS = {
+    0: "B",
+    1: "b",
+    2: "H",
+    3: "h",
+    4: "I",
+    5: "i",
+    6: "f",
+    7: "?",
+    10: "Q",
+    11: "q",
+    12: "d",
+}
+
+
+def _gguf_header(path: Path) -> tuple[dict[str, Any], set[str]]:
+    """GGUF (v2 / v3) metadata and tensor names, no tensor data read. A string array is given as
+    its length; other arrays as lists."""
+    import mmap
+    import struct
+
+    with path.open("rb") as fh, mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ) as m:
+        if m[:4] != b"GGUF":
+            raise ValueError(f"{path} is not a GGUF file (no GGUF magic)")
+        _version, n_tensors, n_kv = struct.unpack_from("<IQQ", m, 4)
+        pos = 24
+
+        def string(pos: int) -> tuple[str, int]:
+            (n,) = struct.unpack_from("<Q", m, pos)
+            return m[pos + 8 : pos + 8 + n].decode("utf-8", "replace"), pos + 8 + n
+
+        meta: dict[str, Any] = {}
+        for _ in range(n_kv):
+            key, pos = string(pos)
+            (kind,) = struct.unpack_from("<I", m, pos)
+            pos += 4
+            if kind in _SCALARS:
+                (meta[key],) = struct.unpack_from("<" + _SCALARS[kind], m, pos)
+                pos += struct.calcsize(_SCALARS[kind])
+            elif kind == 8:
+                meta[key], pos = string(pos)
+            elif kind == 9:
+                item, count = struct.unpack_from("<IQ", m, pos)
+                pos += 12
+                if item == 8:
+                    for _ in range(count):
+                        pos += 8 + struct.unpack_from("<Q", m, pos)[0]
+                    meta[key] = count
+                elif item in _SCALARS:
+                    fmt = f"<{count}{_SCALARS[item]}"
+                    meta[key] = list(struct.unpack_from(fmt, m, pos))
+                    pos += struct.calcsize(fmt)
+                else:
+                    raise ValueError(f"{path}: GGUF metadata {key!r} is an array of type {item}")
+            else:
+                raise ValueError(f"{path}: GGUF metadata {key!r} has unknown type {kind}")
+        names = set()
+        for _ in range(n_tensors):
+            name, pos = string(pos)
+            (dims,) = struct.unpack_from("<I", m, pos)
+            pos += 4 + 8 * dims + 4 + 8  # dims, ggml type, offset
+            names.add(name)
+    return meta, names
 
 
 __all__ = [
