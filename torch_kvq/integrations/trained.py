@@ -424,16 +424,17 @@ def _header_config(gguf: Path) -> Any:
 
     ``AutoConfig.from_pretrained(dir, gguf_file=...)`` builds these architectures' configs through
     transformers' legacy reader, which parses the whole vocabulary into Python objects first
-    (a minute or more on 2 busy cores). This walks the header (``_gguf_header``) and applies the
-    key mapping and fix-ups the legacy path applies to these architectures (a test checks the
-    result equals AutoConfig's); other architectures, or a transformers without the mapping,
-    give None (the caller falls back to AutoConfig)."""
+    (minutes on 2 busy cores). This reads the header with transformers 5.x's fast metadata reader
+    (about a second) and applies the key mapping and fix-ups the legacy path applies to these
+    architectures (a slow test checks the result equals AutoConfig's); other architectures, or a
+    transformers without that reader, give None (the caller falls back to AutoConfig)."""
     try:
         import transformers
         from transformers.integrations.ggml import GGUF_CONFIG_DEFAULTS_MAPPING, GGUF_CONFIG_MAPPING
+        from transformers.integrations.gguf import read_gguf_metadata
     except ImportError:
         return None
-    meta, tensors = _gguf_header(gguf)
+    meta, tensors = read_gguf_metadata(str(gguf))
     arch = meta.get("general.architecture")
     if arch not in FAST_CONFIG_ARCHS or "mistral" in str(meta.get("general.name", "")).lower():
         return None
@@ -449,71 +450,6 @@ def _header_config(gguf: Path) -> Any:
     if "vocab_size" not in cfg:
         cfg["vocab_size"] = meta["tokenizer.ggml.tokens"]  # a string array: its length
     return transformers.AutoConfig.for_model(**cfg)
-
-
-_SCALARS = {
-    0: "B",
-    1: "b",
-    2: "H",
-    3: "h",
-    4: "I",
-    5: "i",
-    6: "f",
-    7: "?",
-    10: "Q",
-    11: "q",
-    12: "d",
-}
-
-
-def _gguf_header(path: Path) -> tuple[dict[str, Any], set[str]]:
-    """GGUF (v2 / v3) metadata and tensor names, no tensor data read. A string array is given as
-    its length; other arrays as lists."""
-    import mmap
-    import struct
-
-    with path.open("rb") as fh, mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ) as m:
-        if m[:4] != b"GGUF":
-            raise ValueError(f"{path} is not a GGUF file (no GGUF magic)")
-        _version, n_tensors, n_kv = struct.unpack_from("<IQQ", m, 4)
-        pos = 24
-
-        def string(pos: int) -> tuple[str, int]:
-            (n,) = struct.unpack_from("<Q", m, pos)
-            return m[pos + 8 : pos + 8 + n].decode("utf-8", "replace"), pos + 8 + n
-
-        meta: dict[str, Any] = {}
-        for _ in range(n_kv):
-            key, pos = string(pos)
-            (kind,) = struct.unpack_from("<I", m, pos)
-            pos += 4
-            if kind in _SCALARS:
-                (meta[key],) = struct.unpack_from("<" + _SCALARS[kind], m, pos)
-                pos += struct.calcsize(_SCALARS[kind])
-            elif kind == 8:
-                meta[key], pos = string(pos)
-            elif kind == 9:
-                item, count = struct.unpack_from("<IQ", m, pos)
-                pos += 12
-                if item == 8:
-                    for _ in range(count):
-                        pos += 8 + struct.unpack_from("<Q", m, pos)[0]
-                    meta[key] = count
-                elif item in _SCALARS:
-                    fmt = f"<{count}{_SCALARS[item]}"
-                    meta[key] = list(struct.unpack_from(fmt, m, pos))
-                    pos += struct.calcsize(fmt)
-                else:
-                    raise ValueError(f"{path}: GGUF metadata {key!r} is an array of type {item}")
-            else:
-                raise ValueError(f"{path}: GGUF metadata {key!r} has unknown type {kind}")
-        names = set()
-        for _ in range(n_tensors):
-            name, pos = string(pos)
-            (dims,) = struct.unpack_from("<I", m, pos)
-            pos += 4 + 8 * dims + 4 + 8  # dims, ggml type, offset
-            names.add(name)
-    return meta, names
 
 
 __all__ = [
