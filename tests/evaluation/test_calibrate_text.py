@@ -1,0 +1,69 @@
+"""Calibration from text: statistics, scale methods, and a file ``kv_scales_from`` reads back."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+
+from torch_kvq.evaluation import cli_calibrate
+from torch_kvq.evaluation.calibrate import LayerStats, Method, scale_of, scales_from_stats
+from torch_kvq.integrations.hf_scales import checkpoint_kv_scales
+from torch_kvq.integrations.transformers import KVQCausalLM
+from torch_kvq.spec import KVCacheConfig
+
+
+def test_calibrate_writes_scales_that_kv_scales_from_reads(smollm2, tmp_path, capsys):
+    hf, _ = smollm2
+    out, stats = tmp_path / "kv.safetensors", tmp_path / "stats.json"
+    argv = ["--model", "smollm2-135m", "--window", "32", "--windows", "2", "--out", str(out)]
+    assert cli_calibrate.main([*argv, "--stats-json", str(stats)]) == 0
+    assert "cc02" not in capsys.readouterr().out  # two texts: ca02, cb02
+    doc = json.loads(stats.read_text())
+    assert doc["meta"]["calibration_texts"] == "ca02,cb02"
+    paths = list(doc["layers"])
+    assert len(paths) == 30 and paths[0] == "model.layers.0.self_attn"
+    scales = checkpoint_kv_scales(out, paths)
+    for path, (k, v) in scales.items():
+        st = doc["layers"][path]
+        for scale, amax in ((k, st["k"]["amax"]), (v, st["v"]["amax"])):
+            assert math.log2(scale) == int(math.log2(scale))  # the default: a power of two
+            assert scale * 448 >= amax > scale * 224  # the smallest one that does not clip
+    lm = KVQCausalLM.from_hf(hf, KVCacheConfig("fp8"), num_pages=4, kv_scales_from=out)
+    try:
+        assert [(s.k_scale, s.v_scale) for s in lm.kv_specs] == [scales[p] for p in paths]
+    finally:
+        lm.detach()
+    exact = tmp_path / "p999.safetensors"
+    flags = ["--statistic", "p99.9", "--no-pow2", "--only", "k"]
+    assert cli_calibrate.main(["--stats-from", str(stats), "--out", str(exact), *flags]) == 0
+    again = checkpoint_kv_scales(exact, paths)
+    first = doc["layers"][paths[0]]
+    assert again[paths[0]] == pytest.approx((first["k"]["p99.9"] / 448, 1.0), rel=1e-6)
+
+
+def test_scale_methods():
+    assert scale_of(448.0, Method(), "l", "k") == 1.0
+    assert scale_of(449.0, Method(), "l", "k") == 2.0
+    assert scale_of(100.0, Method(), "l", "k") == 0.25
+    assert scale_of(100.0, Method(headroom=2, pow2=False), "l", "k") == pytest.approx(200 / 448)
+    st = {
+        "p": LayerStats(
+            k={"amax": 8.0, "p99": 2.0}, v={"amax": 4.0, "p99": 1.0}, clipped_at_1=(0, 0)
+        )
+    }
+    assert scales_from_stats(st, Method("p99", pow2=False))["p"] == (2 / 448, 1 / 448)
+    with pytest.raises(ValueError, match="layer 'l': v amax is 0.0"):
+        scale_of(0.0, Method(), "l", "v")
+    with pytest.raises(ValueError, match="statistic 'median' unknown"):
+        Method("median")
+    with pytest.raises(ValueError, match="headroom must be a positive finite number"):
+        Method(headroom=-1)
+
+
+def test_stats_from_a_bad_file(tmp_path, capsys):
+    bad = tmp_path / "x.json"
+    bad.write_text("{}")
+    assert cli_calibrate.main(["--stats-from", str(bad), "--out", str(tmp_path / "o")]) == 2
+    assert "not a --stats-json file" in capsys.readouterr().err

@@ -1,0 +1,82 @@
+"""``kvq eval`` end to end on short windows, and the ``--kv`` syntax."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+
+from torch_kvq.evaluation import cli_eval
+from torch_kvq.evaluation.kv_arg import parse_kv
+
+SHORT = ["--window", "48", "--windows", "2", "--decode-tokens", "6", "--prompts", "2"]
+SHORT += ["--prompt-tokens", "8", "--new-tokens", "4"]
+
+
+def test_eval_end_to_end(tmp_path, capsys):
+    out, png = tmp_path / "eval.json", tmp_path / "eval.png"
+    argv = ["--model", "smollm2-135m", "--kv", "fp8", "--kv", "first2=fp8:skip=0,1", *SHORT]
+    assert cli_eval.main([*argv, "--json", str(out), "--plot", str(png)]) == 0
+    text = capsys.readouterr().out
+    assert "KV config" in text and "first2" in text
+    doc = json.loads(out.read_text())
+    assert doc["settings"]["window"] == 48
+    assert doc["corpus"]["smollm2-135m"] == {
+        "windows": ["ca01", "cb01"],
+        "prompts": ["ca01", "cb01"],
+    }
+    auto, fp8, first2 = doc["rows"]
+    assert (auto["kv"], fp8["kv"], first2["kv"]) == ("auto", "fp8", "first2")
+    assert auto["ppl_delta_pct"] == 0 and auto["agreement"] == 1 and auto["common_prefix"] == [4, 4]
+    assert (auto["quantized_layers"], fp8["quantized_layers"], first2["quantized_layers"]) == (
+        0,
+        30,
+        28,
+    )
+    for row in (fp8, first2):
+        assert math.isfinite(row["ppl"]) and row["ppl"] != auto["ppl"]
+        assert math.isfinite(row["decode_ppl"]) and abs(row["ppl_delta_pct"]) < 10
+        assert 0 <= row["agreement"] <= 1 and len(row["common_prefix"]) == 2
+        assert (
+            row["kernel"] == "reference" and row["compile"] == "off" and row["dtype"] == "float32"
+        )
+    assert png.read_bytes()[:4] == b"\x89PNG"
+
+
+def test_bad_kv_is_refused(capsys):
+    assert cli_eval.main(["--model", "smollm2-135m", "--kv", "fp9"]) == 2
+    assert "kvq eval: error: --kv 'fp9': unknown kv_cache_dtype 'fp9'" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "text, name, dtype, skip, k, v",
+    [
+        ("fp8", "fp8", "fp8", (), 1.0, 1.0),
+        ("x=fp8:skip=sliding_window,-1", "x", "fp8", ("sliding_window", -1), 1.0, 1.0),
+        ("fp8:scale=2", "fp8:scale=2", "fp8", (), 2.0, 2.0),
+        ("a=fp8:k_scale=0.5:v_scale=4", "a", "fp8", (), 0.5, 4.0),
+        ("auto", "auto", "auto", (), 1.0, 1.0),
+    ],
+)
+def test_parse_kv(text, name, dtype, skip, k, v):
+    kv = parse_kv(text)
+    assert (kv.name, kv.kv_cache_dtype, kv.skip_layers) == (name, dtype, skip)
+    cfg = kv.config(16)
+    assert (cfg.default_k_scale, cfg.default_v_scale, cfg.skip_layers) == (k, v, skip)
+
+
+@pytest.mark.parametrize(
+    "text, match",
+    [
+        ("fp9", "unknown kv_cache_dtype 'fp9'"),
+        ("fp8:skipp=0", "option 'skipp=0' unknown"),
+        ("fp8:scale=-1", "must be a positive finite number"),
+        ("fp8:scale=2:k_scale=3", "k_scale given twice"),
+        ("fp8:scales=/no/such.safetensors", "does not exist"),
+        ("name=", "expected \\[NAME=\\]DTYPE"),
+    ],
+)
+def test_parse_kv_errors(text, match):
+    with pytest.raises(ValueError, match=match):
+        parse_kv(text)

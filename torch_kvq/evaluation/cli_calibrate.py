@@ -1,0 +1,168 @@
+"""``kvq calibrate``: static FP8 k/v scales of a trained model from the corpus's calibration split
+(``torch_kvq.evaluation.calibrate``), written where ``kv_scales_from=`` / ``--kv fp8:scales=``
+read them.
+
+Usage: ``main(["--model", "gemma3-270m", "--out", "gemma_kv_scales.safetensors"])``.
+
+Flags:
+  --model SOURCE       a shipped model name (smollm2-135m, gemma3-270m), a .gguf file or a local
+                       HF checkpoint folder (default gemma3-270m)
+  --out PATH           the safetensors file to write (``P.k_scale`` / ``P.v_scale`` per layer)
+  --statistic S        amax (default) or a percentile of |x|, e.g. p99.99
+  --headroom H         multiply the statistic by H before dividing by 448 (default 1)
+  --no-pow2            keep the exact statistic * headroom / 448 (default: round the scale up to a
+                       power of two, which keeps scale 1.0's rounding grid; see docs/accuracy.md)
+  --only k|v           calibrate k (or v) only; the other gets scale 1.0 (for experiments)
+  --multiplier M       multiply every written scale by M (for experiments: grid alignment)
+  --window N --windows N
+                       the calibration sample: N windows of N tokens from the calibration split
+                       (default 1024, 4)
+  --dtype D --device D float32 (default) | bfloat16 | float16; cpu (default) | cuda
+  --stats-json PATH    also write the per-layer statistics (amax, percentiles, clipped fraction)
+  --stats-from PATH    read the statistics a --stats-json run wrote instead of running the model
+                       (to try several methods on one sample; --model and the sample flags are
+                       then not used)
+Exit 2 with ``kvq calibrate: error: ...`` on bad input.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from dataclasses import asdict
+from pathlib import Path
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="kvq calibrate",
+        description="Calibrate per-layer FP8 k/v scales of a trained model on the Brown Corpus "
+        "calibration split and write them in the compressed-tensors layout.",
+    )
+    p.add_argument("--model", default="gemma3-270m", metavar="SOURCE")
+    p.add_argument("--out", type=Path, required=True)
+    p.add_argument("--statistic", default="amax")
+    p.add_argument("--headroom", type=float, default=1.0)
+    p.add_argument("--no-pow2", dest="pow2", action="store_false")
+    p.add_argument("--only", choices=("k", "v"), default=None)
+    p.add_argument("--multiplier", type=float, default=1.0)
+    p.add_argument("--window", type=int, default=1024)
+    p.add_argument("--windows", type=int, default=4)
+    p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="float32")
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--page-size", type=int, default=16)
+    p.add_argument("--stats-json", type=Path, default=None)
+    p.add_argument("--stats-from", type=Path, default=None)
+    return p
+
+
+def _sample(args: argparse.Namespace, percentiles: list[str]):  # -> (stats, meta)
+    """Run the model over the calibration windows: per-layer statistics and what they came from."""
+    import torch
+
+    from torch_kvq.evaluation import corpus
+    from torch_kvq.evaluation.calibrate import kv_stats
+    from torch_kvq.evaluation.eval import EvalSettings, eval_data
+    from torch_kvq.integrations.trained import load_trained
+    from torch_kvq.progress import Progress
+    from torch_kvq.spec import KVCacheConfig
+
+    settings = EvalSettings(
+        window=args.window, windows=args.windows, decode_tokens=0, prompts=1, prompt_tokens=1
+    )
+    with Progress("kvq calibrate") as bar:
+        bar.update(status=f"loading {args.model}")
+        lm, tok = load_trained(
+            args.model,
+            KVCacheConfig(page_size=args.page_size),
+            dtype=getattr(torch, args.dtype),
+            device=args.device,
+            num_pages=settings.pages_needed(args.page_size),
+        )
+        data = eval_data(tok, settings, corpus.split("calibration"))
+        bar.update(status=f"{args.windows} windows of {args.window} tokens through the model")
+        stats = kv_stats(lm, data.windows, percentiles)
+    meta = {
+        "model": str(args.model),
+        "dtype": args.dtype,
+        "calibration_texts": ",".join(data.window_files),
+        "tokens_per_text": str(args.window),
+    }
+    return stats, meta
+
+
+def _read_stats(path: Path):  # -> (stats, meta)
+    from torch_kvq.evaluation.calibrate import LayerStats
+
+    try:
+        doc = json.loads(path.read_text())
+        stats = {
+            p: LayerStats(k=d["k"], v=d["v"], clipped_at_1=tuple(d["clipped_at_1"]))
+            for p, d in doc["layers"].items()
+        }
+        return stats, dict(doc["meta"])
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise ValueError(f"--stats-from {str(path)!r}: not a --stats-json file ({e})") from None
+
+
+def run(args: argparse.Namespace) -> int:
+    from torch_kvq.evaluation.calibrate import Method, scales_from_stats, write_scales
+    from torch_kvq.spec import check_scale
+
+    for path in (args.out, args.stats_json):
+        if path is not None and not path.parent.is_dir():
+            raise ValueError(f"folder {str(path.parent)!r} for {str(path)!r} does not exist")
+    check_scale(args.multiplier, "--multiplier")
+    method = Method(args.statistic, args.headroom, args.pow2)
+    if args.stats_from is not None:
+        stats, meta = _read_stats(args.stats_from)
+    else:
+        percentiles = sorted({"p99.9", "p99.99"} | ({method.statistic} - {"amax"}))
+        stats, meta = _sample(args, percentiles)
+    scales = scales_from_stats(stats, method)
+    scales = {
+        p: (
+            1.0 if args.only == "v" else k * args.multiplier,
+            1.0 if args.only == "k" else v * args.multiplier,
+        )
+        for p, (k, v) in scales.items()
+    }
+    written = {
+        **meta,
+        "method": method.label(),
+        "only": args.only or "k and v",
+        "multiplier": repr(args.multiplier),
+    }
+    write_scales(scales, args.out, written)
+    print(
+        f"kvq calibrate: {meta['model']}, {method.label()}"
+        f"{f', {args.only} only' if args.only else ''}"
+        f"{f', x {args.multiplier:g}' if args.multiplier != 1 else ''}; {len(scales)} layers from "
+        f"{meta['calibration_texts']} ({meta['tokens_per_text']} tokens each)"
+    )
+    for path, (k, v) in scales.items():
+        st = stats[path]
+        print(
+            f"  {path:40s} k_scale {k:.6g} (amax {st.k['amax']:.4g})  "
+            f"v_scale {v:.6g} (amax {st.v['amax']:.4g})"
+        )
+    print(f"wrote {args.out}")
+    if args.stats_json is not None:
+        doc = {"meta": meta, "layers": {p: asdict(s) for p, s in stats.items()}}
+        args.stats_json.write_text(json.dumps(doc, indent=1) + "\n")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run ``kvq calibrate`` with ``argv`` (default ``sys.argv[1:]``); returns the exit code."""
+    args = build_parser().parse_args(argv)
+    try:
+        return run(args)
+    except (ValueError, ImportError, FileNotFoundError) as e:
+        print(f"kvq calibrate: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,167 @@
+"""``kvq eval``: perplexity and greedy agreement of trained models under KV-cache configs, against
+the same model with a model-dtype cache (``torch_kvq.evaluation.eval``), on Brown Corpus text.
+
+Usage: ``main(["--model", "gemma3-270m", "--kv", "fp8", "--kv", "fp8:skip=sliding_window"])``.
+
+Flags:
+  --model SOURCE       a shipped model name (smollm2-135m, gemma3-270m), a .gguf file or a local
+                       HF checkpoint folder; repeatable (default: both shipped models)
+  --kv [NAME=]SPEC     a KV config (``evaluation/kv_arg.py``: ``fp8``, ``fp8:skip=sliding_window``,
+                       ``fp8:scales=PATH``, ``fp8:scale=2``); repeatable (default: ``fp8``). The
+                       model-dtype cache (``auto``) row is always measured first, as the reference
+  --kernel NAME        reference (default), flashinfer, flashinfer-triton, flashinfer-xqa;
+                       repeatable; each kernel gets its own reference row
+  --prefill P          FlashInfer's prefill: fa2 (default), fa3, fa3_fp8
+  --compile off|kvq    kvq: torch.compile(lm, backend=make_kvq_backend(inner="eager")), so the
+                       quantized layers run the kernels' fused paths (default off: eager, unfused)
+  --dtype D            float32 | bfloat16 | float16 (default float32 on CPU, bfloat16 on CUDA)
+  --device D           cpu | cuda (default: cuda for FlashInfer kernels, else cpu)
+  --window N --windows N --decode-tokens N --prompts N --prompt-tokens N --new-tokens N --seed N
+                       the measurement (``EvalSettings``; defaults 1024, 4, 128, 4, 32, 32, 0)
+  --page-size N        KV page size (default 16)
+  --json PATH          write the rows, settings and corpus texts as JSON
+  --plot PATH          write a PNG of the deltas (matplotlib)
+Progress goes to stderr. Exit 2 with ``kvq eval: error: ...`` on bad input.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+KERNELS = ("reference", "flashinfer", "flashinfer-triton", "flashinfer-xqa")
+DTYPES = ("float32", "bfloat16", "float16")
+DEFAULT_MODELS = ("smollm2-135m", "gemma3-270m")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from torch_kvq.evaluation.eval import EvalSettings
+
+    d = EvalSettings()
+    p = argparse.ArgumentParser(
+        prog="kvq eval",
+        description="Perplexity (prefill and decode) and greedy agreement of trained models "
+        "under KV-cache configs, against the model-dtype cache, on Brown Corpus text.",
+    )
+    p.add_argument(
+        "--model", action="append", metavar="SOURCE", help="shipped name, .gguf or folder"
+    )
+    p.add_argument("--kv", action="append", metavar="[NAME=]SPEC", help="KV config, repeatable")
+    p.add_argument("--kernel", action="append", choices=KERNELS, help="repeatable")
+    p.add_argument("--prefill", choices=("fa2", "fa3", "fa3_fp8"), default="fa2")
+    p.add_argument("--compile", choices=("off", "kvq"), default="off")
+    p.add_argument("--dtype", choices=DTYPES, default=None)
+    p.add_argument("--device", default=None)
+    for flag, value in (
+        ("--window", d.window),
+        ("--windows", d.windows),
+        ("--decode-tokens", d.decode_tokens),
+        ("--prompts", d.prompts),
+        ("--prompt-tokens", d.prompt_tokens),
+        ("--new-tokens", d.new_tokens),
+    ):
+        p.add_argument(flag, type=int, default=value, help=f"default {value}")
+    p.add_argument("--seed", type=int, default=d.seed)
+    p.add_argument("--page-size", type=int, default=16)
+    p.add_argument("--json", type=Path, default=None)
+    p.add_argument("--plot", type=Path, default=None)
+    return p
+
+
+def make_kernel(name: str, prefill: str):  # -> AttentionKernel
+    """The kernel a ``--kernel`` name means (FlashInfer imported only for those)."""
+    if name == "reference":
+        from torch_kvq.attention.kernels.reference import ReferenceKernel
+
+        return ReferenceKernel()
+    from torch_kvq.attention.kernels.flashinfer import FlashInferKernel
+
+    decode = {"flashinfer": "tensor_cores", "flashinfer-triton": "triton", "flashinfer-xqa": "xqa"}
+    return FlashInferKernel(fp8_decode=decode[name], prefill=prefill)
+
+
+def run(args: argparse.Namespace) -> int:
+    import torch
+
+    from torch_kvq.evaluation import corpus
+    from torch_kvq.evaluation.eval import EvalSettings, eval_data, evaluate
+    from torch_kvq.evaluation.eval_report import format_table, plot, to_json
+    from torch_kvq.evaluation.kv_arg import parse_kv
+    from torch_kvq.integrations.trained import load_trained
+    from torch_kvq.progress import Progress
+    from torch_kvq.spec import KVCacheConfig
+
+    for path in (args.json, args.plot):
+        if path is not None and not path.parent.is_dir():
+            raise ValueError(f"folder {str(path.parent)!r} for {str(path)!r} does not exist")
+    kernels = args.kernel or ["reference"]
+    kvs = [parse_kv(t) for t in (args.kv or ["fp8"])]
+    settings = EvalSettings(
+        window=args.window,
+        windows=args.windows,
+        decode_tokens=args.decode_tokens,
+        prompts=args.prompts,
+        prompt_tokens=args.prompt_tokens,
+        new_tokens=args.new_tokens,
+        seed=args.seed,
+    )
+    gpu = any(k != "reference" for k in kernels)
+    device = args.device or ("cuda" if gpu else "cpu")
+    dtype = getattr(torch, args.dtype or ("bfloat16" if device.startswith("cuda") else "float32"))
+    models = args.model or list(DEFAULT_MODELS)
+    texts = corpus.split("eval")
+    rows, data = [], {}
+    total = len(models) * len(kernels) * (len(kvs) + 1)
+    with Progress("kvq eval", total, unit="runs") as bar:
+        for source in models:
+            bar.update(status=f"loading {source}")
+            lm, tok = load_trained(
+                source,
+                KVCacheConfig(page_size=args.page_size),
+                dtype=dtype,
+                device=device,
+                num_pages=settings.pages_needed(args.page_size),
+                kernel=make_kernel(kernels[0], args.prefill),
+            )
+            data[str(source)] = eval_data(tok, settings, texts)
+            paths = list(lm.layer_paths.values())
+            configs = [(kv.name, kv.spec, kv.config(args.page_size, paths)) for kv in kvs]
+            for name in kernels:
+                lm.kernel = make_kernel(name, args.prefill)
+                rows += evaluate(
+                    lm,
+                    tok,
+                    configs,
+                    data[str(source)],
+                    settings,
+                    model=str(source),
+                    kernel=name,
+                    compile=args.compile == "kvq",
+                    bar=bar,
+                )
+            lm.detach()
+            del lm
+    print(f"kvq eval: {', '.join(map(str, models))} on {device} ({str(dtype)[6:]})\n")
+    print(format_table(rows, settings))
+    if args.json is not None:
+        args.json.write_text(to_json(rows, settings, data) + "\n")
+        print(f"json: {args.json}")
+    if args.plot is not None:
+        plot(rows, str(args.plot))
+        print(f"plot: {args.plot}")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run ``kvq eval`` with ``argv`` (default ``sys.argv[1:]``); returns the exit code."""
+    args = build_parser().parse_args(argv)
+    try:
+        return run(args)
+    except (ValueError, ImportError, FileNotFoundError) as e:
+        print(f"kvq eval: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

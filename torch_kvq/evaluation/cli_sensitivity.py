@@ -1,0 +1,117 @@
+"""``kvq accuracy`` on a trained model: per-layer KV sensitivity measured on the model
+(``torch_kvq.evaluation.sensitivity``) and the skip rules / modes it suggests.
+
+Usage: ``main(["--model", "gemma3-270m"])``.
+
+Flags:
+  --model SOURCE       a shipped model name (smollm2-135m, gemma3-270m), a .gguf file or a local
+                       HF checkpoint folder (default gemma3-270m)
+  --mode M             a quantized kv_cache_dtype to measure per layer (default fp8); repeatable,
+                       cheapest first: the suggestion gives each layer the first mode within the
+                       threshold
+  --threshold-pct X    a layer whose perplexity delta exceeds X % is kept in the model dtype
+                       (default 0.1)
+  --scales PATH        k/v scales (compressed-tensors safetensors, what ``kvq calibrate`` writes)
+                       for the quantized layer; default: scale 1.0
+  --window N --windows N
+                       the eval slice: N windows of N tokens from the eval split (default 512, 2)
+  --dtype D --device D float32 (default) | bfloat16 | float16; cpu (default) | cuda
+  --page-size N        KV page size (default 16)
+  --json PATH          write the report as JSON
+Progress goes to stderr. Exit 2 with ``kvq accuracy: error: ...`` on bad input.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from torch_kvq.evaluation.sensitivity import DEFAULT_THRESHOLD_PCT
+
+    p = argparse.ArgumentParser(
+        prog="kvq accuracy",
+        description="Per-layer KV-quantization sensitivity of a trained model: each layer "
+        "quantized alone, perplexity delta and attention-output error, and a suggested config.",
+    )
+    p.add_argument("--model", default="gemma3-270m", metavar="SOURCE")
+    p.add_argument("--mode", action="append", metavar="M")
+    p.add_argument("--threshold-pct", type=float, default=DEFAULT_THRESHOLD_PCT)
+    p.add_argument("--scales", type=Path, default=None)
+    p.add_argument("--window", type=int, default=512)
+    p.add_argument("--windows", type=int, default=2)
+    p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="float32")
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--page-size", type=int, default=16)
+    p.add_argument("--json", type=Path, default=None)
+    return p
+
+
+def run(args: argparse.Namespace) -> int:
+    import torch
+
+    from torch_kvq.evaluation import corpus
+    from torch_kvq.evaluation.eval import EvalSettings, eval_data
+    from torch_kvq.evaluation.sensitivity import check_modes, layer_sensitivity
+    from torch_kvq.integrations.hf_scales import checkpoint_kv_scales
+    from torch_kvq.integrations.trained import load_trained
+    from torch_kvq.progress import Progress
+    from torch_kvq.spec import KVCacheConfig
+
+    if args.json is not None and not args.json.parent.is_dir():
+        raise ValueError(f"folder {str(args.json.parent)!r} for {str(args.json)!r} does not exist")
+    settings = EvalSettings(
+        window=args.window, windows=args.windows, decode_tokens=1, prompts=1, prompt_tokens=1
+    )
+    modes = args.mode or ["fp8"]
+    check_modes(modes, args.threshold_pct)  # before the model loads
+    with Progress("kvq accuracy", unit="layers") as bar:
+        bar.update(status=f"loading {args.model}")
+        lm, tok = load_trained(
+            args.model,
+            KVCacheConfig(page_size=args.page_size),
+            dtype=getattr(torch, args.dtype),
+            device=args.device,
+            num_pages=settings.pages_needed(args.page_size),
+        )
+        bar.total = len(lm.kv_specs) * len(modes)
+        data = eval_data(tok, settings, corpus.split("eval"))
+        scales = None
+        if args.scales is not None:
+            scales = checkpoint_kv_scales(args.scales, list(lm.layer_paths.values()))
+        report = layer_sensitivity(
+            lm,
+            data.windows,
+            modes,
+            model=args.model,
+            threshold_pct=args.threshold_pct,
+            page_size=args.page_size,
+            kv_scales=scales,
+            bar=bar,
+        )
+    print(
+        f"kvq accuracy: {args.model} ({args.dtype}, {args.device}), {args.windows} windows of "
+        f"{args.window} tokens ({', '.join(data.window_files)}), scales "
+        f"{args.scales or '1.0 (uncalibrated)'}\n"
+    )
+    print(report.format())
+    if args.json is not None:
+        args.json.write_text(report.to_json() + "\n")
+        print(f"json: {args.json}")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run per-layer sensitivity with ``argv`` (default ``sys.argv[1:]``); returns the exit code."""
+    args = build_parser().parse_args(argv)
+    try:
+        return run(args)
+    except (ValueError, ImportError, FileNotFoundError) as e:
+        print(f"kvq accuracy: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

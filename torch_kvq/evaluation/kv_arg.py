@@ -1,0 +1,120 @@
+"""``--kv NAME=SPEC``: one KV-cache configuration to evaluate, written on the command line.
+
+``SPEC`` is ``DTYPE[:OPTION[:OPTION...]]``:
+
+- ``DTYPE``: any ``KVCacheConfig.kv_cache_dtype`` string (``fp8``, ``auto``, ``bfloat16``, ...);
+- ``skip=RULE[,RULE...]``: skip rules (an int index, ``sliding_window``, ``full_attention``, a
+  layer-name glob or name), e.g. ``skip=sliding_window`` or ``skip=0,-1``;
+- ``scales=PATH``: per-layer k/v scales from a safetensors file in the compressed-tensors layout
+  (``P.k_scale`` / ``P.v_scale``; what ``kvq calibrate`` writes, read by ``kv_scales_from``);
+- ``scale=F``: every layer's default k and v scale; ``k_scale=F`` / ``v_scale=F``: one of them.
+
+``NAME=`` is optional (the row's label; default: ``SPEC`` itself). Examples: ``fp8``,
+``fp8-sliding-bf16=fp8:skip=sliding_window``, ``cal=fp8:scales=/tmp/kv_scales.safetensors``.
+No torch import.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+OPTIONS = ("skip", "scales", "scale", "k_scale", "v_scale")
+
+
+@dataclass(frozen=True)
+class KVArg:
+    """A parsed ``--kv``: the label, the text, and the ``KVCacheConfig`` fields it sets
+    (``scales``: a file to read per model, once its layer paths are known)."""
+
+    name: str
+    spec: str
+    kv_cache_dtype: str
+    skip_layers: tuple[int | str, ...] = ()
+    scales: Path | None = None
+    default_k_scale: float = 1.0
+    default_v_scale: float = 1.0
+
+    def config(self, page_size: int, layer_paths: list[str] | None = None):  # -> KVCacheConfig
+        """The ``KVCacheConfig`` (``layer_paths``: the model's HF attention paths, which the
+        scales file is keyed by; needed when ``scales=`` was given)."""
+        from torch_kvq.spec import KVCacheConfig
+
+        kv_scales: dict[str | int, tuple[float, float]] = {}
+        if self.scales is not None:
+            from torch_kvq.integrations.hf_scales import checkpoint_kv_scales
+
+            if layer_paths is None:
+                raise ValueError(f"--kv {self.spec!r}: scales= needs the model's layer paths")
+            kv_scales = dict(checkpoint_kv_scales(self.scales, layer_paths))
+        return KVCacheConfig(
+            kv_cache_dtype=self.kv_cache_dtype,
+            skip_layers=self.skip_layers,
+            page_size=page_size,
+            kv_scales=kv_scales,
+            default_k_scale=self.default_k_scale,
+            default_v_scale=self.default_v_scale,
+        )
+
+
+def _rule(text: str) -> int | str:
+    try:
+        return int(text)
+    except ValueError:
+        return text
+
+
+def _float(what: str, value: str, spec: str) -> float:
+    try:
+        f = float(value)
+    except ValueError:
+        raise ValueError(f"--kv {spec!r}: {what}={value!r} is not a number") from None
+    if not f > 0 or f == float("inf"):
+        raise ValueError(f"--kv {spec!r}: {what}={value!r} must be a positive finite number")
+    return f
+
+
+def parse_kv(text: str) -> KVArg:
+    """Parse ``[NAME=]DTYPE[:OPTION...]`` (module docstring); ValueError naming the bad part."""
+    from torch_kvq.spec import parse_kv_cache_dtype
+
+    name, eq, spec = text.partition("=")
+    if not eq or ":" in name:  # no NAME= (an '=' inside an option belongs to the option)
+        name, spec = "", text
+    if not spec or not spec.split(":")[0]:
+        raise ValueError(f"--kv {text!r}: expected [NAME=]DTYPE[:OPTION...], e.g. 'fp8:skip=0'")
+    dtype, *opts = spec.split(":")
+    import torch
+
+    try:
+        parse_kv_cache_dtype(dtype, torch.float32)
+    except ValueError as e:  # it lists the accepted dtypes
+        raise ValueError(f"--kv {text!r}: {e}") from None
+    kw: dict[str, object] = {}
+    seen: set[str] = set()
+    for opt in opts:
+        key, eq, value = opt.partition("=")
+        if not eq or key not in OPTIONS or not value:
+            raise ValueError(
+                f"--kv {text!r}: option {opt!r} unknown; expected KEY=VALUE with KEY one of "
+                f"{', '.join(OPTIONS)}"
+            )
+        if (
+            key in seen
+            or (key == "scale" and seen & {"k_scale", "v_scale"})
+            or (key in ("k_scale", "v_scale") and "scale" in seen)
+        ):
+            raise ValueError(f"--kv {text!r}: {key} given twice (scale= sets k_scale and v_scale)")
+        seen.add(key)
+        if key == "skip":
+            kw["skip_layers"] = tuple(_rule(r) for r in value.split(",") if r)
+        elif key == "scales":
+            path = Path(value).expanduser()
+            if not path.exists():
+                raise ValueError(f"--kv {text!r}: scales file {value!r} does not exist")
+            kw["scales"] = path
+        elif key == "scale":
+            kw["default_k_scale"] = kw["default_v_scale"] = _float(key, value, text)
+        else:
+            kw[f"default_{key}"] = _float(key, value, text)
+    return KVArg(name=name or spec, spec=spec, kv_cache_dtype=dtype, **kw)  # type: ignore[arg-type]
