@@ -10,7 +10,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 m=$1
 WINDOW=${WINDOW:-512}
-CAL="python -m torch_kvq.evaluation.cli_calibrate"
+CAL="kvq calibrate"
 out=benchmarks/results/kv_scale_study/$m
 mkdir -p "$out"
 # two calibration samples: 2 texts of 2048 tokens (as the issue's run: "two other Brown texts"),
@@ -29,5 +29,5 @@ for mult in 1.19 1.41 1.68; do kv+=(--kv "scale$mult=fp8:scale=$mult"); done
 for f in a_amax a_amax_x1.41 a_amax_pow2 b_amax_pow2; do
   kv+=(--kv "$f=fp8:scales=$out/$f.safetensors")
 done
-python -m torch_kvq.evaluation.cli_eval --model "$m" --window "$WINDOW" --windows 4 \
+kvq eval --model "$m" --window "$WINDOW" --windows 4 \
   --decode-tokens 0 --new-tokens 0 "${kv[@]}" --json "$out/eval.json" | tee "$out/eval.txt"

@@ -23,25 +23,29 @@ def run_main(capsys, *argv: str) -> tuple[int, str, str]:
     return code, out, err
 
 
-def test_demo_default_gemma_fp8_with_sliding_layers_kept(capsys, monkeypatch):
+def test_demo_tiny_gemma_fp8_with_sliding_layers_kept(capsys, monkeypatch):
     monkeypatch.setenv("TORCH_KVQ_PROGRESS", "1")  # progress as on a terminal
     monkeypatch.setenv("COLUMNS", "300")  # a wide one: lines are cut to the terminal's width
-    code, out, err = run_main(capsys, "demo", "--max-new-tokens", "3")
+    code, out, err = run_main(capsys, "demo", "--preset", "gemma3-tiny", "--max-new-tokens", "3")
     assert code == 0, err
     rows = [line.split() for line in out.splitlines() if re.match(r"^\d+\s+model", line)]
     assert len(rows) == 6
     for row in rows:  # idx layer type mode dtype ...
         kept = row[2].startswith("sliding")
         assert row[3:5] == (["none", "bfloat16"] if kept else ["fp8_per_tensor", "float8_e4m3fn"])
-    m = re.search(r"max \|logit diff\| vs all-bf16: prefill ([\d.]+), decode ([\d.]+)", out)
+    m = re.search(
+        r"max \|logit diff\| vs the all-bfloat16 cache: prefill ([\d.]+), decode ([\d.]+)", out
+    )
     assert m, out
     assert 0.0 < float(m[1]) < 0.5 and 0.0 < float(m[2]) < 0.5
     assert "next-token agreement" in out and out.count("bf16 greedy") == 3
     # the default compiles with the kvq passes, shows progress and timings
     assert "compile kvq-eager" in out and "fused quant+write" in out
-    assert "[########################] 3/3 steps" in err and "all-bf16 eager" in err
+    assert "[########################] 3/3 steps" in err and "all-bfloat16 cache, eager" in err
     assert "prefill (the first call traces and compiles) > compiling: kvq passes" in err
-    assert re.search(r"timings: all-bf16 eager [\d.]+ s; quantized \(kvq-eager\) [\d.]+ s", out)
+    assert re.search(
+        r"timings: all-bfloat16 cache eager [\d.]+ s; quantized \(kvq-eager\) [\d.]+ s", out
+    )
     # a newcomer reads why the generations repeat and what the CPU timings are not
     assert "The weights are random" in out and "say nothing about speed on a GPU" in out
     assert "then 1 decode step at" in out  # 3 new tokens: prefill, first decode, then one
@@ -72,7 +76,16 @@ def test_demo_llama_with_repeated_skips(capsys):
 
 def test_demo_auto_dtype_matches_bf16_exactly(capsys):
     code, out, _ = run_main(
-        capsys, "demo", "--kv-cache-dtype", "auto", "--max-new-tokens", "2", "--compile", "off"
+        capsys,
+        "demo",
+        "--preset",
+        "gemma3-tiny",
+        "--kv-cache-dtype",
+        "auto",
+        "--max-new-tokens",
+        "2",
+        "--compile",
+        "off",
     )
     assert code == 0
     assert "prefill 0.0000, decode 0.0000" in out
@@ -81,9 +94,15 @@ def test_demo_auto_dtype_matches_bf16_exactly(capsys):
 @pytest.mark.parametrize(
     "argv, message",
     [
-        (["demo", "--skip", "99"], "skip_layers index 99 is out of range"),
-        (["demo", "--skip", "nope"], "unknown skip rule 'nope'"),
-        (["demo", "--kv-cache-dtype", "int4"], "unknown kv_cache_dtype 'int4'"),
+        (
+            ["demo", "--preset", "gemma3-tiny", "--skip", "99"],
+            "skip_layers index 99 is out of range",
+        ),
+        (["demo", "--preset", "gemma3-tiny", "--skip", "nope"], "unknown skip rule 'nope'"),
+        (
+            ["demo", "--preset", "gemma3-tiny", "--kv-cache-dtype", "int4"],
+            "unknown kv_cache_dtype 'int4'",
+        ),
     ],
 )
 def test_bad_values_exit_2_with_the_reason(capsys, argv, message):
@@ -100,7 +119,10 @@ def test_bad_values_exit_2_with_the_reason(capsys, argv, message):
         (["demo", "--preset", "gpt"], "invalid choice: 'gpt'"),
         (["demo", "--max-new-tokens", "0"], "expected a positive int, got '0'"),
         (["demo", "--compile", "inductor"], "invalid choice: 'inductor'"),
-        (["demo", "--skip", "0", "--no-skip"], "not allowed with argument"),
+        (
+            ["demo", "--preset", "gemma3-tiny", "--skip", "0", "--no-skip"],
+            "not allowed with argument",
+        ),
         (["demo", "--tp", "0"], "expected a positive int, got '0'"),
     ],
 )
@@ -112,10 +134,19 @@ def test_usage_errors_exit_2(capsys, argv, message):
 def test_demo_compiled_with_the_kvq_passes(capsys):
     """--compile kvq-eager: the kvq passes on the post-grad graph, no Inductor codegen."""
     gc.collect()  # models other tests left for the collector still hold the names "model.*"
-    argv = ("demo", "--compile", "kvq-eager", "--max-new-tokens", "1", "--wide")
+    argv = (
+        "demo",
+        "--preset",
+        "gemma3-tiny",
+        "--compile",
+        "kvq-eager",
+        "--max-new-tokens",
+        "1",
+        "--wide",
+    )
     code, out, err = run_main(capsys, *argv)
     assert code == 0, err
-    assert "k_scale  v_scale  cache KiB" in out  # --wide: every column of the spec table
+    assert re.search(r"k_scale +v_scale +cache KiB", out)  # --wide: every column of the spec table
     rows = [line for line in out.splitlines() if line.startswith("model.")]  # the pass report
     fused = [line for line in rows if "fused quant+write" in line and "fused dequant+attn" in line]
     kept = [line for line in rows if line.split()[1] == "none" and "kept bf16" in line]
@@ -129,7 +160,9 @@ def test_demo_compiled_with_the_kvq_passes(capsys):
 
 def test_compile_kvq_without_backend_is_a_clean_error(capsys, monkeypatch):
     monkeypatch.setitem(sys.modules, "torch_kvq.passes", None)  # import of it now fails
-    code, _, err = run_main(capsys, "demo", "--compile", "kvq", "--max-new-tokens", "1")
+    code, _, err = run_main(
+        capsys, "demo", "--preset", "gemma3-tiny", "--compile", "kvq", "--max-new-tokens", "1"
+    )
     assert code == 2
     assert "--compile kvq needs torch_kvq.passes.kvq_backend" in err, err
 
@@ -218,7 +251,7 @@ def test_a_type_rule_matching_no_layer_is_reported(capsys):
     assert code == 0 and note in " ".join(out.split()), out + err
     assert max(len(line) for line in out.splitlines()) <= 100, out
     code, out, _ = run_main(capsys, "inspect")  # Gemma: the rule splits the layers, no note
-    assert code == 0 and "note:" not in out
+    assert code == 0 and "note: skip rule" not in out
 
 
 # ``kvq --help`` must stay fast: no torch (6-9 s to import) until a subcommand runs.
@@ -227,7 +260,7 @@ import sys, argparse, importlib
 import torch_kvq.cli as c
 from torch_kvq.cli.args import SUBCOMMANDS
 c.build_parser(load=[]).format_help()  # what ``kvq --help`` builds
-for name in ("demo", "inspect", "accuracy", "dump"):  # their parsers (``kvq <sub> --help``)
+for name in SUBCOMMANDS:  # their parsers (``kvq <sub> --help``)
     sub = argparse.ArgumentParser().add_subparsers()
     importlib.import_module(SUBCOMMANDS[name][0]).add_parser(sub)
     sub.choices[name].format_help()
@@ -262,6 +295,17 @@ def test_torch_free_copies_match_the_originals():
     assert cli_args.DEFAULT_PRESET in PRESETS
     assert cli_args.PAGE_SIZES == tuple(SUPPORTED_PAGE_SIZES)
     assert accuracy_cmd.DEFAULT_THRESHOLD_DB == accuracy.DEFAULT_THRESHOLD_DB
+    from torch_kvq.evaluation import sensitivity
+    from torch_kvq.integrations.trained import SHIPPED
+
+    assert accuracy_cmd.DEFAULT_THRESHOLD_PCT == sensitivity.DEFAULT_THRESHOLD_PCT
+    assert cli_args.SHIPPED_MODELS == tuple(sorted(SHIPPED))
+    from dataclasses import asdict
+
+    from torch_kvq.cli import eval as eval_cmd
+    from torch_kvq.evaluation.eval import EvalSettings
+
+    assert eval_cmd.SETTINGS == asdict(EvalSettings())
     parser = cli.build_parser()  # every subcommand's full parser
     (sub,) = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
     helps = {a.dest: a.help for a in sub._choices_actions}

@@ -1294,9 +1294,11 @@ def _() -> object:
 def kvq(*argv: str) -> object:
     """Run a ``kvq`` subcommand's runner (what ``main`` turns into ``kvq <sub>: error: ...``)."""
     from torch_kvq.cli import build_parser
+    from torch_kvq.cli.args import resolve_source
 
     args = build_parser().parse_args(list(argv))
     args.argv = list(argv)
+    resolve_source(args)
     return args.func(args)
 
 
@@ -1375,7 +1377,22 @@ def _() -> object:
 @case("cli.tp-no-torchrun")
 def _() -> object:
     with mock.patch("torch.distributed.is_available", return_value=False):
-        return demo_tp("--tp", "2")
+        return demo_tp("--preset", "gemma3-tiny", "--tp", "2")
+
+
+@case("cli.model-unknown")
+def _() -> object:
+    return kvq("inspect", "--model", "gemma9")
+
+
+@case("cli.model-layers")
+def _() -> object:
+    return kvq("demo", "--model", "gemma3-270m", "--layers", "2")
+
+
+@case("cli.accuracy-calibrate-trained")
+def _() -> object:
+    return kvq("accuracy", "--model", "gemma3-270m", "--calibrate")
 
 
 @case("calibration.no-attention-layers")

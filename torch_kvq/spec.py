@@ -191,6 +191,7 @@ class LayerKVSpec:
     k_scale: float = 1.0
     v_scale: float = 1.0
     skip_reason: str | None = None  # which skip rule kept this layer unquantized
+    uncalibrated: bool = False  # a quantized layer on the default scales 1.0: nobody chose them
 
     def __post_init__(self) -> None:
         if self.sm_scale is None:
@@ -330,6 +331,9 @@ def resolve_layer_specs(
                 skip_reason=(
                     f"skip rule {reason!r}" if (reason is not None and mode.is_quantized) else None
                 ),
+                uncalibrated=quantized
+                and info.name not in scales
+                and (config.default_k_scale, config.default_v_scale) == (1.0, 1.0),
             )
         )
     return tuple(specs)
@@ -414,16 +418,33 @@ def skip_rule_notes(skip_layers: Iterable[int | str], specs: Sequence[LayerKVSpe
     return notes
 
 
+def scale_notes(specs: Sequence[LayerKVSpec]) -> list[str]:
+    """A note naming the quantized layers on scale 1.0 that nobody chose (no ``kv_scales`` entry,
+    default scales left at 1.0): a scale never defaults silently."""
+    idx = [s.index for s in specs if s.uncalibrated]
+    if not idx:
+        return []
+    which = "every quantized layer" if len(idx) == sum(s.is_quantized for s in specs) else (
+        "layers " + ", ".join(map(str, idx))
+    )
+    return [
+        f"note: scale 1.0, uncalibrated: {which} (no kv_scales given); k / v beyond +-448 are "
+        "clamped (an eager run warns); kvq calibrate writes scales, kv_scales_from= reads them"
+    ]
+
+
 def format_spec_table(
     specs: Sequence[LayerKVSpec],
     extra: Mapping[str, Mapping[str, str]] | None = None,
     *,
     columns: Sequence[str] | None = None,
     skip_layers: Iterable[int | str] = (),
+    notes: bool = True,
 ) -> str:
     """A readable per-layer table. ``extra`` adds columns per layer name (e.g. what was fused).
     ``columns``: the column names to show, in table order (None: all). ``skip_layers``: the
-    config's rules; the notes of ``skip_rule_notes`` follow the table."""
+    config's rules. ``notes``: the notes of ``skip_rule_notes`` and ``scale_notes`` follow the
+    table (False: the caller prints them)."""
     extra = extra or {}
     extra_cols = sorted({c for cols in extra.values() for c in cols})
     header = [
@@ -451,8 +472,8 @@ def format_spec_table(
                 s.mode.value,
                 str(s.storage_dtype).replace("torch.", ""),
                 str(s.cache_bytes_per_token),
-                f"{s.k_scale:.4g}",
-                f"{s.v_scale:.4g}",
+                f"{s.k_scale:.4g}" + (" uncalibrated" if s.uncalibrated else ""),
+                f"{s.v_scale:.4g}" + (" uncalibrated" if s.uncalibrated else ""),
                 *[extra.get(s.name, {}).get(c, "") for c in extra_cols],
             ]
         )
@@ -461,8 +482,8 @@ def format_spec_table(
     widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(header)]
     line = lambda cells: "  ".join(c.ljust(w) for c, w in zip(cells, widths)).rstrip()  # noqa: E731
     table = [line(header), line(["-" * w for w in widths]), *(line(r) for r in rows)]
-    notes = skip_rule_notes(skip_layers, specs)
-    return "\n".join(table + ([""] + notes if notes else []))
+    said = skip_rule_notes(skip_layers, specs) + scale_notes(specs) if notes else []
+    return "\n".join(table + ([""] + said if said else []))
 
 
 def spec_table_key(specs: Iterable[LayerKVSpec]) -> str:

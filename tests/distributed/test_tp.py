@@ -106,7 +106,7 @@ def test_ranks_refuse_together(tmp_path):
 @pytest.mark.distributed
 def test_cli_demo_tp2_starts_its_ranks(tmp_path):
     """``kvq demo --tp 2`` re-runs itself under torchrun; rank 0 prints, both ranks run."""
-    cmd = [sys.executable, "-m", "torch_kvq.cli", "demo", "--tp", "2", "--compile", "off",
+    cmd = [sys.executable, "-m", "torch_kvq.cli", "demo", "--preset", "gemma3-tiny", "--tp", "2", "--compile", "off",
            "--layers", "3", "--max-new-tokens", "2"]  # fmt: skip
     out = run_bounded(cmd, timeout=180, cwd=tmp_path)
     assert out.returncode == 0, out.stdout[-4000:]

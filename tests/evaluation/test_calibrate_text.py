@@ -7,7 +7,7 @@ import math
 
 import pytest
 
-from torch_kvq.evaluation import cli_calibrate
+from torch_kvq import cli
 from torch_kvq.evaluation.calibrate import LayerStats, Method, scale_of, scales_from_stats
 from torch_kvq.integrations.hf_scales import checkpoint_kv_scales
 from torch_kvq.integrations.transformers import KVQCausalLM
@@ -18,7 +18,7 @@ def test_calibrate_writes_scales_that_kv_scales_from_reads(smollm2, tmp_path, ca
     hf, _ = smollm2
     out, stats = tmp_path / "kv.safetensors", tmp_path / "stats.json"
     argv = ["--model", "smollm2-135m", "--window", "32", "--windows", "2", "--out", str(out)]
-    assert cli_calibrate.main([*argv, "--stats-json", str(stats)]) == 0
+    assert cli.main(["calibrate", *argv, "--stats-json", str(stats)]) == 0
     assert "cc02" not in capsys.readouterr().out  # two texts: ca02, cb02
     doc = json.loads(stats.read_text())
     assert doc["meta"]["calibration_texts"] == "ca02,cb02"
@@ -37,7 +37,7 @@ def test_calibrate_writes_scales_that_kv_scales_from_reads(smollm2, tmp_path, ca
         lm.detach()
     exact = tmp_path / "p999.safetensors"
     flags = ["--statistic", "p99.9", "--no-pow2", "--only", "k"]
-    assert cli_calibrate.main(["--stats-from", str(stats), "--out", str(exact), *flags]) == 0
+    assert cli.main(["calibrate", "--stats-from", str(stats), "--out", str(exact), *flags]) == 0
     again = checkpoint_kv_scales(exact, paths)
     first = doc["layers"][paths[0]]
     assert again[paths[0]] == pytest.approx((first["k"]["p99.9"] / 448, 1.0), rel=1e-6)
@@ -65,5 +65,5 @@ def test_scale_methods():
 def test_stats_from_a_bad_file(tmp_path, capsys):
     bad = tmp_path / "x.json"
     bad.write_text("{}")
-    assert cli_calibrate.main(["--stats-from", str(bad), "--out", str(tmp_path / "o")]) == 2
+    assert cli.main(["calibrate", "--stats-from", str(bad), "--out", str(tmp_path / "o")]) == 2
     assert "not a --stats-json file" in capsys.readouterr().err

@@ -7,7 +7,7 @@ import math
 
 import pytest
 
-from torch_kvq.evaluation import cli_eval
+from torch_kvq import cli
 from torch_kvq.evaluation.kv_arg import parse_kv
 
 SHORT = ["--window", "48", "--windows", "2", "--decode-tokens", "6", "--prompts", "2"]
@@ -17,7 +17,7 @@ SHORT += ["--prompt-tokens", "8", "--new-tokens", "4"]
 def test_eval_end_to_end(tmp_path, capsys):
     out, png = tmp_path / "eval.json", tmp_path / "eval.png"
     argv = ["--model", "smollm2-135m", "--kv", "fp8", "--kv", "first2=fp8:skip=0,1", *SHORT]
-    assert cli_eval.main([*argv, "--json", str(out), "--plot", str(png)]) == 0
+    assert cli.main(["eval", *argv, "--json", str(out), "--plot", str(png)]) == 0
     text = capsys.readouterr().out
     assert "KV config" in text and "first2" in text
     doc = json.loads(out.read_text())
@@ -45,7 +45,7 @@ def test_eval_end_to_end(tmp_path, capsys):
 
 
 def test_bad_kv_is_refused(capsys):
-    assert cli_eval.main(["--model", "smollm2-135m", "--kv", "fp9"]) == 2
+    assert cli.main(["eval", "--model", "smollm2-135m", "--kv", "fp9"]) == 2
     assert "kvq eval: error: --kv 'fp9': unknown kv_cache_dtype 'fp9'" in capsys.readouterr().err
 
 

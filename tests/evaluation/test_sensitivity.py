@@ -7,14 +7,14 @@ import math
 
 import pytest
 
-from torch_kvq.evaluation import cli_sensitivity
+from torch_kvq import cli
 from torch_kvq.evaluation.sensitivity import LayerSensitivity, SensitivityReport
 
 
 def test_sensitivity_on_a_tiny_slice(tmp_path, capsys):
     out = tmp_path / "s.json"
     argv = ["--model", "smollm2-135m", "--window", "24", "--windows", "1", "--json", str(out)]
-    assert cli_sensitivity.main([*argv, "--threshold-pct", "0.5"]) == 0
+    assert cli.main(["accuracy", *argv, "--threshold-pct", "0.5"]) == 0
     text = capsys.readouterr().out
     assert "suggestion:" in text and "fp8 on every layer at once" in text
     doc = json.loads(out.read_text())
@@ -62,7 +62,7 @@ def test_suggestion_with_several_modes_takes_the_first_within():
 
 
 def test_bad_mode_is_refused(capsys):
-    assert cli_sensitivity.main(["--model", "smollm2-135m", "--mode", "auto", "--window", "8"]) == 2
+    assert cli.main(["accuracy", "--model", "smollm2-135m", "--mode", "auto", "--window", "8"]) == 2
     assert "mode 'auto' is not a quantized kv_cache_dtype" in capsys.readouterr().err
 
 

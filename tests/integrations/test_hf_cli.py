@@ -31,7 +31,7 @@ def test_demo_hf_family(capsys):
     code, out, err = run_main(capsys, "demo", "--hf", "qwen2", "--max-new-tokens", "2")
     assert code == 0, err
     assert "transformers qwen2" in out and "fused quant+write 2, dequant+attn 2" in out, out
-    assert "max |logit diff| vs all-bf16" in out and "next-token agreement" in out
+    assert "max |logit diff| vs the all-bfloat16 cache" in out and "next-token agreement" in out
 
 
 def test_accuracy_on_a_tiny_hf_model(capsys):

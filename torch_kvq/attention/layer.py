@@ -6,6 +6,7 @@ rewrite quantize -> write -> dequantize -> attend into the fused form.
 
 from __future__ import annotations
 
+import warnings
 from typing import Literal
 
 import torch
@@ -13,10 +14,15 @@ from torch import nn
 
 from torch_kvq.attention import ops as _ops  # noqa: F401  (registers torch.ops.kvq.*)
 from torch_kvq.attention import registry
-from torch_kvq.attention.quant import quantize_fp8
+from torch_kvq.attention.quant import FP8_MAX, quantize_fp8
 from torch_kvq.spec import LayerKVSpec, check_positive_int
 
 QuantForm = Literal["op", "torch"]
+
+
+class FP8RangeWarning(UserWarning):
+    """k or v of an FP8 layer reached beyond what its scale can represent, so values were
+    clamped to +-448 * scale."""
 
 
 class Attention(nn.Module):
@@ -42,6 +48,7 @@ class Attention(nn.Module):
         self.spec = spec
         self.layer_name = spec.name
         self.quant_form = quant_form
+        self.range_reported = False  # one FP8RangeWarning per layer
         shape = (num_pages, 2, spec.page_size, spec.num_kv_heads, spec.head_size)
         self.register_buffer(
             "kv_cache",
@@ -61,9 +68,32 @@ class Attention(nn.Module):
             return torch.ops.kvq.quantize_fp8(x, scale)
         return quantize_fp8(x, scale)  # the torch-native expression, traced
 
+    def _check_range(self, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Warn (once per layer) when k or v exceeds +-448 * its scale: those values are clamped.
+        Eager only: a compiled graph does not read k / v a second time to check (and a CUDA graph
+        capture cannot sync); ``kvq calibrate`` reports the same from its statistics."""
+        if torch.compiler.is_compiling() or self.range_reported:
+            return
+        if k.is_cuda and torch.cuda.is_current_stream_capturing():
+            return
+        spec = self.spec
+        for which, x, scale in (("k", k, spec.k_scale), ("v", v, spec.v_scale)):
+            amax = x.detach().abs().amax().item() if x.numel() else 0.0
+            if amax > FP8_MAX * scale:
+                self.range_reported = True
+                warnings.warn(
+                    f"layer {spec.name!r}: |{which}| reaches {amax:.4g}, beyond the FP8 range of "
+                    f"its {which}_scale {scale:.4g} (+-{FP8_MAX * scale:.4g}); those values are "
+                    "clamped. Give calibrated scales (kv_scales=, kv_scales_from=, kvq calibrate)",
+                    FP8RangeWarning,
+                    stacklevel=2,
+                )
+                return
+
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         spec = self.spec
         if spec.is_quantized:
+            self._check_range(k, v)
             kq = self._quantize(k, spec.k_scale)
             vq = self._quantize(v, spec.v_scale)
             torch.ops.kvq.cache_write(kq, vq, self.kv_cache, spec.name)

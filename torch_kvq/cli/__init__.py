@@ -7,7 +7,8 @@ model source ``--preset`` | ``--hf`` | ``--hf-config``, the KV config) and ``Com
 ``args``; ``sources`` builds the model they name. ``kvq --help`` imports no subcommand module (nor
 torch): the list is built from ``SUBCOMMANDS``; only the subcommand named on the command line is
 imported and gets its full parser, so torch imports stay inside the runners.
-Bad input a subcommand finds late (a ``ValueError`` from our APIs, or a ``CommandError``) is
+Bad input a subcommand finds late (a ``ValueError`` from our APIs, a ``CommandError``, a missing
+file or optional package) is
 printed as ``kvq <subcommand>: error: <message>`` with exit code 2, like argparse's own errors.
 """
 
@@ -18,7 +19,7 @@ import importlib
 import sys
 from collections.abc import Iterable, Sequence
 
-from torch_kvq.cli.args import SUBCOMMANDS, CommandError
+from torch_kvq.cli.args import SUBCOMMANDS, CommandError, resolve_source
 
 
 def build_parser(load: Iterable[str] | None = None) -> argparse.ArgumentParser:
@@ -47,8 +48,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     chosen = next((a for a in argv if not a.startswith("-")), None)
     args = build_parser(load=[chosen] if chosen in SUBCOMMANDS else []).parse_args(argv)
     args.argv = argv  # what a subcommand re-runs on N ranks (``kvq demo --tp N``)
+    resolve_source(args)
     try:
         return int(args.func(args) or 0)
-    except (ValueError, CommandError) as e:
+    except (ValueError, CommandError, FileNotFoundError, ImportError) as e:
+        # ImportError: a missing optional extra (the models extra's loaders name what to install)
         print(f"kvq {args.command}: error: {e}", file=sys.stderr)
         return 2

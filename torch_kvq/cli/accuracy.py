@@ -1,4 +1,8 @@
-"""``kvq accuracy``: per-layer error of the FP8 KV path against the bf16 reference."""
+"""``kvq accuracy``: per layer, what quantizing its KV cache costs.
+
+On a trained model (``--model``): each layer quantized alone, its perplexity delta on the eval
+text and a suggested config (``sensitivity.py``). On a tiny random-weight model: the FP8 error of
+each layer's attention on a sample batch against bf16 (SQNR), a quick check of the path."""
 
 from __future__ import annotations
 
@@ -10,6 +14,7 @@ from torch_kvq.cli.args import SUBCOMMANDS, CommandError, add_model_args, model_
 
 PROMPT_LENS = (24, 9, 40, 17)
 DEFAULT_THRESHOLD_DB = 30.0  # a copy of torch_kvq.debug.accuracy's, which imports torch
+DEFAULT_THRESHOLD_PCT = 0.1  # a copy of torch_kvq.evaluation.sensitivity's (a test checks)
 
 
 def add_parser(sub: Any) -> None:
@@ -37,10 +42,41 @@ def add_parser(sub: Any) -> None:
         "--plot", type=Path, default=None, help="write a PNG bar chart of SQNR by layer here"
     )
     p.add_argument("--json", type=Path, default=None, help="write the report as JSON here")
+    trained = p.add_argument_group("a trained model (--model): measured on the eval text")
+    trained.add_argument(
+        "--mode",
+        action="append",
+        metavar="M",
+        help="a quantized kv_cache_dtype to measure per layer (default fp8); repeatable, "
+        "cheapest first: the suggestion gives each layer the first mode within the threshold",
+    )
+    trained.add_argument(
+        "--threshold-pct",
+        type=float,
+        default=DEFAULT_THRESHOLD_PCT,
+        help="a layer whose perplexity delta exceeds this %% is kept in the model dtype "
+        "(default %(default)s)",
+    )
+    trained.add_argument(
+        "--scales", type=Path, default=None, help="k/v scales (kvq calibrate's file); default 1.0"
+    )
+    trained.add_argument("--window", type=int, default=512, help="tokens per window (default 512)")
+    trained.add_argument("--windows", type=int, default=2, help="windows (default 2)")
+    trained.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="float32")
+    trained.add_argument("--device", default="cpu")
     p.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.model is not None:
+        if args.calibrate or args.plot is not None:
+            raise CommandError(
+                "--calibrate / --plot are for the tiny models; on a trained model give scales "
+                "with --scales (kvq calibrate --model writes them)"
+            )
+        from torch_kvq.cli import sensitivity
+
+        return sensitivity.run(args)
     import torch
 
     from torch_kvq.cli.sources import kv_config_from_args, model_from_args

@@ -2,9 +2,11 @@
 that name a model and its KV config.
 
 A model comes from one source, a mutually exclusive option group every subcommand has:
-``--preset NAME`` (our tiny models, the default), ``--hf FAMILY`` (a tiny random-weight
-transformers model) or ``--hf-config PATH`` (a transformers config.json on the meta device, no
-weights). ``sources.model_from_args`` builds it. No torch import here: building the parsers stays
+``--model SOURCE`` (a trained model: a shipped name, a GGUF file or an HF checkpoint folder; the
+default of ``kvq demo``), ``--preset NAME`` (our tiny random-weight models, the other commands'
+default), ``--hf FAMILY`` (a tiny random-weight transformers model) or ``--hf-config PATH`` (a
+transformers config.json on the meta device, no weights). ``resolve_source`` fills in the
+subcommand's default; ``sources.model_from_args`` builds it. No torch import here: building the parsers stays
 fast (``kvq --help``).
 """
 
@@ -27,8 +29,16 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {  # name -> (module, the help its add
     ),
     "accuracy": (
         "torch_kvq.cli.accuracy",
-        "per-layer FP8 error vs the bf16 reference (max abs, relative, SQNR), suggested "
-        "skip_layers",
+        "per layer, what quantizing its KV cache costs (a trained model: perplexity), and a "
+        "suggested config",
+    ),
+    "eval": (
+        "torch_kvq.cli.eval",
+        "perplexity and greedy agreement of trained models under KV configs, on real text",
+    ),
+    "calibrate": (
+        "torch_kvq.cli.calibrate",
+        "FP8 k/v scales of a trained model from a calibration text split",
     ),
 }
 # Copies of torch_kvq.models.PRESETS / torch_kvq.spec.SUPPORTED_PAGE_SIZES, so that building the
@@ -36,6 +46,8 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {  # name -> (module, the help its add
 PRESET_NAMES: tuple[str, ...] = ("gemma3-tiny", "llama-tiny")
 PAGE_SIZES: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64, 128)
 DEFAULT_PRESET = "gemma3-tiny"
+# A copy of torch_kvq.integrations.trained.SHIPPED's names (tests/test_cli.py checks they match).
+SHIPPED_MODELS: tuple[str, ...] = ("gemma3-270m", "smollm2-135m")
 
 
 class CommandError(Exception):
@@ -61,16 +73,27 @@ def positive_int(text: str) -> int:
     return value
 
 
-def add_model_args(p: argparse.ArgumentParser) -> None:
-    """The model source (``--preset`` | ``--hf`` | ``--hf-config``) and the KV-config options."""
+def add_model_args(p: argparse.ArgumentParser, default_model: str | None = None) -> None:
+    """The model source (``--model`` | ``--preset`` | ``--hf`` | ``--hf-config``) and the
+    KV-config options. ``default_model``: the trained model used when no source is given (else
+    the preset ``DEFAULT_PRESET``)."""
     from torch_kvq.integrations.hf_tiny import FAMILIES  # a table: no torch, no transformers
 
-    source = p.add_argument_group("model (one of)").add_mutually_exclusive_group()
+    default = f"--model {default_model}" if default_model else f"--preset {DEFAULT_PRESET}"
+    source = p.add_argument_group(f"model (one of; default {default})")
+    source = source.add_mutually_exclusive_group()
+    source.add_argument(
+        "--model",
+        metavar="SOURCE",
+        default=None,
+        help=f"a trained model: {' or '.join(SHIPPED_MODELS)} (shipped in the models extra), a "
+        ".gguf file or a local HF checkpoint folder",
+    )
     source.add_argument(
         "--preset",
         choices=PRESET_NAMES,
-        default=DEFAULT_PRESET,
-        help="tiny model with fixed random weights (default %(default)s: 2 sliding : 1 global)",
+        default=None,
+        help="tiny model with fixed random weights (gemma3-tiny: 2 sliding : 1 global)",
     )
     source.add_argument(
         "--hf",
@@ -101,6 +124,18 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     kv.add_argument("--page-size", type=int, choices=PAGE_SIZES, default=16)
     p.add_argument("--layers", type=int, default=None, help="override the model's layer count")
     p.add_argument("--seed", type=int, default=0, help="random weights and prompts")
+    p.set_defaults(default_model=default_model)
+
+
+def resolve_source(args: argparse.Namespace) -> None:
+    """Fill in the subcommand's default source when the command line named none."""
+    if not hasattr(args, "preset"):
+        return
+    if args.model is args.preset is args.hf is args.hf_config is None:
+        if args.default_model is not None:
+            args.model = args.default_model
+        else:
+            args.preset = DEFAULT_PRESET
 
 
 def add_wide_arg(p: argparse.ArgumentParser) -> None:
@@ -115,6 +150,8 @@ def add_wide_arg(p: argparse.ArgumentParser) -> None:
 
 def model_label(args: argparse.Namespace) -> str:
     """How the model source options name the model."""
+    if args.model is not None:
+        return f"trained model {args.model}"
     if args.hf_config is not None:
         return f"transformers config {args.hf_config} (meta device, no weights)"
     if args.hf is not None:

@@ -1,9 +1,11 @@
-"""``kvq demo``: a small mixed FP8 / bf16 model generating, checked against an all-bf16 run.
+"""``kvq demo``: a mixed FP8 / bf16 KV-cache model generating, checked against its own run with
+a model-dtype cache.
 
-Builds the model the shared options name (a preset, Gemma-style by default: FP8 KV cache on the
-global layers, sliding-window layers kept in bf16; or ``--hf FAMILY``) with fixed random weights,
-generates greedily for a few prompts of different lengths, prints the per-layer table and the
-largest logit difference to the same model with an all-bf16 cache fed the same tokens.
+By default the trained Gemma-3-270M (``--model gemma3-270m``): its sliding-window layers keep the
+model-dtype cache, its global layers FP8; a few English prompts continued greedily with both
+caches, side by side, the per-layer plan (what the passes fuse, per layer) and how far the logits
+are apart. ``--preset`` / ``--hf`` run a tiny random-weight model instead (for tests: fast, but
+its tokens mean nothing).
 """
 
 from __future__ import annotations
@@ -25,9 +27,16 @@ from torch_kvq.cli.args import (
 
 COMPILE_MODES = ("off", "kvq", "kvq-eager")
 # kvq-eager: kvq_backend's passes on the real post-grad graph, then the FX graph runs without
-# Inductor codegen (~10 s). "kvq" adds Inductor (a ~45 s cold compile on 2 CPU cores).
-DEFAULT_COMPILE = "kvq-eager"
-PROMPT_LENS = (5, 23, 12)
+# Inductor codegen. "kvq" adds Inductor. A trained model runs eager by default: tracing a
+# transformers model takes far longer on a CPU than the demo's generation.
+DEFAULT_COMPILE = {"preset": "kvq-eager", "trained": "off"}
+PROMPT_LENS = (5, 23, 12)  # random prompts of the tiny models
+PROMPTS = (  # a trained model's prompts
+    "The history of the city begins",
+    "She opened the letter and read",
+    "The most important thing about a good experiment is",
+)
+DEFAULT_NEW_TOKENS = {"preset": 8, "trained": 16}
 
 
 def add_parser(sub: Any) -> None:
@@ -37,15 +46,21 @@ def add_parser(sub: Any) -> None:
         description="Generate with a small mixed FP8/bf16 KV-cache model (fixed random weights) "
         "and compare its logits with an all-bf16 run fed the same tokens.",
     )
-    add_model_args(p)  # --preset|--hf|--hf-config --kv-cache-dtype --skip/--no-skip ... --seed
-    p.add_argument("--max-new-tokens", type=positive_int, default=8)
+    # --model|--preset|--hf|--hf-config --kv-cache-dtype --skip/--no-skip ... --seed
+    add_model_args(p, default_model="gemma3-270m")
+    p.add_argument(
+        "--max-new-tokens",
+        type=positive_int,
+        default=None,
+        help="default: 16 for a trained model, 8 for a tiny one",
+    )
     p.add_argument(
         "--compile",
         choices=COMPILE_MODES,
-        default=DEFAULT_COMPILE,
-        help="off: eager (the unfused reference form); kvq: torch.compile(backend=kvq_backend), "
-        "the passes then Inductor (a cold compile takes ~45 s on 2 CPU cores); kvq-eager: the "
-        "passes without Inductor codegen (seconds)",
+        default=None,
+        help="off: eager (the unfused reference form; a trained model's default); kvq: "
+        "torch.compile(backend=kvq_backend), the passes then Inductor; kvq-eager: the passes "
+        "without Inductor codegen (the tiny models' default)",
     )
     p.add_argument(
         "--tp",
@@ -145,25 +160,42 @@ def run(args: argparse.Namespace) -> int:
 def _run(args: argparse.Namespace, tp: Any) -> int:
     import torch
 
-    from torch_kvq.cli.sources import kv_config_from_args, model_from_args
+    from torch_kvq.cli.sources import kv_config_from_args, model_from_args, trained_tokenizer
     from torch_kvq.cli.tables import WIDTH, layer_table
     from torch_kvq.models import generate
     from torch_kvq.spec import KVCacheConfig
 
+    kind = "trained" if args.model is not None else "preset"
+    args.compile = args.compile or DEFAULT_COMPILE[kind]
+    args.max_new_tokens = args.max_new_tokens or DEFAULT_NEW_TOKENS[kind]
     kv = kv_config_from_args(args)
-    model = model_from_args(args, kv, tp=tp)  # ValueError on bad rules -> exit 2
-    ref_model = model_from_args(args, KVCacheConfig(page_size=args.page_size), tp=tp)
+    plain = KVCacheConfig(page_size=args.page_size)
+    tok = None
+    if kind == "trained":  # one model, its cache configured twice: all-bf16 first
+        print(f"kvq demo: loading {args.model} ...", file=sys.stderr)
+        # bf16: the CPU reads half the weights per token (Gemma's 262k-row LM head dominates)
+        model = ref_model = model_from_args(args, kv, dtype=torch.bfloat16)
+        tok = trained_tokenizer(args.model)
+        prompts = [tok(p).input_ids for p in PROMPTS]
+        model.configure_kv(plain)
+    else:
+        model = model_from_args(args, kv, tp=tp)  # ValueError on bad rules -> exit 2
+        ref_model = model_from_args(args, plain, tp=tp)
+        gen = torch.Generator().manual_seed(args.seed)
+        vocab = model.config.vocab_size
+        prompts = [torch.randint(0, vocab, (n,), generator=gen).tolist() for n in PROMPT_LENS]
+    ref_label = f"all-{str(ref_model.dtype).removeprefix('torch.')} cache"
+
+    t0 = time.perf_counter()
+    bar, on_step = _bar(f"{ref_label}, eager", args.max_new_tokens)
+    with bar:
+        ref = generate(ref_model, prompts, args.max_new_tokens, on_step=on_step)
+    ref_kib = sum(a.kv_cache.nbytes for a in ref_model.attention_layers) / 1024
+    if kind == "trained":
+        model.configure_kv(kv)
     forward = None
     if args.compile != "off":
         forward = torch.compile(model, backend=_kvq_backend(args.compile))
-    gen = torch.Generator().manual_seed(args.seed)
-    vocab = model.config.vocab_size
-    prompts = [torch.randint(0, vocab, (n,), generator=gen).tolist() for n in PROMPT_LENS]
-
-    t0 = time.perf_counter()
-    bar, on_step = _bar("all-bf16 eager", args.max_new_tokens)
-    with bar:
-        ref = generate(ref_model, prompts, args.max_new_tokens, on_step=on_step)
     t1 = time.perf_counter()
     step_times: list[float] = []
     bar, on_step = _bar(
@@ -192,6 +224,11 @@ def _run(args: argparse.Namespace, tp: Any) -> int:
     if report is not None and not args.wide:  # --wide: the pass report's per-layer table
         for name, cols in columns.items():
             cols["fused"] = ", ".join(report.fused(name)) or "nothing"
+    elif report is None:  # eager: what the passes would fuse (the same decisions, unrun)
+        from torch_kvq.debug.plan import layer_plan
+
+        for row in layer_plan(model.kv_specs):
+            columns[row["name"]]["the passes would fuse"] = row["fuses"]
     print(f"kvq demo: {model_label(args)}, compile {args.compile}, seed {args.seed}")
     print(
         f"KV config: kv_cache_dtype={kv.kv_cache_dtype!r}, skip_layers={kv.skip_layers}, "
@@ -209,39 +246,42 @@ def _run(args: argparse.Namespace, tp: Any) -> int:
             print(textwrap.fill(report.summary(), WIDTH))
             print("(--wide: the pass report per layer, with why a fusion passed a layer over)")
     print()
-    print(
-        "The weights are random (fixed seed), so the generated tokens mean nothing and often "
-        "repeat one token\n(e.g. [184, 184, ...]); what the demo checks is that the quantized "
-        "model agrees with all-bf16."
-    )
     agree = total = 0
+    if tok is None:
+        print(
+            "The weights are random (fixed seed), so the generated tokens mean nothing and often "
+            "repeat one token\n(e.g. [184, 184, ...]); what the demo checks is that the quantized "
+            "model agrees with all-bf16."
+        )
     for i, p in enumerate(prompts):
         own = out.logits[i].argmax(-1).tolist()
         agree += sum(a == b for a, b in zip(own, ref.tokens[i]))
         total += len(own)
+        if tok is not None:
+            print(_side_by_side(i, tok, PROMPTS[i], ref.tokens[i], own, ref_label))
+            continue
         head = f"prompt {i} ({len(p)} tokens): "
         print(f"{head}bf16 greedy      {ref.tokens[i]}\n{' ' * len(head)}quantized greedy {own}")
     prefill = max(
         (a - b).abs().max().item() for a, b in zip(out.prefill_logits, ref.prefill_logits)
     )
     steps = (out.logits[:, 1:] - ref.logits[:, 1:]).abs()  # step 0 is the prefill's last row
-    decode = f"{steps.max().item():.4f}" if steps.numel() else "n/a (one new token)"
+    decode = f"{steps.max().item():.4f}" if steps.numel() else "n/a"
     scale = max(
         max(p.abs().max().item() for p in ref.prefill_logits), ref.logits.abs().max().item()
     )
     kib = sum(a.kv_cache.nbytes for a in model.attention_layers) / 1024
-    ref_kib = sum(a.kv_cache.nbytes for a in ref_model.attention_layers) / 1024
     print()
     print(
-        f"max |logit diff| vs all-bf16: prefill {prefill:.4f}, decode {decode} "
+        f"max |logit diff| vs the {ref_label}: prefill {prefill:.4f}, decode {decode} "
         f"(max |logit| {scale:.2f})"
     )
-    print(f"next-token agreement {agree}/{total}")
-    print(f"KV cache: {kib:.0f} KiB vs {ref_kib:.0f} KiB all-bf16")
+    print(f"next-token agreement {agree}/{total} (the quantized run fed the reference's tokens)")
+    print(f"KV cache: {kib:.0f} KiB vs {ref_kib:.0f} KiB with the {ref_label}")
     first, rest = step_times[:2], step_times[2:]
     print(
-        f"timings: all-bf16 eager {t1 - t0:.2f} s; quantized ({args.compile}) {t2 - t1:.2f} s:\n"
-        f"  prefill + first decode {sum(first):.2f} s"
+        f"timings: {ref_label} eager {t1 - t0:.2f} s; quantized ({args.compile}) "
+        f"{t2 - t1:.2f} s:\n  prefill + first decode {sum(first):.2f} s"
         + (" (each includes its compile)" if args.compile != "off" else "")
         + (
             f", then {len(rest)} decode step{'s' if len(rest) != 1 else ''} at "
@@ -257,3 +297,26 @@ def _run(args: argparse.Namespace, tp: Any) -> int:
             "speed on a GPU.)"
         )
     return 0
+
+
+def _side_by_side(
+    i: int, tok: Any, prompt: str, ref: list[int], own: list[int], ref_label: str
+) -> str:
+    """A prompt and its two greedy continuations, wrapped to the table width."""
+    from torch_kvq.cli.tables import WIDTH
+
+    same = next((n for n, (a, b) in enumerate(zip(ref, own)) if a != b), len(own))
+    lines = [f"prompt {i}: {prompt!r}"]
+    for label, ids in ((ref_label, ref), ("quantized", own)):
+        text = " ".join(tok.decode(ids).split())  # one line: newlines as spaces
+        lines.append(
+            textwrap.fill(
+                f"{label + ':':<22}...{text}",
+                WIDTH,
+                initial_indent="  ",
+                subsequent_indent=" " * 27,
+            )
+        )
+    agree = "identical" if same == len(own) else f"the same for {same} of {len(own)} tokens"
+    lines.append(f"  ({agree})")
+    return "\n".join(lines)

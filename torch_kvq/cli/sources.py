@@ -2,9 +2,11 @@
 
 ``model_from_args`` returns anything with the decoder API (``kv_specs``, ``attention_layers``,
 ``allocator``, ``forward_context``, ``config.vocab_size``, called as ``model(ids, positions)``):
-a preset ``PagedDecoder``, or a ``KVQCausalLM`` around a transformers model, either a tiny
-random-weight one of a family (``--hf``) or one built from a local config.json on the meta device
-(``--hf-config``: no weights, so only the plan can be read from it). transformers is imported
+a preset ``PagedDecoder``, or a ``KVQCausalLM`` around a transformers model: a trained one
+(``--model``: ``integrations.trained``; for the plan alone, built on the meta device from its
+config, a GGUF's header included), a tiny random-weight one of a family (``--hf``) or one built
+from a local config.json on the meta device (``--hf-config``: no weights, so only the plan can be
+read from it). transformers is imported
 only when one of those is used. Failures of foreign code (transformers, a bad JSON file) become a
 ``CommandError`` naming the file: ``kvq <cmd>: error: ...``, exit 2, no traceback.
 """
@@ -65,8 +67,11 @@ def preset_overrides(args: argparse.Namespace) -> dict[str, Any]:
 
 def check_tp(args: argparse.Namespace, size: int) -> None:
     """Tensor parallelism over ``size`` ranks: a preset whose query and KV heads both divide."""
-    if args.hf is not None or args.hf_config is not None:
-        raise CommandError("--tp runs the presets; --hf models take tp= in KVQCausalLM.from_hf")
+    if args.preset is None:
+        raise CommandError(
+            "--tp runs the presets; transformers models (--model, --hf) take tp= in "
+            "KVQCausalLM.from_hf"
+        )
     from torch_kvq.models import PRESETS
 
     config = PRESETS[args.preset][0](**preset_overrides(args))
@@ -86,18 +91,30 @@ def model_from_args(
     tp: TensorParallel | None = None,
     *,
     weights: bool = True,
+    dtype: torch.dtype | None = None,
 ) -> Any:
     """Build the model the shared options describe (ValueError on bad config). ``tp``: this
     rank's tensor-parallel shard (presets only). ``weights=False``: the caller reads the plan only
-    (``kvq inspect``), so ``--hf-config``'s meta-device model will do."""
+    (``kvq inspect``), so ``--hf-config``'s meta-device model will do. ``dtype``: a trained model's
+    (default float32)."""
     kv = kv_config if kv_config is not None else kv_config_from_args(args)
     if tp is not None:
         check_tp(args, tp.size)
+    if args.model is not None:
+        if not weights:
+            return _trained_plan_lm(args.model, kv, _overrides(args))
+        if _overrides(args):
+            raise CommandError(
+                f"--layers / --head-dim change the model; trained model {args.model!r} keeps its "
+                "own (kvq inspect takes them: it reads the plan only)"
+            )
+        return trained_lm(args.model, kv, num_pages, dtype)
     if args.hf_config is not None:
         if weights:
             raise CommandError(
                 f"--hf-config {args.hf_config!r} builds the model on the meta device, without "
-                "weights, which only kvq inspect can use; run --preset NAME or --hf FAMILY"
+                "weights, which only kvq inspect can use; run --model SOURCE, --preset NAME or --hf "
+                "FAMILY"
             )
         return hf_config_lm(args.hf_config, kv, _overrides(args))
     if args.hf is not None:
@@ -106,6 +123,44 @@ def model_from_args(
 
     overrides = preset_overrides(args)
     return build_model(args.preset, kv, seed=args.seed, num_pages=num_pages, tp=tp, **overrides)
+
+
+def trained_lm(
+    source: str, kv: KVCacheConfig, num_pages: int, dtype: torch.dtype | None = None
+) -> Any:
+    """A trained model (``integrations.trained``) on the CPU in ``dtype`` (default float32),
+    attached as a ``KVQCausalLM``; its tokenizer is ``trained_tokenizer(source)``."""
+    import torch
+
+    from torch_kvq.integrations.trained import load_trained
+
+    try:
+        lm, _ = load_trained(source, kv, num_pages=num_pages, dtype=dtype or torch.float32)
+    except ImportError as e:  # the models extra is missing: say what to install
+        raise CommandError(f"--model {source}: {e}") from None
+    return lm
+
+
+def trained_tokenizer(source: str) -> Any:
+    """The tokenizer of a trained model (from its converted folder: no second conversion)."""
+    import transformers
+
+    from torch_kvq.integrations.trained import converted_folder
+
+    return transformers.AutoTokenizer.from_pretrained(str(converted_folder(source)))
+
+
+def _trained_plan_lm(source: str, kv: KVCacheConfig, overrides: dict[str, Any]) -> Any:
+    """A trained model's ``KVQCausalLM`` on the meta device from its config alone (a GGUF's
+    header: no conversion, no weights), for the plan."""
+    from torch_kvq.integrations.trained import model_config
+
+    try:
+        config = model_config(source)
+    except ImportError as e:
+        raise CommandError(f"--model {source}: {e}") from None
+    what = f"--model {source!r}"
+    return _meta_lm(what, _meta_model(what, config, overrides), kv)
 
 
 def tiny_lm(
@@ -128,9 +183,14 @@ def tiny_lm(
 def hf_config_lm(path: str, kv: KVCacheConfig, overrides: dict[str, Any]) -> Any:
     """A ``KVQCausalLM`` around the transformers model of a local config, on the meta device (no
     memory, no weights), attached with a one-token dry run."""
+    what = f"--hf-config {path!r}"
+    return _meta_lm(what, _meta_model(what, load_config(path), overrides), kv)
+
+
+def _meta_lm(what: str, hf: torch.nn.Module, kv: KVCacheConfig) -> Any:
+    """``hf`` (on the meta device) attached as a ``KVQCausalLM`` with a one-token dry run."""
     from torch_kvq.integrations.transformers import KVQCausalLM
 
-    hf = _meta_model(path, load_config(path), overrides)
     with _no_meta_autocast():
         try:
             return KVQCausalLM.from_hf(hf, kv, num_pages=1)
@@ -138,7 +198,7 @@ def hf_config_lm(path: str, kv: KVCacheConfig, overrides: dict[str, Any]) -> Any
             raise  # ours: they name the layer and what is unsupported
         except Exception as e:  # noqa: BLE001 - transformers' forward on the meta device
             raise CommandError(
-                f"--hf-config {path!r}: the one-token dry run of {type(hf).__name__} on the meta "
+                f"{what}: the one-token dry run of {type(hf).__name__} on the meta "
                 f"device failed ({type(e).__name__}: {e})"
             ) from None
 
@@ -170,13 +230,13 @@ def load_config(path: str) -> Any:
         ) from None
 
 
-def _meta_model(path: str, config: Any, overrides: dict[str, Any]) -> torch.nn.Module:
+def _meta_model(what: str, config: Any, overrides: dict[str, Any]) -> torch.nn.Module:
     import torch
     import transformers
 
     if getattr(config, "is_encoder_decoder", False):
         raise CommandError(
-            f"--hf-config {path!r}: model_type {config.model_type!r} is an encoder-decoder model; "
+            f"{what}: model_type {config.model_type!r} is an encoder-decoder model; "
             "encoder-decoder is not supported (torch-kvq attaches decoder-only causal language "
             "models)"
         )
@@ -198,14 +258,14 @@ def _meta_model(path: str, config: Any, overrides: dict[str, Any]) -> torch.nn.M
                 model = transformers.AutoModelForImageTextToText.from_config(config)
             except ValueError:
                 raise CommandError(
-                    f"--hf-config {path!r}: model_type {config.model_type!r} has no causal "
+                    f"{what}: model_type {config.model_type!r} has no causal "
                     "language model class in transformers (AutoModelForCausalLM, "
                     "AutoModelForImageTextToText); torch-kvq attaches decoder-only causal "
                     "language models"
                 ) from None
         except Exception as e:  # noqa: BLE001 - transformers' own errors, without traceback
             raise CommandError(
-                f"--hf-config {path!r}: transformers cannot build model_type "
+                f"{what}: transformers cannot build model_type "
                 f"{config.model_type!r} from it ({type(e).__name__}: {e})"
             ) from None
     return model.to(dtype if dtype in (torch.bfloat16, torch.float16) else torch.bfloat16).eval()

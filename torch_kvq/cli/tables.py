@@ -25,12 +25,12 @@ def layer_table(
 ) -> str:
     """The table of ``specs`` with ``extra``'s columns; narrow (``wide`` False): the ``NARROW``
     columns and ``also``, each other ``extra`` column as grouped lines."""
-    from torch_kvq.spec import format_spec_table, skip_rule_notes
+    from torch_kvq.spec import format_spec_table, scale_notes, skip_rule_notes
 
     rules = tuple(skip_layers)
     if wide:
         return format_spec_table(specs, extra, skip_layers=rules)
-    out = [format_spec_table(specs, extra, columns=(*NARROW, *also)), ""]
+    out = [format_spec_table(specs, extra, columns=(*NARROW, *also), notes=False), ""]
     index = {s.name: s.index for s in specs}
     folded = [c for c in dict.fromkeys(c for cols in extra.values() for c in cols) if c not in also]
     for column in folded:  # in the order the columns were given
@@ -44,7 +44,8 @@ def layer_table(
             out.append(textwrap.fill(text, WIDTH, initial_indent="  ", subsequent_indent="    "))
     out.append("(--wide: every column of the table, these too)")
     notes = [
-        textwrap.fill(n, WIDTH, subsequent_indent="      ") for n in skip_rule_notes(rules, specs)
+        textwrap.fill(n, WIDTH, subsequent_indent="      ")
+        for n in skip_rule_notes(rules, specs) + scale_notes(specs)
     ]
     return "\n".join(out + ([""] + notes if notes else []))
 

@@ -25,8 +25,9 @@ from pathlib import Path
 import torch
 
 from torch_kvq.attention.layer import Attention
+from torch_kvq.attention.quant import FP8_MAX
 from torch_kvq.evaluation.eval import teacher_forced_ppl
-from torch_kvq.spec import FP8_MAX, KVCacheConfig
+from torch_kvq.spec import KVCacheConfig
 
 
 @dataclass(frozen=True)

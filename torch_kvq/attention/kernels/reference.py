@@ -9,7 +9,6 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 import torch
-import torch.nn.functional as F
 
 from torch_kvq.attention.quant import quantize_fp8
 from torch_kvq.spec import LayerKVSpec
@@ -31,29 +30,21 @@ def ref_attention(
     """Dense attention in fp32.
 
     q [Tq, QH, D], k / v [L, KH, D], q_pos [Tq], k_pos [L] -> [Tq, QH, D] fp32. Grouped-query
-    attention without copies: each kv head serves its group of query heads in place (torch's
-    ``scaled_dot_product_attention`` with ``enable_gqa``; with a logit soft-cap, which it lacks,
-    batched matmuls over the kv heads), so the cost follows the tokens, not ``QH / KH`` copies.
+    attention without copies: batched matmuls over the kv heads, each serving its group of query
+    heads in place, so the cost follows the tokens, not ``QH / KH`` copies. The same operations as
+    transformers' eager attention (scores, scale, soft-cap, mask, softmax, weighted sum), so a
+    model-dtype cache in fp32 gives its logits exactly.
     """
     mask = k_pos[None, :] <= q_pos[:, None]
     if sliding_window is not None:
         mask &= (q_pos[:, None] - k_pos[None, :]) < sliding_window
     tq, qh, d = q.shape
     kh = k.shape[1]
-    if not logits_soft_cap:
-        out = F.scaled_dot_product_attention(
-            q.float().transpose(0, 1)[None],
-            k.float().transpose(0, 1)[None],
-            v.float().transpose(0, 1)[None],
-            attn_mask=mask,
-            scale=sm_scale,
-            enable_gqa=qh != kh,
-        )
-        return out[0].transpose(0, 1)
     g = qh // kh  # [KH, G * Tq, D]: query heads kh * G .. kh * G + G - 1 read kv head kh
     qg = q.float().view(tq, kh, g, d).permute(1, 2, 0, 3).reshape(kh, g * tq, d)
     logits = torch.bmm(qg, k.float().permute(1, 2, 0)).mul_(sm_scale)
-    logits = logits_soft_cap * torch.tanh(logits / logits_soft_cap)
+    if logits_soft_cap:
+        logits = logits_soft_cap * torch.tanh(logits / logits_soft_cap)
     logits = logits.view(kh, g, tq, -1).masked_fill(~mask, float("-inf"))
     probs = torch.softmax(logits, dim=-1).view(kh, g * tq, -1)
     out = torch.bmm(probs, v.float().transpose(0, 1))  # [KH, G * Tq, D]

@@ -2,7 +2,7 @@
 (``torch_kvq.evaluation.calibrate``), written where ``kv_scales_from=`` / ``--kv fp8:scales=``
 read them.
 
-Usage: ``main(["--model", "gemma3-270m", "--out", "gemma_kv_scales.safetensors"])``.
+Usage: ``kvq calibrate --model gemma3-270m --out gemma_kv_scales.safetensors``.
 
 Flags:
   --model SOURCE       a shipped model name (smollm2-135m, gemma3-270m), a .gguf file or a local
@@ -22,21 +22,24 @@ Flags:
   --stats-from PATH    read the statistics a --stats-json run wrote instead of running the model
                        (to try several methods on one sample; --model and the sample flags are
                        then not used)
-Exit 2 with ``kvq calibrate: error: ...`` on bad input.
+Bad input: ``kvq calibrate: error: ...``, exit code 2 (``torch_kvq.cli.main``).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import sys
 from dataclasses import asdict
 from pathlib import Path
+from typing import Any
+
+from torch_kvq.cli.args import SUBCOMMANDS
 
 
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog="kvq calibrate",
+def add_parser(sub: Any) -> None:
+    p = sub.add_parser(
+        "calibrate",
+        help=SUBCOMMANDS["calibrate"][1],
         description="Calibrate per-layer FP8 k/v scales of a trained model on the Brown Corpus "
         "calibration split and write them in the compressed-tensors layout.",
     )
@@ -54,7 +57,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--page-size", type=int, default=16)
     p.add_argument("--stats-json", type=Path, default=None)
     p.add_argument("--stats-from", type=Path, default=None)
-    return p
+    p.set_defaults(func=run)
 
 
 def _sample(args: argparse.Namespace, percentiles: list[str]):  # -> (stats, meta)
@@ -152,17 +155,3 @@ def run(args: argparse.Namespace) -> int:
         doc = {"meta": meta, "layers": {p: asdict(s) for p, s in stats.items()}}
         args.stats_json.write_text(json.dumps(doc, indent=1) + "\n")
     return 0
-
-
-def main(argv: list[str] | None = None) -> int:
-    """Run ``kvq calibrate`` with ``argv`` (default ``sys.argv[1:]``); returns the exit code."""
-    args = build_parser().parse_args(argv)
-    try:
-        return run(args)
-    except (ValueError, ImportError, FileNotFoundError) as e:
-        print(f"kvq calibrate: error: {e}", file=sys.stderr)
-        return 2
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

@@ -1,11 +1,10 @@
-"""``kvq accuracy`` on a trained model: per-layer KV sensitivity measured on the model
-(``torch_kvq.evaluation.sensitivity``) and the skip rules / modes it suggests.
+"""``kvq accuracy --model SOURCE``: per-layer KV sensitivity measured on a trained model
+(``torch_kvq.evaluation.sensitivity``) and the skip rules / modes it suggests; ``accuracy.py``
+adds the flags and calls ``run`` when the model source is a trained model.
 
-Usage: ``main(["--model", "gemma3-270m"])``.
+Usage: ``kvq accuracy --model gemma3-270m``.
 
-Flags:
-  --model SOURCE       a shipped model name (smollm2-135m, gemma3-270m), a .gguf file or a local
-                       HF checkpoint folder (default gemma3-270m)
+Flags (besides the shared model options):
   --mode M             a quantized kv_cache_dtype to measure per layer (default fp8); repeatable,
                        cheapest first: the suggestion gives each layer the first mode within the
                        threshold
@@ -18,35 +17,12 @@ Flags:
   --dtype D --device D float32 (default) | bfloat16 | float16; cpu (default) | cuda
   --page-size N        KV page size (default 16)
   --json PATH          write the report as JSON
-Progress goes to stderr. Exit 2 with ``kvq accuracy: error: ...`` on bad input.
+Progress goes to stderr.
 """
 
 from __future__ import annotations
 
 import argparse
-import sys
-from pathlib import Path
-
-
-def build_parser() -> argparse.ArgumentParser:
-    from torch_kvq.evaluation.sensitivity import DEFAULT_THRESHOLD_PCT
-
-    p = argparse.ArgumentParser(
-        prog="kvq accuracy",
-        description="Per-layer KV-quantization sensitivity of a trained model: each layer "
-        "quantized alone, perplexity delta and attention-output error, and a suggested config.",
-    )
-    p.add_argument("--model", default="gemma3-270m", metavar="SOURCE")
-    p.add_argument("--mode", action="append", metavar="M")
-    p.add_argument("--threshold-pct", type=float, default=DEFAULT_THRESHOLD_PCT)
-    p.add_argument("--scales", type=Path, default=None)
-    p.add_argument("--window", type=int, default=512)
-    p.add_argument("--windows", type=int, default=2)
-    p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="float32")
-    p.add_argument("--device", default="cpu")
-    p.add_argument("--page-size", type=int, default=16)
-    p.add_argument("--json", type=Path, default=None)
-    return p
 
 
 def run(args: argparse.Namespace) -> int:
@@ -101,17 +77,3 @@ def run(args: argparse.Namespace) -> int:
         args.json.write_text(report.to_json() + "\n")
         print(f"json: {args.json}")
     return 0
-
-
-def main(argv: list[str] | None = None) -> int:
-    """Run per-layer sensitivity with ``argv`` (default ``sys.argv[1:]``); returns the exit code."""
-    args = build_parser().parse_args(argv)
-    try:
-        return run(args)
-    except (ValueError, ImportError, FileNotFoundError) as e:
-        print(f"kvq accuracy: error: {e}", file=sys.stderr)
-        return 2
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

@@ -1,7 +1,7 @@
 """``kvq eval``: perplexity and greedy agreement of trained models under KV-cache configs, against
 the same model with a model-dtype cache (``torch_kvq.evaluation.eval``), on Brown Corpus text.
 
-Usage: ``main(["--model", "gemma3-270m", "--kv", "fp8", "--kv", "fp8:skip=sliding_window"])``.
+Usage: ``kvq eval --model gemma3-270m --kv fp8 --kv fp8:skip=sliding_window``.
 
 Flags:
   --model SOURCE       a shipped model name (smollm2-135m, gemma3-270m), a .gguf file or a local
@@ -21,26 +21,37 @@ Flags:
   --page-size N        KV page size (default 16)
   --json PATH          write the rows, settings and corpus texts as JSON
   --plot PATH          write a PNG of the deltas (matplotlib)
-Progress goes to stderr. Exit 2 with ``kvq eval: error: ...`` on bad input.
+Progress goes to stderr. Bad input: ``kvq eval: error: ...``, exit code 2 (``torch_kvq.cli.main``).
 """
 
 from __future__ import annotations
 
 import argparse
-import sys
 from pathlib import Path
+from typing import Any
+
+from torch_kvq.cli.args import SUBCOMMANDS
 
 KERNELS = ("reference", "flashinfer", "flashinfer-triton", "flashinfer-xqa")
 DTYPES = ("float32", "bfloat16", "float16")
 DEFAULT_MODELS = ("smollm2-135m", "gemma3-270m")
+# A copy of torch_kvq.evaluation.eval.EvalSettings' defaults, so that building the parser imports
+# no torch (tests/test_cli.py checks they match).
+SETTINGS = {
+    "window": 1024,
+    "windows": 4,
+    "decode_tokens": 128,
+    "prompts": 4,
+    "prompt_tokens": 32,
+    "new_tokens": 32,
+    "seed": 0,
+}
 
 
-def build_parser() -> argparse.ArgumentParser:
-    from torch_kvq.evaluation.eval import EvalSettings
-
-    d = EvalSettings()
-    p = argparse.ArgumentParser(
-        prog="kvq eval",
+def add_parser(sub: Any) -> None:
+    p = sub.add_parser(
+        "eval",
+        help=SUBCOMMANDS["eval"][1],
         description="Perplexity (prefill and decode) and greedy agreement of trained models "
         "under KV-cache configs, against the model-dtype cache, on Brown Corpus text.",
     )
@@ -53,20 +64,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--compile", choices=("off", "kvq"), default="off")
     p.add_argument("--dtype", choices=DTYPES, default=None)
     p.add_argument("--device", default=None)
-    for flag, value in (
-        ("--window", d.window),
-        ("--windows", d.windows),
-        ("--decode-tokens", d.decode_tokens),
-        ("--prompts", d.prompts),
-        ("--prompt-tokens", d.prompt_tokens),
-        ("--new-tokens", d.new_tokens),
-    ):
+    for name, value in SETTINGS.items():
+        flag = "--" + name.replace("_", "-")
         p.add_argument(flag, type=int, default=value, help=f"default {value}")
-    p.add_argument("--seed", type=int, default=d.seed)
     p.add_argument("--page-size", type=int, default=16)
     p.add_argument("--json", type=Path, default=None)
     p.add_argument("--plot", type=Path, default=None)
-    return p
+    p.set_defaults(func=run)
 
 
 def make_kernel(name: str, prefill: str):  # -> AttentionKernel
@@ -151,17 +155,3 @@ def run(args: argparse.Namespace) -> int:
         plot(rows, str(args.plot))
         print(f"plot: {args.plot}")
     return 0
-
-
-def main(argv: list[str] | None = None) -> int:
-    """Run ``kvq eval`` with ``argv`` (default ``sys.argv[1:]``); returns the exit code."""
-    args = build_parser().parse_args(argv)
-    try:
-        return run(args)
-    except (ValueError, ImportError, FileNotFoundError) as e:
-        print(f"kvq eval: error: {e}", file=sys.stderr)
-        return 2
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())
