@@ -27,6 +27,12 @@
 #   KVQ_TTFT_ARGS="--models llama-3.1-8b" bash scripts/gpu_run.sh ttft   # TTFT 8 x 16k per prefill option
 #   bash scripts/gpu_run.sh hostprof         # cProfile of a CUDA-graph decode step (not in the default)
 #   bash scripts/gpu_run.sh cpusuite         # the CPU suite (README command) on this image's torch, GPU hidden
+#   KVQ_EVAL_ARGS="--model /tmp/models/gemma3.gguf --kernel flashinfer" bash scripts/gpu_run.sh eval
+#       # kvq eval on the GPU (docs/accuracy.md). The trained models' GGUFs are larger than one
+#       # call carries: carry .xfer/ (parts NAME.p0, NAME.p1... of each GGUF, their SHA256SUMS, the
+#       # Brown eval texts in .xfer/corpus) in consecutive calls, each starting with
+#       # `mkdir -p /tmp/xfer && cp -r .xfer/. /tmp/xfer/`; this step joins each GGUF into
+#       # /tmp/models, checks the sums and runs kvq eval (corpus: $TORCH_KVQ_CORPUS=/tmp/xfer/corpus)
 #   bash scripts/gpu_run.sh tests jitpack    # ... then pack the FlashInfer modules built here
 #
 # FlashInfer compiles its kernels on first use (minutes on a bare machine). ``jitpack`` packs the
@@ -54,7 +60,9 @@ export CUDA_HOME=${CUDA_HOME:-/usr/local/cuda} MAX_JOBS=${MAX_JOBS:-16}
   date -u
   nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv,noheader
   "$CUDA_HOME/bin/nvcc" --version | tail -2
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl
+  if [ -d .whl ]; then  # a later call on the same warm machine may leave .whl behind
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+  elif [ ! -d /tmp/site/flashinfer ]; then echo "no .whl carried and nothing in /tmp/site"; exit 1; fi
 } 2>&1 | tee -a "$LOG" || exit 1
 export PYTHONPATH=/tmp/site:$PWD
 python3 -c "import torch, flashinfer; print('torch', torch.__version__, 'flashinfer', flashinfer.__version__)" 2>&1 | tee -a "$LOG"
@@ -136,9 +144,17 @@ for step in ${*:-tests attn xqa model}; do
              tar -C /tmp/jitpack -cf - STAMP aot | xz -T0 -6 \
                | split -b 15M -d -a 1 - "$OUT/flashinfer_jit.tar.xz.part-"
              ls -la "$OUT"/flashinfer_jit.tar.xz.part-* | tee -a "$LOG" ;;
+    eval) mkdir -p /tmp/models && cp /tmp/xfer/SHA256SUMS /tmp/models/
+          for f in $(awk '{print $2}' /tmp/models/SHA256SUMS); do  # NAME.p0 NAME.p1... joined
+            [ -f /tmp/models/$f ] || cat $(ls /tmp/xfer/$f.p* | sort) > /tmp/models/$f
+          done
+          (cd /tmp/models && sha256sum -c SHA256SUMS) 2>&1 | tee -a "$LOG" || { status=1; continue; }
+          TORCH_KVQ_CORPUS=${TORCH_KVQ_CORPUS:-/tmp/xfer/corpus} TORCH_KVQ_CACHE=/tmp/kvqcache \
+            python3 -m torch_kvq.cli eval ${KVQ_EVAL_ARGS:-} --json "$OUT/eval_gpu.json" \
+            --plot "$OUT/eval_gpu.png" 2>&1 | tee -a "$LOG" "$OUT/eval_gpu.txt" ;;
     cpusuite) CUDA_VISIBLE_DEVICES= python3 -m pytest -q -m "not gpu and not slow" -p no:cacheprovider \
                 -n "${KVQ_CPU_WORKERS:-14}" -rfEs tests/ 2>&1 | tail -40 | tee "$OUT/cpu_suite_log.txt" ;;
-    *) echo "unknown step $step (expected tests, rest, attn, xqa, model, paths, scale, ttft, hostprof, cpusuite, jitpack)" | tee -a "$LOG"; status=2; continue ;;
+    *) echo "unknown step $step (expected tests, rest, attn, xqa, model, paths, scale, ttft, hostprof, eval, cpusuite, jitpack)" | tee -a "$LOG"; status=2; continue ;;
   esac
   rc=${PIPESTATUS[0]}
   echo "=== $step exit $rc $(date -u +%T)" | tee -a "$LOG"

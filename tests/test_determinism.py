@@ -33,7 +33,7 @@ def run(forward_of=None) -> dict[str, torch.Tensor]:
     cache bytes."""
     model = build_model("gemma3-tiny", KVCacheConfig(**CONFIG), seed=0, num_pages=16, **LAYERS)
     forward = forward_of(model) if forward_of is not None else None
-    res = generate(model, PROMPTS, NEW_TOKENS, forward)
+    res = generate(model, PROMPTS, NEW_TOKENS, forward, prefill_logits=True)
     out = {"logits": res.logits, "tokens": torch.tensor(res.tokens)}
     out |= {f"prefill{i}": p for i, p in enumerate(res.prefill_logits)}
     for i, attn in enumerate(model.attention_layers):

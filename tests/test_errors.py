@@ -1070,7 +1070,7 @@ def _() -> object:
 @functools.cache
 def captured():
     """A 3-layer model (layer 1 skipped) and its post-grad-shaped graph before any kvq pass."""
-    from tests.compile.helpers import capture_graph, small_case
+    from tests.support.passes import capture_graph, small_case
 
     model, md, inputs = small_case("op")
     return model, md, inputs, capture_graph(model, inputs, md)

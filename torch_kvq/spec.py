@@ -424,8 +424,10 @@ def scale_notes(specs: Sequence[LayerKVSpec]) -> list[str]:
     idx = [s.index for s in specs if s.uncalibrated]
     if not idx:
         return []
-    which = "every quantized layer" if len(idx) == sum(s.is_quantized for s in specs) else (
-        "layers " + ", ".join(map(str, idx))
+    which = (
+        "every quantized layer"
+        if len(idx) == sum(s.is_quantized for s in specs)
+        else ("layers " + ", ".join(map(str, idx)))
     )
     return [
         f"note: scale 1.0, uncalibrated: {which} (no kv_scales given); k / v beyond +-448 are "

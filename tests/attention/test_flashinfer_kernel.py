@@ -14,7 +14,7 @@ import sys
 import pytest
 import torch
 
-from tests.attention.conftest import VIEW_LAYOUTS, as_cache_view, as_view, check_ops_on_views
+from tests.support.attention import VIEW_LAYOUTS, as_cache_view, as_view, check_ops_on_views
 from torch_kvq.attention import PageAllocator, ReferenceKernel, forward_context
 from torch_kvq.attention.kernels import FlashInferKernel, KernelUnsupportedError
 from torch_kvq.attention.kernels import capabilities as caps
@@ -139,7 +139,7 @@ def built() -> None:
     xk = FlashInferKernel(fp8_decode="xqa", phases="decode", unfused_attention=False)
     mods.update(jit.jit_specs(xk, XQA[:1], fp8_output=True))
     mods.update(jit.jit_specs(xk, XQA[1:]))
-    # fp16 fa2 modules: not used here but by tests/compile's FlashInfer grid, which runs after
+    # fp16 fa2 modules: not used here but by tests/passes's FlashInfer grid, which runs after
     # this file in ``pytest -m gpu``; built in the same parallel batch (saves ~1 min of device time)
     fp16 = list(
         resolve_layer_specs(KVCacheConfig("fp8", page_size=PAGE), XQA_INFOS[:1], torch.float16)

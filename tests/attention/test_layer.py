@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.attention.conftest import make_layers
+from tests.support.attention import make_layers
 from torch_kvq.attention import (
     OutOfPagesError,
     PageAllocator,

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.attention.conftest import (
+from tests.support.attention import (
     VIEW_LAYOUTS,
     as_cache_view,
     as_view,
@@ -40,7 +40,10 @@ def test_opcheck_every_op(setup, fp8_safe_allclose) -> None:
     kq, vq = ops.quantize_fp8(k, 0.04), ops.quantize_fp8(v, 0.03)
     cases = [
         (ops.quantize_fp8.default, (k, 0.04)),
-        (ops.dequantize_kv_cache.default, (a_quant.kv_cache, 0.04, 0.03, torch.float32, quant.name)),
+        (
+            ops.dequantize_kv_cache.default,
+            (a_quant.kv_cache, 0.04, 0.03, torch.float32, quant.name),
+        ),
         (ops.cache_write.default, (kq, vq, a_quant.kv_cache.clone(), quant.name)),
         (ops.cache_write.default, (k, v, a_skip.kv_cache.clone(), skip.name)),
         (ops.quant_cache_write.default, (k, v, a_quant.kv_cache.clone(), 0.04, 0.03, quant.name)),
@@ -158,7 +161,10 @@ def test_cache_write_rejects_wrong_dtype(setup) -> None:
 
 def test_paged_attention_rejects_fp8_cache(setup) -> None:
     (_, quant), (_, a_quant), q, k, v = setup
-    with pytest.raises(ValueError, match=r"needs a torch.bfloat16 cache \(or its dequantized float32 one\), got torch.float8_e4m3fn"):
+    with pytest.raises(
+        ValueError,
+        match=r"needs a torch.bfloat16 cache \(or its dequantized float32 one\), got torch.float8_e4m3fn",
+    ):
         ops.paged_attention(q, a_quant.kv_cache, quant.name)
 
 

@@ -9,7 +9,6 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "benchmarks" / "bench_fp8_decode_paths.py"
-sys.path.insert(0, str(ROOT / "benchmarks"))
 import bench_fp8_decode_paths as paths  # noqa: E402
 
 

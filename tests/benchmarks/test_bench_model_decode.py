@@ -3,12 +3,7 @@ kernel-time bound it derives from them."""
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import pytest
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 from bench_model_decode import kernel_gaps, kernel_kind, kernel_time_bound  # noqa: E402
 
 NAMES = {

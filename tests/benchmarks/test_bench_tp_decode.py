@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.distributed.launch import ROOT, torchrun
+from tests.support.launch import ROOT, torchrun
 
 
 @pytest.mark.distributed

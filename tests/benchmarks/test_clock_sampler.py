@@ -3,13 +3,11 @@ reports clocks, power and the reason bits it saw, and a missing NVML is said, no
 
 from __future__ import annotations
 
-import sys
 import time
 from pathlib import Path
 from types import SimpleNamespace
 
 ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "benchmarks"))
 from clock_sampler import ClockSampler, reason_names  # noqa: E402
 
 

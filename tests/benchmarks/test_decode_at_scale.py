@@ -16,7 +16,6 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "benchmarks"))
 from bench_decode_at_scale import MODELS, kv_configs  # noqa: E402
 from kv_memory_report import allocated  # noqa: E402
 

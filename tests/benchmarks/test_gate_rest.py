@@ -10,7 +10,6 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "scripts"))
 from gate_rest import counts, merge, reported  # noqa: E402
 
 RESULTS = ROOT / "benchmarks" / "results"
@@ -57,8 +56,14 @@ def test_missing_lists_what_run_65_did_not_reach() -> None:
     log = RESULTS / "h200_2026-12-01_run65_gpu_test_log.txt"
     got = subprocess.run([sys.executable, str(ROOT / "scripts" / "gate_rest.py"), "missing", str(log)],
                          capture_output=True, text=True, check=True, timeout=600, cwd=ROOT).stdout  # fmt: skip
-    want = set(
-        (RESULTS / "h200_2026-12-01_run66_tests_not_reached_in_run65.txt").read_text().split()
+    # the log names the tests where they were then; issue 30 moved some (tests mirror the package)
+    moved = (
+        ("tests/compile/", "tests/passes/"),
+        ("tests/attention/test_triton_", "tests/attention/triton_programs/test_triton_"),
     )
+    text = (RESULTS / "h200_2026-12-01_run66_tests_not_reached_in_run65.txt").read_text()
+    for old, new in moved:
+        text = text.replace(old, new)
+    want = set(text.split())
     assert len(want) == 54 and want <= set(got.split())
     assert not set(got.split()) & reported(log.read_text())

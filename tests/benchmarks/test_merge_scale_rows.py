@@ -7,10 +7,8 @@ import json
 import sys
 from pathlib import Path
 
-import pytest
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 import merge_scale_rows as msr  # noqa: E402
+import pytest
 
 BASE = dict(model="llama-3.1-8b", kv_config="fp8", kernel="triton", batch=110, ctx=16384,
             sweep="capacity", fused_projections=True, bound_tokens_per_s=3300.0)  # fmt: skip

@@ -10,14 +10,13 @@ config or a refused batch raise on every rank (no hang). ``tp_worker.py`` is the
 
 from __future__ import annotations
 
-import json
 import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-from tests.distributed.launch import run_bounded, torchrun
+from tests.support.launch import launch, run_bounded
 from torch_kvq.distributed import (
     TensorParallel,
     compare_tables,
@@ -31,15 +30,6 @@ from torch_kvq.spec import KVCacheConfig
 
 WORKER = Path(__file__).with_name("tp_worker.py")
 TOL = 1e-5  # fp32: the shards sum o_proj / down_proj in two parts, then all-reduce
-
-
-def launch(scenario: str, tmp_path: Path, timeout: float) -> list[dict]:
-    out = torchrun(WORKER, scenario, str(tmp_path), timeout=timeout)
-    assert out.returncode == 0, out.stdout[-4000:]
-    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
-    for r, res in enumerate(ranks):
-        assert res["ok"], f"rank {r}:\n{res.get('traceback')}"
-    return ranks
 
 
 def check_parity(ranks: list[dict], cases: tuple[str, ...]) -> None:

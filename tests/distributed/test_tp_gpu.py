@@ -3,7 +3,7 @@
 Launches ``tp_worker.py gpu`` on 2 ranks; skips cleanly with fewer than 2 GPUs. Tolerance: the
 compiled step reads the FP8 cache in place (fp32 dequant in the kernel) where eager dequantizes
 to bf16 first, and Inductor changes bf16 rounding elsewhere: 0.06 x max |logit|, as
-tests/compile/test_mixed_model.py measured for this model on one GPU.
+tests/passes/test_mixed_model.py measured for this model on one GPU.
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.distributed.test_tp import launch
+from tests.support.launch import launch
 
 pytestmark = [
     pytest.mark.gpu,

@@ -74,8 +74,8 @@ def parity(tp) -> dict:
                 copy.deepcopy(hf), kv, num_pages=32, prefix=f"single_{name}"
             )
             shard = KVQCausalLM.from_hf(hf, kv, num_pages=32, prefix=f"tp_{name}", tp=tp)
-        ref = generate(single, PROMPTS, NEW)
-        eager = generate(shard, PROMPTS, NEW, force_tokens=ref.tokens)
+        ref = generate(single, PROMPTS, NEW, prefill_logits=True)
+        eager = generate(shard, PROMPTS, NEW, force_tokens=ref.tokens, prefill_logits=True)
         row = {
             "max_diff": max_diff(ref, eager),
             "scale": scale(ref),
@@ -92,12 +92,17 @@ def parity(tp) -> dict:
         backend = kvq_backend if inner == "inductor" else make_kvq_backend(inner="eager")
         torch._dynamo.reset()
         comp = generate(
-            shard, PROMPTS, NEW, forward=compiled(shard, backend), force_tokens=ref.tokens
+            shard,
+            PROMPTS,
+            NEW,
+            forward=compiled(shard, backend),
+            force_tokens=ref.tokens,
+            prefill_logits=True,
         )
         row |= {"inner": inner, "compiled_diff": max_diff(eager, comp), "report": report_fused()}
         if kind == "own":  # q/k/v and gate/up as one GEMM each, on the shard
             shard.fuse_projections()
-            fused = generate(shard, PROMPTS, NEW, force_tokens=ref.tokens)
+            fused = generate(shard, PROMPTS, NEW, force_tokens=ref.tokens, prefill_logits=True)
             row["fused_diff"] = max_diff(ref, fused)
         row["seconds"] = time.perf_counter() - t0
         out[f"{kind}:{name}"] = row
@@ -129,24 +134,30 @@ def agreement(tp) -> dict:
     model = build_model("llama-tiny", kv, num_pages=8, dtype=torch.float32, prefix="rf", tp=tp)
     if tp.rank == 1:  # rank 1's cache is nearly full: it cannot take the batch
         model.allocator.append("other", 7 * 4)
-    out["out_of_pages"] = catch(lambda: generate(model, [[1, 2, 3, 4, 5]], 2))
+    out["out_of_pages"] = catch(lambda: generate(model, [[1, 2, 3, 4, 5]], 2, prefill_logits=True))
     if tp.rank == 1:
         model.allocator.free("other")
     bad = [[1, 2, 999999]] if tp.rank == 1 else [[1, 2, 3]]
-    out["bad_prompt"] = catch(lambda: generate(model, bad, 2))
+    out["bad_prompt"] = catch(lambda: generate(model, bad, 2, prefill_logits=True))
     diverged = [[1, 2, 3, 4]] if tp.rank == 1 else [[1, 2, 3]]
-    out["different_batch"] = catch(lambda: generate(model, diverged, 2))
+    out["different_batch"] = catch(lambda: generate(model, diverged, 2, prefill_logits=True))
     # calibrated scales: the amax over every rank's heads, the same as one process computes
     from torch_kvq.attention import calibrate_kv_scales
 
     whole = build_model("llama-tiny", kv, num_pages=8, dtype=torch.float32, prefix="whole")
     sample = [[3, 1, 4, 1, 5, 9, 2, 6]]
-    out["scales"] = calibrate_kv_scales(model, lambda: generate(model, sample, 1))
+    out["scales"] = calibrate_kv_scales(
+        model, lambda: generate(model, sample, 1, prefill_logits=True)
+    )
     out["scales_whole"] = {
         n.replace("whole.", "rf."): v
-        for n, v in calibrate_kv_scales(whole, lambda: generate(whole, sample, 1)).items()
+        for n, v in calibrate_kv_scales(
+            whole, lambda: generate(whole, sample, 1, prefill_logits=True)
+        ).items()
     }
-    res = generate(model, [[1, 2, 3, 4, 5]], 2)  # after the refusals: both ranks still in step
+    res = generate(
+        model, [[1, 2, 3, 4, 5]], 2, prefill_logits=True
+    )  # after the refusals: both ranks still in step
     out["after"] = {"tokens": res.tokens, "free_pages": model.allocator.num_free_pages}
     out["refused_type"] = RankRefusedError.__name__
     return out
@@ -165,9 +176,11 @@ def gpu(tp) -> dict:
                         tp=tp, head_dim=128, query_pre_attn_scalar=128)  # fmt: skip
     prebuild(model.kernel, model.kv_specs)
     prompts = [p * 4 for p in PROMPTS]  # longer than the window of 8
-    eager = generate(model, prompts, 6)
+    eager = generate(model, prompts, 6, prefill_logits=True)
     forward = torch.compile(model, backend=kvq_backend, fullgraph=True)
-    comp = generate(model, prompts, 6, forward=forward, force_tokens=eager.tokens)
+    comp = generate(
+        model, prompts, 6, forward=forward, force_tokens=eager.tokens, prefill_logits=True
+    )
     return {
         "eager_tokens": eager.tokens,
         "compiled_tokens": comp.logits.argmax(-1).tolist(),

@@ -2,7 +2,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from hf_families import release
+
+from tests.support.hf_families import release
 
 
 @pytest.fixture(autouse=True)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 
-from tests.test_cli import run_main
+from tests.support.cli import run_main
 from torch_kvq.integrations.hf_tiny import tiny_hf_config
 
 

@@ -8,7 +8,7 @@ compiled without the passes (not forced) and its logits agree with it to 1e-4; i
 agree with eager's within the bf16 tolerance below (Dynamo's graph is ulps from eager before the
 FP8 rounding, which can turn an ulp into an FP8 step). Gemma 3 also compiles with real Inductor in bf16, the
 dtype the seed bug is about (Qwen3-MoE with Inductor in fp32, marked slow); tolerance as in
-tests/compile/test_mixed_model.py (0.04 of the largest logit: the fused form reads the FP8 cache
+tests/passes/test_mixed_model.py (0.04 of the largest logit: the fused form reads the FP8 cache
 in fp32, the eager form dequantizes to bf16 first, and Inductor changes the rest of the model's
 bf16 numerics); tokens are compared wherever eager's top-2 margin exceeds twice that tolerance
 (bf16 logits of a random 256-token model tie, exactly or within it, at many positions).
@@ -21,9 +21,16 @@ import re
 import pytest
 import torch
 import transformers
-from hf_families import FAMILIES, NEW_TOKENS, NUM_PAGES, PAGE_SIZE, hf_model, make_prompts
 
-from tests.compile.helpers import no_compile_caches
+from tests.support.hf_families import (
+    FAMILIES,
+    NEW_TOKENS,
+    NUM_PAGES,
+    PAGE_SIZE,
+    hf_model,
+    make_prompts,
+)
+from tests.support.passes import no_compile_caches
 from torch_kvq import KVCacheConfig
 from torch_kvq.attention.calibration import calibrate_kv_scales
 from torch_kvq.attention.graph_runner import DecodeGraphRunner
@@ -82,17 +89,22 @@ def unfused_reference(lm: KVQCausalLM, inner: str) -> GenerateResult:
     torch._dynamo.reset()  # a second backend for the same forward
     unfused = torch.compile(lm, backend=make_kvq_backend(inner=inner, passes=[]), fullgraph=True)
     with no_compile_caches():
-        return generate(lm, PROMPTS, NEW_TOKENS, forward=unfused)
+        return generate(lm, PROMPTS, NEW_TOKENS, forward=unfused, prefill_logits=True)
 
 
 def check_compiled(lm: KVQCausalLM, inner: str) -> None:
-    eager = generate(lm, PROMPTS, NEW_TOKENS)
+    eager = generate(lm, PROMPTS, NEW_TOKENS, prefill_logits=True)
     backend = make_kvq_backend(inner=inner)
     compiled = torch.compile(lm, backend=backend, fullgraph=True)
     fp32 = lm.dtype == torch.float32
     with no_compile_caches():
         res = generate(
-            lm, PROMPTS, NEW_TOKENS, forward=compiled, force_tokens=None if fp32 else eager.tokens
+            lm,
+            PROMPTS,
+            NEW_TOKENS,
+            forward=compiled,
+            force_tokens=None if fp32 else eager.tokens,
+            prefill_logits=True,
         )
     ref = eager
     if fp32 and inner == "eager":
@@ -144,14 +156,16 @@ def test_one_graph_for_prefill_and_decode_steps():
     """compiled_forward marks the token dim dynamic: one graph for the prefill and decode steps
     of every batch size >= 2; a batch of one sequence (T = 1) gets a second graph."""
     lm = fp8_lm("qwen2")
-    eager = generate(lm, PROMPTS, NEW_TOKENS)
+    eager = generate(lm, PROMPTS, NEW_TOKENS, prefill_logits=True)
     backend = make_kvq_backend(inner="eager")
     fn = lm.compiled_forward(backend)
-    res = generate(lm, PROMPTS, NEW_TOKENS, forward=fn, force_tokens=eager.tokens)
+    res = generate(
+        lm, PROMPTS, NEW_TOKENS, forward=fn, force_tokens=eager.tokens, prefill_logits=True
+    )
     assert res.tokens == eager.tokens
-    res = generate(lm, PROMPTS[:2], 3, forward=fn)  # other T: same graph
+    res = generate(lm, PROMPTS[:2], 3, forward=fn, prefill_logits=True)  # other T: same graph
     assert len(backend.managers) == 1
-    generate(lm, PROMPTS[:1], 2, forward=fn)  # decode T = 1
+    generate(lm, PROMPTS[:1], 2, forward=fn, prefill_logits=True)  # decode T = 1
     assert len(backend.managers) == 2
     check_reports(lm, backend.managers)
 
@@ -159,7 +173,7 @@ def test_one_graph_for_prefill_and_decode_steps():
 def test_decode_graph_runner_and_calibration():
     """The project's CUDA-graph runner (capture=False on CPU) and calibration take the HF model."""
     lm = fp8_lm("llama")
-    scales = calibrate_kv_scales(lm, lambda: generate(lm, PROMPTS, 2))
+    scales = calibrate_kv_scales(lm, lambda: generate(lm, PROMPTS, 2, prefill_logits=True))
     assert set(scales) == {s.name for s in lm.kv_specs}
     lm.configure_kv(
         KVCacheConfig("fp8", skip_layers=SKIP["llama"], page_size=PAGE_SIZE, kv_scales=scales)
@@ -167,8 +181,10 @@ def test_decode_graph_runner_and_calibration():
     assert [s.k_scale for s in lm.kv_specs if s.is_quantized] == [
         scales[s.name][0] for s in lm.kv_specs if s.is_quantized
     ]
-    ref = generate(lm, PROMPTS, NEW_TOKENS)
+    ref = generate(lm, PROMPTS, NEW_TOKENS, prefill_logits=True)
     with DecodeGraphRunner(lm, batch_sizes=(4,), max_context=64, capture=False) as runner:
-        res = generate(lm, PROMPTS, NEW_TOKENS, decode=runner, force_tokens=ref.tokens)
+        res = generate(
+            lm, PROMPTS, NEW_TOKENS, decode=runner, force_tokens=ref.tokens, prefill_logits=True
+        )
     torch.testing.assert_close(res.logits, ref.logits, rtol=0, atol=1e-5)
     assert lm.allocator.sequences == ()

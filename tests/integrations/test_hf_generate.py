@@ -11,9 +11,9 @@ import inspect
 
 import pytest
 import torch
-from hf_families import NUM_PAGES, PAGE_SIZE, VOCAB, make_prompts, twins
 from transformers import DynamicCache
 
+from tests.support.hf_families import NUM_PAGES, PAGE_SIZE, VOCAB, make_prompts, twins
 from torch_kvq import KVCacheConfig
 from torch_kvq.integrations.transformers import KVQCausalLM
 

@@ -5,7 +5,7 @@ the eager tokens; the report fuses exactly the global (FP8) layers.
 Eager runs the unfused form on FlashInfer (dequantize the whole FP8 cache, bf16 attention), the
 compiled model the fused FP8 read, and Inductor changes the rest of the model's bf16 numerics, so
 the compiled run is teacher-forced with eager's tokens and its argmax must equal eager's token
-wherever eager's top-2 logit margin exceeds 2 x the tolerance of tests/compile/test_mixed_model.py
+wherever eager's top-2 logit margin exceeds 2 x the tolerance of tests/passes/test_mixed_model.py
 (0.04 of the largest logit); the prompts (1100, 300, 40 tokens) cross the window.
 """
 

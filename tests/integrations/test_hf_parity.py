@@ -8,12 +8,10 @@ bit (same ops, same kernel). Layer facts come from what HF passes in a one-token
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import pytest
 import torch
-from hf_families import (
+
+from tests.support.hf_families import (
     FAMILIES,
     NEW_TOKENS,
     NUM_PAGES,
@@ -25,13 +23,10 @@ from hf_families import (
     make_prompts,
     twins,
 )
-
+from tests.support.hf_parity import hf_model as parity_hf_model  # noqa: E402
 from torch_kvq import KVCacheConfig
 from torch_kvq.integrations.transformers import KVQCausalLM
 from torch_kvq.models import build_model, generate
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "models"))
-from hf_parity import hf_model as parity_hf_model  # noqa: E402
 
 PROMPTS = make_prompts()
 AUTO = KVCacheConfig(page_size=PAGE_SIZE)

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from hf_families import NUM_PAGES, PAGE_SIZE, hf_model
 from safetensors.torch import save_file
 
+from tests.support.hf_families import NUM_PAGES, PAGE_SIZE, hf_model
 from torch_kvq import KVCacheConfig, KVQuantMode
 from torch_kvq.integrations.transformers import KVQCausalLM
 

@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from hf_parity import (
+from transformers.masking_utils import sliding_window_causal_mask_function
+
+from tests.support.hf_parity import (
     NEW_TOKENS,
     NUM_PAGES,
     PAGE_SIZE,
@@ -22,8 +24,6 @@ from hf_parity import (
     max_err_vs_hf,
     teacher_forced_logits,
 )
-from transformers.masking_utils import sliding_window_causal_mask_function
-
 from torch_kvq import KVCacheConfig
 from torch_kvq.attention import ref_attention
 from torch_kvq.models import Gemma3Model, build_model, generate, tiny_gemma3_config

@@ -7,7 +7,8 @@ our paged cache; transformers sees each full sequence in one forward without a c
 from __future__ import annotations
 
 import torch
-from hf_parity import (
+
+from tests.support.hf_parity import (
     NEW_TOKENS,
     NUM_PAGES,
     PAGE_SIZE,
@@ -20,7 +21,6 @@ from hf_parity import (
     max_err,
     teacher_forced_logits,
 )
-
 from torch_kvq import KVCacheConfig
 from torch_kvq.models import LlamaModel, build_model, generate, tiny_llama_config
 from torch_kvq.spec import KVQuantMode
@@ -31,7 +31,7 @@ PROMPTS = make_prompts()
 def test_fp32_matches_transformers():
     hf = hf_model("llama", torch.float32)
     ours = fp32_from_hf(LlamaModel, hf, tiny_llama_config())
-    res = generate(ours, PROMPTS, NEW_TOKENS)
+    res = generate(ours, PROMPTS, NEW_TOKENS, prefill_logits=True)
     for i, p in enumerate(PROMPTS):
         ref = teacher_forced_logits(hf, p, res.tokens[i])
         torch.testing.assert_close(flat_logits(res, i), ref, atol=1e-4, rtol=0)
@@ -50,8 +50,10 @@ def test_fp8_kv_close_to_bf16_and_half_the_cache():
     kv8 = KVCacheConfig(kv_cache_dtype="fp8", skip_layers=(-1,), page_size=PAGE_SIZE)
     bf = build_model("llama-tiny", KVCacheConfig(page_size=PAGE_SIZE), num_pages=NUM_PAGES)
     f8 = build_model("llama-tiny", kv8, num_pages=NUM_PAGES)
-    ref = generate(bf, PROMPTS, NEW_TOKENS)
-    err = max_err(ref, generate(f8, PROMPTS, NEW_TOKENS, force_tokens=ref.tokens))
+    ref = generate(bf, PROMPTS, NEW_TOKENS, prefill_logits=True)
+    err = max_err(
+        ref, generate(f8, PROMPTS, NEW_TOKENS, force_tokens=ref.tokens, prefill_logits=True)
+    )
     # Stated FP8 tolerance: e4m3 k/v (3 mantissa bits, unit scales) in 3 of 4 layers moves
     # logits of magnitude <= 4 by at most 0.6 (measured 0.40).
     assert 0.0 < err <= 0.6, err

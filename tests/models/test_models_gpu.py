@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from hf_parity import check_fp8_caches, make_prompts, max_err
 
+from tests.support.hf_parity import check_fp8_caches, make_prompts, max_err
 from torch_kvq import KVCacheConfig
 from torch_kvq.models import build_model, generate
 
@@ -26,8 +26,8 @@ def test_cuda_reference_matches_cpu():
     kv = KVCacheConfig(**MIXED, page_size=4)
     cpu = build_model("gemma3-tiny", kv, num_pages=64)
     gpu = build_model("gemma3-tiny", kv, num_pages=64, device="cuda")
-    ref = generate(cpu, PROMPTS, 6)
-    out = generate(gpu, PROMPTS, 6, force_tokens=ref.tokens)
+    ref = generate(cpu, PROMPTS, 6, prefill_logits=True)
+    out = generate(gpu, PROMPTS, 6, force_tokens=ref.tokens, prefill_logits=True)
     assert out.logits.device.type == "cuda"
     assert all(a.kv_cache.device.type == "cuda" for a in gpu.attention_layers)
     check_fp8_caches(gpu, build_model("gemma3-tiny", KVCacheConfig(page_size=4), num_pages=64))
@@ -45,8 +45,8 @@ def test_flashinfer_serves_the_mixed_model():
     fi = build_model("gemma3-tiny", kv, num_pages=64, device="cuda", kernel=kernel, **head)
     ref_model = build_model("gemma3-tiny", kv, num_pages=64, device="cuda", **head)
     prebuild(kernel, fi.kv_specs)
-    ref = generate(ref_model, PROMPTS, 6)
-    out = generate(fi, PROMPTS, 6, force_tokens=ref.tokens)
+    ref = generate(ref_model, PROMPTS, 6, prefill_logits=True)
+    out = generate(fi, PROMPTS, 6, force_tokens=ref.tokens, prefill_logits=True)
     err = max_err(_to_cpu(ref), _to_cpu(out))
     assert err <= 0.15, err
 
@@ -75,11 +75,17 @@ def test_fused_projections_on_flashinfer_compiled(fp8_decode):
         models.append(m)
     torch._dynamo.reset()
     try:
-        ref = generate(models[0], PROMPTS, 6, forward=torch.compile(models[0], backend=kvq_backend))
+        ref = generate(
+            models[0],
+            PROMPTS,
+            6,
+            forward=torch.compile(models[0], backend=kvq_backend),
+            prefill_logits=True,
+        )
         out = generate(
             models[1], PROMPTS, 6, forward=torch.compile(models[1], backend=kvq_backend),
             force_tokens=ref.tokens,
-        )  # fmt: skip
+         prefill_logits=True)  # fmt: skip
     finally:
         torch._dynamo.reset()
     assert models[1].projections_fused and not models[0].projections_fused

@@ -38,9 +38,7 @@ def dequantize_fp8(x: torch.Tensor, scale: float) -> torch.Tensor:
     return x.float() * scale
 
 
-def dequantize_fp8_kv_cache(
-    kv_pages: torch.Tensor, k_scale: float, v_scale: float
-) -> torch.Tensor:
+def dequantize_fp8_kv_cache(kv_pages: torch.Tensor, k_scale: float, v_scale: float) -> torch.Tensor:
     """FP8 cache pages [n, 2, page, KH, D] (K at ``[:, 0]``, V at ``[:, 1]``) dequantized in fp32:
     ``code.float() * scale``, never rounded to the model dtype (what the fused kernels read)."""
     scales = torch.tensor([k_scale, v_scale], dtype=torch.float32, device=kv_pages.device)

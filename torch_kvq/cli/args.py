@@ -42,11 +42,11 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {  # name -> (module, the help its add
     ),
 }
 # Copies of torch_kvq.models.PRESETS / torch_kvq.spec.SUPPORTED_PAGE_SIZES, so that building the
-# parsers imports no torch (tests/test_cli.py checks they match).
+# parsers imports no torch (tests/cli/test_cli.py checks they match).
 PRESET_NAMES: tuple[str, ...] = ("gemma3-tiny", "llama-tiny")
 PAGE_SIZES: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64, 128)
 DEFAULT_PRESET = "gemma3-tiny"
-# A copy of torch_kvq.integrations.trained.SHIPPED's names (tests/test_cli.py checks they match).
+# A copy of torch_kvq.integrations.trained.SHIPPED's names (tests/cli/test_cli.py checks they match).
 SHIPPED_MODELS: tuple[str, ...] = ("gemma3-270m", "smollm2-135m")
 
 

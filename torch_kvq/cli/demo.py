@@ -189,7 +189,9 @@ def _run(args: argparse.Namespace, tp: Any) -> int:
     t0 = time.perf_counter()
     bar, on_step = _bar(f"{ref_label}, eager", args.max_new_tokens)
     with bar:
-        ref = generate(ref_model, prompts, args.max_new_tokens, on_step=on_step)
+        ref = generate(
+            ref_model, prompts, args.max_new_tokens, on_step=on_step, prefill_logits=True
+        )
     ref_kib = sum(a.kv_cache.nbytes for a in ref_model.attention_layers) / 1024
     if kind == "trained":
         model.configure_kv(kv)
@@ -209,6 +211,7 @@ def _run(args: argparse.Namespace, tp: Any) -> int:
             forward=forward,
             force_tokens=ref.tokens,
             on_step=on_step,
+            prefill_logits=True,
         )
     t2 = time.perf_counter()
 

@@ -36,7 +36,7 @@ KERNELS = ("reference", "flashinfer", "flashinfer-triton", "flashinfer-xqa")
 DTYPES = ("float32", "bfloat16", "float16")
 DEFAULT_MODELS = ("smollm2-135m", "gemma3-270m")
 # A copy of torch_kvq.evaluation.eval.EvalSettings' defaults, so that building the parser imports
-# no torch (tests/test_cli.py checks they match).
+# no torch (tests/cli/test_cli.py checks they match).
 SETTINGS = {
     "window": 1024,
     "windows": 4,

@@ -218,14 +218,26 @@ class KVQCausalLM(PagedKV):
 
     # --- forward -----------------------------------------------------------------------------
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """input_ids [T], positions [T] (int) -> logits [T, vocab] fp32."""
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        logits_indices: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """input_ids [T], positions [T] (int) -> logits [T, vocab] fp32; with ``logits_indices``
+        [N] only those positions' logits, [N, vocab] (transformers' ``logits_to_keep``: the LM
+        head runs on those rows only)."""
         if input_ids.dim() != 1 or tuple(positions.shape) != tuple(input_ids.shape):
             raise ValueError(
                 f"expected input_ids [T] and positions [T], got {tuple(input_ids.shape)} and "
                 f"{tuple(positions.shape)}"
             )
-        out = self.hf(input_ids=input_ids[None], position_ids=positions[None], use_cache=False)
+        kw: dict[str, Any] = {}
+        if logits_indices is not None:
+            kw["logits_to_keep"] = logits_indices
+        out = self.hf(
+            input_ids=input_ids[None], position_ids=positions[None], use_cache=False, **kw
+        )
         return out.logits[0].float()
 
     def compiled_forward(
@@ -239,11 +251,11 @@ class KVQCausalLM(PagedKV):
         compile_kwargs.setdefault("fullgraph", True)
         fn = torch.compile(self, backend=backend, **compile_kwargs)
 
-        def run(input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        def run(input_ids: torch.Tensor, positions: torch.Tensor, **kw: Any) -> torch.Tensor:
             if input_ids.shape[0] > 1:
                 torch._dynamo.mark_dynamic(input_ids, 0)
                 torch._dynamo.mark_dynamic(positions, 0)
-            return fn(input_ids, positions)
+            return fn(input_ids, positions, **kw)
 
         return run
 

@@ -20,18 +20,20 @@ from torch_kvq.attention.metadata import BatchMetadata
 from torch_kvq.distributed import agreed, refuse_together
 from torch_kvq.models.base import PagedDecoder
 
-Forward = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+# forward(input_ids [T], positions [T], logits_indices=None) -> logits [T or len(indices), vocab]
+Forward = Callable[..., torch.Tensor]
 
 
 @dataclass(frozen=True)
 class GenerateResult:
     """tokens[i]: the ``max_new_tokens`` tokens after prompt i. logits [B, max_new_tokens, vocab]
     fp32: ``logits[i, s]`` is what chose ``tokens[i][s]`` (step 0 is the prefill's last position).
-    prefill_logits[i]: [len(prompt i), vocab] fp32, the prefill logits of prompt i."""
+    prefill_logits[i]: [len(prompt i), vocab] fp32, the prefill logits of prompt i, when asked
+    for (``generate(..., prefill_logits=True)``), else None."""
 
     tokens: list[list[int]]
     logits: torch.Tensor
-    prefill_logits: list[torch.Tensor]
+    prefill_logits: list[torch.Tensor] | None
 
 
 def _check_ids(what: str, ids: Sequence[Sequence[int]], vocab: int) -> None:
@@ -75,6 +77,7 @@ def generate(
     force_tokens: Sequence[Sequence[int]] | None = None,
     on_step: Callable[[int, int, float], None] | None = None,
     decode: DecodeGraphRunner | None = None,
+    prefill_logits: bool = False,
 ) -> GenerateResult:
     """Greedy decoding of ``prompts`` (sequences of different lengths, one batch): lists of
     token ids, or a 2-D integer tensor [batch, tokens] of prompts of one length.
@@ -84,6 +87,9 @@ def generate(
     ``logits.argmax(-1)`` is the model's own choice. ``on_step(done, total, seconds)`` is called
     after each forward pass (the prefill is step 1 of ``max_new_tokens``) with its wall time.
     ``decode``, a ``DecodeGraphRunner`` built for ``model``, runs every decode step.
+    The prefill computes logits at each prompt's last position only (``forward(ids, positions,
+    logits_indices=...)``, as transformers' ``logits_to_keep``); ``prefill_logits=True`` asks for
+    every position's.
 
     A tensor-parallel model (``model.tp``): every rank calls it with the same arguments; a
     refusal on one rank (bad arguments, no free pages) is raised on every rank before the step.
@@ -105,14 +111,19 @@ def generate(
     try:
         md = build([len(p) for p in prompts], dev)
         ids = torch.tensor([t for p in prompts for t in p], dtype=torch.long, device=dev)
+        ends = [int(e) - 1 for e in md.qo_indptr[1:].tolist()]
+        keep = {} if prefill_logits else {"logits_indices": torch.tensor(ends, device=dev)}
         with model.forward_context(md):
             t0 = time.perf_counter()
-            logits = run(ids, md.positions)
+            logits = run(ids, md.positions, **keep)
         if on_step is not None:
             on_step(1, max_new_tokens, time.perf_counter() - t0)
-        ends = [int(e) - 1 for e in md.qo_indptr[1:].tolist()]
-        prefill = [logits[e + 1 - n : e + 1] for e, n in zip(ends, md.qo_lens)]
-        last = logits[ends]
+        prefill = None
+        if prefill_logits:
+            prefill = [logits[e + 1 - n : e + 1] for e, n in zip(ends, md.qo_lens)]
+            last = logits[ends]
+        else:
+            last = logits
         for step in range(max_new_tokens):
             step_logits.append(last)
             chosen = (

@@ -99,7 +99,7 @@ def bf16_parity_errors(arch: str, preset: str, prompts: list[list[int]]) -> dict
     theirs = {k.removeprefix("model."): v for k, v in hf16.state_dict().items()}
     mismatched = [k for k, v in ours.state_dict().items() if not torch.equal(v, theirs[k])]
     assert not mismatched, f"build_model weights differ from transformers' for {mismatched[:3]}"
-    res = generate(ours, prompts, NEW_TOKENS)
+    res = generate(ours, prompts, NEW_TOKENS, prefill_logits=True)
     hf16_vs_32 = max(
         (
             teacher_forced_logits(hf16, p, res.tokens[i])

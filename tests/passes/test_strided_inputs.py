@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from tests.compile.helpers import (
+from tests.support.passes import (
     batch_plan,
     caches,
     fill_caches,

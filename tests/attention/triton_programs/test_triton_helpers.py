@@ -9,8 +9,8 @@ from types import ModuleType
 
 import pytest
 import torch
-from triton_case import INTERPRETING, Case, rel_err, run_tma
 
+from tests.support.triton_case import INTERPRETING, Case, rel_err, run_tma
 from torch_kvq.spec import FP8_DTYPE
 
 

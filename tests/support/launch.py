@@ -3,6 +3,7 @@ fails the test instead of blocking CI. Shared by the distributed, example and be
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -12,6 +13,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
+TP_WORKER = ROOT / "tests" / "distributed" / "tp_worker.py"  # a rank's side of the TP tests
 
 
 def torchrun(
@@ -47,3 +49,13 @@ def run_bounded(
         out, _ = proc.communicate()
         pytest.fail(f"{' '.join(cmd)} still running after {timeout} s (a hang?):\n{out[-4000:]}")
     return subprocess.CompletedProcess(cmd, proc.returncode, out, "")
+
+
+def launch(scenario: str, tmp_path: Path, timeout: float) -> list[dict]:
+    """Run ``tp_worker.py``'s ``scenario`` on 2 ranks; each rank's JSON result."""
+    out = torchrun(TP_WORKER, scenario, str(tmp_path), timeout=timeout)
+    assert out.returncode == 0, out.stdout[-4000:]
+    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
+    for r, res in enumerate(ranks):
+        assert res["ok"], f"rank {r}:\n{res.get('traceback')}"
+    return ranks

@@ -10,7 +10,7 @@ import sys
 import pytest
 import torch
 
-from tests.compile.helpers import capture_graph, make_specs, nodes_of, run_passes, small_case
+from tests.support.passes import capture_graph, make_specs, nodes_of, run_passes, small_case
 from torch_kvq import make_kvq_backend
 from torch_kvq.attention import ReferenceKernel, forward_context
 from torch_kvq.passes import DEFAULT_PASSES, GraphReport, KVQPass, KVQPassManager, last_report

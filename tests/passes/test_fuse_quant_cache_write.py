@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.compile.helpers import (
+from tests.support.passes import (
     capture_graph,
     clamp240_quant,
     manual_case,

@@ -6,7 +6,7 @@ import operator
 
 import torch
 
-from tests.compile.helpers import capture_graph, manual_case, nodes_of, run_passes, small_case
+from tests.support.passes import capture_graph, manual_case, nodes_of, run_passes, small_case
 from torch_kvq.attention.kernels.capabilities import register_capabilities
 from torch_kvq.passes.graph_utils import (
     ATTENTION,

@@ -11,7 +11,8 @@ from types import ModuleType
 
 import pytest
 import torch
-from triton_case import (
+
+from tests.support.triton_case import (
     HAS_CUDA,
     INTERPRETING,
     LENS,
@@ -21,7 +22,6 @@ from triton_case import (
     rel_err,
     run_tma,
 )
-
 from torch_kvq.spec import FP8_DTYPE
 
 

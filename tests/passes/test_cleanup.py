@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.compile.helpers import capture_graph, run_passes, small_case
+from tests.support.passes import capture_graph, run_passes, small_case
 from torch_kvq.passes import CleanupPass, PassContext
 
 

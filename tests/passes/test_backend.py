@@ -9,7 +9,7 @@ import pytest
 import torch
 from torch._dynamo.utils import counters
 
-from tests.compile.helpers import (
+from tests.support.passes import (
     AttnQuantModel,
     caches,
     fill_caches,

@@ -16,7 +16,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.compile.helpers import no_compile_caches
+from tests.support.passes import no_compile_caches
 from torch_kvq.attention import ReferenceKernel
 from torch_kvq.models import build_model, generate
 from torch_kvq.passes import make_kvq_backend
@@ -90,7 +90,7 @@ def check_mixed_model(model, kernel: RecordingKernel, inner: str, tol: float) ->
     assert len(skipped) == 4 and len(quantized) == 2  # sliding layers 0, 1, 3, 4; global 2, 5
     assert all(s.sliding_window is None for s in specs if s.is_quantized)
 
-    eager = generate(model, PROMPTS, NEW_TOKENS)
+    eager = generate(model, PROMPTS, NEW_TOKENS, prefill_logits=True)
     eager_attended = {k: set(v) for k, v in kernel.attended.items()}
     kernel.attended.clear()
     kernel.planned.clear()
@@ -99,7 +99,12 @@ def check_mixed_model(model, kernel: RecordingKernel, inner: str, tol: float) ->
     compiled_fn = torch.compile(model, backend=backend)
     with no_compile_caches():
         compiled = generate(
-            model, PROMPTS, NEW_TOKENS, forward=compiled_fn, force_tokens=eager.tokens
+            model,
+            PROMPTS,
+            NEW_TOKENS,
+            forward=compiled_fn,
+            force_tokens=eager.tokens,
+            prefill_logits=True,
         )
 
     bf16 = torch.bfloat16

@@ -15,10 +15,11 @@ import torch
 from torch import nn
 from torch._dynamo.utils import counters
 
-from tests.compile.helpers import (
+from tests.support.passes import (
     OUT_SCALE,
     batch_plan,
     capture_graph,
+    check_close,
     make_batch,
     make_specs,
     nodes_of,
@@ -26,7 +27,6 @@ from tests.compile.helpers import (
     qkv,
     run_passes,
 )
-from tests.compile.test_fusion_attn import check_close
 from torch_kvq.attention import Attention, ReferenceKernel, forward_context, registry
 from torch_kvq.attention.kernels.capabilities import register_capabilities
 from torch_kvq.attention.quant import FP8_MAX

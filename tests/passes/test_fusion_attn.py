@@ -17,10 +17,11 @@ import itertools
 import pytest
 import torch
 
-from tests.compile.helpers import (
+from tests.support.passes import (
     AttnQuantModel,
     batch_plan,
     caches,
+    check_close,
     fill_caches,
     make_batch,
     make_specs,
@@ -55,18 +56,6 @@ def _kernel(name: str):
     from torch_kvq.attention.kernels import FlashInferKernel  # imports flashinfer lazily
 
     return FlashInferKernel(), "cuda"
-
-
-def check_close(compiled: torch.Tensor, eager: torch.Tensor) -> None:
-    assert compiled.dtype == eager.dtype == torch.float8_e4m3fn
-    c, e = compiled.float(), eager.float()
-    m = torch.maximum(c.abs(), e.abs())
-    step = torch.where(
-        m >= 2**-6, torch.exp2(torch.floor(torch.log2(m.clamp_min(2**-6))) - 3), 2**-9
-    )
-    bound = step + 2**-7 * e.abs().max()
-    worst = ((c - e).abs() / bound).max().item()
-    assert worst <= 1.0, f"compiled vs eager FP8 outputs: {worst:.2f}x the allowed difference"
 
 
 def run_scenario(kernel_name, dtype, num_tokens, heads, kv_cache_dtype, quant_form, inner):

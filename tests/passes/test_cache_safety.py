@@ -14,7 +14,7 @@ import pytest
 import torch
 from torch._dynamo.utils import counters
 
-from tests.compile.helpers import AttnQuantModel, qkv
+from tests.support.passes import AttnQuantModel, qkv
 from torch_kvq.attention import PageAllocator, ReferenceKernel, forward_context, registry
 from torch_kvq.models import build_model
 from torch_kvq.passes import kvq_backend, last_report, make_kvq_backend

@@ -7,7 +7,7 @@ import dataclasses
 import pytest
 import torch
 
-from tests.compile.helpers import capture_graph, make_specs, run_passes, small_case, torch_quant
+from tests.support.passes import capture_graph, make_specs, run_passes, small_case, torch_quant
 from torch_kvq.attention import Attention, PageAllocator, ReferenceKernel, forward_context, registry
 from torch_kvq.passes import KVQStamp, make_kvq_backend
 from torch_kvq.passes.graph_utils import (

@@ -10,17 +10,9 @@ from pathlib import Path
 
 import pytest
 
+from tests.support.cli import run_main
 from torch_kvq import cli
 from torch_kvq.cli import args as cli_args
-
-
-def run_main(capsys, *argv: str) -> tuple[int, str, str]:
-    try:
-        code = cli.main(list(argv))
-    except SystemExit as e:  # argparse usage errors
-        code = e.code
-    out, err = capsys.readouterr()
-    return code, out, err
 
 
 def test_demo_tiny_gemma_fp8_with_sliding_layers_kept(capsys, monkeypatch):
@@ -169,7 +161,7 @@ def test_compile_kvq_without_backend_is_a_clean_error(capsys, monkeypatch):
 
 def test_console_script_points_at_main():
     """pyproject's ``kvq`` script is ``torch_kvq.cli:main`` (checked without a subprocess)."""
-    text = (Path(__file__).parents[1] / "pyproject.toml").read_text()
+    text = (Path(__file__).parents[2] / "pyproject.toml").read_text()
     assert re.search(r'^kvq = "torch_kvq\.cli:main"$', text, re.M)
     assert callable(cli.main)
 
@@ -320,3 +312,23 @@ def test_lazy_package_names():
     assert set(torch_kvq.__all__) <= set(dir(torch_kvq))
     with pytest.raises(AttributeError):
         torch_kvq.no_such_name  # noqa: B018
+
+
+def test_demo_default_is_gemma3_270m_in_english(capsys):
+    """``kvq demo`` with no model: the trained Gemma-3-270M, sliding layers bf16 and globals FP8,
+    English continuations side by side, the plan and the uncalibrated-scale note."""
+    code, out, err = run_main(capsys, "demo", "--max-new-tokens", "4")
+    assert code == 0, err
+    assert out.startswith("kvq demo: trained model gemma3-270m, compile off")
+    rows = [line.split() for line in out.splitlines() if re.match(r"^\d+\s+model\.layers", line)]
+    assert len(rows) == 18
+    for row in rows:  # idx layer type mode dtype ...
+        kept = row[2].startswith("sliding")
+        assert row[3:5] == (["none", "bfloat16"] if kept else ["fp8_per_tensor", "float8_e4m3fn"])
+    assert [int(r[0]) for r in rows if not r[2].startswith("sliding")] == [5, 11, 17]
+    assert "quant+write, dequant+attention: layers 5, 11, 17" in out
+    assert "note: scale 1.0, uncalibrated: every quantized layer" in out
+    assert out.count("prompt ") == 3 and "'The history of the city begins'" in out
+    texts = re.findall(r"^  (?:all-bfloat16 cache|quantized):\s+\.\.\.(.*)$", out, re.M)
+    assert len(texts) == 6 and all(re.search(r"[a-z]{3,} [a-z]{2,}", t) for t in texts), out
+    assert max(len(line) for line in out.splitlines()) <= 100, out

@@ -14,8 +14,16 @@ from types import ModuleType
 
 import pytest
 import torch
-from triton_case import HAS_CUDA, INTERPRETING, Case, check_on_gpu, dense_table, rel_err, run_tma
 
+from tests.support.triton_case import (
+    HAS_CUDA,
+    INTERPRETING,
+    Case,
+    check_on_gpu,
+    dense_table,
+    rel_err,
+    run_tma,
+)
 from torch_kvq.spec import FP8_DTYPE
 
 LENS = (1, 15, 16, 17, 300, 1000)  # 1 .. 63 pages per pair

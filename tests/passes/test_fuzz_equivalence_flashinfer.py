@@ -5,7 +5,7 @@ outputs within the fusions' rounding, the report fusing exactly the quantized la
 runs on ``FlashInferKernel``: eager takes the unfused form (dequantize the whole FP8 cache, then
 bf16 attention), compiled the fused FP8-KV read. The draw is kept to what needs few FlashInfer
 JIT modules (each costs minutes when several build at once): bf16, head size 128, sliding window
-or not, no soft-cap (fp16 and soft-cap on FlashInfer: tests/compile/test_fusion_attn.py and
+or not, no soft-cap (fp16 and soft-cap on FlashInfer: tests/passes/test_fusion_attn.py and
 tests/attention/test_flashinfer_kernel.py), so the 4 modules involved are built once, up front.
 FlashInfer's fa2 never writes FP8 output, so a model's output quant stays unfused.
 
@@ -13,7 +13,7 @@ Status: passed on the H200 (run 15, 2026-11-29: 8 examples in 11 s after 30 s of
 benchmarks/RESULTS.md). Two earlier runs did not finish (20 examples, 16 modules, then 4 modules
 building on a bare machine, within 10 and 5 minutes). It stays marked slow and out of
 ``scripts/gpu_run.sh tests`` by default; run it with
-``KVQ_PYTEST_M="gpu and slow" KVQ_GPU_TESTS=tests/compile/test_fuzz_equivalence_flashinfer.py``.
+``KVQ_PYTEST_M="gpu and slow" KVQ_GPU_TESTS=tests/passes/test_fuzz_equivalence_flashinfer.py``.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Small models, batches and graph helpers shared by the tests in tests/compile."""
+"""Small models, batches and graph helpers shared by the pass tests (tests/passes) and others."""
 
 from __future__ import annotations
 
@@ -273,3 +273,15 @@ def manual_case(**kw):
     kw.setdefault("kv_quant", lambda x, s: torch.ops.kvq.quantize_fp8(x, s))
     model = ManualLayer(spec, num_pages, **kw)
     return model, make_batch(plan, num_pages), qkv(7, (8, 2), 32, torch.bfloat16)
+
+
+def check_close(compiled: torch.Tensor, eager: torch.Tensor) -> None:
+    assert compiled.dtype == eager.dtype == torch.float8_e4m3fn
+    c, e = compiled.float(), eager.float()
+    m = torch.maximum(c.abs(), e.abs())
+    step = torch.where(
+        m >= 2**-6, torch.exp2(torch.floor(torch.log2(m.clamp_min(2**-6))) - 3), 2**-9
+    )
+    bound = step + 2**-7 * e.abs().max()
+    worst = ((c - e).abs() / bound).max().item()
+    assert worst <= 1.0, f"compiled vs eager FP8 outputs: {worst:.2f}x the allowed difference"
