@@ -126,8 +126,8 @@ def _nll(logits: torch.Tensor, targets: torch.Tensor) -> float:
 
 
 def keeps_logits(lm: torch.nn.Module) -> bool:
-    """Whether ``lm.forward`` takes ``logits_to_keep`` (HF semantics)."""
-    return "logits_to_keep" in inspect.signature(type(lm).forward).parameters
+    """Whether ``lm.forward`` takes ``logits_indices`` (the rows whose logits to compute)."""
+    return "logits_indices" in inspect.signature(type(lm).forward).parameters
 
 
 class _Runner:
@@ -135,7 +135,7 @@ class _Runner:
 
     def __init__(self, lm: torch.nn.Module, forward: Forward) -> None:
         self.lm, self.forward = lm, forward
-        self.keep = forward is lm and keeps_logits(lm)  # the eager forward: ask for last only
+        self.keep = keeps_logits(lm)  # compiled forwards pass the keyword through
         self.chunk = max(1, LOGIT_BUDGET_BYTES // (4 * lm.config.vocab_size))
 
     def step(self, requests: list[tuple[object, list[int]]], last_only: bool = False):
@@ -143,7 +143,7 @@ class _Runner:
         ids = torch.tensor([t for _, ts in requests for t in ts], device=self.lm.device)
         kw = {}
         if last_only and self.keep:
-            kw["logits_to_keep"] = (md.qo_indptr[1:] - 1).long()
+            kw["logits_indices"] = (md.qo_indptr[1:] - 1).long()
         with self.lm.forward_context(md):
             return self.forward(ids, md.positions, **kw)
 
