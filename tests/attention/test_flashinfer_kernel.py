@@ -334,8 +334,8 @@ def test_opcheck_every_op_on_views(built, fp8_safe_allclose, layout: str) -> Non
         (ops.quantize_fp8, (kv_, ks), (k, ks)),
         (
             ops.dequantize_kv_cache,
-            (as_cache_view(c8), ks, vs, torch.bfloat16),
-            (c8, ks, vs, torch.bfloat16),
+            (as_cache_view(c8), ks, vs, torch.float32, fp8.name),
+            (c8, ks, vs, torch.float32, fp8.name),
         ),
         (ops.cache_write, (kqv, vqv, as_cache_view(c8), fp8.name), (kq, vq, c8, fp8.name)),
         (ops.cache_write, (kv_, vv, as_cache_view(c16), bf16.name), (k, v, c16, bf16.name)),

@@ -36,7 +36,7 @@ AUTO = KVCacheConfig(page_size=PAGE_SIZE)
 def test_fp32_logits_equal_hf_eager(family):
     hf, ref = twins(family)
     lm = KVQCausalLM.from_hf(hf, AUTO, num_pages=NUM_PAGES)
-    res = generate(lm, PROMPTS, NEW_TOKENS)
+    res = generate(lm, PROMPTS, NEW_TOKENS, prefill_logits=True)
     for i, p in enumerate(PROMPTS):
         want = hf_logits(ref, p, res.tokens[i])
         torch.testing.assert_close(flat_logits(res, i), want, atol=1e-4, rtol=0)
@@ -85,8 +85,8 @@ def test_bf16_equals_our_own_decoder(arch, preset, fp8_skip):
             ours.configure_kv(cfg)
             lm.configure_kv(cfg)
             assert [s.mode for s in lm.kv_specs] == [s.mode for s in ours.kv_specs]
-            a = generate(ours, prompts, NEW_TOKENS)
-            b = generate(lm, prompts, NEW_TOKENS, force_tokens=a.tokens)
+            a = generate(ours, prompts, NEW_TOKENS, prefill_logits=True)
+            b = generate(lm, prompts, NEW_TOKENS, force_tokens=a.tokens, prefill_logits=True)
             assert b.tokens == a.tokens
             for i in range(len(prompts)):
                 assert torch.equal(flat_logits(a, i), flat_logits(b, i)), (cfg, i)
@@ -126,7 +126,7 @@ def test_multimodal_attaches_the_text_decoder_only():
     assert cfg.text_config._attn_implementation == "kvq"
     assert cfg.vision_config._attn_implementation == "eager"  # the tower keeps its own
     prompts = PROMPTS[:2]
-    res = generate(lm, prompts, 3)
+    res = generate(lm, prompts, 3, prefill_logits=True)
     for i, p in enumerate(prompts):
         want = hf_logits(ref, p, res.tokens[i])
         torch.testing.assert_close(flat_logits(res, i), want, atol=1e-4, rtol=0)

@@ -46,7 +46,7 @@ LINEAR_ROPE = {
 def test_fp32_matches_transformers(overrides):
     hf = hf_model("gemma3", torch.float32, **overrides)
     ours = fp32_from_hf(Gemma3Model, hf, tiny_gemma3_config(**overrides))
-    res = generate(ours, PROMPTS, NEW_TOKENS)
+    res = generate(ours, PROMPTS, NEW_TOKENS, prefill_logits=True)
     for i, p in enumerate(PROMPTS):
         ref = teacher_forced_logits(hf, p, res.tokens[i])
         torch.testing.assert_close(flat_logits(res, i), ref, atol=1e-4, rtol=0)
@@ -62,7 +62,10 @@ def test_attention_softcap_reaches_every_layer():
     plain = build_model("gemma3-tiny", KVCacheConfig(page_size=PAGE_SIZE))
     assert {s.logits_soft_cap for s in capped.kv_specs} == {0.5}
     assert {s.logits_soft_cap for s in plain.kv_specs} == {None}
-    a, b = generate(capped, PROMPTS, 1), generate(plain, PROMPTS, 1)
+    a, b = (
+        generate(capped, PROMPTS, 1, prefill_logits=True),
+        generate(plain, PROMPTS, 1, prefill_logits=True),
+    )
     assert max_err(a, b) > 1e-2
 
 
@@ -78,7 +81,7 @@ def test_parity_check_sees_semantic_slips(wrong):
             **cfg["rope_parameters"],
             "sliding_attention": {"rope_theta": 1e6},
         }
-    res = generate(fp32_from_hf(Gemma3Model, hf, cfg), PROMPTS, NEW_TOKENS)
+    res = generate(fp32_from_hf(Gemma3Model, hf, cfg), PROMPTS, NEW_TOKENS, prefill_logits=True)
     assert max_err_vs_hf(res, hf, PROMPTS) > 1e-2
 
 
@@ -107,9 +110,13 @@ def test_fp8_global_layers_close_to_bf16_and_half_the_cache():
         return build_model("gemma3-tiny", kv, num_pages=NUM_PAGES)
 
     bf, f8, f8_all = model("auto"), model("fp8", ("sliding_window",)), model("fp8")
-    ref = generate(bf, PROMPTS, NEW_TOKENS)
-    err = max_err(ref, generate(f8, PROMPTS, NEW_TOKENS, force_tokens=ref.tokens))
-    err_all = max_err(ref, generate(f8_all, PROMPTS, NEW_TOKENS, force_tokens=ref.tokens))
+    ref = generate(bf, PROMPTS, NEW_TOKENS, prefill_logits=True)
+    err = max_err(
+        ref, generate(f8, PROMPTS, NEW_TOKENS, force_tokens=ref.tokens, prefill_logits=True)
+    )
+    err_all = max_err(
+        ref, generate(f8_all, PROMPTS, NEW_TOKENS, force_tokens=ref.tokens, prefill_logits=True)
+    )
     # Stated FP8 tolerance: e4m3 k/v (unit scales) in the 2 global layers moves logits of
     # magnitude <= 5 by at most 0.15 (measured 0.07); FP8 everywhere moves them more (0.26).
     assert 0.0 < err <= 0.15, err

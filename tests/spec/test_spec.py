@@ -17,6 +17,7 @@ from torch_kvq.spec import (
     format_spec_table,
     parse_kv_cache_dtype,
     resolve_layer_specs,
+    scale_notes,
     skip_rule_notes,
     spec_table_key,
 )
@@ -250,7 +251,9 @@ def test_a_type_rule_that_matches_no_layer_or_every_layer_is_noted(window, rules
     specs = resolve_layer_specs(KVCacheConfig("fp8", skip_layers=rules), uniform(3, window))
     assert skip_rule_notes(rules, specs) == [note]
     table = format_spec_table(specs, skip_layers=rules).splitlines()
-    assert table[-2:] == ["", note]  # after the table, a blank line between
+    # after the table, a blank line between; then the scale note (these scales are the default)
+    after = ["", note, *scale_notes(specs)]
+    assert table[-len(after) :] == after
 
 
 def test_no_note_when_the_rules_split_the_layers_or_nothing_is_quantized() -> None:
@@ -259,7 +262,24 @@ def test_no_note_when_the_rules_split_the_layers_or_nothing_is_quantized() -> No
     assert skip_rule_notes(rules, gemma) == []
     auto = resolve_layer_specs(KVCacheConfig("auto", skip_layers=rules), uniform(3, None))
     assert skip_rule_notes(rules, auto) == []
-    assert "note" not in format_spec_table(gemma, skip_layers=rules)
+    assert "note: skip rule" not in format_spec_table(gemma, skip_layers=rules)
+
+
+def test_a_default_scale_is_said_uncalibrated() -> None:
+    """A quantized layer on the default scales 1.0 with no kv_scales entry is 'uncalibrated' in
+    the spec, the table and a note; a given scale (or a chosen default) is not."""
+    specs = resolve_layer_specs(KVCacheConfig("fp8", kv_scales={1: (0.5, 0.25)}), layers(3))
+    assert [s.uncalibrated for s in specs] == [True, False, True]
+    assert scale_notes(specs) == [
+        "note: scale 1.0, uncalibrated: layers 0, 2 (no kv_scales given); k / v beyond +-448 are "
+        "clamped (an eager run warns); kvq calibrate writes scales, kv_scales_from= reads them"
+    ]
+    table = format_spec_table(specs)
+    assert table.count("1 uncalibrated") == 4 and "0.5 " in table
+    chosen = resolve_layer_specs(KVCacheConfig("fp8", default_k_scale=2.0), layers(2))
+    assert not any(s.uncalibrated for s in chosen) and scale_notes(chosen) == []
+    auto = resolve_layer_specs(KVCacheConfig("auto"), layers(2))
+    assert not any(s.uncalibrated for s in auto) and scale_notes(auto) == []
 
 
 def test_table_columns_pick_and_keep_the_table_order() -> None:
