@@ -62,27 +62,19 @@ def add_parser(sub: Any) -> None:
 
 def _sample(args: argparse.Namespace, percentiles: list[str]):  # -> (stats, meta)
     """Run the model over the calibration windows: per-layer statistics and what they came from."""
-    import torch
 
+    from torch_kvq.cli.sources import trained_for_text
     from torch_kvq.evaluation import corpus
     from torch_kvq.evaluation.calibrate import kv_stats
     from torch_kvq.evaluation.eval import EvalSettings, eval_data
-    from torch_kvq.integrations.trained import load_trained
     from torch_kvq.progress import Progress
-    from torch_kvq.spec import KVCacheConfig
 
     settings = EvalSettings(
         window=args.window, windows=args.windows, decode_tokens=0, prompts=1, prompt_tokens=1
     )
     with Progress("kvq calibrate") as bar:
         bar.update(status=f"loading {args.model}")
-        lm, tok = load_trained(
-            args.model,
-            KVCacheConfig(page_size=args.page_size),
-            dtype=getattr(torch, args.dtype),
-            device=args.device,
-            num_pages=settings.pages_needed(args.page_size),
-        )
+        lm, tok = trained_for_text(args, settings.pages_needed(args.page_size))
         data = eval_data(tok, settings, corpus.split("calibration"))
         bar.update(status=f"{args.windows} windows of {args.window} tokens through the model")
         stats = kv_stats(lm, data.windows, percentiles)

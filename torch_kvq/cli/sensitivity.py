@@ -26,15 +26,13 @@ import argparse
 
 
 def run(args: argparse.Namespace) -> int:
-    import torch
 
+    from torch_kvq.cli.sources import trained_for_text
     from torch_kvq.evaluation import corpus
     from torch_kvq.evaluation.eval import EvalSettings, eval_data
     from torch_kvq.evaluation.sensitivity import check_modes, layer_sensitivity
     from torch_kvq.integrations.hf_scales import checkpoint_kv_scales
-    from torch_kvq.integrations.trained import load_trained
     from torch_kvq.progress import Progress
-    from torch_kvq.spec import KVCacheConfig
 
     if args.json is not None and not args.json.parent.is_dir():
         raise ValueError(f"folder {str(args.json.parent)!r} for {str(args.json)!r} does not exist")
@@ -45,13 +43,7 @@ def run(args: argparse.Namespace) -> int:
     check_modes(modes, args.threshold_pct)  # before the model loads
     with Progress("kvq accuracy", unit="layers") as bar:
         bar.update(status=f"loading {args.model}")
-        lm, tok = load_trained(
-            args.model,
-            KVCacheConfig(page_size=args.page_size),
-            dtype=getattr(torch, args.dtype),
-            device=args.device,
-            num_pages=settings.pages_needed(args.page_size),
-        )
+        lm, tok = trained_for_text(args, settings.pages_needed(args.page_size))
         bar.total = len(lm.kv_specs) * len(modes)
         data = eval_data(tok, settings, corpus.split("eval"))
         scales = None

@@ -141,6 +141,23 @@ def trained_lm(
     return lm
 
 
+def trained_for_text(args: argparse.Namespace, pages: int) -> tuple[Any, Any]:
+    """``(KVQCausalLM, tokenizer)`` of ``--model`` with a model-dtype cache of ``pages`` pages, in
+    ``--dtype`` on ``--device`` (``kvq calibrate``, ``kvq accuracy --model``)."""
+    import torch
+
+    from torch_kvq.integrations.trained import load_trained
+    from torch_kvq.spec import KVCacheConfig
+
+    return load_trained(
+        args.model,
+        KVCacheConfig(page_size=args.page_size),
+        dtype=getattr(torch, args.dtype),
+        device=args.device,
+        num_pages=pages,
+    )
+
+
 def trained_tokenizer(source: str) -> Any:
     """The tokenizer of a trained model (from its converted folder: no second conversion)."""
     import transformers

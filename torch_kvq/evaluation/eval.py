@@ -248,15 +248,7 @@ def compiled(lm: torch.nn.Module) -> Forward:
     from torch_kvq.passes import make_kvq_backend
 
     torch._dynamo.reset()
-    fn = torch.compile(lm, backend=make_kvq_backend(inner="eager"), fullgraph=True)
-
-    def run(input_ids: torch.Tensor, positions: torch.Tensor, **kw: object) -> torch.Tensor:
-        if input_ids.shape[0] > 1:
-            torch._dynamo.mark_dynamic(input_ids, 0)
-            torch._dynamo.mark_dynamic(positions, 0)
-        return fn(input_ids, positions, **kw)
-
-    return run
+    return lm.compiled_forward(backend=make_kvq_backend(inner="eager"))
 
 
 @dataclass(frozen=True)
