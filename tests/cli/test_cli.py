@@ -329,6 +329,7 @@ def test_demo_default_is_gemma3_270m_in_english(capsys):
     assert "quant+write, dequant+attention: layers 5, 11, 17" in out
     assert "note: scale 1.0, uncalibrated: every quantized layer" in out
     assert out.count("prompt ") == 3 and "'The history of the city begins'" in out
-    texts = re.findall(r"^  (?:all-bfloat16 cache|quantized):\s+\.\.\.(.*)$", out, re.M)
+    texts = re.findall(r"^  (?:all-bfloat16 cache|quantized cache):\s+\.\.\.(.*)$", out, re.M)
     assert len(texts) == 6 and all(re.search(r"[a-z]{3,} [a-z]{2,}", t) for t in texts), out
+    assert len(re.findall(r"fed the other's tokens: \d+ of 4 agree\)", out)) == 3, out
     assert max(len(line) for line in out.splitlines()) <= 100, out

@@ -308,9 +308,9 @@ def _side_by_side(
     """A prompt and its two greedy continuations, wrapped to the table width."""
     from torch_kvq.cli.tables import WIDTH
 
-    same = next((n for n, (a, b) in enumerate(zip(ref, own)) if a != b), len(own))
+    same = sum(a == b for a, b in zip(ref, own))
     lines = [f"prompt {i}: {prompt!r}"]
-    for label, ids in ((ref_label, ref), ("quantized", own)):
+    for label, ids in ((ref_label, ref), ("quantized cache", own)):
         text = " ".join(tok.decode(ids).split())  # one line: newlines as spaces
         lines.append(
             textwrap.fill(
@@ -320,6 +320,8 @@ def _side_by_side(
                 subsequent_indent=" " * 27,
             )
         )
-    agree = "identical" if same == len(own) else f"the same for {same} of {len(own)} tokens"
-    lines.append(f"  ({agree})")
+    lines.append(
+        f"  (the quantized cache's next token at each step, fed the other's tokens: {same} of "
+        f"{len(own)} agree)"
+    )
     return "\n".join(lines)
