@@ -10,7 +10,13 @@ import argparse
 from pathlib import Path
 from typing import Any
 
-from torch_kvq.cli.args import SUBCOMMANDS, CommandError, add_model_args, model_label
+from torch_kvq.cli.args import (
+    SUBCOMMANDS,
+    CommandError,
+    add_model_args,
+    check_out_paths,
+    model_label,
+)
 
 PROMPT_LENS = (24, 9, 40, 17)
 DEFAULT_THRESHOLD_DB = 30.0  # a copy of torch_kvq.debug.accuracy's, which imports torch
@@ -83,9 +89,7 @@ def run(args: argparse.Namespace) -> int:
     from torch_kvq.debug.accuracy import layer_accuracy
     from torch_kvq.progress import Progress, activity
 
-    for path in (args.plot, args.json):
-        if path is not None and not path.parent.is_dir():
-            raise CommandError(f"folder {str(path.parent)!r} for {str(path)!r} does not exist")
+    check_out_paths(args.plot, args.json)
     kv = kv_config_from_args(args)
     with Progress("kvq accuracy") as bar:
         bar.update(status=f"building {model_label(args)}")

@@ -54,6 +54,18 @@ class CommandError(Exception):
     """A subcommand's clean failure (no traceback): printed, exit code 2."""
 
 
+def check_out_paths(*paths: object) -> None:
+    """Output files (``--json``, ``--plot``, ...; None: not asked for) go into folders that exist:
+    checked before any work, so a typo loses no run."""
+    from pathlib import Path
+
+    for path in paths:
+        if path is not None and not Path(path).parent.is_dir():
+            raise CommandError(
+                f"folder {str(Path(path).parent)!r} for {str(path)!r} does not exist"
+            )
+
+
 def skip_rule(text: str) -> int | str:
     """``--skip`` values: an int layer index (``-1`` is the last layer) or a rule / name string."""
     try:

@@ -33,7 +33,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from torch_kvq.cli.args import SUBCOMMANDS
+from torch_kvq.cli.args import SUBCOMMANDS, check_out_paths
 
 
 def add_parser(sub: Any) -> None:
@@ -105,9 +105,7 @@ def run(args: argparse.Namespace) -> int:
     from torch_kvq.evaluation.calibrate import Method, scales_from_stats, write_scales
     from torch_kvq.spec import check_scale
 
-    for path in (args.out, args.stats_json):
-        if path is not None and not path.parent.is_dir():
-            raise ValueError(f"folder {str(path.parent)!r} for {str(path)!r} does not exist")
+    check_out_paths(args.out, args.stats_json)
     check_scale(args.multiplier, "--multiplier")
     method = Method(args.statistic, args.headroom, args.pow2)
     if args.stats_from is not None:

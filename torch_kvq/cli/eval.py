@@ -30,7 +30,7 @@ import argparse
 from pathlib import Path
 from typing import Any
 
-from torch_kvq.cli.args import SUBCOMMANDS
+from torch_kvq.cli.args import SUBCOMMANDS, check_out_paths
 
 KERNELS = ("reference", "flashinfer", "flashinfer-triton", "flashinfer-xqa")
 DTYPES = ("float32", "bfloat16", "float16")
@@ -96,20 +96,10 @@ def run(args: argparse.Namespace) -> int:
     from torch_kvq.progress import Progress
     from torch_kvq.spec import KVCacheConfig
 
-    for path in (args.json, args.plot):
-        if path is not None and not path.parent.is_dir():
-            raise ValueError(f"folder {str(path.parent)!r} for {str(path)!r} does not exist")
+    check_out_paths(args.json, args.plot)
     kernels = args.kernel or ["reference"]
     kvs = [parse_kv(t) for t in (args.kv or ["fp8"])]
-    settings = EvalSettings(
-        window=args.window,
-        windows=args.windows,
-        decode_tokens=args.decode_tokens,
-        prompts=args.prompts,
-        prompt_tokens=args.prompt_tokens,
-        new_tokens=args.new_tokens,
-        seed=args.seed,
-    )
+    settings = EvalSettings(**{name: getattr(args, name) for name in SETTINGS})
     gpu = any(k != "reference" for k in kernels)
     device = args.device or ("cuda" if gpu else "cpu")
     dtype = getattr(torch, args.dtype or ("bfloat16" if device.startswith("cuda") else "float32"))

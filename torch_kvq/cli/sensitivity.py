@@ -24,6 +24,8 @@ from __future__ import annotations
 
 import argparse
 
+from torch_kvq.cli.args import check_out_paths
+
 
 def run(args: argparse.Namespace) -> int:
 
@@ -34,8 +36,7 @@ def run(args: argparse.Namespace) -> int:
     from torch_kvq.integrations.hf_scales import checkpoint_kv_scales
     from torch_kvq.progress import Progress
 
-    if args.json is not None and not args.json.parent.is_dir():
-        raise ValueError(f"folder {str(args.json.parent)!r} for {str(args.json)!r} does not exist")
+    check_out_paths(args.json)
     settings = EvalSettings(
         window=args.window, windows=args.windows, decode_tokens=1, prompts=1, prompt_tokens=1
     )
