@@ -149,7 +149,7 @@ for step in ${*:-tests attn xqa model}; do
             [ -f /tmp/models/$f ] || cat $(ls /tmp/xfer/$f.p* | sort) > /tmp/models/$f
           done
           (cd /tmp/models && sha256sum -c SHA256SUMS) 2>&1 | tee -a "$LOG" || { status=1; continue; }
-          TORCH_KVQ_CORPUS=${TORCH_KVQ_CORPUS:-/tmp/xfer/corpus} TORCH_KVQ_CACHE=/tmp/kvqcache \
+          TORCH_KVQ_CORPUS=${TORCH_KVQ_CORPUS:-/tmp/xfer/corpus} TORCH_KVQ_CACHE=/tmp/kvqcache TORCH_KVQ_PROGRESS=1 \
             python3 -m torch_kvq.cli eval ${KVQ_EVAL_ARGS:-} --json "$OUT/eval_gpu.json" \
             --plot "$OUT/eval_gpu.png" 2>&1 | tee -a "$LOG" "$OUT/eval_gpu.txt" ;;
     cpusuite) CUDA_VISIBLE_DEVICES= python3 -m pytest -q -m "not gpu and not slow" -p no:cacheprovider \
