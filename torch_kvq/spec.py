@@ -34,10 +34,17 @@ class KVQuantMode(enum.Enum):
 
     NONE = "none"  # cache in the model dtype (bf16 / fp16 / fp32)
     FP8_PER_TENSOR = "fp8_per_tensor"  # float8_e4m3fn, static per-tensor k and v scales
+    INT8_PER_TOKEN_HEAD = "int8_per_token_head"  # int8, one fp32 scale per (token, kv head)
+    FP8_PER_TOKEN_HEAD = "fp8_per_token_head"  # float8_e4m3fn, one fp32 scale per (token, kv head)
 
     @property
     def is_quantized(self) -> bool:
         return self is not KVQuantMode.NONE
+
+    @property
+    def per_token_head(self) -> bool:
+        """Scales computed per (token, kv head) when the token is written (``kv_scale``)."""
+        return self in (KVQuantMode.INT8_PER_TOKEN_HEAD, KVQuantMode.FP8_PER_TOKEN_HEAD)
 
 
 _DTYPE_ALIASES: dict[str, tuple[KVQuantMode, torch.dtype | None]] = {
