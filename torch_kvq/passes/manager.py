@@ -65,6 +65,7 @@ def _per_layer(
 _DEPENDENCIES = (
     "spec.py",
     "attention/ops.py",
+    "attention/ops_per_token_head.py",
     "attention/quant.py",
     "attention/kernels/capabilities.py",
 )
