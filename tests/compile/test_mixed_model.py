@@ -107,11 +107,12 @@ def check_mixed_model(model, kernel: RecordingKernel, inner: str, tol: float) ->
     for name in skipped:
         assert kernel.planned[name] == {(bf16, bf16)}
         assert kernel.attended[name] == {(bf16, bf16, False)} == eager_attended[name]
-    # quantized layers: planned for an FP8 cache, attended on it in place (eager: dequantized)
+    # quantized layers: planned for an FP8 cache, attended on it in place (eager: dequantized to
+    # float32, issue 31's one semantics)
     for name in quantized:
         assert kernel.planned[name] == {(bf16, FP8_DTYPE)}
         assert kernel.attended[name] == {(bf16, FP8_DTYPE, False)}
-        assert eager_attended[name] == {(bf16, bf16, False)}
+        assert eager_attended[name] == {(bf16, torch.float32, False)}  # the fp32 dequantized cache
 
     assert len(backend.managers) == 2  # the prefill graph, then one dynamic-shape decode graph
     for manager in backend.managers:

@@ -139,7 +139,7 @@ class KVQPassManager(CustomGraphPass):
         for name in sorted(self.stamps):
             st = self.stamps[name]
             h.update(
-                f"\n{name}:{st.kernel}:{st.arch}:{st.fp8_kv}:{st.fp8_output}:"
+                f"\n{name}:{st.kernel}:{st.arch}:{st.kv_in_place}:{st.fp8_output}:"
                 f"{st.fp8_output_tensor_scale}".encode()
             )
         return h.hexdigest()
