@@ -50,6 +50,33 @@ def skip_rule(text: str) -> int | str:
         return text
 
 
+def kv_map(text: str) -> tuple[tuple[int | str, str], ...]:
+    """``--kv-map`` (TensorRT-LLM's range syntax plus rule names and globs): comma-separated
+    ``RULE:MODE`` entries, e.g. ``0-3:fp8,4-35:int8_per_token_head,sliding_window:auto``. A
+    ``RULE`` is a layer index (negative from the end), a range ``A-B`` of indices (both ends
+    included), ``sliding_window``, ``full_attention``, a layer-name glob or a layer name; a
+    ``MODE`` any ``--kv-cache-dtype`` string. Returns ``KVCacheConfig.layer_modes``."""
+    out: list[tuple[int | str, str]] = []
+    for entry in text.split(","):
+        rule, sep, mode = entry.strip().rpartition(":")
+        if not sep or not rule.strip() or not mode.strip():
+            raise argparse.ArgumentTypeError(
+                f"--kv-map entry {entry!r} is not RULE:MODE (e.g. '0-3:fp8' or "
+                "'sliding_window:auto')"
+            )
+        rule, mode = rule.strip(), mode.strip()
+        lo, dash, hi = rule.partition("-")
+        if dash and lo.isdigit() and hi.isdigit():
+            if int(lo) > int(hi):
+                raise argparse.ArgumentTypeError(
+                    f"--kv-map range {rule!r} is empty; expected A-B with A <= B"
+                )
+            out += [(i, mode) for i in range(int(lo), int(hi) + 1)]
+        else:
+            out.append((skip_rule(rule), mode))
+    return tuple(out)
+
+
 def positive_int(text: str) -> int:
     """An argparse ``type`` for options that take a positive int."""
     try:
@@ -87,7 +114,11 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
         "without weights (nothing is downloaded); kvq inspect only",
     )
     kv = p.add_argument_group("KV cache config")
-    kv.add_argument("--kv-cache-dtype", default="fp8", help="fp8 (default), auto, bfloat16, ...")
+    kv.add_argument(
+        "--kv-cache-dtype",
+        default="fp8",
+        help="fp8 (default), auto, bfloat16, int8_per_token_head, fp8_per_token_head, ...",
+    )
     skip = kv.add_mutually_exclusive_group()
     skip.add_argument(
         "--skip",
@@ -98,6 +129,16 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
         "glob (default: sliding_window)",
     )
     skip.add_argument("--no-skip", action="store_true", help="quantize every layer")
+    kv.add_argument(
+        "--kv-map",
+        type=kv_map,
+        metavar="MAP",
+        default=None,
+        help="a per-layer mode map, e.g. '0-3:fp8,4-35:int8_per_token_head,sliding_window:auto' "
+        "(RULE:MODE entries; a rule is an index, a range A-B, sliding_window, full_attention, a "
+        "name or glob); layers it leaves out take --kv-cache-dtype; with a map, no layer is "
+        "skipped by default (--skip adds skip rules)",
+    )
     kv.add_argument("--page-size", type=int, choices=PAGE_SIZES, default=16)
     p.add_argument("--layers", type=int, default=None, help="override the model's layer count")
     p.add_argument("--seed", type=int, default=0, help="random weights and prompts")

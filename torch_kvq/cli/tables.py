@@ -22,14 +22,16 @@ def layer_table(
     *,
     wide: bool,
     also: Sequence[str] = (),
+    layer_modes: Iterable[tuple[int | str, str]] = (),
 ) -> str:
     """The table of ``specs`` with ``extra``'s columns; narrow (``wide`` False): the ``NARROW``
-    columns and ``also``, each other ``extra`` column as grouped lines."""
+    columns and ``also``, each other ``extra`` column as grouped lines. ``skip_layers`` /
+    ``layer_modes``: the config's rules, for the notes below the table."""
     from torch_kvq.spec import format_spec_table, skip_rule_notes
 
-    rules = tuple(skip_layers)
+    rules, modes = tuple(skip_layers), tuple(layer_modes)
     if wide:
-        return format_spec_table(specs, extra, skip_layers=rules)
+        return format_spec_table(specs, extra, skip_layers=rules, layer_modes=modes)
     out = [format_spec_table(specs, extra, columns=(*NARROW, *also)), ""]
     index = {s.name: s.index for s in specs}
     folded = [c for c in dict.fromkeys(c for cols in extra.values() for c in cols) if c not in also]
@@ -44,7 +46,7 @@ def layer_table(
             out.append(textwrap.fill(text, WIDTH, initial_indent="  ", subsequent_indent="    "))
     out.append("(--wide: every column of the table, these too)")
     notes = [
-        textwrap.fill(n, WIDTH, subsequent_indent="      ") for n in skip_rule_notes(rules, specs)
+        textwrap.fill(n, WIDTH, subsequent_indent="      ") for n in skip_rule_notes(rules, specs, modes)
     ]
     return "\n".join(out + ([""] + notes if notes else []))
 
