@@ -305,4 +305,4 @@ def test_inspect_with_a_kv_map_shows_every_mode(capsys):
     ]  # fmt: skip
     assert "layer_modes=((0, 'fp8'), ('full_attention', 'int8_per_token_head')" in out
     code, _, err = run_main(capsys, "inspect", "--kv-map", "0-3")
-    assert code == 2 and "--kv-map entry '0-3' is not RULE:MODE" in err
+    assert code == 2 and "argument --kv-map: map entry '0-3' is not RULE:MODE" in err

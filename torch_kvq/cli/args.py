@@ -51,30 +51,13 @@ def skip_rule(text: str) -> int | str:
 
 
 def kv_map(text: str) -> tuple[tuple[int | str, str], ...]:
-    """``--kv-map`` (TensorRT-LLM's range syntax plus rule names and globs): comma-separated
-    ``RULE:MODE`` entries, e.g. ``0-3:fp8,4-35:int8_per_token_head,sliding_window:auto``. A
-    ``RULE`` is a layer index (negative from the end), a range ``A-B`` of indices (both ends
-    included), ``sliding_window``, ``full_attention``, a layer-name glob or a layer name; a
-    ``MODE`` any ``--kv-cache-dtype`` string. Returns ``KVCacheConfig.layer_modes``."""
-    out: list[tuple[int | str, str]] = []
-    for entry in text.split(","):
-        rule, sep, mode = entry.strip().rpartition(":")
-        if not sep or not rule.strip() or not mode.strip():
-            raise argparse.ArgumentTypeError(
-                f"--kv-map entry {entry!r} is not RULE:MODE (e.g. '0-3:fp8' or "
-                "'sliding_window:auto')"
-            )
-        rule, mode = rule.strip(), mode.strip()
-        lo, dash, hi = rule.partition("-")
-        if dash and lo.isdigit() and hi.isdigit():
-            if int(lo) > int(hi):
-                raise argparse.ArgumentTypeError(
-                    f"--kv-map range {rule!r} is empty; expected A-B with A <= B"
-                )
-            out += [(i, mode) for i in range(int(lo), int(hi) + 1)]
-        else:
-            out.append((skip_rule(rule), mode))
-    return tuple(out)
+    """``--kv-map``: ``evaluation.kv_arg.parse_kv_map`` as an argparse ``type``."""
+    from torch_kvq.evaluation.kv_arg import parse_kv_map  # torch-free
+
+    try:
+        return parse_kv_map(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def positive_int(text: str) -> int:
