@@ -1735,7 +1735,11 @@ def _() -> object:
 @case("modes.kv-map-conflict")
 def _() -> object:
     return kvq(
-        "inspect", "--kv-cache-dtype", "auto", "--kv-map", "0-2:fp8,full_attention:int8_per_token_head"
+        "inspect",
+        "--kv-cache-dtype",
+        "auto",
+        "--kv-map",
+        "0-2:fp8,full_attention:int8_per_token_head",
     )
 
 

@@ -70,7 +70,7 @@ _CODE_DTYPES = {
     KVQuantMode.INT8_PER_TOKEN_HEAD: torch.int8,
     KVQuantMode.FP8_PER_TOKEN_HEAD: FP8_DTYPE,
 }
-_QMAX = {
+_QMAX = {  # attention/quant.py's FP8_MAX / INT8_MAX (spec sits below it; a test checks they agree)
     KVQuantMode.FP8_PER_TENSOR: 448.0,
     KVQuantMode.INT8_PER_TOKEN_HEAD: 127.0,
     KVQuantMode.FP8_PER_TOKEN_HEAD: 448.0,
@@ -340,9 +340,7 @@ def _validate_rules(
                 )
             idx = rule % n
             if idx in seen:
-                raise ValueError(
-                    f"{what} names layer index {idx} more than once (rule {rule})"
-                )
+                raise ValueError(f"{what} names layer index {idx} more than once (rule {rule})")
             seen.add(idx)
         elif rule in ("sliding_window", "full_attention"):
             continue
@@ -413,7 +411,8 @@ def resolve_layer_specs(
                 k_scale=float(k_scale) if per_tensor else 1.0,
                 v_scale=float(v_scale) if per_tensor else 1.0,
                 skip_reason=(
-                    reason if (reason is not None and any_quantized and not mode.is_quantized)
+                    reason
+                    if (reason is not None and any_quantized and not mode.is_quantized)
                     else None
                 ),
             )

@@ -66,7 +66,9 @@ def test_compiled_equals_eager_bit_for_bit(mode: str, form: str) -> None:
     layers = attn_layers(model)
     with torch.no_grad(), forward_context(md, specs, ReferenceKernel()):
         eager = model(*inputs)
-    want = [(a.kv_cache.clone(), None if a.kv_scale is None else a.kv_scale.clone()) for a in layers]
+    want = [
+        (a.kv_cache.clone(), None if a.kv_scale is None else a.kv_scale.clone()) for a in layers
+    ]
     for a in layers:
         a.kv_cache.zero_()
         if a.kv_scale is not None:
@@ -198,7 +200,9 @@ def test_three_modes_at_once(inner: str, tol: float) -> None:
             assert rep.fused(name) == ()
         assert rep.ops_after["kvq.quant_cache_write_per_token_head"] == 2
         assert rep.ops_after["kvq.paged_attention_per_token_head"] == 2
-        assert rep.ops_after["kvq.quant_cache_write"] == rep.ops_after["kvq.paged_attention_fp8"] == 1
+        assert (
+            rep.ops_after["kvq.quant_cache_write"] == rep.ops_after["kvq.paged_attention_fp8"] == 1
+        )
         assert rep.ops_after["kvq.cache_write"] == rep.ops_after["kvq.paged_attention"] == 3
 
     assert compiled.tokens == eager.tokens

@@ -116,7 +116,9 @@ def modes(tp) -> dict:
         "gemma3-tiny": (("full_attention", "int8_per_token_head"), (0, "fp8")),
     }
     for name, layer_modes in maps.items():
-        kv = KVCacheConfig("auto", layer_modes=layer_modes, page_size=4, kv_scales={0: (0.05, 0.05)})
+        kv = KVCacheConfig(
+            "auto", layer_modes=layer_modes, page_size=4, kv_scales={0: (0.05, 0.05)}
+        )
         own = dict(num_pages=32, dtype=torch.float32)
         single = build_model(name, kv, prefix=f"msingle_{name}", **own)
         shard = build_model(name, kv, prefix=f"mtp_{name}", tp=tp, **own)

@@ -40,7 +40,9 @@ def test_hf_model_with_three_modes_compiles_to_eager():
         assert torch.equal(c, e)
     rep = backend.managers[-1].last
     quantized = {s.name for s in lm.kv_specs if s.is_quantized}
-    assert set(rep.layers_fused("quant+write")) == set(rep.layers_fused("dequant+attn")) == quantized
+    assert (
+        set(rep.layers_fused("quant+write")) == set(rep.layers_fused("dequant+attn")) == quantized
+    )
     assert rep.ops_after["kvq.paged_attention_per_token_head"] == 2
     lm.detach()
 

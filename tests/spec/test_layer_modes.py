@@ -21,9 +21,7 @@ from torch_kvq.spec import (
 def layers(n: int = 6) -> list[AttentionLayerInfo]:
     """Gemma-like: every third layer global, the others sliding (window 16)."""
     return [
-        AttentionLayerInfo(
-            f"model.layers.{i}.self_attn.attn", 8, 2, 32, None if i % 3 == 2 else 16
-        )
+        AttentionLayerInfo(f"model.layers.{i}.self_attn.attn", 8, 2, 32, None if i % 3 == 2 else 16)
         for i in range(n)
     ]
 
@@ -45,12 +43,20 @@ def test_per_token_head_mode_properties(mode, code, qmax, fmt) -> None:
     assert parse_kv_cache_dtype(mode.value, torch.bfloat16) == (mode, code)
 
 
+def test_qmax_and_code_dtypes_agree_with_the_quant_math() -> None:
+    from torch_kvq.attention.quant import FP8_MAX, PER_TOKEN_HEAD_FORMATS
+
+    assert KVQuantMode.FP8_PER_TENSOR.qmax == FP8_MAX
+    for mode in (KVQuantMode.INT8_PER_TOKEN_HEAD, KVQuantMode.FP8_PER_TOKEN_HEAD):
+        assert PER_TOKEN_HEAD_FORMATS[mode.per_token_head_format] == (mode.code_dtype, mode.qmax)
+
+
 def test_older_modes_have_no_per_token_head_format() -> None:
     assert not KVQuantMode.FP8_PER_TENSOR.per_token_head
     assert KVQuantMode.FP8_PER_TENSOR.code_dtype == FP8_DTYPE
     assert KVQuantMode.NONE.code_dtype is None and KVQuantMode.NONE.qmax is None
     with pytest.raises(ValueError, match="mode 'fp8_per_tensor' has no per-.token, head. format"):
-        KVQuantMode.FP8_PER_TENSOR.per_token_head_format
+        _ = KVQuantMode.FP8_PER_TENSOR.per_token_head_format
 
 
 def test_cache_bytes_count_codes_and_scales() -> None:

@@ -46,7 +46,8 @@ def layer_table(
             out.append(textwrap.fill(text, WIDTH, initial_indent="  ", subsequent_indent="    "))
     out.append("(--wide: every column of the table, these too)")
     notes = [
-        textwrap.fill(n, WIDTH, subsequent_indent="      ") for n in skip_rule_notes(rules, specs, modes)
+        textwrap.fill(n, WIDTH, subsequent_indent="      ")
+        for n in skip_rule_notes(rules, specs, modes)
     ]
     return "\n".join(out + ([""] + notes if notes else []))
 

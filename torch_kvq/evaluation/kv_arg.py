@@ -80,8 +80,7 @@ def parse_kv_map(text: str) -> tuple[tuple[int | str, str], ...]:
         rule, sep, mode = entry.strip().rpartition(":")
         if not sep or not rule.strip() or not mode.strip():
             raise ValueError(
-                f"map entry {entry!r} is not RULE:MODE (e.g. '0-3:fp8' or "
-                "'sliding_window:auto')"
+                f"map entry {entry!r} is not RULE:MODE (e.g. '0-3:fp8' or 'sliding_window:auto')"
             )
         rule, mode = rule.strip(), mode.strip()
         lo, dash, hi = rule.partition("-")

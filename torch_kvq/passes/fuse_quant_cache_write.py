@@ -144,7 +144,9 @@ class FuseQuantCacheWritePass(KVQPass):
                 return 0
             found[arg] = (quant, *source)
         if found["k"][0].rounding != found["v"][0].rounding:
-            ctx.decide(stamp.layer, "not fused: k and v are rounded differently (op vs torch.round)")
+            ctx.decide(
+                stamp.layer, "not fused: k and v are rounded differently (op vs torch.round)"
+            )
             return 0
         keep = {"layer_name", "_kv_cache_base_index", "_kv_scale_base_index", "_all_bases"}
         kwargs = {

@@ -76,7 +76,9 @@ def _torch_form(codes: fx.Node, scales: fx.Node) -> TokenHeadQuant | str:
     nodes = [codes]
     clamp = clamp_bounds(codes.args[0]) if isinstance(codes.args[0], fx.Node) else None
     if clamp is None or (clamp[2], clamp[3]) != bounds:
-        return f"is not a per-(token, head) {fmt} quant (no clamp to [{bounds[0]:g}, {bounds[1]:g}])"
+        return (
+            f"is not a per-(token, head) {fmt} quant (no clamp to [{bounds[0]:g}, {bounds[1]:g}])"
+        )
     inner, clamp_nodes, _, _ = clamp
     nodes += clamp_nodes
     rounding = "half_away"
