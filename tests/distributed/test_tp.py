@@ -65,6 +65,30 @@ def test_tp2_matches_single_process(tmp_path):
 
 
 @pytest.mark.distributed
+def test_tp2_three_modes_at_once(tmp_path):
+    """Per-layer modes under tensor parallelism: the per-(token, head) scales shard with their kv
+    heads (each rank's kv_scale holds its heads' scales), and the shard equals the whole model."""
+    r0, r1 = launch("modes", tmp_path, timeout=300)
+    for name, row in r0.items():
+        if name == "ok":
+            continue
+        assert row["max_diff"] <= TOL and row["compiled_diff"] <= TOL, (name, row)
+        assert r1[name]["max_diff"] <= TOL and r1[name]["compiled_diff"] <= TOL, name
+        assert row["modes"] == r1[name]["modes"] and len(set(row["modes"])) >= 3, row["modes"]
+        kh = row["global_kv_heads"] // 2
+        for mode, shape in zip(row["modes"], row["scale_shapes"]):
+            assert (shape is None) == (not mode.endswith("per_token_head")), (name, mode)
+            assert shape is None or shape[2] == kh, (name, shape)  # [pages, 2, KH / 2, page]
+        assert row["scales_written"] and r1[name]["scales_written"], name
+        rep = row["report"]
+        assert rep == r1[name]["report"], name
+        quantized = sorted(
+            lay for lay, m in zip(sorted(rep["layers"]), row["modes"]) if m != "none"
+        )
+        assert rep["quant+write"] == rep["dequant+attn"] == quantized, name
+
+
+@pytest.mark.distributed
 def test_ranks_refuse_together(tmp_path):
     r0, r1 = launch("agreement", tmp_path, timeout=180)
     for res in (r0, r1):  # another skip rule / scale on rank 1: both ranks raise, naming it

@@ -110,6 +110,48 @@ def parity(tp) -> dict:
     return out
 
 
+def modes(tp) -> dict:
+    """Three modes at once (issue 32): fp8 per tensor, int8 / fp8 per (token, head) and bf16-kept
+    layers; each rank's per-(token, head) scales cover its own kv heads."""
+    from torch_kvq.passes import make_kvq_backend
+
+    out: dict = {}
+    maps = {
+        "llama-tiny": ((0, "fp8"), (1, "int8_per_token_head"), (-1, "fp8_per_token_head")),
+        "gemma3-tiny": (("full_attention", "int8_per_token_head"), (0, "fp8")),
+    }
+    for name, layer_modes in maps.items():
+        kv = KVCacheConfig(
+            "auto", layer_modes=layer_modes, page_size=4, kv_scales={0: (0.05, 0.05)}
+        )
+        own = dict(num_pages=32, dtype=torch.float32)
+        single = build_model(name, kv, prefix=f"msingle_{name}", **own)
+        shard = build_model(name, kv, prefix=f"mtp_{name}", tp=tp, **own)
+        ref = generate(single, PROMPTS, NEW)
+        eager = generate(shard, PROMPTS, NEW, force_tokens=ref.tokens)
+        torch._dynamo.reset()
+        comp = generate(
+            shard, PROMPTS, NEW, forward=compiled(shard, make_kvq_backend(inner="eager")),
+            force_tokens=ref.tokens,
+        )  # fmt: skip
+        out[name] = {
+            "max_diff": max_diff(ref, eager),
+            "compiled_diff": max_diff(eager, comp),
+            "modes": [s.mode.value for s in shard.kv_specs],
+            "global_kv_heads": single.kv_specs[0].num_kv_heads,
+            "scale_shapes": [
+                None if a.kv_scale is None else list(a.kv_scale.shape)
+                for a in shard.attention_layers
+            ],
+            "scales_written": all(
+                a.kv_scale is None or bool(a.kv_scale.any()) for a in shard.attention_layers
+            ),
+            "report": report_fused(),
+        }
+        torch._dynamo.reset()
+    return out
+
+
 def catch(fn) -> dict:
     try:
         fn()
@@ -201,6 +243,7 @@ def main() -> None:
         scenarios = {
             "parity": lambda: parity(tp),
             "agreement": lambda: agreement(tp),
+            "modes": lambda: modes(tp),
             "gpu": lambda: gpu(tp),
         }
         result = {"ok": True, **scenarios[scenario]()}

@@ -7,7 +7,9 @@ any arch). A row holds:
 - ``combos``: the ``(quant mode, q dtype, fp8 output)`` combinations the kernel runs.
   ``(NONE, bf16, False)``: attention over a bf16 cache with a bf16 query;
   ``(FP8_PER_TENSOR, bf16, False)``: it reads an FP8 paged cache in place with a bf16 query (so
-  quant+write and dequant+attention may be fused for such a layer);
+  quant+write and dequant+attention may be fused for such a layer); likewise
+  ``(INT8_PER_TOKEN_HEAD, bf16, False)`` / ``(FP8_PER_TOKEN_HEAD, bf16, False)``: it reads the
+  codes and their per-(token, head) ``kv_scale`` in place;
   ``(FP8_PER_TENSOR, bf16, True)``: it also writes FP8 output through ``output_scale`` (so a static
   FP8 quant of the attention output may be fused). Claim this only where the kernel really writes
   FP8 output for every batch shape the compiled graph serves (prefill and decode).
@@ -54,9 +56,14 @@ class ArchRow:
 
 
 _TABLE: dict[str, dict[str, ArchRow]] = {
-    "reference": {
+    "reference": {  # every mode; FP8 output where its attention op has an output scale
         ANY_ARCH: ArchRow(
-            frozenset(product(KVQuantMode, MODEL_DTYPES, (False, True))), tensor_output_scale=True
+            frozenset(
+                (mode, q, fp8_out)
+                for mode, q, fp8_out in product(KVQuantMode, MODEL_DTYPES, (False, True))
+                if not (fp8_out and mode.per_token_head)
+            ),
+            tensor_output_scale=True,
         )
     },
 }

@@ -40,7 +40,7 @@ from typing import Any, Literal
 import torch
 
 from torch_kvq.attention.kernels.base import KernelUnsupportedError
-from torch_kvq.attention.quant import FP8_MAX, quantize_fp8
+from torch_kvq.attention.quant import FP8_MAX, Rounding, quantize_fp8, quantize_per_token_head
 from torch_kvq.spec import FP8_DTYPE
 
 Scales = tuple[float, float] | tuple[torch.Tensor, torch.Tensor]
@@ -249,3 +249,27 @@ def _triton_kernel() -> Any:
             "install triton (it comes with torch's CUDA wheels)"
         ) from e
     return kv_write_kernel
+
+
+def write_kv_per_token_head(
+    kv_cache: torch.Tensor,
+    kv_scale: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    mode: str,
+    rounding: Rounding = "half_away",
+) -> None:
+    """Quantize k/v [T, KH, D] per (token, kv head) (``mode`` "int8" | "fp8", int8 ``rounding``
+    "half_away" | "half_even"; ``quant.quantize_per_token_head``) and write the codes into
+    ``kv_cache`` [pages, 2, page, KH, D] and the scales into ``kv_scale`` [pages, 2, KH, page]
+    float32 at ``slot_mapping`` [T] slots, in aten ops."""
+    kc, ks = quantize_per_token_head(k, mode, rounding)
+    vc, vs = quantize_per_token_head(v, mode, rounding)
+    page_size = kv_cache.shape[2]
+    pages = torch.div(slot_mapping, page_size, rounding_mode="floor")
+    offsets = slot_mapping - pages * page_size
+    kv_cache[pages, 0, offsets] = kc
+    kv_cache[pages, 1, offsets] = vc
+    kv_scale[pages, 0, :, offsets] = ks  # [T, KH]
+    kv_scale[pages, 1, :, offsets] = vs
