@@ -33,9 +33,9 @@ CACHES = ("fp8", "int8_per_token_head", "fp8_per_token_head")  # FP8 per tensor;
 
 def compile_kernel(
     head: int, group: int, ppi: int, stages: int, warps: int, lazy: bool,
-    balanced: bool = False, max_registers: int | None = None, cache: str = "fp8",
+    balanced: bool = False, max_registers: int | None = None, cache: str = "fp8", page: int = 16,
 ):  # fmt: skip
-    """The compiled ``_decode_pages`` for pages of 16 tokens, fp16 products, split-K
+    """The compiled ``_decode_pages`` for pages of ``page`` tokens, fp16 products, split-K
     (``balanced``: ``_decode_balanced``, the balanced schedule, for up to 128 sequences); ``cache``
     one of ``CACHES``: FP8 per tensor, or int8 / e4m3 codes with per-(token, head) scales."""
     import triton
@@ -54,7 +54,7 @@ def compile_kernel(
     scales = cache != "fp8"
     code = "i8" if cache.startswith("int8") else "fp8e4nv"
     sig = {
-        "q_ptr": "*fp16", "kv_desc": f"tensordesc<{code}[16, {head}]>", "block_table_ptr": "*i32",
+        "q_ptr": "*fp16", "kv_desc": f"tensordesc<{code}[{page}, {head}]>", "block_table_ptr": "*i32",
         "seq_lens_ptr": "*i32", "part_o_ptr": "*fp32", "part_lse_ptr": "*fp32", "out_ptr": "*fp16",
         "kv_scale_ptr": "*fp32" if scales else "constexpr",
         "qk_scale_log2": "fp32", "soft_cap": "fp32", "out_scale": "fp32", "window": "i32",
@@ -66,7 +66,7 @@ def compile_kernel(
     code_dtype = torch.int8 if code == "i8" else torch.float8_e4m3fn
     pv = 2.0 ** tma.pv_shift(code_dtype, torch.float16, lazy)
     const = dict(QH=group * 8, G=group, BLOCK_G=max(16, triton.next_power_of_2(group)), D=head,
-                 PAGE=16, NUM_SPLITS=8, STAGES=stages, PPI=ppi, USE_WINDOW=False,
+                 PAGE=page, NUM_SPLITS=8, STAGES=stages, PPI=ppi, USE_WINDOW=False,
                  USE_SOFT_CAP=False, DOT=tl.float16, DIRECT=False, LAZY=lazy, SCALES=scales,
                  PV_SCALE=pv if scales else 1.0)  # fmt: skip
     if not scales:
@@ -135,6 +135,7 @@ def main() -> None:
     ap.add_argument("--max-registers", type=int, help="Triton's maxnreg (0: none)")  # fmt: skip
     ap.add_argument("--cache", choices=CACHES, default="fp8",
                     help="FP8 per tensor (default), or codes with per-(token, head) scales")  # fmt: skip
+    ap.add_argument("--page", type=int, default=16, help="tokens per cache page")
     args = ap.parse_args()
     from torch_kvq.attention.triton.decode_tma import BALANCED, TUNED
 
@@ -144,6 +145,7 @@ def main() -> None:
             head=head, group=args.group or (2 if head == 256 else 4), ppi=args.ppi or ppi, stages=args.stages or stages,
             warps=args.warps or warps, lazy=lazy if args.lazy is None else args.lazy,
             balanced=args.balanced, max_registers=args.max_registers, cache=args.cache,
+            page=args.page,
         )  # fmt: skip
         if args.balanced and args.max_registers is None and head in BALANCED:
             cfg["max_registers"] = BALANCED[head][1]
