@@ -185,14 +185,14 @@ def tma_path(c: Case) -> Callable:
 
 
 def tma_per_token_head_path(c: Case, mode: str) -> Callable:
-    """The TMA decode on a per-(token, head) cache as ``FlashInferKernel`` runs it: fp16 math
-    (the query cast per call, timed with it), per-tensor scales 1.0."""
+    """The TMA decode on a per-(token, head) cache as ``FlashInferKernel`` runs it: bf16 query,
+    fp16 products (the kernel's default ``dot_dtype``), per-tensor scales 1.0."""
     from torch_kvq.attention.triton.decode_tma import paged_decode_tma
 
     codes, scales = c.per_token_head(mode)
     out = torch.empty_like(c.q)
     return lambda: paged_decode_tma(
-        c.q.to(torch.float16), codes, c.table, c.seq_lens, 1.0, 1.0, c.sm_scale,
+        c.q, codes, c.table, c.seq_lens, 1.0, 1.0, c.sm_scale,
         max_seq_len=c.ctx, out=out, kv_scale=scales,
     )  # fmt: skip
 
