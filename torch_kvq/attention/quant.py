@@ -67,7 +67,6 @@ def dequantize_fp8_kv_cache(kv_pages: torch.Tensor, k_scale: float, v_scale: flo
     return kv_pages.float() * scales.view(1, 2, 1, 1, 1)
 
 
-
 def per_token_head_format(mode: str, rounding: str = "half_away") -> tuple[torch.dtype, float]:
     """(code dtype, QMAX) of a per-(token, head) ``mode`` ("int8" | "fp8"); ValueError naming a bad
     ``mode`` or ``rounding``."""

@@ -56,7 +56,9 @@ class AttentionKernel(Protocol):
         ``kv_scale`` [pages, 2, kv_heads, page_size] float32 (None for every other mode). Returns [T, num_heads, head_size] in the model
         dtype, or float8_e4m3fn scaled by ``1 / output_scale`` when ``output_scale`` is given (a
         float, or a 0-d float32 tensor read on the device, only for kernels whose capability row
-        sets ``tensor_output_scale``).
+        sets ``tensor_output_scale``). ``kv_scale`` [pages, 2, kv_heads, page_size] float32: the
+        per-(token, head) scales of a cache of int8 / e4m3 codes (``k_scale`` / ``v_scale`` then
+        1.0); None for every other cache.
         The output is a new contiguous tensor whatever q's strides (a transposed view included):
         the ops' fake implementations promise exactly that to the compiler.
         """
