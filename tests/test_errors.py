@@ -1836,8 +1836,8 @@ def _() -> object:
         KVCacheConfig("int8_per_token_head"),
         [AttentionLayerInfo(f"fi{next(_uid)}.attn", HEADS, KV_HEADS, 64)],
     )[0]
-    with fake_gpu():
-        return FlashInferKernel().check_supported(spec)
+    with fake_gpu(arch=(8, 9)):  # the per-token decode is built for sm90 only
+        return FlashInferKernel(prefill="fa2").check_supported(spec)
 
 
 # --- the tests ----------------------------------------------------------------------------------

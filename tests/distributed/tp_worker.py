@@ -127,12 +127,12 @@ def modes(tp) -> dict:
         own = dict(num_pages=32, dtype=torch.float32)
         single = build_model(name, kv, prefix=f"msingle_{name}", **own)
         shard = build_model(name, kv, prefix=f"mtp_{name}", tp=tp, **own)
-        ref = generate(single, PROMPTS, NEW)
-        eager = generate(shard, PROMPTS, NEW, force_tokens=ref.tokens)
+        ref = generate(single, PROMPTS, NEW, prefill_logits=True)
+        eager = generate(shard, PROMPTS, NEW, force_tokens=ref.tokens, prefill_logits=True)
         torch._dynamo.reset()
         comp = generate(
             shard, PROMPTS, NEW, forward=compiled(shard, make_kvq_backend(inner="eager")),
-            force_tokens=ref.tokens,
+            force_tokens=ref.tokens, prefill_logits=True,
         )  # fmt: skip
         out[name] = {
             "max_diff": max_diff(ref, eager),

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from hf_families import NUM_PAGES, PAGE_SIZE, hf_model, make_prompts
 
+from tests.support.hf_families import NUM_PAGES, PAGE_SIZE, hf_model, make_prompts
 from tests.support.passes import no_compile_caches
 from torch_kvq import KVCacheConfig
 from torch_kvq.integrations.transformers import KVQCausalLM
@@ -28,11 +28,16 @@ def test_hf_model_with_three_modes_compiles_to_eager():
     ]  # fmt: skip
     assert [a.kv_scale is not None for a in lm.attention_layers] == [False, True, False, True]
     prompts = make_prompts()
-    eager = generate(lm, prompts, 3)
+    eager = generate(lm, prompts, 3, prefill_logits=True)
     backend = make_kvq_backend(inner="eager")
     with no_compile_caches():
         comp = generate(
-            lm, prompts, 3, forward=lm.compiled_forward(backend), force_tokens=eager.tokens
+            lm,
+            prompts,
+            3,
+            forward=lm.compiled_forward(backend),
+            force_tokens=eager.tokens,
+            prefill_logits=True,
         )
     torch._dynamo.reset()
     assert torch.equal(comp.logits, eager.logits)

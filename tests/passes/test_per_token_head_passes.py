@@ -167,7 +167,7 @@ def test_three_modes_at_once(inner: str, tol: float) -> None:
         assert a.kv_cache.dtype == a.spec.storage_dtype
         assert (a.kv_scale is not None) == a.spec.mode.per_token_head
 
-    eager = generate(model, PROMPTS, 4)
+    eager = generate(model, PROMPTS, 4, prefill_logits=True)
     eager_attended = {k: set(v) for k, v in kernel.attended.items()}
     kernel.attended.clear()
     kernel.planned.clear()
@@ -176,7 +176,7 @@ def test_three_modes_at_once(inner: str, tol: float) -> None:
     with no_compile_caches():
         compiled = generate(
             model, PROMPTS, 4, forward=torch.compile(model, backend=backend),
-            force_tokens=eager.tokens,
+            force_tokens=eager.tokens, prefill_logits=True,
         )  # fmt: skip
 
     bf16, f32 = torch.bfloat16, torch.float32

@@ -14,7 +14,16 @@ from types import ModuleType
 
 import pytest
 import torch
-from triton_case import HAS_CUDA, INTERPRETING, LENS, ScaledCase, dense_table, rel_err, run_tma
+
+from tests.support.triton_case import (
+    HAS_CUDA,
+    INTERPRETING,
+    LENS,
+    ScaledCase,
+    dense_table,
+    rel_err,
+    run_tma,
+)
 
 triton = pytest.importorskip("triton")  # after triton_case, which sets the interpreter first
 tl = triton.language
