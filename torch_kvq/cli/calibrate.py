@@ -36,7 +36,8 @@ from typing import Any
 
 from torch_kvq.cli.args import SUBCOMMANDS, check_out_paths
 
-DEFAULT_HEADROOM = 2.0  # evaluation.calibrate.DEFAULT_METHOD's (not imported here: it imports torch)
+# evaluation.calibrate.DEFAULT_METHOD's headroom (not imported here: that module imports torch)
+DEFAULT_HEADROOM = 2.0
 
 
 def add_parser(sub: Any) -> None:
