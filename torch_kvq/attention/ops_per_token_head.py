@@ -30,7 +30,7 @@ from torch import Tensor
 
 from torch_kvq.attention import quant
 from torch_kvq.attention.context import get_forward_context
-from torch_kvq.attention.kernels.kv_write import write_kv_per_token_head
+from torch_kvq.attention.kernels.kv_write import put_per_token_head, write_kv_per_token_head
 from torch_kvq.attention.metadata import BatchMetadata
 from torch_kvq.attention.ops import _check, _check_capacity, _check_kv_args, _check_q, _new_output
 from torch_kvq.spec import LayerKVSpec
@@ -106,13 +106,7 @@ def cache_write_per_token_head(
             f"layer {spec.name!r}: {nm} is {s.dtype} {tuple(s.shape)}, expected float32 "
             f"{(n, spec.num_kv_heads)}",
         )
-    page = spec.page_size
-    slots = md.slot_mapping.long()
-    pages, offsets = torch.div(slots, page, rounding_mode="floor"), slots % page
-    kv_cache[pages, 0, offsets] = k_codes
-    kv_cache[pages, 1, offsets] = v_codes
-    kv_scale[pages, 0, :, offsets] = k_scales
-    kv_scale[pages, 1, :, offsets] = v_scales
+    put_per_token_head(kv_cache, kv_scale, k_codes, v_codes, k_scales, v_scales, md.slot_mapping)
 
 
 @cache_write_per_token_head.register_fake

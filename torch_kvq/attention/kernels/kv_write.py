@@ -91,11 +91,17 @@ def write_kv_torch(
     """``write_kv`` in aten ops (any device): the oracle for the Triton kernel."""
     if scales is not None:
         k, v = quantize_fp8(k, scales[0]), quantize_fp8(v, scales[1])
-    page_size = kv_cache.shape[2]
-    pages = torch.div(slot_mapping, page_size, rounding_mode="floor")
-    offsets = slot_mapping - pages * page_size
+    pages, offsets = pages_and_offsets(slot_mapping, kv_cache.shape[2])
     kv_cache[pages, 0, offsets] = k
     kv_cache[pages, 1, offsets] = v
+
+
+def pages_and_offsets(
+    slot_mapping: torch.Tensor, page_size: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Flat slots (page * page_size + offset) [T] -> (pages [T], offsets [T])."""
+    pages = torch.div(slot_mapping, page_size, rounding_mode="floor")
+    return pages, slot_mapping - pages * page_size
 
 
 ScalarDivision = Literal["div", "rcp", "rcp32"]
@@ -195,12 +201,9 @@ def write_kv_triton(
     if scales is not None:
         division = aten_scalar_division(kv_cache.device, kind)
         if kind == "tensor":  # loaded by the kernel from the device: no host sync
-            if division != "div":
-                raise KernelUnsupportedError(
-                    f"aten's x / scale_tensor on {kv_cache.device} (torch {torch.__version__}) is "
-                    f"not correctly rounded (it matches {division!r}); the fused cache write with a "
-                    "tensor scale divides correctly rounded and would not write the same bytes"
-                )
+            require_correct_tensor_division(
+                kv_cache.device, "the fused cache write with a tensor scale"
+            )
             k_op, v_op = (torch.as_tensor(x).reshape(()) for x in scales)
         else:  # a Python float, or a CPU tensor's value (a host read, no device sync)
             k_op, v_op = (_operand(division, float(x)) for x in scales)
@@ -243,6 +246,18 @@ def _scale_kind(kv_cache: torch.Tensor, scales: Scales | None) -> ScaleKind:
         f"{[tuple(x.shape) for x in scales]}; expected both on the cache's device "
         f"({kv_cache.device}), or both 0-d on the CPU (aten takes only a 0-d CPU tensor as a scalar)"
     )
+
+
+def require_correct_tensor_division(device: torch.device, writer: str) -> None:
+    """KernelUnsupportedError unless aten's ``x / scale_tensor`` on ``device`` is correctly
+    rounded, the division ``writer`` (a Triton write) performs: else its bytes would differ."""
+    division = aten_scalar_division(device, "tensor")
+    if division != "div":
+        raise KernelUnsupportedError(
+            f"aten's x / scale_tensor on {device} (torch {torch.__version__}) is not correctly "
+            f"rounded (it matches {division!r}); {writer} divides correctly rounded and would "
+            "not write the same bytes"
+        )
 
 
 def _next_pow2(n: int) -> int:
@@ -341,13 +356,26 @@ def write_kv_per_token_head_torch(
     """``write_kv_per_token_head`` in aten ops (any device): the oracle for the Triton program."""
     kc, ks = quantize_per_token_head(k, mode, rounding)
     vc, vs = quantize_per_token_head(v, mode, rounding)
-    page_size = kv_cache.shape[2]
-    pages = torch.div(slot_mapping, page_size, rounding_mode="floor")
-    offsets = slot_mapping - pages * page_size
-    kv_cache[pages, 0, offsets] = kc
-    kv_cache[pages, 1, offsets] = vc
-    kv_scale[pages, 0, :, offsets] = ks  # [T, KH]
-    kv_scale[pages, 1, :, offsets] = vs
+    put_per_token_head(kv_cache, kv_scale, kc, vc, ks, vs, slot_mapping)
+
+
+def put_per_token_head(
+    kv_cache: torch.Tensor,
+    kv_scale: torch.Tensor,
+    k_codes: torch.Tensor,
+    v_codes: torch.Tensor,
+    k_scales: torch.Tensor,
+    v_scales: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """Put codes [T, KH, D] into ``kv_cache`` and their scales [T, KH] into ``kv_scale`` at
+    ``slot_mapping`` [T] slots (no checks; ``kvq::cache_write_per_token_head`` and the aten
+    write)."""
+    pages, offsets = pages_and_offsets(slot_mapping, kv_cache.shape[2])
+    kv_cache[pages, 0, offsets] = k_codes
+    kv_cache[pages, 1, offsets] = v_codes
+    kv_scale[pages, 0, :, offsets] = k_scales  # [T, KH]
+    kv_scale[pages, 1, :, offsets] = v_scales
 
 
 def write_kv_per_token_head_triton(
@@ -367,13 +395,8 @@ def write_kv_per_token_head_triton(
     if t == 0:
         return
     division = aten_scalar_division(kv_cache.device)  # absmax / QMAX: a Python-float divisor
-    tensor_division = aten_scalar_division(kv_cache.device, "tensor")  # x / scale: a tensor one
-    if tensor_division != "div":
-        raise KernelUnsupportedError(
-            f"aten's x / scale_tensor on {kv_cache.device} (torch {torch.__version__}) is not "
-            f"correctly rounded (it matches {tensor_division!r}); the per-(token, head) cache "
-            "write divides correctly rounded and would not write the same codes"
-        )
+    # x / scale: a tensor divisor
+    require_correct_tensor_division(kv_cache.device, "the per-(token, head) cache write")
     block_h, block_d = _next_pow2(kh), _next_pow2(d)
     kernel[(t,)](
         k, v, kv_cache, kv_scale, slot_mapping, _operand(division, qmax),
