@@ -1,5 +1,5 @@
 """The ``kvq::*`` custom ops of the per-(token, head) modes (``INT8_PER_TOKEN_HEAD`` /
-``FP8_PER_TOKEN_HEAD``), each with a fake implementation. Math: ``attention/quant.py``.
+``FP8_PER_TOKEN_HEAD``), each traceable under torch.compile. Math: ``attention/quant.py``.
 
 A layer's codes live in ``kv_cache`` [pages, 2, page, KH, D] (int8 / float8_e4m3fn) and its
 scales in ``kv_scale`` [pages, 2, KH, page] float32. ``mode`` is the format, ``"int8"`` or
@@ -21,6 +21,9 @@ other pages are left unset and never read, so eager cost follows the tokens the 
 the pool. ``rounding`` ("half_away", the quantize op's int8 rounding, or "half_even", what
 ``torch.round`` does when a model wrote the torch-native form) makes the fused write
 bit-identical to whichever form it replaced.
+
+The two writes (``cache_write_per_token_head``, ``quant_cache_write_per_token_head``) register no
+fake: they return nothing and declare what they mutate, so torch generates theirs.
 """
 
 from __future__ import annotations
@@ -109,19 +112,6 @@ def cache_write_per_token_head(
     put_per_token_head(kv_cache, kv_scale, k_codes, v_codes, k_scales, v_scales, md.slot_mapping)
 
 
-@cache_write_per_token_head.register_fake
-def _(
-    k_codes: Tensor,
-    v_codes: Tensor,
-    k_scales: Tensor,
-    v_scales: Tensor,
-    kv_cache: Tensor,
-    kv_scale: Tensor,
-    layer_name: str,
-) -> None:
-    return None
-
-
 @torch.library.custom_op("kvq::dequantize_kv_cache_per_token_head", mutates_args=())
 def dequantize_kv_cache_per_token_head(
     kv_cache: Tensor, kv_scale: Tensor, layer_name: str, out_dtype: torch.dtype
@@ -160,13 +150,6 @@ def quant_cache_write_per_token_head(
     md = ctx.metadata_for(spec)
     _check_pth_cache(spec, kv_cache, kv_scale, md)
     write_kv_per_token_head(kv_cache, kv_scale, k, v, md.slot_mapping, fmt, rounding)  # type: ignore[arg-type]
-
-
-@quant_cache_write_per_token_head.register_fake
-def _(
-    k: Tensor, v: Tensor, kv_cache: Tensor, kv_scale: Tensor, layer_name: str, rounding: str
-) -> None:
-    return None
 
 
 @torch.library.custom_op("kvq::paged_attention_per_token_head", mutates_args=())
