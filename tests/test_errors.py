@@ -1120,12 +1120,28 @@ def _() -> object:
         torch._dynamo.reset()
 
 
-class QuantIntoSkippedCache(torch.nn.Module):
-    """Hand-written graph: k / v quantized to FP8, then written into a skipped layer's bf16 cache."""
+class HandGraph(torch.nn.Module):
+    """A hand-written graph over one Attention layer of ``spec``'s shape (named ``<spec>.hand``),
+    for graphs the passes must refuse; ``run`` compiles it with the kvq passes and calls it."""
 
     def __init__(self, spec) -> None:
         super().__init__()
-        self.attn = Attention(spec, 8)
+        self.attn = Attention(replace(spec, name=spec.name + ".hand"), 8)
+
+    def run(self, md, *inputs: torch.Tensor) -> object:
+        from torch_kvq.passes import make_kvq_backend
+
+        torch._dynamo.reset()
+        try:
+            with torch.no_grad(), forward_context(md, [self.attn.spec], ReferenceKernel()):
+                backend = make_kvq_backend(inner="eager")
+                return torch.compile(self, backend=backend, fullgraph=True)(*inputs)
+        finally:
+            torch._dynamo.reset()
+
+
+class QuantIntoSkippedCache(HandGraph):
+    """Hand-written graph: k / v quantized to FP8, then written into a skipped layer's bf16 cache."""
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         name = self.attn.layer_name
@@ -1137,25 +1153,12 @@ class QuantIntoSkippedCache(torch.nn.Module):
 
 @case("graph.quantize-feeds-skipped-cache")
 def _() -> object:
-    from torch_kvq.passes import make_kvq_backend
-
     e = env()
-    model = QuantIntoSkippedCache(replace(e.specs[0], name=e.specs[0].name + ".hand"))
-    torch._dynamo.reset()
-    try:
-        with torch.no_grad(), forward_context(e.md, [model.attn.spec], ReferenceKernel()):
-            compiled = torch.compile(model, backend=make_kvq_backend(inner="eager"), fullgraph=True)
-            return compiled(e.q, e.k, e.v)
-    finally:
-        torch._dynamo.reset()
+    return QuantIntoSkippedCache(e.specs[0]).run(e.md, e.q, e.k, e.v)
 
 
-class Fp8AttentionOnSkippedLayer(torch.nn.Module):
+class Fp8AttentionOnSkippedLayer(HandGraph):
     """Hand-written graph: the FP8-cache attention op on a skipped layer's (bf16) cache."""
-
-    def __init__(self, spec) -> None:
-        super().__init__()
-        self.attn = Attention(spec, 8)
 
     def forward(self, q: torch.Tensor) -> torch.Tensor:
         cache = self.attn.kv_cache.to(FP8_DTYPE)
@@ -1164,17 +1167,8 @@ class Fp8AttentionOnSkippedLayer(torch.nn.Module):
 
 @case("graph.fp8-attention-on-skipped-layer")
 def _() -> object:
-    from torch_kvq.passes import make_kvq_backend
-
     e = env()
-    model = Fp8AttentionOnSkippedLayer(replace(e.specs[0], name=e.specs[0].name + ".hand"))
-    torch._dynamo.reset()
-    try:
-        with torch.no_grad(), forward_context(e.md, [model.attn.spec], ReferenceKernel()):
-            compiled = torch.compile(model, backend=make_kvq_backend(inner="eager"), fullgraph=True)
-            return compiled(e.q)
-    finally:
-        torch._dynamo.reset()
+    return Fp8AttentionOnSkippedLayer(e.specs[0]).run(e.md, e.q)
 
 
 @case("graph.backend-inner-unknown")
@@ -1802,12 +1796,8 @@ def _() -> object:
         return ops.paged_attention_per_token_head(e.q, a.kv_cache, scale, e.specs[1].name)
 
 
-class DequantOfAnotherMode(torch.nn.Module):
+class DequantOfAnotherMode(HandGraph):
     """Hand-written graph: the per-tensor dequantize on a per-(token, head) layer's codes."""
-
-    def __init__(self, spec) -> None:
-        super().__init__()
-        self.attn = Attention(spec, 8)
 
     def forward(self, q: torch.Tensor) -> torch.Tensor:
         cache = self.attn.kv_cache.to(FP8_DTYPE)
@@ -1817,17 +1807,8 @@ class DequantOfAnotherMode(torch.nn.Module):
 
 @case("modes.graph-op-of-another-mode")
 def _() -> object:
-    from torch_kvq.passes import make_kvq_backend
-
     e = pth_env()
-    model = DequantOfAnotherMode(replace(e.specs[1], name=e.specs[1].name + ".hand"))
-    torch._dynamo.reset()
-    try:
-        with torch.no_grad(), forward_context(e.md, [model.attn.spec], ReferenceKernel()):
-            compiled = torch.compile(model, backend=make_kvq_backend(inner="eager"), fullgraph=True)
-            return compiled(e.q)
-    finally:
-        torch._dynamo.reset()
+    return DequantOfAnotherMode(e.specs[1]).run(e.md, e.q)
 
 
 @case("modes.flashinfer-per-token-head")
