@@ -10,6 +10,7 @@ import torch
 
 from tests.support.passes import (
     AttnQuantModel,
+    RecordingKernel,
     attn_layers,
     capture_graph,
     make_batch,
@@ -124,30 +125,6 @@ THREE_MODES = KVCacheConfig(
 )
 
 
-class RecordingKernel:
-    """Wraps a kernel; records per layer the (q dtype, cache dtype) planned and the (q dtype,
-    cache dtype, scales given) attended."""
-
-    def __init__(self, inner) -> None:
-        self.inner, self.name = inner, inner.name
-        self.supports_cuda_graphs = inner.supports_cuda_graphs
-        self.planned: dict[str, set] = {}
-        self.attended: dict[str, set] = {}
-
-    def check_supported(self, spec) -> None:
-        self.inner.check_supported(spec)
-
-    def plan(self, ctx, specs) -> None:
-        for s in specs:
-            self.planned.setdefault(s.name, set()).add((s.model_dtype, s.storage_dtype))
-        self.inner.plan(ctx, specs)
-
-    def attend(self, ctx, spec, q, kv_cache, k_scale, v_scale, output_scale, kv_scale=None):
-        key = (q.dtype, kv_cache.dtype, kv_scale is not None)
-        self.attended.setdefault(spec.name, set()).add(key)
-        return self.inner.attend(ctx, spec, q, kv_cache, k_scale, v_scale, output_scale, kv_scale)
-
-
 @pytest.mark.parametrize(
     "inner, tol", [("eager", 0.0), pytest.param("inductor", 0.04, marks=pytest.mark.slow)]
 )
@@ -182,15 +159,15 @@ def test_three_modes_at_once(inner: str, tol: float) -> None:
     bf16, f32 = torch.bfloat16, torch.float32
     for name in by_mode["none"]:  # planned, written and read in bf16, never fused
         assert kernel.planned[name] == {(bf16, bf16)}
-        assert kernel.attended[name] == eager_attended[name] == {(bf16, bf16, False)}
+        assert kernel.attended[name] == eager_attended[name] == {(bf16, bf16, False, False)}
     for name in by_mode["fp8_per_tensor"]:
         assert kernel.planned[name] == {(bf16, FP8_DTYPE)}
-        assert kernel.attended[name] == {(bf16, FP8_DTYPE, False)}
-        assert eager_attended[name] == {(bf16, f32, False)}
+        assert kernel.attended[name] == {(bf16, FP8_DTYPE, False, False)}
+        assert eager_attended[name] == {(bf16, f32, False, False)}
     for name in by_mode["int8_per_token_head"]:  # codes and scales read in place
         assert kernel.planned[name] == {(bf16, torch.int8)}
-        assert kernel.attended[name] == {(bf16, torch.int8, True)}
-        assert eager_attended[name] == {(bf16, f32, False)}
+        assert kernel.attended[name] == {(bf16, torch.int8, False, True)}
+        assert eager_attended[name] == {(bf16, f32, False, False)}
     for manager in backend.managers:
         rep = manager.last
         quantized = by_mode["fp8_per_tensor"] | by_mode["int8_per_token_head"]
