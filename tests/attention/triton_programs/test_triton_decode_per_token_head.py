@@ -10,14 +10,11 @@ large magnitude. Without Triton every test here skips.
 
 from __future__ import annotations
 
-from types import ModuleType
-
 import pytest
 import torch
 
 from tests.support.triton_case import (
     HAS_CUDA,
-    INTERPRETING,
     LENS,
     ScaledCase,
     dense_table,
@@ -42,26 +39,6 @@ def _widen_all(x_ptr, h_ptr, b_ptr, f_ptr):
     tl.store(h_ptr + o, widen(x, tl.float16))
     tl.store(b_ptr + o, widen(x, tl.bfloat16).to(tl.float32))
     tl.store(f_ptr + o, widen(x, tl.float32))
-
-
-@pytest.fixture(scope="module")
-def interp() -> ModuleType:
-    if not INTERPRETING:
-        pytest.skip("interpreter tests run on a machine without CUDA (gpu tests cover the rest)")
-    from torch_kvq.attention.triton import decode_tma
-
-    return decode_tma
-
-
-@pytest.fixture
-def programs(monkeypatch):
-    """Set the balanced schedule's program count (off CUDA it is per-SM x 132, capped)."""
-    from torch_kvq.attention.triton import decode_balanced
-
-    def force(n: int) -> None:
-        monkeypatch.setattr(decode_balanced, "balanced_programs", lambda *a: n)
-
-    return force
 
 
 @pytest.mark.parametrize("mode", MODES)
