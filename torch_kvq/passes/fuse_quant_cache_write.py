@@ -33,6 +33,7 @@ scales, bit for bit. The format must be the layer's own mode's.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import ClassVar
 
 import torch
@@ -107,14 +108,7 @@ class FuseQuantCacheWritePass(KVQPass):
                 **kwargs,
             }
             op = QUANT_CACHE_WRITE_TS if tensors[0] else QUANT_CACHE_WRITE
-            with graph.inserting_before(node):
-                fused = graph.call_function(node.target, (op,), fused_kwargs)
-            fused.meta[META_KEY] = stamp.with_fused(self.decision())
-            node.replace_all_uses_with(fused)
-            graph.erase_node(node)
-            for quant, _, casts in quants.values():
-                erase_dead(graph, [*reversed(casts), *quant.nodes])
-            ctx.decide(stamp.layer, self.decision())
+            self._replace(graph, node, op, fused_kwargs, stamp, quants.values(), ctx)
             matches += 1
         return matches
 
@@ -155,15 +149,29 @@ class FuseQuantCacheWritePass(KVQPass):
             "rounding": found["k"][0].rounding,
             **{key: val for key, val in node.kwargs.items() if key in keep},
         }
+        self._replace(graph, node, QUANT_CACHE_WRITE_PTH, kwargs, stamp, found.values(), ctx)
+        return 1
+
+    def _replace(
+        self,
+        graph: fx.Graph,
+        node: fx.Node,
+        op: object,
+        kwargs: dict[str, object],
+        stamp: KVQStamp,
+        quants: Iterable[tuple[StaticQuant | TokenHeadQuant, fx.Node, list[fx.Node]]],
+        ctx: PassContext,
+    ) -> None:
+        """Put the fused write ``op`` (``kwargs``) in place of the write ``node`` and erase the
+        quantizations it absorbed (``quants``: (match, source, casts) per k / v) where dead."""
         with graph.inserting_before(node):
-            fused = graph.call_function(node.target, (QUANT_CACHE_WRITE_PTH,), kwargs)
+            fused = graph.call_function(node.target, (op,), kwargs)
         fused.meta[META_KEY] = stamp.with_fused(self.decision())
         node.replace_all_uses_with(fused)
         graph.erase_node(node)
-        for quant, _, casts in found.values():
+        for quant, _, casts in quants:
             erase_dead(graph, [*reversed(casts), *quant.nodes])
         ctx.decide(stamp.layer, self.decision())
-        return 1
 
 
 def _model_dtype_source(value: fx.Node, model_dtype: object) -> tuple[fx.Node, list[fx.Node]] | str:
