@@ -292,9 +292,10 @@ def _scatter(cache, scale, slots, kc, ks, vc, vs) -> None:
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 @pytest.mark.parametrize("kh,d,page", [(8, 128, 16), (8, 256, 16), (1, 64, 1), (3, 96, 32)])
 def test_gpu_write_equals_unfused_ops(mode, dtype, kh, d, page) -> None:
-    cache, scale, g = _cache(mode, pages=64, page=page, kh=kh, d=d, device="cuda", seed=d)
+    pages = max(64, 600 // page)  # room for the 300 tokens at every page size
+    cache, scale, g = _cache(mode, pages=pages, page=page, kh=kh, d=d, device="cuda", seed=d)
     k, v = _kv(300, kh, d, dtype, g, device="cuda")
-    slots = torch.randperm(64 * page, device="cuda")[:300]
+    slots = torch.randperm(pages * page, device="cuda")[:300]
     want_c, want_s = cache.clone(), scale.clone()
     kc, ks = quant.quantize_per_token_head(k, mode)
     vc, vs = quant.quantize_per_token_head(v, mode)
