@@ -29,18 +29,30 @@ def test_calibrate_writes_scales_that_kv_scales_from_reads(smollm2, tmp_path, ca
         st = doc["layers"][path]
         for scale, amax in ((k, st["k"]["amax"]), (v, st["v"]["amax"])):
             assert math.log2(scale) == int(math.log2(scale))  # the default: a power of two
-            assert scale * 448 >= amax > scale * 224  # the smallest one that does not clip
+            assert scale * 224 >= amax > scale * 112  # the smallest with 2x room above amax
     lm = KVQCausalLM.from_hf(hf, KVCacheConfig("fp8"), num_pages=4, kv_scales_from=out)
     try:
         assert [(s.k_scale, s.v_scale) for s in lm.kv_specs] == [scales[p] for p in paths]
     finally:
         lm.detach()
     exact = tmp_path / "p999.safetensors"
-    flags = ["--statistic", "p99.9", "--no-pow2", "--only", "k"]
+    flags = ["--statistic", "p99.9", "--headroom", "1", "--no-pow2", "--only", "k"]
     assert cli.main(["calibrate", "--stats-from", str(stats), "--out", str(exact), *flags]) == 0
     again = checkpoint_kv_scales(exact, paths)
     first = doc["layers"][paths[0]]
     assert again[paths[0]] == pytest.approx((first["k"]["p99.9"] / 448, 1.0), rel=1e-6)
+
+
+def test_default_method_has_headroom_for_unseen_text():
+    """amax x 2, then a power of two up: an amax of 100 gets 0.5 (room to 224), never less than
+    twice the sample's amax / 448; the CLI's default is the same method."""
+    from torch_kvq.cli.calibrate import DEFAULT_HEADROOM
+    from torch_kvq.evaluation.calibrate import DEFAULT_METHOD
+
+    assert DEFAULT_METHOD == Method("amax", DEFAULT_HEADROOM, pow2=True)
+    assert scale_of(100.0, DEFAULT_METHOD, "l", "k") == 0.5
+    assert scale_of(112.0, DEFAULT_METHOD, "l", "k") == 0.5
+    assert scale_of(112.1, DEFAULT_METHOD, "l", "k") == 1.0
 
 
 def test_scale_methods():

@@ -49,6 +49,21 @@ def test_bad_kv_is_refused(capsys):
     assert "kvq eval: error: --kv 'fp9': unknown kv_cache_dtype 'fp9'" in capsys.readouterr().err
 
 
+def test_a_bad_config_stops_the_run_before_any_runs(monkeypatch, capsys):
+    """A skip rule the model cannot have (layer 99 of 30), given last: refused before the first
+    run (the rows before it would otherwise be computed, then lost)."""
+    from torch_kvq.evaluation import eval as ev
+
+    def no_run(*a, **kw):
+        raise AssertionError("a run started before every config was checked")
+
+    monkeypatch.setattr(ev, "evaluate", no_run)
+    argv = ["--model", "smollm2-135m", "--kv", "fp8", "--kv", "late=fp8:skip=99"]
+    assert cli.main(["eval", *argv, *SHORT]) == 2
+    err = capsys.readouterr().err
+    assert "kvq eval: error: --kv 'fp8:skip=99' on smollm2-135m: skip_layers index 99" in err, err
+
+
 @pytest.mark.parametrize(
     "text, name, dtype, skip, k, v",
     [

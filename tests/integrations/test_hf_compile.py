@@ -188,3 +188,31 @@ def test_decode_graph_runner_and_calibration():
         )
     torch.testing.assert_close(res.logits, ref.logits, rtol=0, atol=1e-5)
     assert lm.allocator.sequences == ()
+
+
+def test_one_graph_for_prefill_decode_and_perplexity():
+    """``compiled_forward``: the token axis and ``logits_indices`` are dynamic and ``generate`` /
+    the evaluation always pass ``logits_indices``, so a prefill of any length, a decode step of a
+    batch and a perplexity chunk (every row's logits) share one graph: a compiled evaluation
+    compiles once per config, not once per kind of step."""
+    from torch_kvq.evaluation.eval import teacher_forced_ppl
+
+    lm = KVQCausalLM.from_hf(
+        hf_model("llama", torch.float32), KVCacheConfig("fp8", page_size=PAGE_SIZE), num_pages=48
+    )
+    graphs: list[int] = []
+
+    def counting(gm, example_inputs):
+        graphs.append(1)
+        return gm.forward
+
+    torch._dynamo.reset()
+    try:
+        fwd = lm.compiled_forward(counting)
+        generate(lm, [[1, 2, 3], [4, 5, 6, 7, 8]], 3, forward=fwd)
+        generate(lm, [[9, 10], [11, 12, 13, 14]], 2, forward=fwd)
+        teacher_forced_ppl(lm, [list(range(1, 12))], forward=fwd)
+        assert len(graphs) == 1
+    finally:
+        torch._dynamo.reset()
+        lm.detach()

@@ -63,16 +63,16 @@ def test_force_tokens_feeds_them(fp32_model):
 def test_forward_hook_is_called_once_per_step(fp32_model):
     calls: list[int] = []
 
-    def forward(ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    def forward(ids: torch.Tensor, positions: torch.Tensor, logits_indices=None) -> torch.Tensor:
         calls.append(ids.numel())
-        return fp32_model(ids, positions)
+        return fp32_model(ids, positions, logits_indices=logits_indices)
 
     generate(fp32_model, PROMPTS, 4, forward=forward, prefill_logits=True)
     assert calls == [21, 3, 3, 3]
 
 
 def test_pages_are_freed_when_forward_raises(fp32_model):
-    def broken(ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    def broken(ids: torch.Tensor, positions: torch.Tensor, logits_indices=None) -> torch.Tensor:
         raise RuntimeError("boom")
 
     with pytest.raises(RuntimeError, match="boom"):

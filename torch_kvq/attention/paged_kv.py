@@ -89,9 +89,7 @@ class PagedKV(nn.Module):
         the page allocator. On a bad config nothing changes (ValueError). With ``tp`` the specs are
         resolved from the global config, checked equal on every rank (a collective), then given
         this rank's heads."""
-        global_specs = resolve_layer_specs(
-            self._layer_config(kv_config), self.layer_infos(), self.dtype
-        )
+        global_specs = self.resolve_kv_specs(kv_config)
         facts = self._rank_facts() if self.tp is not None else None
         check_ranks_agree(self.tp, global_specs, self.kernel, facts)
         specs = shard_specs(global_specs, self.tp)
@@ -104,6 +102,12 @@ class PagedKV(nn.Module):
         self._specs = specs
         self.global_kv_specs = global_specs
         self.allocator = PageAllocator(self.num_pages, kv_config.page_size, pools)
+
+    def resolve_kv_specs(self, kv_config: KVCacheConfig) -> tuple[LayerKVSpec, ...]:
+        """The per-layer specs ``kv_config`` gives this model (the whole model's, before any tensor
+        parallel split), changing nothing: a bad config raises here, before a caller spends time
+        on the configs before it."""
+        return resolve_layer_specs(self._layer_config(kv_config), self.layer_infos(), self.dtype)
 
     def _release_attention(self) -> None:
         """Remove every layer's ``Attention`` (and its name from the live-layer registry)."""

@@ -9,7 +9,8 @@ Flags:
                        HF checkpoint folder (default gemma3-270m)
   --out PATH           the safetensors file to write (``P.k_scale`` / ``P.v_scale`` per layer)
   --statistic S        amax (default) or a percentile of |x|, e.g. p99.99
-  --headroom H         multiply the statistic by H before dividing by 448 (default 1)
+  --headroom H         multiply the statistic by H before dividing by 448 (default 2: room for
+                       text the sample did not see; --headroom 1 --no-pow2 is plain amax / 448)
   --no-pow2            keep the exact statistic * headroom / 448 (default: round the scale up to a
                        power of two, which keeps scale 1.0's rounding grid; see docs/accuracy.md)
   --only k|v           calibrate k (or v) only; the other gets scale 1.0 (for experiments)
@@ -35,6 +36,9 @@ from typing import Any
 
 from torch_kvq.cli.args import SUBCOMMANDS, check_out_paths
 
+# evaluation.calibrate.DEFAULT_METHOD's headroom (not imported here: that module imports torch)
+DEFAULT_HEADROOM = 2.0
+
 
 def add_parser(sub: Any) -> None:
     p = sub.add_parser(
@@ -46,7 +50,7 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--model", default="gemma3-270m", metavar="SOURCE")
     p.add_argument("--out", type=Path, required=True)
     p.add_argument("--statistic", default="amax")
-    p.add_argument("--headroom", type=float, default=1.0)
+    p.add_argument("--headroom", type=float, default=DEFAULT_HEADROOM)
     p.add_argument("--no-pow2", dest="pow2", action="store_false")
     p.add_argument("--only", choices=("k", "v"), default=None)
     p.add_argument("--multiplier", type=float, default=1.0)

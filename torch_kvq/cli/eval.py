@@ -88,6 +88,7 @@ def make_kernel(name: str, prefill: str):  # -> AttentionKernel
 def run(args: argparse.Namespace) -> int:
     import torch
 
+    from torch_kvq.attention.kernels.base import KernelUnsupportedError
     from torch_kvq.evaluation import corpus
     from torch_kvq.evaluation.eval import EvalSettings, eval_data, evaluate
     from torch_kvq.evaluation.eval_report import format_table, plot, to_json
@@ -121,6 +122,15 @@ def run(args: argparse.Namespace) -> int:
             data[str(source)] = eval_data(tok, settings, texts)
             paths = list(lm.layer_paths.values())
             configs = [(kv.name, kv.spec, kv.config(args.page_size, paths)) for kv in kvs]
+            for kv, (_, _, cfg) in zip(kvs, configs):  # every config and kernel first: a bad one
+                try:  # stops the run before the runs ahead of it, not after them
+                    specs = lm.resolve_kv_specs(cfg)
+                    for name in kernels:
+                        kernel = make_kernel(name, args.prefill)
+                        for spec in specs:
+                            kernel.check_supported(spec)
+                except (ValueError, KernelUnsupportedError) as e:
+                    raise ValueError(f"--kv {kv.spec!r} on {source}: {e}") from e
             for name in kernels:
                 lm.kernel = make_kernel(name, args.prefill)
                 rows += evaluate(

@@ -9,8 +9,10 @@ turns them into scales::
     scale = 2 ** ceil(log2(scale))            (with pow2: the next power of two up)
 
 A power-of-two scale divides exactly, so ``x / scale`` lands on the same relative e4m3 grid as
-scale 1.0 does; only the range moves (fewer subnormals below, room above). ``DEFAULT_METHOD`` is the
-method measured no worse than scale 1.0 on the shipped models (see docs/accuracy.md).
+scale 1.0 does; only the range moves (fewer subnormals below, room above). ``DEFAULT_METHOD``
+(amax x 2, then the next power of two up) is the method measured no worse than scale 1.0 on the
+shipped models: the headroom keeps text the sample did not see from clipping (see
+docs/accuracy.md).
 ``write_scales`` writes ``P.k_scale`` / ``P.v_scale`` float32 scalars (``P`` the HF attention path),
 which ``KVQCausalLM.from_hf(..., kv_scales_from=PATH)`` and ``kvq eval --kv fp8:scales=PATH`` read.
 """
@@ -48,7 +50,7 @@ class Method:
         return f"{self.statistic} x {self.headroom:g}{' pow2' if self.pow2 else ''}"
 
 
-DEFAULT_METHOD = Method("amax", 1.0, pow2=True)
+DEFAULT_METHOD = Method("amax", 2.0, pow2=True)
 
 
 def _percentile(stat: str) -> float:

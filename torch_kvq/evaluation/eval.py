@@ -142,8 +142,9 @@ class _Runner:
         md = self.lm.allocator.build_batch([(s, len(t)) for s, t in requests], self.lm.device)
         ids = torch.tensor([t for _, ts in requests for t in ts], device=self.lm.device)
         kw = {}
-        if last_only and self.keep:
-            kw["logits_indices"] = (md.qo_indptr[1:] - 1).long()
+        if self.keep:  # always given (every row, or each sequence's last): one compiled graph
+            rows = md.qo_indptr[1:] - 1 if last_only else torch.arange(len(ids), device=ids.device)
+            kw["logits_indices"] = rows.long()
         with self.lm.forward_context(md):
             return self.forward(ids, md.positions, **kw)
 

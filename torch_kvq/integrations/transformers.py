@@ -244,8 +244,9 @@ class KVQCausalLM(PagedKV):
         self, backend: Any = None, **compile_kwargs: Any
     ) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
         """``torch.compile(self, backend=backend or kvq_backend, fullgraph=True, **kw)``, called
-        with the token dim marked dynamic: one graph serves the prefill and every decode step
-        with T >= 2 tokens (T = 1 gets a second graph: Dynamo specializes sizes 0 and 1)."""
+        with the token dim (and ``logits_indices``' length) marked dynamic: one graph serves the
+        prefill and every decode step with T >= 2 tokens (T = 1 gets a second graph: Dynamo
+        specializes sizes 0 and 1; so do a call without ``logits_indices`` and one with one row)."""
         if backend is None:
             from torch_kvq.passes import kvq_backend as backend
         compile_kwargs.setdefault("fullgraph", True)
@@ -255,6 +256,9 @@ class KVQCausalLM(PagedKV):
             if input_ids.shape[0] > 1:
                 torch._dynamo.mark_dynamic(input_ids, 0)
                 torch._dynamo.mark_dynamic(positions, 0)
+            rows = kw.get("logits_indices")
+            if rows is not None:  # any number of logit rows (1 too: unbacked), one graph
+                torch._dynamo.decorators.mark_unbacked(rows, 0)
             return fn(input_ids, positions, **kw)
 
         return run

@@ -89,7 +89,8 @@ def generate(
     ``decode``, a ``DecodeGraphRunner`` built for ``model``, runs every decode step.
     The prefill computes logits at each prompt's last position only (``forward(ids, positions,
     logits_indices=...)``, as transformers' ``logits_to_keep``); ``prefill_logits=True`` asks for
-    every position's.
+    every position's. Every step passes ``logits_indices`` (all rows where all are wanted), so a
+    compiled forward serves the prefill and the decode steps with one graph.
 
     A tensor-parallel model (``model.tp``): every rank calls it with the same arguments; a
     refusal on one rank (bad arguments, no free pages) is raised on every rank before the step.
@@ -112,7 +113,10 @@ def generate(
         md = build([len(p) for p in prompts], dev)
         ids = torch.tensor([t for p in prompts for t in p], dtype=torch.long, device=dev)
         ends = [int(e) - 1 for e in md.qo_indptr[1:].tolist()]
-        keep = {} if prefill_logits else {"logits_indices": torch.tensor(ends, device=dev)}
+        rows = (
+            torch.arange(len(ids), device=dev) if prefill_logits else torch.tensor(ends, device=dev)
+        )
+        keep = {"logits_indices": rows}  # always given: one compiled graph for every step
         with model.forward_context(md):
             t0 = time.perf_counter()
             logits = run(ids, md.positions, **keep)
@@ -141,8 +145,8 @@ def generate(
                 last = decode(ids, build([1] * len(seq_ids), "cpu"))
             else:
                 md = build([1] * len(seq_ids), dev)
-                with model.forward_context(md):
-                    last = run(ids, md.positions)
+                with model.forward_context(md):  # logits_indices as in the prefill: one graph
+                    last = run(ids, md.positions, logits_indices=(md.qo_indptr[1:] - 1).long())
             if on_step is not None:
                 on_step(step + 2, max_new_tokens, time.perf_counter() - t0)
     finally:
