@@ -5,7 +5,8 @@
 #
 #   bash scripts/gpu_streak.sh gate COMMIT     # call 1 (carry .whl, .xfer): the GPU gate
 #                                              # (gpu_run.sh tests jitpack) from a copy of the tree
-#   bash scripts/gpu_streak.sh part            # calls 2..N (carry .xfer): stash the carried parts
+#   bash scripts/gpu_streak.sh part            # calls 2..N (carry .xfer or .x2, .x3...): stash
+#                                              # the carried parts
 #   bash scripts/gpu_streak.sh evalrows        # kvq eval rows (gpu_eval_rows.sh) in the background
 #   bash scripts/gpu_streak.sh side TAR CMD    # another tree (a .tar.gz carried in .xfer/) running
 #                                              # CMD in the background (a branch's GPU tests)
@@ -18,7 +19,9 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 S=/tmp/streak
 mkdir -p $S /tmp/xfer
-[ -d .xfer ] && cp -r .xfer/. /tmp/xfer/  # the parts this call carried (see gpu_run.sh eval)
+for d in .xfer .x[0-9]*; do  # the parts this call carried (.xfer, .x1, .x2...; gpu_run.sh eval)
+  [ -d "$d" ] && cp -r "$d/." /tmp/xfer/
+done
 
 launch() {  # $1: job name, $2: folder to run in, rest: the command
   local job=$1 dir=$2; shift 2
@@ -41,7 +44,7 @@ report() {
 case ${1:-} in
   gate)
     rm -rf /tmp/gate && mkdir -p /tmp/gate
-    tar --exclude=./.xfer -cf - . | tar -xf - -C /tmp/gate
+    tar --exclude=./.xfer --exclude="./.x[0-9]*" -cf - . | tar -xf - -C /tmp/gate
     launch gate /tmp/gate "KVQ_COMMIT=$2 KVQ_PYTEST_WORKERS=${KVQ_PYTEST_WORKERS:-4} bash scripts/gpu_run.sh tests jitpack" ;;
   part) ;;
   evalrows)
