@@ -75,18 +75,10 @@ class TensorParallel:
         k = self.split(n, what)
         return slice(self.rank * k, (self.rank + 1) * k)
 
-    @property
-    def all_reduce_group(self) -> Any:
-        return self.group if self.group is not None else dist.group.WORLD
-
-
-def local_rank() -> int:
-    return int(os.environ.get("LOCAL_RANK", "0"))
-
 
 def require_gpu(what: str, rank: int | None = None) -> torch.device:
     """The CUDA device of this rank (``LOCAL_RANK``), or RuntimeError naming the rank and why."""
-    lr = local_rank()
+    lr = int(os.environ.get("LOCAL_RANK", "0"))
     rank = int(os.environ.get("RANK", lr)) if rank is None else rank
     n = torch.cuda.device_count() if torch.cuda.is_available() else 0
     if lr >= n:
@@ -181,7 +173,7 @@ class RowParallelLinear(nn.Linear):
 
     def __init__(self, *args: Any, tp: TensorParallel, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self.group = tp.all_reduce_group
+        self.group = tp.group if tp.group is not None else dist.group.WORLD
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = all_reduce(F.linear(x, self.weight), self.group)
@@ -278,15 +270,11 @@ def rank_table(
     return table
 
 
-def table_hash(table: Mapping[str, object]) -> str:
-    return hashlib.sha256(repr(sorted(table.items())).encode()).hexdigest()
-
-
 def compare_tables(tables: Sequence[Mapping[str, object]]) -> None:
     """ValueError naming the first value where a rank's table differs from rank 0's."""
     first = tables[0]
     for rank, table in enumerate(tables[1:], start=1):
-        if table_hash(table) == table_hash(first):
+        if repr(sorted(table.items())) == repr(sorted(first.items())):
             continue
         for key in [*first, *(k for k in table if k not in first)]:
             a, b = first.get(key, "<missing>"), table.get(key, "<missing>")
