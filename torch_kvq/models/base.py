@@ -137,11 +137,8 @@ class SelfAttention(nn.Module):
     ) -> None:
         super().__init__()
         n = tp.size if tp is not None else 1  # heads were checked divisible by PagedDecoder
-        self.num_heads, self.num_kv_heads, self.head_dim = (
-            cfg.num_heads // n,
-            cfg.num_kv_heads // n,
-            cfg.head_dim,
-        )
+        self.num_heads, self.num_kv_heads = cfg.num_heads // n, cfg.num_kv_heads // n
+        self.head_dim = cfg.head_dim
         kw: dict[str, Any] = dict(bias=cfg.attention_bias, dtype=dtype, device=device, tp=tp)
         h, q, kv = cfg.hidden_size, cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
         self.q_proj = linear(h, q, row=False, what="num_heads x head_dim", **kw)

@@ -113,17 +113,10 @@ def _gemma3_rope(cfg: Any) -> dict[str, RopeSpec]:
     params = _get(cfg, "rope_parameters", None)
     if params and set(params) & set(LAYER_TYPES):  # transformers 5.x: one dict per layer type
         params = _as_dict(params, "rope_parameters")
+        where = "rope_parameters[{!r}]"
         return {
-            "full_attention": _rope_spec(
-                _as_dict(params.get("full_attention"), "rope_parameters"),
-                "rope_parameters['full_attention']",
-                1e6,
-            ),
-            "sliding_attention": _rope_spec(
-                _as_dict(params.get("sliding_attention"), "rope_parameters"),
-                "rope_parameters['sliding_attention']",
-                1e4,
-            ),
+            t: _rope_spec(_as_dict(params.get(t), "rope_parameters"), where.format(t), theta)
+            for t, theta in (("full_attention", 1e6), ("sliding_attention", 1e4))
         }
     glob = {"rope_theta": _get(cfg, "rope_theta", 1e6)}  # transformers 4.x
     glob.update(_as_dict(_get(cfg, "rope_scaling", None), "rope_scaling"))
