@@ -124,13 +124,8 @@ def _decision_table(rep: dict[str, Any]) -> list[str]:
         cells = "".join(f"<td>{html.escape(c)}</td>" for c in row)
         for n in shown:
             d = per_pass[n]["decisions"].get(layer, "-")
-            cls = (
-                "fused"
-                if d.startswith("fused")
-                else "kept"
-                if d.startswith("kept")
-                else ("notfused" if d.startswith("not fused") else "")
-            )
+            starts = (("fused", "fused"), ("kept", "kept"), ("not fused", "notfused"))
+            cls = next((c for prefix, c in starts if d.startswith(prefix)), "")
             cells += f'<td class="{cls}">{html.escape(d)}</td>'
         parts.append(f"<tr>{cells}</tr>")
     parts.append("</table>")
