@@ -293,8 +293,7 @@ def _run(args: argparse.Namespace, tp: Any) -> int:
             else ""
         )
     )
-    device = next(model.parameters()).device
-    if device.type == "cpu":
+    if next(model.parameters()).device.type == "cpu":
         print(
             "(CPU timings with the reference kernel, a correctness path: they say nothing about "
             "speed on a GPU.)"

@@ -60,7 +60,6 @@ def _recorder(
     if calls is None:
         raise RuntimeError("the kvq_record attention function runs only inside record_calls()")
     window = kwargs.get("sliding_window", getattr(module, "sliding_window", None))
-    sinks = any(kwargs.get(k) is not None for k in SINK_KWARGS)
     calls.append(
         HFAttentionCall(
             module=module,
@@ -73,7 +72,7 @@ def _recorder(
             sliding_window=None if window is None else int(window),
             softcap=None if kwargs.get("softcap") is None else float(kwargs["softcap"]),
             is_causal=bool(kwargs.get("is_causal", getattr(module, "is_causal", True))),
-            sinks=sinks,
+            sinks=any(kwargs.get(k) is not None for k in SINK_KWARGS),
             kwarg_names=tuple(sorted(kwargs)),
         )
     )
