@@ -8,10 +8,6 @@ context; with neither it refuses: it never guesses a kernel from the device), bu
 ``post_grad_custom_post_pass``. A kernel is named by its capability-table key: a kernel object's
 ``name`` (``FlashInferKernel(fp8_decode="xqa", phases="decode").name`` is
 ``"flashinfer-xqa-decode"``, whose row claims FP8 output on sm90) or the name itself.
-
-``make_kvq_backend(inner="eager")`` runs the same post-grad-shaped graph without Inductor
-codegen: AOTAutograd with Inductor's decompositions and input mutations kept in the graph
-(as Inductor does), the passes, then the FX graph itself runs (fast to build; for tests).
 """
 
 from __future__ import annotations
@@ -67,15 +63,6 @@ def kernel_name(value: object, what: str = "kernel") -> str:
     return name
 
 
-def _kernel_names(kernel: KernelChoice) -> str | dict[str, str] | None:
-    """``make_kvq_backend``'s ``kernel`` as table names: one, per layer, or None."""
-    if kernel is None:
-        return None
-    if isinstance(kernel, Mapping):
-        return {layer: kernel_name(k, f"kernel for layer {layer!r}") for layer, k in kernel.items()}
-    return kernel_name(kernel)
-
-
 def graph_layers(gm: fx.GraphModule) -> dict[str, torch.device | None]:
     """Layer names used by kvq ops in a Dynamo graph -> the device of the op's first tensor arg."""
     found: dict[str, torch.device | None] = {}
@@ -117,7 +104,13 @@ class KVQBackend:
         kernel: KernelChoice = None,
         config_patches: Mapping[str, Any] | None = None,
     ) -> None:
-        self.kernel_names = _kernel_names(kernel)
+        self.kernel_names: str | dict[str, str] | None = None  # ``kernel`` as table names
+        if isinstance(kernel, Mapping):
+            self.kernel_names = {
+                n: kernel_name(k, f"kernel for layer {n!r}") for n, k in kernel.items()
+            }
+        elif kernel is not None:
+            self.kernel_names = kernel_name(kernel)
         if inner not in INNER:
             raise ValueError(f"inner compiler {inner!r} unknown; expected one of {INNER}")
         if config_patches and "post_grad_custom_post_pass" in config_patches:
