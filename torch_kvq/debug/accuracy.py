@@ -62,11 +62,7 @@ class AccuracyReport:
         rows += [head, "-" * len(head)]
         for la in self.layers:
             kept = la.configured_mode == "none"
-            note = "; ".join(
-                n
-                for n, on in (("if it were quantized", kept), ("under threshold", la.flagged))
-                if on
-            )
+            note = "; ".join(("if it were quantized",) * kept + ("under threshold",) * la.flagged)
             rows.append(
                 f"{la.index:>3}  {la.name:{width}}  {la.attention_type:7}  "
                 f"{'kept bf16' if kept else la.configured_mode:14}  {la.k_scale:>8.3g}  "
