@@ -72,8 +72,7 @@ def checkpoint_kv_scales(
     out: dict[str, tuple[float, float]] = {}
     for p in paths:
         both = _pick(p, BOTH_KEYS, found)
-        k = _pick(p, K_KEYS, found)
-        v = _pick(p, V_KEYS, found)
+        k, v = (_pick(p, keys, found) for keys in (K_KEYS, V_KEYS))
         k, v = (k if k is not None else both), (v if v is not None else both)
         if k is None and v is None:
             continue
