@@ -9,8 +9,7 @@ paged cache: the per-layer specs are resolved once from the global config on eve
 to agree across ranks (``check_ranks_agree``), then narrowed to the rank's heads (``shard_specs``).
 
 Host-side refusals (a bad batch, no free pages) are agreed before anyone enters a collective
-(``refuse_together``): one rank refusing a batch refuses it on all, so no rank hangs in an
-all-reduce the others never join. ``torch_kvq.models`` and ``KVQCausalLM`` take ``tp=``.
+(``refuse_together``). ``torch_kvq.models`` and ``KVQCausalLM`` take ``tp=``.
 """
 
 from __future__ import annotations

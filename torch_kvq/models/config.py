@@ -99,11 +99,8 @@ def _as_dict(x: Any, where: str) -> Mapping[str, Any]:
 def _llama_rope(cfg: Any) -> dict[str, RopeSpec]:
     params = _get(cfg, "rope_parameters", None)
     if params:  # transformers 5.x
-        return {
-            "full_attention": _rope_spec(
-                _as_dict(params, "rope_parameters"), "rope_parameters", 10000.0
-            )
-        }
+        spec = _rope_spec(_as_dict(params, "rope_parameters"), "rope_parameters", 10000.0)
+        return {"full_attention": spec}
     merged = {"rope_theta": _get(cfg, "rope_theta", 10000.0)}  # transformers 4.x
     merged.update(_as_dict(_get(cfg, "rope_scaling", None), "rope_scaling"))
     return {"full_attention": _rope_spec(merged, "rope_scaling", 10000.0)}

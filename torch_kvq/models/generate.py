@@ -1,10 +1,7 @@
 """Greedy generation through the paged cache: one mixed prefill batch, then decode steps.
 
-``generate(model, prompts, max_new_tokens, forward=None)``; ``forward`` may be a compiled
-callable, e.g. ``torch.compile(model, backend=kvq_backend)``; the model still provides the
-allocator and the forward context. ``decode=DecodeGraphRunner(model, ...)`` runs the decode steps
-through CUDA graphs (the prefill still goes through ``forward``). Pages are freed at the end, also
-on error.
+``forward`` may be a compiled model (``torch.compile(model, backend=kvq_backend)``); the model
+still provides the allocator and the forward context. Pages are freed at the end, also on error.
 """
 
 from __future__ import annotations

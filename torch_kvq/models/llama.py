@@ -20,11 +20,7 @@ class LlamaDecoderLayer(DecoderLayer):
 
 
 class LlamaModel(PagedDecoder):
-    """Llama-style causal LM with a paged, per-layer-quantizable KV cache.
-
-    ``LlamaModel(hf_config, kv_config, num_pages, dtype=, device=, prefix=, kernel=, quant_form=)``;
-    ``model(input_ids [T], positions [T]) -> logits [T, vocab]`` inside ``model.forward_context(md)``.
-    """
+    """Llama-style causal LM with a paged, per-layer-quantizable KV cache (``PagedDecoder``)."""
 
     arch = "llama"
     layer_class = LlamaDecoderLayer
