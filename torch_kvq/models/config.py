@@ -161,8 +161,7 @@ def read_config(cfg: Any, arch: str) -> DecoderConfig:
         )
     if arch == "llama":
         act = _get(cfg, "hidden_act", "silu")
-        types = ("full_attention",) * n
-        window = None
+        types, window = ("full_attention",) * n, None
         rope = _llama_rope(cfg)
         sm_scale = head_dim**-0.5
         attn_cap = final_cap = None
