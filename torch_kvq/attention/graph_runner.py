@@ -238,8 +238,7 @@ class DecodeGraphRunner:
                 if slot.copied is not None:
                     slot.copied.record()  # after every host-to-device copy of this step
                 if not self.capture:
-                    out = self.fn(slot.input_ids, slot.positions)
-                    return out[: metadata.num_seqs].clone()
+                    return self.fn(slot.input_ids, slot.positions)[: metadata.num_seqs].clone()
                 if slot.graph is None:
                     self._capture(slot)
                 assert slot.graph is not None and slot.output is not None
