@@ -4,10 +4,8 @@
 passes (``HFAttentionCall``: heads, KV heads, head sizes, scaling, window, soft-cap, causality,
 extra keyword arguments) and returns the exact one-token attention output so the run completes.
 
-``"kvq"`` (serving): ``kvq_attention_forward(module, q [1, H, T, D], k [1, KH, T, D],
-v [1, KH, T, D], mask=None, ...)`` turns the HF tensors into the flat ``[T, H, D]`` /
-``[T, KH, D]`` layout, calls the module's own ``torch_kvq.Attention`` (its ``kvq_attn``
-submodule, whose paged cache is a module buffer) and returns ``(out [1, T, H, D], None)``.
+``"kvq"`` (serving): ``kvq_attention_forward`` runs the module's own ``torch_kvq.Attention`` (its
+``kvq_attn`` submodule, whose paged cache is a module buffer) on the flat token layout.
 Everything it checks is a Python value at trace time, so the compiled graph holds only the
 ``kvq.*`` ops, as on the project's own decoders.
 """
