@@ -6,8 +6,9 @@ a preset ``PagedDecoder``, or a ``KVQCausalLM`` around a transformers model: a t
 (``--model``: ``integrations.trained``; for the plan alone, built on the meta device from its
 config, a GGUF's header included), a tiny random-weight one of a family (``--hf``) or one built
 from a local config.json on the meta device (``--hf-config``: no weights, so only the plan can be
-read from it). transformers is imported only when one of those is used. Failures of foreign code (transformers, a bad JSON file) become a
-``CommandError`` naming the file: ``kvq <cmd>: error: ...``, exit 2, no traceback.
+read from it). transformers is imported only when one of those is used. Failures of foreign code
+(transformers, a bad JSON file) become a ``CommandError`` naming the file: ``kvq <cmd>: error:
+...``, exit 2, no traceback.
 """
 
 from __future__ import annotations

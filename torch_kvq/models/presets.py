@@ -24,7 +24,6 @@ from torch_kvq.spec import KVCacheConfig
 
 INIT_STD = 0.08  # larger than HF's 0.02 so that attention is peaked and windows change outputs
 NORM_STD = 0.1
-# what both presets share: hidden 128, 4 query / 2 kv heads of 32, vocab 512
 _COMMON: dict[str, Any] = dict(
     vocab_size=512,
     hidden_size=128,
