@@ -9,8 +9,7 @@ paged cache: the per-layer specs are resolved once from the global config on eve
 to agree across ranks (``check_ranks_agree``), then narrowed to the rank's heads (``shard_specs``).
 
 Host-side refusals (a bad batch, no free pages) are agreed before anyone enters a collective
-(``refuse_together``): one rank refusing a batch refuses it on all, so no rank hangs in an
-all-reduce the others never join. ``torch_kvq.models`` and ``KVQCausalLM`` take ``tp=``.
+(``refuse_together``). ``torch_kvq.models`` and ``KVQCausalLM`` take ``tp=``.
 """
 
 from __future__ import annotations
@@ -75,18 +74,10 @@ class TensorParallel:
         k = self.split(n, what)
         return slice(self.rank * k, (self.rank + 1) * k)
 
-    @property
-    def all_reduce_group(self) -> Any:
-        return self.group if self.group is not None else dist.group.WORLD
-
-
-def local_rank() -> int:
-    return int(os.environ.get("LOCAL_RANK", "0"))
-
 
 def require_gpu(what: str, rank: int | None = None) -> torch.device:
     """The CUDA device of this rank (``LOCAL_RANK``), or RuntimeError naming the rank and why."""
-    lr = local_rank()
+    lr = int(os.environ.get("LOCAL_RANK", "0"))
     rank = int(os.environ.get("RANK", lr)) if rank is None else rank
     n = torch.cuda.device_count() if torch.cuda.is_available() else 0
     if lr >= n:
@@ -181,7 +172,7 @@ class RowParallelLinear(nn.Linear):
 
     def __init__(self, *args: Any, tp: TensorParallel, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self.group = tp.all_reduce_group
+        self.group = tp.group if tp.group is not None else dist.group.WORLD
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = all_reduce(F.linear(x, self.weight), self.group)
@@ -278,15 +269,11 @@ def rank_table(
     return table
 
 
-def table_hash(table: Mapping[str, object]) -> str:
-    return hashlib.sha256(repr(sorted(table.items())).encode()).hexdigest()
-
-
 def compare_tables(tables: Sequence[Mapping[str, object]]) -> None:
     """ValueError naming the first value where a rank's table differs from rank 0's."""
     first = tables[0]
     for rank, table in enumerate(tables[1:], start=1):
-        if table_hash(table) == table_hash(first):
+        if repr(sorted(table.items())) == repr(sorted(first.items())):
             continue
         for key in [*first, *(k for k in table if k not in first)]:
             a, b = first.get(key, "<missing>"), table.get(key, "<missing>")

@@ -18,9 +18,6 @@ batch itself (decode-only, size, context, page range) and raises, naming the bad
                                batch_sizes=(8, 16, 32, 64), max_context=16384)
     md = model.allocator.build_batch([(seq, 1) for seq in seqs], device="cpu")
     logits = runner(input_ids, md)          # [len(seqs), vocab] fp32, a fresh tensor
-
-``capture=False`` runs the same fixed-buffer path without capturing (any kernel, any device):
-the way to debug a graph-only difference, and what the CPU tests exercise.
 """
 
 from __future__ import annotations
@@ -28,7 +25,6 @@ from __future__ import annotations
 import dataclasses
 import itertools
 from collections.abc import Callable, Mapping, Sequence
-from types import TracebackType
 from typing import Any
 
 import torch
@@ -191,17 +187,15 @@ class DecodeGraphRunner:
         self.page_size: int = alloc.page_size
         self.max_pages_per_seq = -(-max_context // self.page_size)
         # a windowed table holds at most the pages of `window` tokens at any offset (+1)
-        windows = tuple(
+        self._windows = windows = tuple(
             (w, min(self.max_pages_per_seq, -(-w // self.page_size) + 1))
             for w in getattr(alloc, "window_pages", {})
         )
-        self._windows = windows
         self._widths: dict[int | None, int] = {None: self.max_pages_per_seq, **dict(windows)}
         self.pad_sequence = f"{PAD_SEQUENCE}.{next(_runner_ids)}"
         alloc.append(self.pad_sequence, 1)
         self._allocator = alloc
-        tables: tuple[int | None, ...] = (None, *(w for w, _ in windows))
-        self.scratch_pages = {w: alloc.pages(self.pad_sequence, w)[0] for w in tables}
+        self.scratch_pages = {w: alloc.pages(self.pad_sequence, w)[0] for w in self._widths}
         self.scratch_page: int = self.scratch_pages[None]
         self.table_pages: dict[int | None, int] = {}  # the smallest cache reading each table
         for a in model.attention_layers:
@@ -223,12 +217,7 @@ class DecodeGraphRunner:
     def __enter__(self) -> DecodeGraphRunner:
         return self
 
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.close()
 
     @property
@@ -245,13 +234,11 @@ class DecodeGraphRunner:
             slot = self._slots[size] = _Slot(shape, self.page_size, self.device)
         with torch.no_grad():
             static_md = slot.fill(metadata, input_ids, self.scratch_pages)  # copy_ casts the ids
-            kernel = self.model.kernel
-            with forward_context(static_md, self._specs, kernel, graph=slot.shape):
+            with forward_context(static_md, self._specs, self.model.kernel, graph=slot.shape):
                 if slot.copied is not None:
                     slot.copied.record()  # after every host-to-device copy of this step
                 if not self.capture:
-                    out = self.fn(slot.input_ids, slot.positions)
-                    return out[: metadata.num_seqs].clone()
+                    return self.fn(slot.input_ids, slot.positions)[: metadata.num_seqs].clone()
                 if slot.graph is None:
                     self._capture(slot)
                 assert slot.graph is not None and slot.output is not None

@@ -293,8 +293,7 @@ def _run(args: argparse.Namespace, tp: Any) -> int:
             else ""
         )
     )
-    device = next(model.parameters()).device
-    if device.type == "cpu":
+    if next(model.parameters()).device.type == "cpu":
         print(
             "(CPU timings with the reference kernel, a correctness path: they say nothing about "
             "speed on a GPU.)"
@@ -311,15 +310,8 @@ def _side_by_side(
     same = sum(a == b for a, b in zip(ref, own))
     lines = [f"prompt {i}: {prompt!r}"]
     for label, ids in ((ref_label, ref), ("quantized cache", own)):
-        text = " ".join(tok.decode(ids).split())  # one line: newlines as spaces
-        lines.append(
-            textwrap.fill(
-                f"{label + ':':<22}...{text}",
-                WIDTH,
-                initial_indent="  ",
-                subsequent_indent=" " * 27,
-            )
-        )
+        text = f"{label + ':':<22}..." + " ".join(tok.decode(ids).split())  # newlines as spaces
+        lines.append(textwrap.fill(text, WIDTH, initial_indent="  ", subsequent_indent=" " * 27))
     lines.append(
         f"  (the quantized cache's next token at each step, fed the other's tokens: {same} of "
         f"{len(own)} agree)"

@@ -6,9 +6,9 @@ a preset ``PagedDecoder``, or a ``KVQCausalLM`` around a transformers model: a t
 (``--model``: ``integrations.trained``; for the plan alone, built on the meta device from its
 config, a GGUF's header included), a tiny random-weight one of a family (``--hf``) or one built
 from a local config.json on the meta device (``--hf-config``: no weights, so only the plan can be
-read from it). transformers is imported
-only when one of those is used. Failures of foreign code (transformers, a bad JSON file) become a
-``CommandError`` naming the file: ``kvq <cmd>: error: ...``, exit 2, no traceback.
+read from it). transformers is imported only when one of those is used. Failures of foreign code
+(transformers, a bad JSON file) become a ``CommandError`` naming the file: ``kvq <cmd>: error:
+...``, exit 2, no traceback.
 """
 
 from __future__ import annotations
@@ -181,8 +181,7 @@ def _trained_plan_lm(source: str, kv: KVCacheConfig, overrides: dict[str, Any]) 
         config = model_config(source)
     except ImportError as e:
         raise CommandError(f"--model {source}: {e}") from None
-    what = f"--model {source!r}"
-    return _meta_lm(what, _meta_model(what, config, overrides), kv)
+    return _meta_lm(f"--model {source!r}", config, overrides, kv)
 
 
 def tiny_lm(
@@ -205,14 +204,15 @@ def tiny_lm(
 def hf_config_lm(path: str, kv: KVCacheConfig, overrides: dict[str, Any]) -> Any:
     """A ``KVQCausalLM`` around the transformers model of a local config, on the meta device (no
     memory, no weights), attached with a one-token dry run."""
-    what = f"--hf-config {path!r}"
-    return _meta_lm(what, _meta_model(what, load_config(path), overrides), kv)
+    return _meta_lm(f"--hf-config {path!r}", load_config(path), overrides, kv)
 
 
-def _meta_lm(what: str, hf: torch.nn.Module, kv: KVCacheConfig) -> Any:
-    """``hf`` (on the meta device) attached as a ``KVQCausalLM`` with a one-token dry run."""
+def _meta_lm(what: str, config: Any, overrides: dict[str, Any], kv: KVCacheConfig) -> Any:
+    """The transformers model of ``config`` on the meta device, attached as a ``KVQCausalLM``
+    with a one-token dry run."""
     from torch_kvq.integrations.transformers import KVQCausalLM
 
+    hf = _meta_model(what, config, overrides)
     with _no_meta_autocast():
         try:
             return KVQCausalLM.from_hf(hf, kv, num_pages=1)

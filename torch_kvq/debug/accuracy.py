@@ -62,11 +62,7 @@ class AccuracyReport:
         rows += [head, "-" * len(head)]
         for la in self.layers:
             kept = la.configured_mode == "none"
-            note = "; ".join(
-                n
-                for n, on in (("if it were quantized", kept), ("under threshold", la.flagged))
-                if on
-            )
+            note = "; ".join(("if it were quantized",) * kept + ("under threshold",) * la.flagged)
             rows.append(
                 f"{la.index:>3}  {la.name:{width}}  {la.attention_type:7}  "
                 f"{'kept bf16' if kept else la.configured_mode:14}  {la.k_scale:>8.3g}  "
@@ -152,9 +148,8 @@ class AccuracyReport:
         plt.close(fig)
 
 
-def _capture(
-    model: torch.nn.Module, run
-) -> dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+def _capture(model, md, ids: torch.Tensor) -> dict[str, tuple[torch.Tensor, ...]]:
+    """Each attention layer's q / k / v of one forward of ``ids`` on the batch ``md``."""
     captured: dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
 
     def hook(mod: Attention, args: tuple[torch.Tensor, ...]) -> None:
@@ -162,7 +157,8 @@ def _capture(
 
     hooks = [m.register_forward_pre_hook(hook) for m in model.modules() if isinstance(m, Attention)]
     try:
-        run()
+        with model.forward_context(md):
+            model(ids, md.positions)
     finally:
         for h in hooks:
             h.remove()
@@ -171,21 +167,11 @@ def _capture(
 
 def _attend(spec: LayerKVSpec, q, k, v, qo_lens: Sequence[int]) -> torch.Tensor:
     outs, start = [], 0
+    opts = (spec.sm_scale, spec.sliding_window, spec.logits_soft_cap)
     for n in qo_lens:
         pos = torch.arange(n, device=q.device)
         sl = slice(start, start + n)
-        outs.append(
-            ref_attention(
-                q[sl],
-                k[sl],
-                v[sl],
-                pos,
-                pos,
-                spec.sm_scale,
-                spec.sliding_window,
-                spec.logits_soft_cap,
-            )
-        )
+        outs.append(ref_attention(q[sl], k[sl], v[sl], pos, pos, *opts))
         start += n
     return torch.cat(outs)
 
@@ -226,12 +212,7 @@ def layer_accuracy(
     md = model.allocator.build_batch([(s, n) for s, n in zip(seq_ids, lens)], model.device)
     ids = torch.tensor([t for p in prompts for t in p], dtype=torch.long, device=model.device)
     try:
-
-        def run() -> None:
-            with model.forward_context(md):
-                model(ids, md.positions)
-
-        captured = _capture(model, run)
+        captured = _capture(model, md, ids)
     finally:
         for s in seq_ids:
             model.allocator.free(s)

@@ -88,8 +88,7 @@ def _graph_section(out: Path, folder: Path, phase: str) -> list[str]:
         files = [folder / f"{name}{s}" for s in (".before.py", ".after.py", ".diff")]
         links = ", ".join(_link(out, f) for f in files if f.exists())
         what = f"{stats.get('matches', '?')} matches, {stats.get('time_s', 0.0) * 1e3:.2f} ms"
-        about = _about(name)
-        parts.append(f"<li><b>{html.escape(name)}</b>{about}: {what}; {links}")
+        parts.append(f"<li><b>{html.escape(name)}</b>{_about(name)}: {what}; {links}")
         svg = folder / f"{name}.after.svg"
         if svg.exists():
             is_open = " open" if i in (0, last) else ""  # before any fusion, and the result
@@ -124,13 +123,8 @@ def _decision_table(rep: dict[str, Any]) -> list[str]:
         cells = "".join(f"<td>{html.escape(c)}</td>" for c in row)
         for n in shown:
             d = per_pass[n]["decisions"].get(layer, "-")
-            cls = (
-                "fused"
-                if d.startswith("fused")
-                else "kept"
-                if d.startswith("kept")
-                else ("notfused" if d.startswith("not fused") else "")
-            )
+            starts = (("fused", "fused"), ("kept", "kept"), ("not fused", "notfused"))
+            cls = next((c for prefix, c in starts if d.startswith(prefix)), "")
             cells += f'<td class="{cls}">{html.escape(d)}</td>'
         parts.append(f"<tr>{cells}</tr>")
     parts.append("</table>")

@@ -71,14 +71,8 @@ def _output_quant(not_served: str | None, kv_block: str | None, out_block: str |
 
 def plan_columns(rows: Sequence[dict[str, Any]]) -> dict[str, dict[str, str]]:
     """The plan's table columns per layer name: ``kernel``, ``will fuse``, ``output quant``."""
-    return {
-        r["name"]: {
-            "kernel": r["kernel"],
-            "will fuse": r["fuses"],
-            "output quant": r["output_quant"],
-        }
-        for r in rows
-    }
+    keys = {"kernel": "kernel", "will fuse": "fuses", "output quant": "output_quant"}
+    return {r["name"]: {column: r[key] for column, key in keys.items()} for r in rows}
 
 
 def format_plan(

@@ -4,10 +4,8 @@
 passes (``HFAttentionCall``: heads, KV heads, head sizes, scaling, window, soft-cap, causality,
 extra keyword arguments) and returns the exact one-token attention output so the run completes.
 
-``"kvq"`` (serving): ``kvq_attention_forward(module, q [1, H, T, D], k [1, KH, T, D],
-v [1, KH, T, D], mask=None, ...)`` turns the HF tensors into the flat ``[T, H, D]`` /
-``[T, KH, D]`` layout, calls the module's own ``torch_kvq.Attention`` (its ``kvq_attn``
-submodule, whose paged cache is a module buffer) and returns ``(out [1, T, H, D], None)``.
+``"kvq"`` (serving): ``kvq_attention_forward`` runs the module's own ``torch_kvq.Attention`` (its
+``kvq_attn`` submodule, whose paged cache is a module buffer) on the flat token layout.
 Everything it checks is a Python value at trace time, so the compiled graph holds only the
 ``kvq.*`` ops, as on the project's own decoders.
 """
@@ -60,7 +58,6 @@ def _recorder(
     if calls is None:
         raise RuntimeError("the kvq_record attention function runs only inside record_calls()")
     window = kwargs.get("sliding_window", getattr(module, "sliding_window", None))
-    sinks = any(kwargs.get(k) is not None for k in SINK_KWARGS)
     calls.append(
         HFAttentionCall(
             module=module,
@@ -73,7 +70,7 @@ def _recorder(
             sliding_window=None if window is None else int(window),
             softcap=None if kwargs.get("softcap") is None else float(kwargs["softcap"]),
             is_causal=bool(kwargs.get("is_causal", getattr(module, "is_causal", True))),
-            sinks=sinks,
+            sinks=any(kwargs.get(k) is not None for k in SINK_KWARGS),
             kwarg_names=tuple(sorted(kwargs)),
         )
     )

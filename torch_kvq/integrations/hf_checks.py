@@ -27,9 +27,7 @@ def _refuse(path: str, feature: str, why: str) -> ValueError:
 def check_model(hf_model: Any, text_config: Any) -> None:
     """Model-level refusals: encoder-decoder models, dynamic RoPE."""
     cfg = hf_model.config
-    if getattr(cfg, "is_encoder_decoder", False) or getattr(
-        text_config, "is_encoder_decoder", False
-    ):
+    if any(getattr(c, "is_encoder_decoder", False) for c in (cfg, text_config)):
         raise ValueError(
             f"{type(hf_model).__name__} is an encoder-decoder model; torch-kvq attaches decoder-only "
             "causal language models (and the text decoder of multimodal ones)"

@@ -18,7 +18,6 @@ import functools
 import inspect
 import weakref
 from collections.abc import Callable
-from types import TracebackType
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -94,12 +93,7 @@ class KVQPagedCache(Cache):
     def __enter__(self) -> KVQPagedCache:
         return self
 
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.close()
 
     # --- serving one forward -------------------------------------------------------------------

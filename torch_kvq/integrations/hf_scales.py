@@ -53,11 +53,8 @@ def _scalar(key: str, t: torch.Tensor) -> float:
 
 
 def _pick(path: str, keys: Sequence[str], found: Mapping[str, torch.Tensor]) -> float | None:
-    vals = {
-        f"{path}.{k}": _scalar(f"{path}.{k}", found[f"{path}.{k}"])
-        for k in keys
-        if f"{path}.{k}" in found
-    }
+    present = [f"{path}.{k}" for k in keys if f"{path}.{k}" in found]
+    vals = {key: _scalar(key, found[key]) for key in present}
     if len(set(vals.values())) > 1:
         raise ValueError(f"layer {path!r}: the checkpoint gives different scales {vals}")
     return next(iter(vals.values()), None)
@@ -75,8 +72,7 @@ def checkpoint_kv_scales(
     out: dict[str, tuple[float, float]] = {}
     for p in paths:
         both = _pick(p, BOTH_KEYS, found)
-        k = _pick(p, K_KEYS, found)
-        v = _pick(p, V_KEYS, found)
+        k, v = (_pick(p, keys, found) for keys in (K_KEYS, V_KEYS))
         k, v = (k if k is not None else both), (v if v is not None else both)
         if k is None and v is None:
             continue

@@ -95,11 +95,7 @@ def tiny_hf_model(
     from torch_kvq.models import randomize_weights_
 
     config = tiny_hf_config(family, **overrides)
-    model = (
-        getattr(transformers, FAMILIES[family][1])
-        ._from_config(config)
-        .to(dtype or torch.float32)
-        .eval()
-    )
+    cls = getattr(transformers, FAMILIES[family][1])
+    model = cls._from_config(config).to(dtype or torch.float32).eval()
     randomize_weights_(model, seed, norm_offset=family.startswith("gemma"))
     return model

@@ -137,11 +137,8 @@ class SelfAttention(nn.Module):
     ) -> None:
         super().__init__()
         n = tp.size if tp is not None else 1  # heads were checked divisible by PagedDecoder
-        self.num_heads, self.num_kv_heads, self.head_dim = (
-            cfg.num_heads // n,
-            cfg.num_kv_heads // n,
-            cfg.head_dim,
-        )
+        self.num_heads, self.num_kv_heads = cfg.num_heads // n, cfg.num_kv_heads // n
+        self.head_dim = cfg.head_dim
         kw: dict[str, Any] = dict(bias=cfg.attention_bias, dtype=dtype, device=device, tp=tp)
         h, q, kv = cfg.hidden_size, cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
         self.q_proj = linear(h, q, row=False, what="num_heads x head_dim", **kw)
@@ -180,15 +177,40 @@ class SelfAttention(nn.Module):
         return self.o_proj(out.reshape(t, self.num_heads * self.head_dim))
 
 
+class DecoderLayer(nn.Module):
+    """One layer's norms, ``self_attn`` and ``mlp`` (transformers' names); subclasses give the
+    forward. Gemma 3 (``cfg.arch``) has ``1 + w`` norms, q/k norms and norms around the MLP."""
+
+    def __init__(
+        self,
+        cfg: DecoderConfig,
+        dtype: torch.dtype,
+        device: torch.device,
+        tp: TensorParallel | None,
+    ) -> None:
+        super().__init__()
+        gemma = cfg.arch == "gemma3"
+        norm = lambda: RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, gemma, dtype, device)  # noqa: E731
+        self.input_layernorm = norm()
+        self.self_attn = SelfAttention(cfg, qk_norm=gemma, dtype=dtype, device=device, tp=tp)
+        self.post_attention_layernorm = norm()
+        if gemma:
+            self.pre_feedforward_layernorm = norm()
+        self.mlp = GatedMLP(cfg, dtype, device, tp)
+        if gemma:
+            self.post_feedforward_layernorm = norm()
+
+
 class PagedDecoder(PagedKV):
     """Base of ``LlamaModel`` / ``Gemma3Model``: embeddings, layers, final norm, LM head; the
     paged KV (``configure_kv``, ``kv_specs``, ``allocator``, ``forward_context``) is ``PagedKV``'s.
 
-    Subclasses set ``arch`` and implement ``_make_layer`` (and may override ``_embed`` / ``_norm``).
+    Subclasses set ``arch`` and ``layer_class`` (and may override ``_embed``).
     Attention layer names are ``f"{prefix}.layers.{i}.self_attn.attn"`` (the module path).
     """
 
     arch: ClassVar[str]
+    layer_class: ClassVar[type[DecoderLayer]]
 
     def __init__(
         self,
@@ -231,7 +253,9 @@ class PagedDecoder(PagedKV):
         self.prefix = prefix if prefix is not None else registry.unique_prefix("model")
         dev = self.device
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size, dtype=dtype, device=dev)
-        self.layers = nn.ModuleList([self._make_layer(i) for i in range(cfg.num_layers)])
+        self.layers = nn.ModuleList(
+            [self.layer_class(cfg, self.dtype, dev, self.tp) for _ in range(cfg.num_layers)]
+        )
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, self.arch == "gemma3", dtype, dev)
         self.lm_head: nn.Linear | None = None
         if not cfg.tie_word_embeddings:
@@ -240,9 +264,6 @@ class PagedDecoder(PagedKV):
             )
         self._rope_types = tuple(sorted(set(cfg.layer_types)))
         self.configure_kv(kv_config)
-
-    def _make_layer(self, i: int) -> nn.Module:
-        raise NotImplementedError
 
     def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.embed_tokens(input_ids)

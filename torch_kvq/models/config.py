@@ -99,11 +99,8 @@ def _as_dict(x: Any, where: str) -> Mapping[str, Any]:
 def _llama_rope(cfg: Any) -> dict[str, RopeSpec]:
     params = _get(cfg, "rope_parameters", None)
     if params:  # transformers 5.x
-        return {
-            "full_attention": _rope_spec(
-                _as_dict(params, "rope_parameters"), "rope_parameters", 10000.0
-            )
-        }
+        spec = _rope_spec(_as_dict(params, "rope_parameters"), "rope_parameters", 10000.0)
+        return {"full_attention": spec}
     merged = {"rope_theta": _get(cfg, "rope_theta", 10000.0)}  # transformers 4.x
     merged.update(_as_dict(_get(cfg, "rope_scaling", None), "rope_scaling"))
     return {"full_attention": _rope_spec(merged, "rope_scaling", 10000.0)}
@@ -113,17 +110,10 @@ def _gemma3_rope(cfg: Any) -> dict[str, RopeSpec]:
     params = _get(cfg, "rope_parameters", None)
     if params and set(params) & set(LAYER_TYPES):  # transformers 5.x: one dict per layer type
         params = _as_dict(params, "rope_parameters")
+        where = "rope_parameters[{!r}]"
         return {
-            "full_attention": _rope_spec(
-                _as_dict(params.get("full_attention"), "rope_parameters"),
-                "rope_parameters['full_attention']",
-                1e6,
-            ),
-            "sliding_attention": _rope_spec(
-                _as_dict(params.get("sliding_attention"), "rope_parameters"),
-                "rope_parameters['sliding_attention']",
-                1e4,
-            ),
+            t: _rope_spec(_as_dict(params.get(t), "rope_parameters"), where.format(t), theta)
+            for t, theta in (("full_attention", 1e6), ("sliding_attention", 1e4))
         }
     glob = {"rope_theta": _get(cfg, "rope_theta", 1e6)}  # transformers 4.x
     glob.update(_as_dict(_get(cfg, "rope_scaling", None), "rope_scaling"))
@@ -171,8 +161,7 @@ def read_config(cfg: Any, arch: str) -> DecoderConfig:
         )
     if arch == "llama":
         act = _get(cfg, "hidden_act", "silu")
-        types = ("full_attention",) * n
-        window = None
+        types, window = ("full_attention",) * n, None
         rope = _llama_rope(cfg)
         sm_scale = head_dim**-0.5
         attn_cap = final_cap = None

@@ -15,31 +15,12 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from torch import nn
 
-from torch_kvq.distributed import TensorParallel
-from torch_kvq.models.base import GatedMLP, PagedDecoder, RMSNorm, SelfAttention
-from torch_kvq.models.config import DecoderConfig
+from torch_kvq.models.base import DecoderLayer, PagedDecoder
 
 
-class Gemma3DecoderLayer(nn.Module):
+class Gemma3DecoderLayer(DecoderLayer):
     """``h + post_attn_norm(attn(in_norm(h)))``, then ``h + post_ff_norm(mlp(pre_ff_norm(h)))``."""
-
-    def __init__(
-        self,
-        cfg: DecoderConfig,
-        dtype: torch.dtype,
-        device: torch.device,
-        tp: TensorParallel | None = None,
-    ) -> None:
-        super().__init__()
-        norm = lambda: RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, True, dtype, device)  # noqa: E731
-        self.input_layernorm = norm()
-        self.self_attn = SelfAttention(cfg, qk_norm=True, dtype=dtype, device=device, tp=tp)
-        self.post_attention_layernorm = norm()
-        self.pre_feedforward_layernorm = norm()
-        self.mlp = GatedMLP(cfg, dtype, device, tp)
-        self.post_feedforward_layernorm = norm()
 
     def forward(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         h = h + self.post_attention_layernorm(self.self_attn(self.input_layernorm(h), cos, sin))
@@ -52,15 +33,13 @@ class Gemma3Model(PagedDecoder):
     in the model dtype."""
 
     arch = "gemma3"
+    layer_class = Gemma3DecoderLayer
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         # sqrt(hidden) rounded to the model dtype, as transformers applies it. A Python float
         # computed once, so tracing sees a constant (no tensor -> float inside forward).
         self.embed_scale = float(torch.tensor(self.config.hidden_size**0.5).to(self.dtype))
-
-    def _make_layer(self, i: int) -> nn.Module:
-        return Gemma3DecoderLayer(self.config, self.dtype, self.device, self.tp)
 
     def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.embed_tokens(input_ids) * self.embed_scale

@@ -1,10 +1,7 @@
 """Greedy generation through the paged cache: one mixed prefill batch, then decode steps.
 
-``generate(model, prompts, max_new_tokens, forward=None)``; ``forward`` may be a compiled
-callable, e.g. ``torch.compile(model, backend=kvq_backend)``; the model still provides the
-allocator and the forward context. ``decode=DecodeGraphRunner(model, ...)`` runs the decode steps
-through CUDA graphs (the prefill still goes through ``forward``). Pages are freed at the end, also
-on error.
+``forward`` may be a compiled model (``torch.compile(model, backend=kvq_backend)``); the model
+still provides the allocator and the forward context. Pages are freed at the end, also on error.
 """
 
 from __future__ import annotations
@@ -19,6 +16,7 @@ from torch_kvq.attention.graph_runner import DecodeGraphRunner
 from torch_kvq.attention.metadata import BatchMetadata
 from torch_kvq.distributed import agreed, refuse_together
 from torch_kvq.models.base import PagedDecoder
+from torch_kvq.spec import check_positive_int
 
 # forward(input_ids [T], positions [T], logits_indices=None) -> logits [T or len(indices), vocab]
 Forward = Callable[..., torch.Tensor]
@@ -116,18 +114,15 @@ def generate(
         rows = (
             torch.arange(len(ids), device=dev) if prefill_logits else torch.tensor(ends, device=dev)
         )
-        keep = {"logits_indices": rows}  # always given: one compiled graph for every step
-        with model.forward_context(md):
+        with model.forward_context(md):  # logits_indices always given: one compiled graph
             t0 = time.perf_counter()
-            logits = run(ids, md.positions, **keep)
+            logits = run(ids, md.positions, logits_indices=rows)
         if on_step is not None:
             on_step(1, max_new_tokens, time.perf_counter() - t0)
-        prefill = None
+        last, prefill = logits, None
         if prefill_logits:
             prefill = [logits[e + 1 - n : e + 1] for e, n in zip(ends, md.qo_lens)]
             last = logits[ends]
-        else:
-            last = logits
         for step in range(max_new_tokens):
             step_logits.append(last)
             chosen = (
@@ -172,12 +167,7 @@ def _check_args(
             f"{prompts!r}"
         )
     _check_ids("prompts", prompts, vocab)
-    if (
-        isinstance(max_new_tokens, bool)
-        or not isinstance(max_new_tokens, int)
-        or max_new_tokens < 1
-    ):
-        raise ValueError(f"max_new_tokens must be a positive int, got {max_new_tokens!r}")
+    check_positive_int(max_new_tokens, "max_new_tokens")
     if force_tokens is not None:
         if len(force_tokens) != len(prompts) or any(len(f) != max_new_tokens for f in force_tokens):
             raise ValueError(

@@ -24,29 +24,31 @@ from torch_kvq.spec import KVCacheConfig
 
 INIT_STD = 0.08  # larger than HF's 0.02 so that attention is peaked and windows change outputs
 NORM_STD = 0.1
+_COMMON: dict[str, Any] = dict(
+    vocab_size=512,
+    hidden_size=128,
+    intermediate_size=256,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=32,
+    max_position_embeddings=1024,
+    rms_norm_eps=1e-6,
+    initializer_range=INIT_STD,
+)
 
 
 def tiny_llama_config(**overrides: Any) -> dict[str, Any]:
     """4 layers, hidden 128, 4 query / 2 kv heads of 32, vocab 512."""
-    cfg: dict[str, Any] = dict(
-        model_type="llama",
-        vocab_size=512,
-        hidden_size=128,
-        intermediate_size=256,
-        num_hidden_layers=4,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=32,
-        hidden_act="silu",
-        max_position_embeddings=1024,
-        rms_norm_eps=1e-6,
-        tie_word_embeddings=False,
-        rope_theta=10000.0,  # transformers 4.x reads this
-        rope_parameters={"rope_type": "default", "rope_theta": 10000.0},  # 5.x
-        initializer_range=INIT_STD,
-    )
-    cfg.update(overrides)
-    return cfg
+    return {
+        **_COMMON,
+        "model_type": "llama",
+        "num_hidden_layers": 4,
+        "hidden_act": "silu",
+        "tie_word_embeddings": False,
+        "rope_theta": 10000.0,  # transformers 4.x reads this
+        "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0},  # 5.x
+        **overrides,
+    }
 
 
 def tiny_gemma3_config(**overrides: Any) -> dict[str, Any]:
@@ -54,34 +56,25 @@ def tiny_gemma3_config(**overrides: Any) -> dict[str, Any]:
 
     ``query_pre_attn_scalar`` is 48 (not head_dim), so using the wrong softmax scale shows.
     """
-    cfg: dict[str, Any] = dict(
-        model_type="gemma3_text",
-        vocab_size=512,
-        hidden_size=128,
-        intermediate_size=256,
-        num_hidden_layers=6,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=32,
-        hidden_activation="gelu_pytorch_tanh",
-        max_position_embeddings=1024,
-        rms_norm_eps=1e-6,
-        tie_word_embeddings=True,
-        query_pre_attn_scalar=48,
-        sliding_window=8,
-        layer_types=["sliding_attention", "sliding_attention", "full_attention"] * 2,
-        rope_theta=1_000_000.0,  # transformers 4.x reads these two
-        rope_local_base_freq=10_000.0,
-        rope_parameters={
+    return {
+        **_COMMON,
+        "model_type": "gemma3_text",
+        "num_hidden_layers": 6,
+        "hidden_activation": "gelu_pytorch_tanh",
+        "tie_word_embeddings": True,
+        "query_pre_attn_scalar": 48,
+        "sliding_window": 8,
+        "layer_types": ["sliding_attention", "sliding_attention", "full_attention"] * 2,
+        "rope_theta": 1_000_000.0,  # transformers 4.x reads these two
+        "rope_local_base_freq": 10_000.0,
+        "rope_parameters": {
             "full_attention": {"rope_type": "default", "rope_theta": 1_000_000.0},
             "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0},
         },
-        attn_logit_softcapping=None,
-        final_logit_softcapping=None,
-        initializer_range=INIT_STD,
-    )
-    cfg.update(overrides)
-    return cfg
+        "attn_logit_softcapping": None,
+        "final_logit_softcapping": None,
+        **overrides,
+    }
 
 
 PRESETS: Mapping[str, tuple[Callable[..., dict[str, Any]], type[PagedDecoder]]] = {

@@ -8,10 +8,6 @@ context; with neither it refuses: it never guesses a kernel from the device), bu
 ``post_grad_custom_post_pass``. A kernel is named by its capability-table key: a kernel object's
 ``name`` (``FlashInferKernel(fp8_decode="xqa", phases="decode").name`` is
 ``"flashinfer-xqa-decode"``, whose row claims FP8 output on sm90) or the name itself.
-
-``make_kvq_backend(inner="eager")`` runs the same post-grad-shaped graph without Inductor
-codegen: AOTAutograd with Inductor's decompositions and input mutations kept in the graph
-(as Inductor does), the passes, then the FX graph itself runs (fast to build; for tests).
 """
 
 from __future__ import annotations
@@ -34,7 +30,7 @@ from torch_kvq.attention.kernels import capabilities as caps
 from torch_kvq.attention.kernels.base import AttentionKernel
 from torch_kvq.passes import report
 from torch_kvq.passes.base import KVQPass
-from torch_kvq.passes.manager import DEFAULT_PASSES, KVQPassManager
+from torch_kvq.passes.manager import DEFAULT_PASSES, KVQPassManager, stamp_row
 from torch_kvq.spec import LayerKVSpec
 
 logger = logging.getLogger("torch_kvq")
@@ -67,47 +63,38 @@ def kernel_name(value: object, what: str = "kernel") -> str:
     return name
 
 
-def _kernel_names(kernel: KernelChoice) -> str | dict[str, str] | None:
-    """``make_kvq_backend``'s ``kernel`` as table names: one, per layer, or None."""
-    if kernel is None:
-        return None
-    if isinstance(kernel, Mapping):
-        return {layer: kernel_name(k, f"kernel for layer {layer!r}") for layer, k in kernel.items()}
-    return kernel_name(kernel)
-
-
 def graph_layers(gm: fx.GraphModule) -> dict[str, torch.device | None]:
     """Layer names used by kvq ops in a Dynamo graph -> the device of the op's first tensor arg."""
     found: dict[str, torch.device | None] = {}
     for node in gm.graph.nodes:
-        target = node.target
-        packet = getattr(target, "overloadpacket", target)
+        packet = getattr(node.target, "overloadpacket", node.target)
         if node.op != "call_function" or not getattr(packet, "_qualified_op_name", "").startswith(
             "kvq::"
         ):
             continue
-        schema = packet.default._schema
-        names = [a.name for a in schema.arguments]
+        names = [a.name for a in packet.default._schema.arguments]
         bound = dict(zip(names, node.args)) | dict(node.kwargs)
         layer = bound.get("layer_name")
         if not isinstance(layer, str):
             continue
-        device = None
-        for arg in node.args:
-            val = (
-                arg.meta.get("example_value", arg.meta.get("val"))
-                if isinstance(arg, fx.Node)
-                else None
-            )
-            if isinstance(val, torch.Tensor):
-                device = val.device
-                break
+        vals = [
+            a.meta.get("example_value", a.meta.get("val"))
+            for a in node.args
+            if isinstance(a, fx.Node)
+        ]
+        device = next((v.device for v in vals if isinstance(v, torch.Tensor)), None)
         found.setdefault(layer, device)
     return found
 
 
 class KVQBackend:
-    """A torch.compile backend running the kvq passes (see module doc); build with ``make_kvq_backend``."""
+    """A torch.compile backend running the kvq passes (see module doc), also named
+    ``make_kvq_backend``: ``inner`` ``"inductor"`` (default) or ``"eager"`` (passes, no codegen);
+    ``passes`` (in order: names in ``PASSES`` or ``KVQPass`` objects, your own passes too);
+    ``dump_dir`` (per-pass before/after dumps); ``kernel`` (a kernel object such as
+    ``FlashInferKernel(...)``, a kernel name, or a mapping layer -> either, overriding the forward
+    context's; None: the forward context's, an error without one); ``config_patches`` (extra
+    Inductor config)."""
 
     def __init__(
         self,
@@ -117,7 +104,13 @@ class KVQBackend:
         kernel: KernelChoice = None,
         config_patches: Mapping[str, Any] | None = None,
     ) -> None:
-        self.kernel_names = _kernel_names(kernel)
+        self.kernel_names: str | dict[str, str] | None = None  # ``kernel`` as table names
+        if isinstance(kernel, Mapping):
+            self.kernel_names = {
+                n: kernel_name(k, f"kernel for layer {n!r}") for n, k in kernel.items()
+            }
+        elif kernel is not None:
+            self.kernel_names = kernel_name(kernel)
         if inner not in INNER:
             raise ValueError(f"inner compiler {inner!r} unknown; expected one of {INNER}")
         if config_patches and "post_grad_custom_post_pass" in config_patches:
@@ -271,15 +264,7 @@ def _recall(key: str, manager: KVQPassManager) -> None:
         rep = report.GraphReport.from_json(text)
         rep.source = "fx graph cache hit"
     else:
-        layers = {
-            n: {
-                "mode": s.spec.mode.value,
-                "kernel": s.kernel,
-                "arch": s.arch,
-                "index": s.spec.index,
-            }
-            for n, s in manager.stamps.items()
-        }
+        layers = {n: stamp_row(s) for n, s in manager.stamps.items()}
         rep = report.GraphReport(
             -1, layers, {}, {}, {}, 0.0, source="fx graph cache hit (no stored report)"
         )
@@ -289,23 +274,7 @@ def _recall(key: str, manager: KVQPassManager) -> None:
     logger.info(rep.summary())
 
 
-def make_kvq_backend(
-    inner: str = "inductor",
-    passes: Sequence[str | KVQPass] = DEFAULT_PASSES,
-    dump_dir: str | Path | None = None,
-    kernel: KernelChoice = None,
-    config_patches: Mapping[str, Any] | None = None,
-) -> KVQBackend:
-    """A kvq backend: ``inner`` ``"inductor"`` (default) or ``"eager"`` (passes, no codegen);
-    ``passes`` (in order: names in ``PASSES`` or ``KVQPass`` objects, your own passes too); ``dump_dir`` (per-pass before/after dumps); ``kernel`` (a kernel
-    object such as ``FlashInferKernel(...)``, a kernel name, or a mapping layer -> either,
-    overriding the forward context's; None: the forward context's, an error without one);
-    ``config_patches`` (extra Inductor config)."""
-    return KVQBackend(
-        inner=inner, passes=passes, dump_dir=dump_dir, kernel=kernel, config_patches=config_patches
-    )
-
-
+make_kvq_backend = KVQBackend
 _default: KVQBackend | None = None
 
 

@@ -61,6 +61,4 @@ class PassDumper:
 def graph_text(graph: fx.Graph) -> str:
     """The readable Python code of ``graph`` (``print_readable`` of its module, if it has one)."""
     gm = graph.owning_module
-    if isinstance(gm, fx.GraphModule):
-        return gm.print_readable(print_output=False)
-    return str(graph)
+    return gm.print_readable(print_output=False) if isinstance(gm, fx.GraphModule) else str(graph)

@@ -33,13 +33,6 @@ def node_kind(node: fx.Node) -> str:
     return "fused" if stamp.fused else "unfused"
 
 
-def _label(node: fx.Node) -> str:
-    label = op_label(node).replace("kvq.", "")
-    if label == "paged_attention_fp8" and has_output_scale(node):
-        label += " (fp8 out)"
-    return label
-
-
 def _inputs_through_unstamped(node: fx.Node, stamped: set[fx.Node], depth: int = 4) -> set[fx.Node]:
     """Stamped nodes that feed ``node``, looking through up to ``depth`` unstamped nodes."""
     found: set[fx.Node] = set()
@@ -87,10 +80,8 @@ def graph_to_svg(graph: fx.Graph, title: str = "") -> str:
     for col, layer in enumerate(layers):
         spec = get_stamp(columns[layer][0]).spec  # type: ignore[union-attr]
         x = 20 + col * (BOX_W + COL_GAP)
-        kept = f"kept {short_dtype(spec.model_dtype)}"
-        head = (
-            f"L{spec.index} {spec.attention_type}: {spec.mode.value if spec.is_quantized else kept}"
-        )
+        mode = spec.mode.value if spec.is_quantized else f"kept {short_dtype(spec.model_dtype)}"
+        head = f"L{spec.index} {spec.attention_type}: {mode}"
         out.append(f'<text x="{x}" y="{TOP + 18}" font-weight="bold">{escape(head)}</text>')
     for node in stamped:
         for src in _inputs_through_unstamped(node, stamped):
@@ -100,13 +91,16 @@ def graph_to_svg(graph: fx.Graph, title: str = "") -> str:
                 'stroke="#555" marker-end="url(#arrow)"/>'
             )
     for node, (x, y) in pos.items():
-        fill, stroke, _ = COLOURS[node_kind(node)]
         kind = node_kind(node)
+        fill, stroke, _ = COLOURS[kind]
+        label = op_label(node).replace("kvq.", "")
+        if label == "paged_attention_fp8" and has_output_scale(node):
+            label += " (fp8 out)"
         out.append(
             f'<rect class="{kind}" x="{x}" y="{y}" width="{BOX_W}" height="{BOX_H}" rx="5" '
             f'fill="{fill}" stroke="{stroke}"><title>{escape(node.format_node() or node.name)}</title></rect>'
         )
-        out.append(f'<text x="{x + 6}" y="{y + 14}">{escape(_label(node)[:30])}</text>')
+        out.append(f'<text x="{x + 6}" y="{y + 14}">{escape(label[:30])}</text>')
         out.append(f'<text x="{x + 6}" y="{y + 27}" fill="#555">{escape(node.name[:30])}</text>')
     out.append("</svg>")
     return "\n".join(out)

@@ -118,10 +118,10 @@ class KVQPassManager(CustomGraphPass):
             )
         archs = _per_layer(arch, self.specs, "arch")
         kernels = _per_layer(kernel, self.specs, "kernel")
-        self.stamps: dict[str, KVQStamp] = {}
-        for s in self.specs:
-            a = archs[s.name] or "cpu"
-            self.stamps[s.name] = make_stamp(s, kernels[s.name] or "reference", a)
+        self.stamps: dict[str, KVQStamp] = {
+            s.name: make_stamp(s, kernels[s.name] or "reference", archs[s.name] or "cpu")
+            for s in self.specs
+        }
         self.passes = resolve_passes(passes)
         self.pass_names = tuple(p.name for p in self.passes)
         self.dump_dir = Path(dump_dir) if dump_dir is not None else None
@@ -172,12 +172,7 @@ class KVQPassManager(CustomGraphPass):
             if dump is not None:
                 dump.after(p.name, graph)
         layers = {
-            name: {
-                "mode": st.spec.mode.value,
-                "kernel": st.kernel,
-                "arch": st.arch,
-                "index": st.spec.index,
-            }
+            name: stamp_row(st)
             for name, st in sorted(self.stamps.items(), key=lambda kv: kv[1].spec.index)
             if any(name in s.decisions for s in stats.values())
         }
@@ -197,6 +192,16 @@ class KVQPassManager(CustomGraphPass):
         self.last = rep
         report.record(rep)
         logger.info(rep.summary())
+
+
+def stamp_row(st: KVQStamp) -> dict[str, object]:
+    """A layer's row of the pass report: its mode, kernel, arch and index."""
+    return {
+        "mode": st.spec.mode.value,
+        "kernel": st.kernel,
+        "arch": st.arch,
+        "index": st.spec.index,
+    }
 
 
 def resolve_passes(passes: Sequence[str | KVQPass]) -> tuple[KVQPass, ...]:

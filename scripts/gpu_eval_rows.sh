@@ -1,0 +1,45 @@
+#!/usr/bin/env bash
+# The H200 rows of docs/accuracy.md: `kvq eval` of both shipped trained models, compiled with the
+# kvq passes (the kernels run only through the compiled graph), on each FlashInfer decode path,
+# bf16, at the eval's defaults (the CPU table's windows, decode steps and prompts). One process
+# per (model, kernel), all at once; the KV configs are the CPU table's, the calibrated row with
+# the headroom-2 scales `kvq calibrate` now writes (benchmarks/results/cpu_2026-12-02_scales_headroom2_*).
+#
+# Needs the GGUFs' parts and SHA256SUMS in /tmp/xfer (gpu_run.sh eval says how they travel) and
+# the Brown eval texts in /tmp/xfer/corpus; the wheels installed in /tmp/site (gpu_run.sh).
+# Writes $OUT/eval_<model>_<kernel>.{json,txt} and $OUT/eval_rows_log.txt.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-$PWD/out}
+mkdir -p "$OUT" /tmp/models
+export PYTHONUNBUFFERED=1 PYTHONPATH=/tmp/site:$PWD TORCH_KVQ_PROGRESS=1
+export FLASHINFER_CUDA_ARCH_LIST=${FLASHINFER_CUDA_ARCH_LIST:-9.0a} CUDA_HOME=${CUDA_HOME:-/usr/local/cuda}
+export TORCH_KVQ_CORPUS=${TORCH_KVQ_CORPUS:-/tmp/xfer/corpus} TORCH_KVQ_CACHE=/tmp/kvqcache
+LOG=$OUT/eval_rows_log.txt
+cp /tmp/xfer/SHA256SUMS /tmp/models/
+for f in $(awk '{print $2}' /tmp/models/SHA256SUMS); do  # NAME.p0 NAME.p1... joined
+  [ -f /tmp/models/$f ] || cat $(ls /tmp/xfer/$f.p* | sort) > /tmp/models/$f
+done
+(cd /tmp/models && sha256sum -c SHA256SUMS) 2>&1 | tee -a "$LOG" || exit 1
+R=benchmarks/results/cpu_2026-12-02_scales_headroom2
+declare -A KV=(
+  [smollm2]="--kv fp8 --kv fp8-cal=fp8:scales=${R}_smollm2.safetensors"
+  [gemma3]="--kv fp8 --kv fp8-sliding-bf16=fp8:skip=sliding_window --kv fp8-cal=fp8:scales=${R}_gemma3.safetensors"
+)
+for m in smollm2 gemma3; do  # convert each GGUF once before the processes that share it start
+  python3 -c "from torch_kvq.integrations.trained import converted_folder as c; print(c('/tmp/models/$m.gguf'))" \
+    2>&1 | tail -1 | tee -a "$LOG"
+done
+pids=()
+for m in smollm2 gemma3; do
+  for k in flashinfer flashinfer-triton flashinfer-xqa; do
+    cmd="python3 -m torch_kvq.cli eval --model /tmp/models/$m.gguf --kernel $k --compile kvq ${KV[$m]} --json $OUT/eval_${m}_${k}.json"
+    echo "$(date -u +%T) $cmd" | tee -a "$LOG"
+    $cmd > "$OUT/eval_${m}_${k}.txt" 2>&1 &
+    pids+=($!)
+  done
+done
+status=0
+for p in "${pids[@]}"; do wait "$p" || status=1; done
+echo "$(date -u +%T) all done, status $status" | tee -a "$LOG"
+exit $status
