@@ -11,16 +11,12 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/out}
-mkdir -p "$OUT" /tmp/models
+mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 PYTHONPATH=/tmp/site:$PWD TORCH_KVQ_PROGRESS=1
 export FLASHINFER_CUDA_ARCH_LIST=${FLASHINFER_CUDA_ARCH_LIST:-9.0a} CUDA_HOME=${CUDA_HOME:-/usr/local/cuda}
 export TORCH_KVQ_CORPUS=${TORCH_KVQ_CORPUS:-/tmp/xfer/corpus} TORCH_KVQ_CACHE=/tmp/kvqcache
 LOG=$OUT/eval_rows_log.txt
-cp /tmp/xfer/SHA256SUMS /tmp/models/
-for f in $(awk '{print $2}' /tmp/models/SHA256SUMS); do  # NAME.p0 NAME.p1... joined
-  [ -f /tmp/models/$f ] || cat $(ls /tmp/xfer/$f.p* | sort) > /tmp/models/$f
-done
-(cd /tmp/models && sha256sum -c SHA256SUMS) 2>&1 | tee -a "$LOG" || exit 1
+. scripts/join_models.sh && join_models "$LOG" || exit 1
 R=benchmarks/results/cpu_2026-12-02_scales_headroom2
 declare -A KV=(
   [smollm2]="--kv fp8 --kv fp8-cal=fp8:scales=${R}_smollm2.safetensors"

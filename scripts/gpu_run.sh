@@ -146,11 +146,7 @@ for step in ${*:-tests attn xqa model}; do
              tar -C /tmp/jitpack -cf - STAMP aot | xz -T0 -6 \
                | split -b 15M -d -a 1 - "$OUT/flashinfer_jit.tar.xz.part-"
              ls -la "$OUT"/flashinfer_jit.tar.xz.part-* | tee -a "$LOG" ;;
-    eval) mkdir -p /tmp/models && cp /tmp/xfer/SHA256SUMS /tmp/models/
-          for f in $(awk '{print $2}' /tmp/models/SHA256SUMS); do  # NAME.p0 NAME.p1... joined
-            [ -f /tmp/models/$f ] || cat $(ls /tmp/xfer/$f.p* | sort) > /tmp/models/$f
-          done
-          (cd /tmp/models && sha256sum -c SHA256SUMS) 2>&1 | tee -a "$LOG" || { status=1; continue; }
+    eval) . scripts/join_models.sh && join_models "$LOG" || { status=1; continue; }
           TORCH_KVQ_CORPUS=${TORCH_KVQ_CORPUS:-/tmp/xfer/corpus} TORCH_KVQ_CACHE=/tmp/kvqcache TORCH_KVQ_PROGRESS=1 \
             python3 -m torch_kvq.cli eval ${KVQ_EVAL_ARGS:-} --json "$OUT/eval_gpu.json" \
             --plot "$OUT/eval_gpu.png" 2>&1 | tee -a "$LOG" "$OUT/eval_gpu.txt" ;;
