@@ -15,6 +15,8 @@ a normalised partial output and its log-sum-exp (``store_part``), merged by ``co
 
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
@@ -23,6 +25,7 @@ DOT_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.floa
 CODE_DTYPES = (torch.int8, torch.float8_e4m3fn)  # caches read with per-(token, head) scales
 LOG2E = 1.4426950408889634
 _LOG2E = tl.constexpr(LOG2E)  # a jit function reads only constexpr globals (Triton 3.6)
+_INTERPRET = tl.constexpr(os.environ.get("TRITON_INTERPRET") == "1")  # no inline PTX there
 
 
 @triton.jit
@@ -92,13 +95,28 @@ def page_logits(
 @triton.jit
 def widen(x, DOT: tl.constexpr):
     """Cache values ``x`` as the dot dtype ``DOT``, exactly. int8 -> fp16 by the exponent trick:
-    the byte with its sign bit flipped (``x + 128``) under fp16's exponent of 1024 (one xor of the
-    zero-extended byte with 0x6480) is ``1024 + x + 128``; subtracting 1152 leaves x. Byte
-    permutes and packed fp16 subtractions instead of an integer conversion per value."""
+    the byte with its sign bit flipped (``x + 128``) under fp16's exponent of 1024 is
+    ``1024 + x + 128``; subtracting 1152 leaves x. Compiled, four codes at a time in one 32-bit
+    register (``_widen_int8_fp16``: one xor, two byte permutes, two packed subtractions); the
+    interpreter, which runs no PTX, takes the same steps value by value."""
     if x.dtype.is_int8() and DOT == tl.float16:
-        bits = x.to(tl.uint8, bitcast=True).to(tl.uint16) ^ 0x6480
-        return bits.to(tl.float16, bitcast=True) - 1152.0
+        if _INTERPRET:
+            bits = x.to(tl.uint8, bitcast=True).to(tl.uint16) ^ 0x6480
+            return bits.to(tl.float16, bitcast=True) - 1152.0
+        return _widen_int8_fp16(x)
     return x.to(DOT)
+
+
+@triton.jit
+def _widen_int8_fp16(x):
+    """int8 -> fp16 four codes per instance: ``t = x ^ 0x80808080`` (each byte + 128), bytes of t
+    interleaved with 0x64 (``prmt``: fp16 ``1024 + byte``), minus 1152 (0x6480) two at a time."""
+    return tl.inline_asm_elementwise(
+        "{ .reg .b32 t, lo, hi, c; mov.b32 c, 0x64806480; xor.b32 t, $2, 0x80808080; "
+        "prmt.b32 lo, t, 0x64646464, 0x4140; prmt.b32 hi, t, 0x64646464, 0x4342; "
+        "sub.rn.f16x2 $0, lo, c; sub.rn.f16x2 $1, hi, c; }",
+        "=r,=r,r", [x], dtype=tl.float16, is_pure=True, pack=4,
+    )  # fmt: skip
 
 
 @triton.jit
