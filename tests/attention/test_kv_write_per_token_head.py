@@ -48,6 +48,71 @@ def test_round_half_away_is_exact_at_ties_and_beside_them() -> None:
     assert (below_half + 0.5).floor().item() == 1.0  # why floor(|y| + 0.5) is not used
 
 
+def _fma32(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
+    """fp32 ``a * b + c`` rounded once, as the GPU's fma: the product is exact in float64; the sum's
+    float64 rounding error (TwoSum) settles the fp32 midpoints it could move."""
+    p, c64 = a.double() * b.double(), c.double()
+    s = p + c64
+    bb = s - p
+    lo = (p - (s - bb)) + (c64 - bb)
+    f = s.float()
+    g = f.double()
+    nb = torch.nextafter(f, torch.where(s > g, torch.inf, -torch.inf))
+    tie = (g != s) & (s == (g + nb.double()) / 2) & (lo != 0)
+    return torch.where(tie & ((lo > 0) == (nb.double() > g)), nb, f)
+
+
+def test_the_compiled_division_is_aten_division_in_codes() -> None:
+    """The Triton write's compiled ``x / s`` (``triton/kv_write._divide_rows``: ``r = 1 / s``, then
+    ``y0 = x * r`` and two fmas, x's sign put back), emulated exactly here, gives the codes of the
+    correctly rounded division for every finite bf16 x with |x| <= absmax, at scales of both
+    modes in both of aten's forms (``absmax / QMAX``, ``absmax * (1 / QMAX)``); the quotients
+    themselves differ only where fp32 underflows (|x| < 2^-100: the residual; or a subnormal
+    quotient), and there every code is zero (the scale is at least 1e-6)."""
+    bits = torch.arange(-(2**15), 2**15, dtype=torch.int32).to(torch.int16)
+    xs = bits.view(torch.bfloat16).float()
+    xs = xs[torch.isfinite(xs)]
+    g = torch.Generator().manual_seed(0)
+    amaxes = torch.cat([xs.abs()[torch.randint(len(xs), (24,), generator=g)],
+                        torch.tensor([1e-30, 1.27e-4, 1.0, 448.0, 3e38])])  # fmt: skip
+    for amax in amaxes.tolist():
+        x = xs[xs.abs() <= amax]
+        for mode in MODES:
+            _, qmax = quant.per_token_head_format(mode)
+            for s in (
+                torch.tensor(amax) / qmax,
+                torch.tensor(amax) * kv_write._operand("rcp", qmax),
+            ):
+                s = s.clamp(min=quant.SCALE_FLOOR).expand_as(x)
+                r = (1.0 / s.double()).float()  # div_rn(1, s): correctly rounded
+                y0 = x * r
+                y = _fma32(_fma32(-y0, s, x), r, y0).abs() * torch.where(
+                    x.view(torch.int32) < 0, -1.0, 1.0
+                )
+                want = x / s
+                # the residual x - y0 * s (~ x * 2^-24) and the quotient are normal fp32 values
+                normal = (x.abs() > 2.0**-100) & (want.abs() >= 2.0**-126)
+                assert torch.equal(y[normal], want[normal]), (amax, mode)
+                if mode == "int8":
+                    codes = quant.round_half_away(y).clamp(-128, 127).to(torch.int8)
+                    assert torch.equal(
+                        codes, quant.round_half_away(want).clamp(-128, 127).to(torch.int8)
+                    )
+                else:
+                    got = y.clamp(-448, 448).to(FP8_DTYPE).view(torch.uint8)
+                    assert torch.equal(got, want.clamp(-448, 448).to(FP8_DTYPE).view(torch.uint8))
+
+
+def test_half_away_by_floor_is_exact() -> None:
+    """The compiled int8 rounding, ``floor(|y| + 0.49999997)`` with y's sign, is
+    ``round_half_away`` at ties, beside them and at 0.49999997 (where ``|y| + 0.5`` fails)."""
+    y = torch.cat([torch.arange(-130, 130, 0.5), torch.rand(100_000) * 260 - 130,
+                   torch.tensor([0.49999997, -0.49999997, 0.5, 1.4999999, 2.5000002, 126.5])])  # fmt: skip
+    y = torch.cat([y, torch.nextafter(y, y + 1), torch.nextafter(y, y - 1)])
+    r = torch.floor(y.abs() + 0.49999997) * torch.where(y < 0, -1.0, 1.0)
+    assert torch.equal(r.abs(), quant.round_half_away(y).abs())
+
+
 @pytest.mark.parametrize("mode", MODES)
 def test_quantize_follows_the_definition(mode: str) -> None:
     g = torch.Generator().manual_seed(0)

@@ -33,7 +33,7 @@ eager form, a CUDA graph captured then keeps the value it saw at capture). On th
 
 Per-(token, head) modes (``write_kv_per_token_head``; math: ``quant.quantize_per_token_head``):
 the codes go into ``kv_cache`` and one fp32 scale per (token, kv head) for k and for v into
-``kv_scale`` [pages, 2, KH, page]. On a CUDA cache one Triton program per token writes both; its
+``kv_scale`` [pages, 2, KH, page]. On a CUDA cache one Triton program per few tokens writes both; its
 bytes and scales are those of the unfused torch ops on that device: ``absmax / QMAX`` (a
 Python-float divisor) in aten's measured form (``aten_scalar_division``; QMAX is exact in fp32, so
 the two reciprocal forms agree), ``x.float() / scale`` (a tensor divisor) correctly rounded, as
@@ -105,6 +105,9 @@ def pages_and_offsets(
 
 
 ScalarDivision = Literal["div", "rcp", "rcp32"]
+# The per-(token, head) write's launch: values of k (and of v) per program, and its warps
+WRITE_ROW_ELEMENTS = 4096
+WRITE_WARPS = 4
 # (x, scale) probes: exact quotients (169 / 13, 1.5 / 0.03 = 50, an FP8 tie) and random values,
 # with scales where the candidate forms round differently (0.03, 0.0341, 13, 0.3, 123.456).
 _PROBE_SCALES = (13.0, 0.03, 0.0341, 0.3, 1.0 / 3.0, 7.7e-3, 123.456)
@@ -398,10 +401,12 @@ def write_kv_per_token_head_triton(
     # x / scale: a tensor divisor
     require_correct_tensor_division(kv_cache.device, "the per-(token, head) cache write")
     block_h, block_d = _next_pow2(kh), _next_pow2(d)
-    kernel[(t,)](
-        k, v, kv_cache, kv_scale, slot_mapping, _operand(division, qmax),
+    # a program quantizes WRITE_ROW_ELEMENTS values of k (and of v): several tokens when heads are small
+    block_t = max(1, WRITE_ROW_ELEMENTS // (block_h * block_d))
+    kernel[(-(-t // block_t),)](
+        k, v, kv_cache, kv_scale, slot_mapping, _operand(division, qmax), t,
         *k.stride(), *v.stride(), *kv_cache.stride(), *kv_scale.stride(), kv_cache.shape[2],
-        KH=kh, D=d, BLOCK_H=block_h, BLOCK_D=block_d, QMAX=qmax, FLOOR=_f32(SCALE_FLOOR),
-        DIVIDE=division == "div", INT8=code_dtype == torch.int8, HALF_AWAY=rounding == "half_away",
-        num_warps=4 if block_h * block_d <= 2048 else 8,
+        KH=kh, D=d, BLOCK_T=block_t, BLOCK_H=block_h, BLOCK_D=block_d, QMAX=qmax,
+        FLOOR=_f32(SCALE_FLOOR), DIVIDE=division == "div", INT8=code_dtype == torch.int8,
+        HALF_AWAY=rounding == "half_away", num_warps=WRITE_WARPS,
     )  # fmt: skip
