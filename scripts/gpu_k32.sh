@@ -18,9 +18,9 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export KVQ_GPU_TESTS="${KVQ_GPU_TESTS:-tests/attention/test_kv_write_per_token_head.py \
-tests/attention/test_triton_decode_per_token_head.py tests/attention/test_flashinfer_per_token_head.py \
-tests/attention/test_triton_decode_tma.py tests/attention/test_triton_decode_balanced.py \
-tests/attention/test_triton_helpers.py tests/attention/test_kv_write.py}"
+tests/attention/triton_programs/test_triton_decode_per_token_head.py tests/attention/test_flashinfer_per_token_head.py \
+tests/attention/triton_programs/test_triton_decode_tma.py tests/attention/triton_programs/test_triton_decode_balanced.py \
+tests/attention/triton_programs/test_triton_helpers.py tests/attention/test_kv_write.py}"
 export KVQ_TEST_LOG=${KVQ_TEST_LOG:-gpu_test_log_k32.txt}
 export KVQ_TESTS_TIMEOUT=${KVQ_TESTS_TIMEOUT:-300}
 export KVQ_PATHS_ARGS="${KVQ_PATHS_ARGS:---quick --rounds 5 --paths fi_tc_bf16,fi_tc_fp8,triton_tma,triton_int8_per_token_head,triton_fp8_per_token_head}"
