@@ -4,7 +4,9 @@ Models (torch_kvq's own decoders at the real dimensions, random bf16 weights mad
 Llama-3.1-8B (32 layers, 32/8 heads of 128; FP8 config skips layers 0 and -1) and Gemma-3-12B
 (48 layers, 16/8 heads of 256, 5 sliding (window 1024) : 1 global; FP8 config keeps the sliding
 layers in bf16). Each KV config: all-bf16 vs FP8 through the tensor-core wrapper ("tc"), XQA and
-our Triton kernel ("triton", ``FlashInferKernel(fp8_decode="triton")``).
+our Triton kernel ("triton", ``FlashInferKernel(fp8_decode="triton")``); ``int8_per_token_head`` /
+``fp8_per_token_head`` (the FP8 config's skip rule, the quantized layers on our Triton decode
+whatever the kernel name says) and ``mixed``, one per-layer mode map per model (``MIXED``).
 "tc" runs the tensor-core decode in fp16 math (FlashInferKernel's default since 2026-11-30 run
 14), "tc-bf16" in bf16 (runs 10-13's "tc"). Sliding-window layers get pools of their own (``window_pages``): they hold ~1024 tokens per
 sequence, not the context.
@@ -117,11 +119,36 @@ SMOKE = {
 }  # fmt: skip
 
 
+# per-layer mode maps (KVCacheConfig.layer_modes): Llama int8 per (token, head) with layer 0 in bf16
+# and the last layer FP8 per tensor; Gemma's sliding layers bf16, its global ones int8 per (token,
+# head), layer 0 (sliding) FP8 per tensor
+MIXED = {
+    "llama-3.1-8b": ("int8_per_token_head", ((0, "auto"), (-1, "fp8"))),
+    "gemma-3-12b": ("auto", (("full_attention", "int8_per_token_head"), (0, "fp8"))),
+}
+KV_CONFIGS = ("bf16", "fp8", "int8_per_token_head", "fp8_per_token_head", "mixed")
+
+
 def kv_configs(skip) -> dict[str, KVCacheConfig]:
+    """The all-bf16 and FP8 configs (``skip``: the FP8 config's skip rule)."""
     return {
         "bf16": KVCacheConfig("auto", page_size=PAGE),
         "fp8": KVCacheConfig("fp8", skip_layers=skip, page_size=PAGE),
     }
+
+
+def kv_config(name: str, model_name: str) -> KVCacheConfig:
+    """The KV config ``name`` (``KV_CONFIGS``) for ``model_name``: the per-(token, head) modes
+    with the FP8 config's skip rule, ``mixed`` with the model's ``MIXED`` map."""
+    skip = MODELS[model_name][3]
+    if name in ("bf16", "fp8"):
+        return kv_configs(skip)[name]
+    if name == "mixed":
+        default, rules = MIXED[model_name]
+        return KVCacheConfig(default, layer_modes=rules, page_size=PAGE)
+    if name not in KV_CONFIGS:
+        raise ValueError(f"unknown kv config {name!r}; expected one of {list(KV_CONFIGS)}")
+    return KVCacheConfig(name, skip_layers=skip, page_size=PAGE)
 
 
 def make_kernel(name: str, smoke: bool):
@@ -182,12 +209,25 @@ def fill(model, batch: int, ctx: int, chunk: int) -> None:
 
 
 def random_caches(model) -> None:
+    """Random values in every cache (int8 codes ~N(0, 40)); per-(token, head) scales 1/40."""
     for a in model.attention_layers:
         cache = a.kv_cache
-        std = 16.0 if cache.dtype == torch.float8_e4m3fn else 1.0
+        std = {torch.float8_e4m3fn: 16.0, torch.int8: 40.0}.get(cache.dtype, 1.0)
         for i in range(0, cache.shape[0], 4096):
             part = cache[i : i + 4096]
-            part.copy_((torch.randn(part.shape, device=cache.device) * std).to(cache.dtype))
+            x = torch.randn(part.shape, device=cache.device) * std
+            part.copy_(x.clamp(-127, 127) if cache.dtype == torch.int8 else x)
+        if getattr(a, "kv_scale", None) is not None:
+            a.kv_scale.fill_(1 / 40)
+
+
+def layer_bytes(model) -> int:
+    """Every layer's cache bytes: codes and, where a layer has them, per-(token, head) scales."""
+    total = 0
+    for a in model.attention_layers:
+        for t in (a.kv_cache, getattr(a, "kv_scale", None)):
+            total += 0 if t is None else t.numel() * t.element_size()
+    return total
 
 
 @torch.no_grad()
@@ -282,8 +322,7 @@ def replay_only(runner: DecodeGraphRunner, batch: int, steps: int) -> list[float
 def run_variant(
     model_name: str, kv_name: str, kernel_name: str, args, env, copy_gbps
 ) -> list[dict]:
-    _, _, _, skip = MODELS[model_name]
-    kv = kv_configs(skip)[kv_name]
+    kv = kv_config(kv_name, model_name)
     device = "cpu" if args.smoke else "cuda"
     kernel = make_kernel(kernel_name, args.smoke)
     cap_ctx = args.capacity_ctx
@@ -312,14 +351,14 @@ def run_variant(
 
         flashinfer_jit.prebuild(kernel, model.kv_specs)
     random_caches(model)
-    kv_bytes = sum(a.kv_cache.numel() * a.kv_cache.element_size() for a in model.attention_layers)
+    kv_bytes = layer_bytes(model)
     backend = torch_kvq.kvq_backend
     patches = {**(MAX_AUTOTUNE_GEMM if args.max_autotune_gemm else {}), **(PDL if args.pdl else {}),
                **args.inductor}  # fmt: skip
     if patches:  # Inductor config for this compile only (GEMM autotuning, PDL, --inductor)
         backend = torch_kvq.make_kvq_backend(config_patches=patches)
     fn = torch.compile(model, backend=backend)
-    base = {"model": model_name, "kv_config": kv_name, "kernel": kernel_name if kv_name == "fp8" else "bf16",
+    base = {"model": model_name, "kv_config": kv_name, "kernel": kernel_name if kv_name != "bf16" else "bf16",
             "kv_gib": kv_bytes / 2**30, "kv_budget_gib": budget / 2**30, "max_batch_at_capacity_ctx": max_batch,
             "capacity_ctx": cap_ctx, "weights_gib": weight_bytes / 2**30, "windowed_pools": args.windowed,
             "fused_projections": args.fuse_projections, "max_autotune_gemm": args.max_autotune_gemm,
@@ -364,7 +403,9 @@ def run_variant(
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
-    ap.add_argument("--kv", nargs="+", default=["bf16", "fp8:tc", "fp8:xqa"])
+    ap.add_argument("--kv", nargs="+", default=["bf16", "fp8:tc", "fp8:xqa"],
+                    help=f"<kv config>[:<kernel>], kv configs {list(KV_CONFIGS)}, kernels tc, "
+                    "tc-bf16, xqa, triton (e.g. int8_per_token_head:tc, mixed:triton)")  # fmt: skip
     ap.add_argument("--ctxs", type=int, nargs="+", default=[4096, 8192, 16384, 32768])
     ap.add_argument("--batches", type=int, nargs="+", default=[8, 16, 32, 64])
     ap.add_argument("--capacity-ctx", type=int, default=16384)

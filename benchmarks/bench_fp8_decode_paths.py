@@ -1,4 +1,4 @@
-"""The package's FP8-KV decode attention paths per layer on one GPU: speed against copy
+"""The package's quantized-KV decode attention paths per layer on one GPU: speed against copy
 bandwidth, error against fp32.
 
 One new token per sequence, NHD pages of 16, bf16 queries, pages shuffled, at 16k context.
@@ -12,14 +12,20 @@ sequences, ``bench_decode_at_scale.py``). Paths, as ``FlashInferKernel`` runs th
   xqa_fp8                    ``fp8_decode="xqa"``: FlashInfer's XQA, FP8 math on sm90, PDL off
   triton_tma                 ``fp8_decode="triton"``: torch_kvq's TMA split-K decode at its
                              defaults (tuned config; split grid or balanced schedule, its choice)
+  triton_int8_per_token_head the same kernel on an ``int8_per_token_head`` cache (int8 codes, one
+                             fp32 scale per token and kv head), as FlashInferKernel decodes it
+  triton_fp8_per_token_head  ... on an ``fp8_per_token_head`` cache (e4m3 codes, fp32 scales)
 Each path: a CUDA graph of ``--calls`` calls, replayed once per round, rounds interleaved across
 paths; median, min, max over rounds, plus per-call times (one event pair per call) to expose two
-modes. "% copy" is bytes of K+V read / time over the measured device-to-device copy bandwidth
-(read + write). rel err: Frobenius, against fp32 dense attention on the dequantized cache the
-path read. A path that cannot run gets a row with its error, never a substitute.
+modes. "% copy" is bytes of K+V read (codes and scales: the per-(token, head) caches' fp32 scales
+count) / time over the measured device-to-device copy bandwidth (read + write). rel err:
+Frobenius, against fp32 dense attention on the dequantized cache the path read (the
+per-(token, head) caches hold the bf16 cache's values quantized). A path that cannot run gets a
+row with its error, never a substitute.
 
     python benchmarks/bench_fp8_decode_paths.py           # every shape (bash scripts/gpu_run.sh paths)
     python benchmarks/bench_fp8_decode_paths.py --quick   # batch 32 only
+    python benchmarks/bench_fp8_decode_paths.py --quick --paths fi_tc_bf16,triton_tma,triton_int8_per_token_head,triton_fp8_per_token_head
 """
 
 from __future__ import annotations
@@ -74,15 +80,39 @@ class Case:
             self.ref16 = self.reference(self.cache16, 1.0, 1.0)
         return self.cache16
 
-    def reference(self, cache: torch.Tensor, ks: float, vs: float) -> torch.Tensor:
-        """fp32 dense attention, 4 sequences at a time (bounded memory)."""
+    def per_token_head(self, mode: str) -> tuple[torch.Tensor, torch.Tensor]:
+        """The bf16 cache quantized per (token, head) (``mode`` "int8" | "fp8"): codes and scales
+        [pages, 2, KH, page]; its fp32 reference and bytes (codes + scales) set as attributes."""
+        from torch_kvq.attention.quant import quantize_per_token_head
+
+        cache16 = self.bf16_cache()
+        pages = cache16.shape[0]
+        codes = torch.empty(cache16.shape, dtype=torch.int8 if mode == "int8" else FP8,
+                            device="cuda")  # fmt: skip
+        scales = torch.empty(pages, 2, self.kh, PAGE, device="cuda")
+        step = 4096
+        for i in range(0, pages, step):
+            c, s = quantize_per_token_head(cache16[i : i + step], mode)  # s [n, 2, page, KH]
+            codes[i : i + step], scales[i : i + step] = c, s.transpose(-1, -2)
+        ref = self.reference(codes, 1.0, 1.0, scales)
+        setattr(self, f"ref_{mode}", ref)
+        setattr(self, f"bytes_{mode}", self.kv_bytes + self.batch * self.ctx * self.kh * 2 * 4)
+        return codes, scales
+
+    def reference(
+        self, cache: torch.Tensor, ks: float, vs: float, scales: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """fp32 dense attention, 4 sequences at a time (bounded memory); ``scales``: the
+        per-(token, head) ones [pages, 2, KH, page]."""
         out = torch.empty(self.batch, self.qh, self.d, device="cuda")
         g = self.qh // self.kh
         for s in range(0, self.batch, 4):
-            pages = cache[self.table[s : s + 4].long()]  # [b, n, 2, page, KH, D]
+            pages = cache[self.table[s : s + 4].long()].float()  # [b, n, 2, page, KH, D]
+            if scales is not None:
+                pages = pages * scales[self.table[s : s + 4].long()].transpose(-1, -2)[..., None]
             b = pages.shape[0]
-            k = pages[:, :, 0].reshape(b, -1, self.kh, self.d)[:, : self.ctx].float() * ks
-            v = pages[:, :, 1].reshape(b, -1, self.kh, self.d)[:, : self.ctx].float() * vs
+            k = pages[:, :, 0].reshape(b, -1, self.kh, self.d)[:, : self.ctx] * ks
+            v = pages[:, :, 1].reshape(b, -1, self.kh, self.d)[:, : self.ctx] * vs
             q = self.q[s : s + 4].float().view(b, self.kh, g, self.d)
             logits = torch.einsum("bhgd,blhd->bhgl", q, k) * self.sm_scale
             out[s : s + 4] = torch.einsum("bhgl,blhd->bhgd", logits.softmax(-1), v).reshape(
@@ -154,12 +184,27 @@ def tma_path(c: Case) -> Callable:
     )  # fmt: skip
 
 
+def tma_per_token_head_path(c: Case, mode: str) -> Callable:
+    """The TMA decode on a per-(token, head) cache as ``FlashInferKernel`` runs it: bf16 query,
+    fp16 products (the kernel's default ``dot_dtype``), per-tensor scales 1.0."""
+    from torch_kvq.attention.triton.decode_tma import paged_decode_tma
+
+    codes, scales = c.per_token_head(mode)
+    out = torch.empty_like(c.q)
+    return lambda: paged_decode_tma(
+        c.q, codes, c.table, c.seq_lens, 1.0, 1.0, c.sm_scale,
+        max_seq_len=c.ctx, out=out, kv_scale=scales,
+    )  # fmt: skip
+
+
 PATHS: dict[str, Callable[[Case], Callable]] = {
     "fi_tc_bf16": lambda c: fi_wrapper(c, BF16),
     "fi_tc_fp8": lambda c: fi_wrapper(c, FP8, q_dtype=torch.float16, o_dtype=BF16),
     "fi_tc_fp8[bf16 math]": lambda c: fi_wrapper(c, FP8),
     "xqa_fp8": xqa_path,
     "triton_tma": tma_path,
+    "triton_int8_per_token_head": lambda c: tma_per_token_head_path(c, "int8"),
+    "triton_fp8_per_token_head": lambda c: tma_per_token_head_path(c, "fp8"),
 }
 # (shape, batch) at 16k: 32 sequences, and the largest batch each model fits with FP8 KV
 CASES = [("llama", 32), ("gemma_global", 32), ("llama", 110), ("gemma_global", 131)]
@@ -244,6 +289,9 @@ def measure(
         bf16_kv = name.split("[")[0].endswith("bf16")  # a bf16 cache (not a bf16 output)
         nbytes = 2 * c.kv_bytes if bf16_kv else c.kv_bytes
         ref_out = c.ref16 if bf16_kv else getattr(c, ref)
+        if name.endswith("_per_token_head"):  # codes + scales, its own reference
+            mode = name.split("_")[1]
+            nbytes, ref_out = getattr(c, f"bytes_{mode}"), getattr(c, f"ref_{mode}")
         ms = statistics.median(t.rounds)
         row = {**base, "path": name, "ms": ms, "ms_min": min(t.rounds), "ms_max": max(t.rounds)}
         row["pct_copy"] = 100 * nbytes / (ms * 1e-3) / 1e9 / copy_gbps
@@ -259,8 +307,8 @@ def measure(
 # -- JIT builds, report, main ------------------------------------------------------------------
 
 
-def start_builds() -> threading.Thread:
-    """Compile the FlashInfer modules the paths need, concurrently, in the background: XQA per
+def start_builds(paths: list[str]) -> threading.Thread:
+    """Compile the FlashInfer modules ``paths`` need, concurrently, in the background: XQA per
     shape, and the fa2 prefill kernel the tensor-core decode runs per (q, kv, out) dtype."""
 
     def run() -> None:
@@ -271,9 +319,13 @@ def start_builds() -> threading.Thread:
 
         F16, I32 = torch.float16, torch.int32
         mods = {}
+        dtypes = {"fi_tc_fp8": (F16, FP8, BF16), "fi_tc_fp8[bf16 math]": (BF16, FP8, BF16),
+                  "fi_tc_bf16": (BF16, BF16, BF16)}  # fmt: skip
         for qh, kh, d in SHAPES.values():
-            specs = [gen_xqa_module(BF16, FP8, PAGE, d, qh // kh, False, BF16, 1, False)]
-            for q, kv, o in ((F16, FP8, BF16), (BF16, FP8, BF16), (BF16, BF16, BF16)):
+            specs = []
+            if "xqa_fp8" in paths:
+                specs.append(gen_xqa_module(BF16, FP8, PAGE, d, qh // kh, False, BF16, 1, False))
+            for q, kv, o in (dtypes[p] for p in paths if p in dtypes):
                 specs.append(
                     gen_batch_prefill_module("fa2", q, kv, o, I32, d, d, 0, False, False, False)
                 )
@@ -289,7 +341,7 @@ def start_builds() -> threading.Thread:
 
 
 def markdown(env: dict, copy: dict, rows: list[dict]) -> str:
-    lines = ["## FP8-KV decode attention paths per layer", ""]
+    lines = ["## Quantized-KV decode attention paths per layer", ""]
     lines += [f"- {k}: {v}" for k, v in env.items()]
     lines += [f"- copy bandwidth (read+write): {copy['GBps']:.0f} GB/s", ""]
     lines += ["| shape | B x ctx | path | ms med (min..max) | % copy | bound ms | rel err | "
@@ -315,16 +367,21 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="batch 32 only (not the largest batches)")
     ap.add_argument("--rounds", type=int, default=7)
     ap.add_argument("--calls", type=int, default=20, help="calls per timed graph")
+    ap.add_argument("--paths", help=f"comma-separated subset of {list(PATHS)} (default: all)")
     args = ap.parse_args()
+    chosen = list(PATHS) if not args.paths else args.paths.split(",")
+    unknown = [p for p in chosen if p not in PATHS]
+    if unknown:
+        raise SystemExit(f"unknown paths {unknown}; expected some of {list(PATHS)}")
     env, copy = environment(), copy_bandwidth()
-    builds = start_builds()
+    builds = start_builds(chosen)
     rows: list[dict[str, Any]] = []
     builds.join()
     for name, batch in CASES:
         if args.quick and batch != 32:
             continue
         c = Case(name, batch, 16384)
-        paths = {path: (lambda make=make, c=c: make(c)) for path, make in PATHS.items()}
+        paths = {p: (lambda make=PATHS[p], c=c: make(c)) for p in chosen}
         rows += measure(c, paths, copy["GBps"], args.rounds, args.calls, "ref8")
         # after every shape: a run cut short keeps what it measured
         write_results("bench_fp8_decode_paths", {"env": env, "copy": copy, "rows": rows},

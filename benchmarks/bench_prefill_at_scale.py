@@ -10,6 +10,9 @@ layers). Per model one build; per variant ``configure_kv`` and a ``FlashInferKer
   fp8 / fa3                                    bf16 layers on fa3, FP8 layers on fa2
   fp8 / fa3_fp8                                bf16 layers on fa3, FP8 layers on fa3's FP8 kernel
                                                (query quantized per tensor: FP8 math)
+  int8_per_token_head / fa2, fa3 (``--kv``)    per-(token, head) layers: the prompt's pages
+  fp8_per_token_head / fa2, fa3                dequantized into a bf16 scratch, then fa2 / fa3
+  mixed / fa2                                  the model's per-layer mode map (``MIXED``)
 
 Each prompt is one forward of ``--len`` tokens (engines cap the tokens per step), logits of the
 last token only (``logits_indices``), through ``torch.compile(model, backend=kvq_backend)``
@@ -35,7 +38,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_decode_at_scale import MODELS, PAGE, _git_head, build, kv_configs  # noqa: E402
+from bench_decode_at_scale import KV_CONFIGS, MODELS, PAGE, _git_head, build, kv_config  # noqa: E402
 from bench_model_decode import sync  # noqa: E402
 from gpu_common import environment, write_results  # noqa: E402
 
@@ -43,6 +46,10 @@ from torch_kvq import kvq_backend  # noqa: E402
 from torch_kvq.attention.kernels import FlashInferKernel, ReferenceKernel  # noqa: E402
 
 VARIANTS = [("bf16", "fa2"), ("bf16", "fa3"), ("fp8", "fa2"), ("fp8", "fa3"), ("fp8", "fa3_fp8")]
+PER_TOKEN_HEAD_VARIANTS = [
+    ("int8_per_token_head", "fa2"), ("int8_per_token_head", "fa3"),
+    ("fp8_per_token_head", "fa2"), ("fp8_per_token_head", "fa3"), ("mixed", "fa2"),
+]  # fmt: skip
 PREFILLS = list(dict.fromkeys(p for _, p in VARIANTS))  # the FlashInferKernel prefill options
 
 
@@ -77,8 +84,7 @@ def prebuild_all(model, kvs: dict, variants: list[tuple[str, str]]) -> None:
 
 def run_model(name: str, args, env, save) -> list[dict]:
     device = "cpu" if args.smoke else "cuda"
-    _, _, _, skip = MODELS[name]
-    kvs = kv_configs(skip)
+    kvs = {kv: kv_config(kv, name) for kv in dict.fromkeys(["bf16", *args.kv])}
     pages = -(-args.len // PAGE) + 1
     torch.manual_seed(0)
     model = build(name, kvs["bf16"], ReferenceKernel(), device, args.smoke, pages, None)
@@ -86,7 +92,8 @@ def run_model(name: str, args, env, save) -> list[dict]:
     prompts = [torch.randint(0, model.config.vocab_size, (args.len,), generator=gen).to(device)
                for _ in range(args.prompts + 1)]  # fmt: skip
     rows, ref = [], None
-    variants = [v for v in VARIANTS if (not args.eager or v[0] == "bf16") and v[1] in args.prefills]
+    variants = [v for v in VARIANTS + PER_TOKEN_HEAD_VARIANTS if v[0] in args.kv
+                and (not args.eager or v[0] == "bf16") and v[1] in args.prefills]  # fmt: skip
     if not args.smoke:
         prebuild_all(model, kvs, variants)
     fn = model
@@ -162,6 +169,9 @@ def main() -> None:
     ap.add_argument("--smoke", action="store_true", help="CPU, tiny shapes, reference kernel")
     ap.add_argument("--eager", action="store_true", help="no torch.compile (bf16 variants only)")
     ap.add_argument("--prefills", nargs="+", default=PREFILLS, choices=PREFILLS)
+    ap.add_argument("--kv", nargs="+", default=["bf16", "fp8"], choices=KV_CONFIGS,
+                    help="KV configs (bench_decode_at_scale.KV_CONFIGS); bf16 / fa2 is the "
+                    "reference of the accuracy column")  # fmt: skip
     ap.add_argument("--commit", default=os.environ.get("KVQ_COMMIT") or _git_head())
     args = ap.parse_args()
     if args.smoke:

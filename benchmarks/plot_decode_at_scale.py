@@ -23,7 +23,10 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
-BOUND = {"bf16": "tab:blue", "fp8": "black"}
+BOUND = {"bf16": "tab:blue", "fp8": "black", "int8_per_token_head": "tab:brown",
+         "fp8_per_token_head": "tab:pink", "mixed": "tab:olive"}  # fmt: skip
+BOUND_NAME = {"bf16": "bf16", "fp8": "FP8", "int8_per_token_head": "int8 per (token, head)",
+              "fp8_per_token_head": "FP8 per (token, head)", "mixed": "mode map"}  # fmt: skip
 LABELS = {
     ("bf16", "bf16"): ("all-bf16 KV", "tab:blue"),
     ("fp8", "tc-bf16"): ("FP8 KV, tensor cores, bf16 math (accurate, ~2e-3)", "tab:red"),
@@ -33,6 +36,15 @@ LABELS = {
         "tab:purple",
     ),
     ("fp8", "xqa"): ("FP8 KV, XQA (FP8 math, ~4e-2)", "tab:green"),
+    ("int8_per_token_head", "tc"): (
+        "int8 per (token, head) KV, torch_kvq Triton TMA kernel",
+        "tab:brown",
+    ),
+    ("fp8_per_token_head", "tc"): (
+        "FP8 per (token, head) KV, torch_kvq Triton TMA kernel",
+        "tab:pink",
+    ),
+    ("mixed", "tc"): ("per-layer mode map (MIXED in bench_decode_at_scale.py)", "tab:olive"),
 }
 
 
@@ -79,7 +91,7 @@ def main() -> None:
                     ):
                         bounds_drawn.add((id(ax), kv))
                         # one bound per KV config (the FP8 kernels share it); none in a CPU smoke run
-                        bound = "bf16" if kv == "bf16" else "FP8"
+                        bound = BOUND_NAME[kv]
                         ax.plot(xs, [p["bound_tokens_per_s"] for p in pts], "--", color=BOUND[kv],
                                 label=f"bandwidth bound, {bound} KV")  # fmt: skip
                 if fused and by_b and by_b[-1]["batch"] not in tops:

@@ -22,7 +22,8 @@
 # flashinfer and CUDA versions, the command and pytest's closing line. Commit it as
 # benchmarks/results/gpu_suite.txt; it counts only with a clean tree at that commit.
 #   KVQ_MODEL_ARGS="--ctx 16384 --steps 10" bash scripts/gpu_run.sh model
-#   bash scripts/gpu_run.sh paths            # the package's FP8 decode paths per layer vs copy bandwidth (KVQ_PATHS_ARGS)
+#   bash scripts/gpu_run.sh paths            # the package's quantized decode paths per layer vs copy bandwidth (KVQ_PATHS_ARGS)
+#   bash scripts/gpu_run.sh writes           # the fused cache write per layer vs copy bandwidth (KVQ_WRITES_ARGS)
 #   KVQ_SCALE_ARGS="--models llama-3.1-8b" bash scripts/gpu_run.sh scale   # decode at real scale
 #   KVQ_TTFT_ARGS="--models llama-3.1-8b" bash scripts/gpu_run.sh ttft   # TTFT 8 x 16k per prefill option
 #   bash scripts/gpu_run.sh hostprof         # cProfile of a CUDA-graph decode step (not in the default)
@@ -130,6 +131,7 @@ for step in ${*:-tests attn xqa model}; do
     xqa) python3 benchmarks/xqa_accuracy.py 2>&1 | tee -a "$LOG" ;;
     model) python3 benchmarks/bench_model_decode.py ${KVQ_MODEL_ARGS:-} 2>&1 | tee -a "$LOG" ;;
     paths) python3 benchmarks/bench_fp8_decode_paths.py ${KVQ_PATHS_ARGS:-} 2>&1 | tee -a "$LOG" ;;
+    writes) python3 benchmarks/bench_kv_write.py ${KVQ_WRITES_ARGS:-} 2>&1 | tee -a "$LOG" ;;
     scale) python3 benchmarks/bench_decode_at_scale.py ${KVQ_SCALE_ARGS:-} 2>&1 | tee -a "$LOG" ;;
     ttft) python3 benchmarks/bench_prefill_at_scale.py ${KVQ_TTFT_ARGS:-} 2>&1 | tee -a "$LOG" ;;
     hostprof) python3 benchmarks/profile_graph_step.py ${KVQ_HOSTPROF_ARGS:-} 2>&1 | tee -a "$LOG" ;;
@@ -150,7 +152,7 @@ for step in ${*:-tests attn xqa model}; do
             --plot "$OUT/eval_gpu.png" 2>&1 | tee -a "$LOG" "$OUT/eval_gpu.txt" ;;
     cpusuite) CUDA_VISIBLE_DEVICES= python3 -m pytest -q -m "not gpu and not slow" -p no:cacheprovider \
                 -n "${KVQ_CPU_WORKERS:-14}" -rfEs tests/ 2>&1 | tail -40 | tee "$OUT/cpu_suite_log.txt" ;;
-    *) echo "unknown step $step (expected tests, rest, attn, xqa, model, paths, scale, ttft, hostprof, eval, cpusuite, jitpack)" | tee -a "$LOG"; status=2; continue ;;
+    *) echo "unknown step $step (expected tests, rest, attn, xqa, model, paths, writes, scale, ttft, hostprof, eval, cpusuite, jitpack)" | tee -a "$LOG"; status=2; continue ;;
   esac
   rc=${PIPESTATUS[0]}
   echo "=== $step exit $rc $(date -u +%T)" | tee -a "$LOG"

@@ -8,6 +8,8 @@
 #   bash scripts/gpu_streak.sh part            # calls 2..N (carry .xfer or .x2, .x3...): stash
 #                                              # the carried parts
 #   bash scripts/gpu_streak.sh evalrows        # kvq eval rows (gpu_eval_rows.sh) in the background
+#   bash scripts/gpu_streak.sh job NAME CMD    # CMD in the background in the gate's copy of the tree
+#                                              # (copied now if there is none): benchmarks first
 #   bash scripts/gpu_streak.sh side TAR CMD    # another tree (a .tar.gz carried in .xfer/) running
 #                                              # CMD in the background (a branch's GPU tests)
 #   bash scripts/gpu_streak.sh wait S [JOB..]  # wait up to S seconds for the jobs, then bring
@@ -47,6 +49,9 @@ case ${1:-} in
     tar --exclude=./.xfer --exclude="./.x[0-9]*" -cf - . | tar -xf - -C /tmp/gate
     launch gate /tmp/gate "KVQ_COMMIT=$2 KVQ_PYTEST_WORKERS=${KVQ_PYTEST_WORKERS:-4} bash scripts/gpu_run.sh tests jitpack" ;;
   part) ;;
+  job)
+    [ -d /tmp/gate/torch_kvq ] || { mkdir -p /tmp/gate && tar --exclude=./.xfer --exclude="./.x[0-9]*" -cf - . | tar -xf - -C /tmp/gate; }
+    launch "$2" /tmp/gate "$3" ;;
   evalrows)
     launch evalrows /tmp/gate "bash scripts/gpu_eval_rows.sh" ;;
   side)
@@ -67,6 +72,6 @@ case ${1:-} in
       echo "$job -> $(cd "$OUT" && ls | tr '\n' ' ')"
     done
     exit 0 ;;
-  *) echo "usage: gpu_streak.sh gate COMMIT | part | evalrows | side TAR CMD | wait S [JOB..]"; exit 2 ;;
+  *) echo "usage: gpu_streak.sh gate COMMIT | part | evalrows | job NAME CMD | side TAR CMD | wait S [JOB..]"; exit 2 ;;
 esac
 report

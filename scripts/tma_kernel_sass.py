@@ -28,12 +28,16 @@ LOOP_OPS = ("LDS.U8", "LDS.64", "LDS.128", "LDSM.16.M88.4", "LDSM.16.MT88.4", "S
             "F2FP.F16.E4M3.UNPACK_B", "HMMA.16816.F32", "FMUL", "IMAD.MOV.U32", "UTMALDG.2D")  # fmt: skip
 
 
+CACHES = ("fp8", "int8_per_token_head", "fp8_per_token_head")  # FP8 per tensor; per (token, head)
+
+
 def compile_kernel(
     head: int, group: int, ppi: int, stages: int, warps: int, lazy: bool,
-    balanced: bool = False, max_registers: int | None = None,
+    balanced: bool = False, max_registers: int | None = None, cache: str = "fp8", page: int = 16,
 ):  # fmt: skip
-    """The compiled ``_decode_pages`` for FP8 pages of 16 tokens, fp16 products, split-K
-    (``balanced``: ``_decode_balanced``, the balanced schedule, for up to 128 sequences)."""
+    """The compiled ``_decode_pages`` for pages of ``page`` tokens, fp16 products, split-K
+    (``balanced``: ``_decode_balanced``, the balanced schedule, for up to 128 sequences); ``cache``
+    one of ``CACHES``: FP8 per tensor, or int8 / e4m3 codes with per-(token, head) scales."""
     import triton
     import triton.language as tl
     from triton.backends.compiler import GPUTarget
@@ -47,16 +51,26 @@ def compile_kernel(
         from torch_kvq.attention.triton import decode_balanced
 
     fn = decode_balanced._decode_balanced if balanced else tma._decode_pages
+    scales = cache != "fp8"
+    code = "i8" if cache.startswith("int8") else "fp8e4nv"
     sig = {
-        "q_ptr": "*fp16", "kv_desc": f"tensordesc<fp8e4nv[16, {head}]>", "block_table_ptr": "*i32",
+        "q_ptr": "*fp16", "kv_desc": f"tensordesc<{code}[{page}, {head}]>", "block_table_ptr": "*i32",
         "seq_lens_ptr": "*i32", "part_o_ptr": "*fp32", "part_lse_ptr": "*fp32", "out_ptr": "*fp16",
+        "kv_scale_ptr": "*fp32" if scales else "constexpr",
         "qk_scale_log2": "fp32", "soft_cap": "fp32", "out_scale": "fp32", "window": "i32",
         "stride_qb": "i32", "stride_qh": "i32", "stride_ob": "i32", "stride_oh": "i32",
         "stride_bt": "i32",
     }  # fmt: skip
+    import torch
+
+    code_dtype = torch.int8 if code == "i8" else torch.float8_e4m3fn
+    pv = 2.0 ** tma.pv_shift(code_dtype, torch.float16, lazy)
     const = dict(QH=group * 8, G=group, BLOCK_G=max(16, triton.next_power_of_2(group)), D=head,
-                 PAGE=16, NUM_SPLITS=8, STAGES=stages, PPI=ppi, USE_WINDOW=False,
-                 USE_SOFT_CAP=False, DOT=tl.float16, DIRECT=False, LAZY=lazy)  # fmt: skip
+                 PAGE=page, NUM_SPLITS=8, STAGES=stages, PPI=ppi, USE_WINDOW=False,
+                 USE_SOFT_CAP=False, DOT=tl.float16, DIRECT=False, LAZY=lazy, SCALES=scales,
+                 PV_SCALE=pv if scales else 1.0)  # fmt: skip
+    if not scales:
+        const["kv_scale_ptr"] = None  # a None argument is a constexpr: no kernel parameter
     if balanced:
         sig = {**{k: v for k, v in sig.items() if k != "stride_qb"}, "B": "i32", "stride_qb": "i32"}
         del const["QH"], const["NUM_SPLITS"], const["DIRECT"]
@@ -119,6 +133,9 @@ def main() -> None:
     ap.add_argument("--balanced", action="store_true",
                     help="the balanced schedule's kernel (at BALANCED's register cap)")
     ap.add_argument("--max-registers", type=int, help="Triton's maxnreg (0: none)")  # fmt: skip
+    ap.add_argument("--cache", choices=CACHES, default="fp8",
+                    help="FP8 per tensor (default), or codes with per-(token, head) scales")  # fmt: skip
+    ap.add_argument("--page", type=int, default=16, help="tokens per cache page")
     args = ap.parse_args()
     from torch_kvq.attention.triton.decode_tma import BALANCED, TUNED
 
@@ -127,7 +144,8 @@ def main() -> None:
         cfg = dict(
             head=head, group=args.group or (2 if head == 256 else 4), ppi=args.ppi or ppi, stages=args.stages or stages,
             warps=args.warps or warps, lazy=lazy if args.lazy is None else args.lazy,
-            balanced=args.balanced, max_registers=args.max_registers,
+            balanced=args.balanced, max_registers=args.max_registers, cache=args.cache,
+            page=args.page,
         )  # fmt: skip
         if args.balanced and args.max_registers is None and head in BALANCED:
             cfg["max_registers"] = BALANCED[head][1]

@@ -1120,12 +1120,28 @@ def _() -> object:
         torch._dynamo.reset()
 
 
-class QuantIntoSkippedCache(torch.nn.Module):
-    """Hand-written graph: k / v quantized to FP8, then written into a skipped layer's bf16 cache."""
+class HandGraph(torch.nn.Module):
+    """A hand-written graph over one Attention layer of ``spec``'s shape (named ``<spec>.hand``),
+    for graphs the passes must refuse; ``run`` compiles it with the kvq passes and calls it."""
 
     def __init__(self, spec) -> None:
         super().__init__()
-        self.attn = Attention(spec, 8)
+        self.attn = Attention(replace(spec, name=spec.name + ".hand"), 8)
+
+    def run(self, md, *inputs: torch.Tensor) -> object:
+        from torch_kvq.passes import make_kvq_backend
+
+        torch._dynamo.reset()
+        try:
+            with torch.no_grad(), forward_context(md, [self.attn.spec], ReferenceKernel()):
+                backend = make_kvq_backend(inner="eager")
+                return torch.compile(self, backend=backend, fullgraph=True)(*inputs)
+        finally:
+            torch._dynamo.reset()
+
+
+class QuantIntoSkippedCache(HandGraph):
+    """Hand-written graph: k / v quantized to FP8, then written into a skipped layer's bf16 cache."""
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         name = self.attn.layer_name
@@ -1137,25 +1153,12 @@ class QuantIntoSkippedCache(torch.nn.Module):
 
 @case("graph.quantize-feeds-skipped-cache")
 def _() -> object:
-    from torch_kvq.passes import make_kvq_backend
-
     e = env()
-    model = QuantIntoSkippedCache(replace(e.specs[0], name=e.specs[0].name + ".hand"))
-    torch._dynamo.reset()
-    try:
-        with torch.no_grad(), forward_context(e.md, [model.attn.spec], ReferenceKernel()):
-            compiled = torch.compile(model, backend=make_kvq_backend(inner="eager"), fullgraph=True)
-            return compiled(e.q, e.k, e.v)
-    finally:
-        torch._dynamo.reset()
+    return QuantIntoSkippedCache(e.specs[0]).run(e.md, e.q, e.k, e.v)
 
 
-class Fp8AttentionOnSkippedLayer(torch.nn.Module):
+class Fp8AttentionOnSkippedLayer(HandGraph):
     """Hand-written graph: the FP8-cache attention op on a skipped layer's (bf16) cache."""
-
-    def __init__(self, spec) -> None:
-        super().__init__()
-        self.attn = Attention(spec, 8)
 
     def forward(self, q: torch.Tensor) -> torch.Tensor:
         cache = self.attn.kv_cache.to(FP8_DTYPE)
@@ -1164,17 +1167,8 @@ class Fp8AttentionOnSkippedLayer(torch.nn.Module):
 
 @case("graph.fp8-attention-on-skipped-layer")
 def _() -> object:
-    from torch_kvq.passes import make_kvq_backend
-
     e = env()
-    model = Fp8AttentionOnSkippedLayer(replace(e.specs[0], name=e.specs[0].name + ".hand"))
-    torch._dynamo.reset()
-    try:
-        with torch.no_grad(), forward_context(e.md, [model.attn.spec], ReferenceKernel()):
-            compiled = torch.compile(model, backend=make_kvq_backend(inner="eager"), fullgraph=True)
-            return compiled(e.q)
-    finally:
-        torch._dynamo.reset()
+    return Fp8AttentionOnSkippedLayer(e.specs[0]).run(e.md, e.q)
 
 
 @case("graph.backend-inner-unknown")
@@ -1686,6 +1680,145 @@ def _() -> object:
     model = build_model("llama-tiny", KVCacheConfig("fp8"))
     model.fuse_projections()
     return randomize_weights_(model, 0, tp=_tp(0, 2))
+
+
+# --- per-layer modes and the per-(token, head) modes ---------------------------------------------
+
+
+def _resolve(**kw) -> object:
+    return resolve_layer_specs(KVCacheConfig(**{"kv_cache_dtype": "auto", **kw}), infos(4))
+
+
+@case("modes.unknown-mode")
+def _() -> object:
+    return KVCacheConfig(layer_modes=((0, "int4_per_token_head"),))
+
+
+@case("modes.rule-not-a-pair")
+def _() -> object:
+    return KVCacheConfig(layer_modes=((0,),))
+
+
+@case("modes.rule-duplicate")
+def _() -> object:
+    return KVCacheConfig(layer_modes=((0, "fp8"), (0, "auto")))
+
+
+@case("modes.rules-conflict")
+def _() -> object:
+    return _resolve(layer_modes=(("sliding_window", "auto"), (0, "fp8")))
+
+
+@case("modes.rule-conflicts-with-skip")
+def _() -> object:
+    return _resolve(skip_layers=("sliding_window",), layer_modes=((0, "int8_per_token_head"),))
+
+
+@case("modes.glob-matches-nothing")
+def _() -> object:
+    return _resolve(layer_modes=(("decoder.*", "fp8"),))
+
+
+@case("modes.index-out-of-range")
+def _() -> object:
+    return _resolve(layer_modes=((4, "fp8"),))
+
+
+@case("modes.per-tensor-scales-for-per-token-head")
+def _() -> object:
+    return _resolve(kv_cache_dtype="int8_per_token_head", kv_scales={0: (0.5, 0.5)})
+
+
+@case("modes.kv-map-not-rule-mode")
+def _() -> object:
+    from torch_kvq.cli.args import kv_map
+
+    return kv_map("0-3")
+
+
+@case("modes.kv-map-empty-range")
+def _() -> object:
+    from torch_kvq.cli.args import kv_map
+
+    return kv_map("3-1:fp8")
+
+
+@case("modes.kv-map-conflict")
+def _() -> object:
+    return kvq(
+        "inspect",
+        "--kv-cache-dtype",
+        "auto",
+        "--kv-map",
+        "0-2:fp8,full_attention:int8_per_token_head",
+    )
+
+
+def pth_env(mode: str = "int8_per_token_head") -> Env:
+    """``env`` with layer 1 in a per-(token, head) mode (layer 0 skipped)."""
+    specs = resolve_layer_specs(
+        KVCacheConfig(mode, skip_layers=(0,), page_size=PAGE), infos(2, f"p{next(_uid)}")
+    )
+    e = env()
+    return replace(e, specs=specs, attns=[Attention(s, 8) for s in specs])
+
+
+@case("modes.quantize-unknown-format")
+def _() -> object:
+    return ops.quantize_per_token_head(torch.zeros(2, 8), "int4")
+
+
+@case("modes.write-unknown-rounding")
+def _() -> object:
+    e = pth_env()
+    a = e.attns[1]
+    with e.ctx():
+        return ops.quant_cache_write_per_token_head(
+            e.k, e.v, a.kv_cache, a.kv_scale, e.specs[1].name, "half_up"
+        )
+
+
+@case("modes.per-token-head-op-on-fp8-layer")
+def _() -> object:
+    e, p = env(), pth_env()
+    with e.ctx():
+        return ops.paged_attention_per_token_head(
+            e.q, e.attns[1].kv_cache, p.attns[1].kv_scale, e.specs[1].name
+        )
+
+
+@case("modes.kv-scale-shape")
+def _() -> object:
+    e = pth_env()
+    a = e.attns[1]
+    with e.ctx():
+        scale = a.kv_scale.transpose(2, 3).contiguous()
+        return ops.paged_attention_per_token_head(e.q, a.kv_cache, scale, e.specs[1].name)
+
+
+class DequantOfAnotherMode(HandGraph):
+    """Hand-written graph: the per-tensor dequantize on a per-(token, head) layer's codes."""
+
+    def forward(self, q: torch.Tensor) -> torch.Tensor:
+        cache = self.attn.kv_cache.to(FP8_DTYPE)
+        kv = ops.dequantize_kv_cache(cache, 1.0, 1.0, torch.float32, self.attn.layer_name)
+        return ops.paged_attention(q, kv, self.attn.layer_name)
+
+
+@case("modes.graph-op-of-another-mode")
+def _() -> object:
+    e = pth_env()
+    return DequantOfAnotherMode(e.specs[1]).run(e.md, e.q)
+
+
+@case("modes.flashinfer-per-token-head")
+def _() -> object:
+    spec = resolve_layer_specs(
+        KVCacheConfig("int8_per_token_head"),
+        [AttentionLayerInfo(f"fi{next(_uid)}.attn", HEADS, KV_HEADS, 64)],
+    )[0]
+    with fake_gpu(arch=(8, 9)):  # the per-token decode is built for sm90 only
+        return FlashInferKernel(prefill="fa2").check_supported(spec)
 
 
 # --- the tests ----------------------------------------------------------------------------------

@@ -34,10 +34,48 @@ class KVQuantMode(enum.Enum):
 
     NONE = "none"  # cache in the model dtype (bf16 / fp16 / fp32)
     FP8_PER_TENSOR = "fp8_per_tensor"  # float8_e4m3fn, static per-tensor k and v scales
+    INT8_PER_TOKEN_HEAD = "int8_per_token_head"  # int8, one fp32 scale per (token, kv head)
+    FP8_PER_TOKEN_HEAD = "fp8_per_token_head"  # float8_e4m3fn, one fp32 scale per (token, kv head)
 
     @property
     def is_quantized(self) -> bool:
         return self is not KVQuantMode.NONE
+
+    @property
+    def per_token_head(self) -> bool:
+        """Scales computed per (token, kv head) when the token is written (``kv_scale``)."""
+        return self in (KVQuantMode.INT8_PER_TOKEN_HEAD, KVQuantMode.FP8_PER_TOKEN_HEAD)
+
+    @property
+    def code_dtype(self) -> torch.dtype | None:
+        """What a quantized mode stores (its cache dtype); None for ``NONE`` (the model dtype)."""
+        return _CODE_DTYPES.get(self)
+
+    @property
+    def qmax(self) -> float | None:
+        """The largest code magnitude a scale maps absmax to (127 / 448); None for ``NONE``."""
+        return _QMAX.get(self)
+
+    @property
+    def per_token_head_format(self) -> str:
+        """``"int8"`` / ``"fp8"``: the ``mode`` argument of the per-(token, head) math and ops
+        (``attention/quant.py``); ValueError for a mode that is not per-(token, head)."""
+        if not self.per_token_head:
+            raise ValueError(f"mode {self.value!r} has no per-(token, head) format")
+        return "int8" if self is KVQuantMode.INT8_PER_TOKEN_HEAD else "fp8"
+
+
+_CODE_DTYPES = {
+    KVQuantMode.FP8_PER_TENSOR: FP8_DTYPE,
+    KVQuantMode.INT8_PER_TOKEN_HEAD: torch.int8,
+    KVQuantMode.FP8_PER_TOKEN_HEAD: FP8_DTYPE,
+}
+_QMAX = {  # attention/quant.py's FP8_MAX / INT8_MAX (spec sits below it; a test checks they agree)
+    KVQuantMode.FP8_PER_TENSOR: 448.0,
+    KVQuantMode.INT8_PER_TOKEN_HEAD: 127.0,
+    KVQuantMode.FP8_PER_TOKEN_HEAD: 448.0,
+}
+SCALE_BYTES = 4  # one fp32 scale per (token, kv head), for k and for v, in per-(token, head) modes
 
 
 _DTYPE_ALIASES: dict[str, tuple[KVQuantMode, torch.dtype | None]] = {
@@ -51,6 +89,8 @@ _DTYPE_ALIASES: dict[str, tuple[KVQuantMode, torch.dtype | None]] = {
     "fp32": (KVQuantMode.NONE, torch.float32),
     "fp8": (KVQuantMode.FP8_PER_TENSOR, FP8_DTYPE),
     "fp8_e4m3": (KVQuantMode.FP8_PER_TENSOR, FP8_DTYPE),
+    "int8_per_token_head": (KVQuantMode.INT8_PER_TOKEN_HEAD, torch.int8),
+    "fp8_per_token_head": (KVQuantMode.FP8_PER_TOKEN_HEAD, FP8_DTYPE),
 }
 
 
@@ -93,12 +133,20 @@ class KVCacheConfig:
     """What the user asks for. Frozen and hashable.
 
     Args:
-        kv_cache_dtype: ``auto`` | ``bfloat16`` | ``float16`` | ``float32`` | ``fp8`` | ``fp8_e4m3``.
-        skip_layers: rules for layers kept in the model dtype: int index (negative from the end),
-            ``"sliding_window"``, ``"full_attention"``, a name glob, or an exact layer name.
+        kv_cache_dtype: the mode of every layer no rule selects: ``auto`` | ``bfloat16`` |
+            ``float16`` | ``float32`` | ``fp8`` | ``fp8_e4m3`` | ``int8_per_token_head`` |
+            ``fp8_per_token_head``.
+        layer_modes: ``((rule, kv_cache_dtype string), ...)`` (or a mapping): a per-layer mode
+            map. A rule is an int index (negative from the end), ``"sliding_window"``,
+            ``"full_attention"``, a name glob, or an exact layer name. Precedence: a layer takes
+            the mode of the rules that match it, and ``kv_cache_dtype`` where none does; two
+            matching rules that give one layer different modes are a ValueError.
+        skip_layers: rules (same forms) for layers kept in the model dtype: each is a
+            ``layer_modes`` rule with mode ``"auto"``.
         page_size: tokens per KV page.
-        kv_scales: per-layer static ``(k_scale, v_scale)``, keyed by layer name or index;
-            layers not listed use ``default_k_scale`` / ``default_v_scale``.
+        kv_scales: per-layer static ``(k_scale, v_scale)`` of ``fp8`` (per-tensor) layers, keyed
+            by layer name or index; layers not listed use ``default_k_scale`` /
+            ``default_v_scale``. Scales for a per-(token, head) layer are a ValueError.
     """
 
     kv_cache_dtype: str = "auto"
@@ -107,8 +155,24 @@ class KVCacheConfig:
     kv_scales: tuple[tuple[int | str, tuple[float, float]], ...] = ()
     default_k_scale: float = 1.0
     default_v_scale: float = 1.0
+    layer_modes: tuple[tuple[int | str, str], ...] = ()
 
     def __post_init__(self) -> None:
+        if isinstance(self.layer_modes, Mapping):
+            object.__setattr__(self, "layer_modes", tuple(self.layer_modes.items()))
+        else:
+            object.__setattr__(self, "layer_modes", tuple(tuple(r) for r in self.layer_modes))
+        for item in self.layer_modes:
+            if len(item) != 2:
+                raise ValueError(
+                    f"layer_modes entry {item!r} must be a (rule, kv_cache_dtype string) pair"
+                )
+            _check_rule_form(item[0])
+            parse_kv_cache_dtype(item[1], torch.bfloat16)
+        mapped = [rule for rule, _ in self.layer_modes]
+        twice = sorted({repr(r) for r in mapped if mapped.count(r) > 1})
+        if twice:
+            raise ValueError(f"layer_modes lists rule {', '.join(twice)} more than once")
         if isinstance(self.skip_layers, (str, int)):
             object.__setattr__(self, "skip_layers", (self.skip_layers,))
         else:
@@ -143,6 +207,19 @@ class KVCacheConfig:
                 )
             check_scale(pair[0], f"k_scale of layer {key!r}")
             check_scale(pair[1], f"v_scale of layer {key!r}")
+
+    @property
+    def mode_rules(self) -> tuple[tuple[int | str, str, str], ...]:
+        """Every rule as (rule, kv_cache_dtype string, where it came from): ``layer_modes``
+        first, then ``skip_layers`` (mode ``"auto"``)."""
+        return tuple((r, m, "layer_modes") for r, m in self.layer_modes) + tuple(
+            (r, "auto", "skip_layers") for r in self.skip_layers
+        )
+
+    @property
+    def rules(self) -> tuple[int | str, ...]:
+        """Every layer rule (``layer_modes`` and ``skip_layers``), for ``skip_rule_notes``."""
+        return tuple(r for r, _, _ in self.mode_rules)
 
 
 def _check_rule_form(rule: object) -> None:
@@ -215,9 +292,15 @@ class LayerKVSpec:
         return "sliding" if self.sliding_window is not None else "global"
 
     @property
+    def scale_bytes_per_token(self) -> int:
+        """K plus V scale bytes one token takes (``kv_scale``): per-(token, head) modes only."""
+        return 2 * self.num_kv_heads * SCALE_BYTES if self.mode.per_token_head else 0
+
+    @property
     def cache_bytes_per_token(self) -> int:
-        """K plus V bytes one token takes in this layer's cache."""
-        return 2 * self.num_kv_heads * self.head_size * self.storage_dtype.itemsize
+        """K plus V bytes one token takes in this layer's cache: codes plus scales."""
+        codes = 2 * self.num_kv_heads * self.head_size * self.storage_dtype.itemsize
+        return codes + self.scale_bytes_per_token
 
     def as_dict(self) -> dict[str, object]:
         out: dict[str, object] = {}
@@ -243,7 +326,9 @@ def _rule_matches(rule: int | str, idx: int, info: AttentionLayerInfo, n: int) -
     return rule == info.name
 
 
-def _validate_rules(rules: Iterable[int | str], layers: Sequence[AttentionLayerInfo]) -> None:
+def _validate_rules(
+    rules: Iterable[int | str], layers: Sequence[AttentionLayerInfo], what: str = "skip_layers"
+) -> None:
     n = len(layers)
     names = [li.name for li in layers]
     seen: set[int] = set()
@@ -251,21 +336,19 @@ def _validate_rules(rules: Iterable[int | str], layers: Sequence[AttentionLayerI
         if isinstance(rule, int):
             if not -n <= rule < n:
                 raise ValueError(
-                    f"skip_layers index {rule} is out of range for a model with {n} attention "
+                    f"{what} index {rule} is out of range for a model with {n} attention "
                     f"layers; expected an int in [{-n}, {n - 1}]"
                 )
             idx = rule % n
             if idx in seen:
-                raise ValueError(
-                    f"skip_layers names layer index {idx} more than once (rule {rule})"
-                )
+                raise ValueError(f"{what} names layer index {idx} more than once (rule {rule})")
             seen.add(idx)
         elif rule in ("sliding_window", "full_attention"):
             continue
         elif any(ch in rule for ch in "*?["):
             if not any(fnmatch.fnmatchcase(nm, rule) for nm in names):
                 raise ValueError(
-                    f"skip_layers glob {rule!r} matches no layer; layer names look like {names[:2]}"
+                    f"{what} glob {rule!r} matches no layer; layer names look like {names[:2]}"
                 )
         elif rule not in names:
             raise ValueError(
@@ -281,8 +364,9 @@ def resolve_layer_specs(
 ) -> tuple[LayerKVSpec, ...]:
     """Resolve one ``LayerKVSpec`` per attention layer, in layer order.
 
-    Raises ValueError for unknown dtype strings, unknown / out-of-range skip rules, scales for
-    unknown layers, and duplicate layer names.
+    Raises ValueError for unknown dtype strings, unknown / out-of-range rules, two rules giving
+    one layer different modes, scales for unknown or per-(token, head) layers, and duplicate
+    layer names.
     """
     if not isinstance(config, KVCacheConfig):
         raise ValueError(f"config must be a KVCacheConfig, got {type(config).__name__}")
@@ -298,26 +382,25 @@ def resolve_layer_specs(
     dup = sorted({nm for nm in names if names.count(nm) > 1})
     if dup:
         raise ValueError(f"duplicate attention layer names {dup}")
-    mode, storage = parse_kv_cache_dtype(config.kv_cache_dtype, model_dtype)
-    if not mode.is_quantized and storage != model_dtype:
-        raise ValueError(
-            f"kv_cache_dtype {config.kv_cache_dtype!r} ({storage}) does not match the model dtype "
-            f"{model_dtype}; expected 'auto', the model dtype's name, or 'fp8'"
-        )
+    default = _parse_mode(config.kv_cache_dtype, model_dtype)
     _validate_rules(config.skip_layers, layers)
-    scales = _resolve_scales(config, layers)
-    n = len(layers)
+    _validate_rules([r for r, _ in config.layer_modes], layers, "layer_modes")
+    rule_modes = [(r, _parse_mode(m, model_dtype), m, src) for r, m, src in config.mode_rules]
+    modes = [
+        _layer_mode(idx, info, len(layers), rule_modes, default) for idx, info in enumerate(layers)
+    ]
+    scales = _resolve_scales(config, layers, [m[0] for m, _ in modes])
+    any_quantized = default[0].is_quantized or any(m[0].is_quantized for _, m, _, _ in rule_modes)
     specs = []
-    for idx, info in enumerate(layers):
-        reason = next((r for r in config.skip_layers if _rule_matches(r, idx, info, n)), None)
-        quantized = mode.is_quantized and reason is None
+    for idx, (info, ((mode, storage), reason)) in enumerate(zip(layers, modes)):
+        per_tensor = mode is KVQuantMode.FP8_PER_TENSOR
         k_scale, v_scale = scales.get(info.name, (config.default_k_scale, config.default_v_scale))
         specs.append(
             LayerKVSpec(
                 name=info.name,
                 index=idx,
-                mode=mode if quantized else KVQuantMode.NONE,
-                storage_dtype=storage if quantized else model_dtype,
+                mode=mode,
+                storage_dtype=storage,
                 model_dtype=model_dtype,
                 num_heads=info.num_heads,
                 num_kv_heads=info.num_kv_heads,
@@ -326,17 +409,57 @@ def resolve_layer_specs(
                 sliding_window=info.sliding_window,
                 logits_soft_cap=info.logits_soft_cap,
                 sm_scale=info.sm_scale,  # None -> LayerKVSpec's default, head_size ** -0.5
-                k_scale=float(k_scale) if quantized else 1.0,
-                v_scale=float(v_scale) if quantized else 1.0,
+                k_scale=float(k_scale) if per_tensor else 1.0,
+                v_scale=float(v_scale) if per_tensor else 1.0,
                 skip_reason=(
-                    f"skip rule {reason!r}" if (reason is not None and mode.is_quantized) else None
+                    reason
+                    if (reason is not None and any_quantized and not mode.is_quantized)
+                    else None
                 ),
-                uncalibrated=quantized
+                uncalibrated=per_tensor
                 and info.name not in scales
                 and (config.default_k_scale, config.default_v_scale) == (1.0, 1.0),
             )
         )
     return tuple(specs)
+
+
+Mode = tuple[KVQuantMode, torch.dtype]
+
+
+def _parse_mode(kv_cache_dtype: str, model_dtype: torch.dtype) -> Mode:
+    """(mode, cache dtype) of a mode string for this model; an unquantized string must name the
+    model dtype (or ``auto``)."""
+    mode, storage = parse_kv_cache_dtype(kv_cache_dtype, model_dtype)
+    if not mode.is_quantized and storage != model_dtype:
+        raise ValueError(
+            f"kv_cache_dtype {kv_cache_dtype!r} ({storage}) does not match the model dtype "
+            f"{model_dtype}; expected 'auto', the model dtype's name, or a quantized mode"
+        )
+    return mode, storage
+
+
+def _layer_mode(
+    idx: int,
+    info: AttentionLayerInfo,
+    n: int,
+    rule_modes: Sequence[tuple[int | str, Mode, str, str]],
+    default: Mode,
+) -> tuple[Mode, str | None]:
+    """The layer's (mode, cache dtype) and the rule that chose it (None: the default). Two
+    matching rules with different modes are a ValueError naming both, the layer and the modes."""
+    hits = [(r, m, text, src) for r, m, text, src in rule_modes if _rule_matches(r, idx, info, n)]
+    for r, m, text, src in hits[1:]:
+        r0, m0, text0, src0 = hits[0]
+        if m != m0:
+            raise ValueError(
+                f"layer {idx} ({info.name!r}) is given two modes: {text0!r} by {src0} rule "
+                f"{r0!r} and {text!r} by {src} rule {r!r}; make the rules select disjoint layers"
+            )
+    if not hits:
+        return default, None
+    r, m, _, src = hits[0]
+    return m, f"{'skip' if src == 'skip_layers' else 'layer_modes'} rule {r!r}"
 
 
 def _check_layer_info(info: AttentionLayerInfo) -> None:
@@ -364,7 +487,7 @@ def _check_layer_info(info: AttentionLayerInfo) -> None:
 
 
 def _resolve_scales(
-    config: KVCacheConfig, layers: Sequence[AttentionLayerInfo]
+    config: KVCacheConfig, layers: Sequence[AttentionLayerInfo], modes: Sequence[KVQuantMode]
 ) -> dict[str, tuple[float, float]]:
     n = len(layers)
     names = [li.name for li in layers]
@@ -384,6 +507,13 @@ def _resolve_scales(
             )
         if name in out:
             raise ValueError(f"kv_scales gives layer {name!r} twice (by index and by name)")
+        mode = modes[names.index(name)]
+        if mode.per_token_head:
+            raise ValueError(
+                f"kv_scales gives per-tensor scales for layer {name!r}, whose mode {mode.value!r} "
+                "computes a scale per (token, kv head) when it writes; give kv_scales only for "
+                "fp8 (per-tensor) layers"
+            )
         out[name] = (float(pair[0]), float(pair[1]))
     return out
 
@@ -394,9 +524,14 @@ _TYPE_RULES = {  # rule -> (whether it matches a layer, what a model it matches 
 }
 
 
-def skip_rule_notes(skip_layers: Iterable[int | str], specs: Sequence[LayerKVSpec]) -> list[str]:
+def skip_rule_notes(
+    skip_layers: Iterable[int | str],
+    specs: Sequence[LayerKVSpec],
+    layer_modes: Iterable[tuple[int | str, str]] = (),
+) -> list[str]:
     """Notes for the attention-type rules (``"sliding_window"``, ``"full_attention"``) that
-    match no layer or every layer of a quantized model. Not errors, unlike a glob that matches
+    match no layer or every layer of a quantized model (``layer_modes`` ones: that match no
+    layer). Not errors, unlike a glob that matches
     nothing: one config serves several models (a Llama has no sliding-window layers). But such a
     rule quantizes every layer, or keeps every layer unquantized, which a reader should see."""
     if not any(s.is_quantized or s.skip_reason for s in specs):
@@ -415,6 +550,14 @@ def skip_rule_notes(skip_layers: Iterable[int | str], specs: Sequence[LayerKVSpe
             notes.append(
                 f"note: skip rule {rule!r} matches every layer ({what_all}): no layer is quantized"
             )
+    for rule, mode in layer_modes:
+        if rule in _TYPE_RULES:
+            sliding, what_none = _TYPE_RULES[rule]
+            if not any((s.sliding_window is not None) == sliding for s in specs):
+                notes.append(
+                    f"note: layer_modes rule {rule!r} (mode {mode!r}) matches no layer "
+                    f"({what_none})"
+                )
     return notes
 
 
@@ -441,12 +584,14 @@ def format_spec_table(
     *,
     columns: Sequence[str] | None = None,
     skip_layers: Iterable[int | str] = (),
+    layer_modes: Iterable[tuple[int | str, str]] = (),
     notes: bool = True,
 ) -> str:
-    """A readable per-layer table. ``extra`` adds columns per layer name (e.g. what was fused).
-    ``columns``: the column names to show, in table order (None: all). ``skip_layers``: the
-    config's rules. ``notes``: the notes of ``skip_rule_notes`` and ``scale_notes`` follow the
-    table (False: the caller prints them)."""
+    """A readable per-layer table: every layer's mode by name, its cache dtype, the bytes a token
+    takes (codes plus scales) and of them the scales'. ``extra`` adds columns per layer name (e.g.
+    what was fused). ``columns``: the column names to show, in table order (None: all).
+    ``skip_layers`` / ``layer_modes``: the config's rules. ``notes``: the notes of
+    ``skip_rule_notes`` and ``scale_notes`` follow the table (False: the caller prints them)."""
     extra = extra or {}
     extra_cols = sorted({c for cols in extra.values() for c in cols})
     header = [
@@ -456,6 +601,7 @@ def format_spec_table(
         "mode",
         "cache dtype",
         "bytes/token",
+        "scale bytes/token",
         "k_scale",
         "v_scale",
         *extra_cols,
@@ -474,8 +620,9 @@ def format_spec_table(
                 s.mode.value,
                 str(s.storage_dtype).replace("torch.", ""),
                 str(s.cache_bytes_per_token),
-                f"{s.k_scale:.4g}" + (" uncalibrated" if s.uncalibrated else ""),
-                f"{s.v_scale:.4g}" + (" uncalibrated" if s.uncalibrated else ""),
+                str(s.scale_bytes_per_token),
+                "per token" if s.mode.per_token_head else scale_cell(s, s.k_scale),
+                "per token" if s.mode.per_token_head else scale_cell(s, s.v_scale),
                 *[extra.get(s.name, {}).get(c, "") for c in extra_cols],
             ]
         )
@@ -484,8 +631,13 @@ def format_spec_table(
     widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(header)]
     line = lambda cells: "  ".join(c.ljust(w) for c, w in zip(cells, widths)).rstrip()  # noqa: E731
     table = [line(header), line(["-" * w for w in widths]), *(line(r) for r in rows)]
-    said = skip_rule_notes(skip_layers, specs) + scale_notes(specs) if notes else []
+    said = skip_rule_notes(skip_layers, specs, layer_modes) + scale_notes(specs) if notes else []
     return "\n".join(table + ([""] + said if said else []))
+
+
+def scale_cell(spec: LayerKVSpec, scale: float) -> str:
+    """A per-tensor scale as the table shows it, marked when it is the uncalibrated 1.0."""
+    return f"{scale:.4g}" + (" uncalibrated" if spec.uncalibrated else "")
 
 
 def spec_table_key(specs: Iterable[LayerKVSpec]) -> str:

@@ -136,7 +136,7 @@ def test_flashinfer_check_supported_is_the_table(monkeypatch, arch):
                 assert why in refused and repr(kernel) in refused
                 continue
             stamp = make_stamp(spec, name, arch)
-            assert stamp.fp8_kv == spec.is_quantized, (name, arch, spec)
+            assert stamp.kv_in_place == spec.is_quantized, (name, arch, spec)
             assert kernel.fp8_output_supported(spec) == stamp.fp8_output
 
 
@@ -177,7 +177,7 @@ def test_stamp_does_not_fuse_a_layer_outside_the_row():
     from torch_kvq.passes.stamp import make_stamp
 
     stamp = make_stamp(_layer(head_size=32), "flashinfer", "sm90")
-    assert not stamp.fp8_kv and not stamp.fp8_output
+    assert not stamp.kv_in_place and not stamp.fp8_output
     assert stamp.kv_block() == (
         "not fused: kernel 'flashinfer' on sm90 cannot serve it: head size 32 is not supported; "
         "expected one of (64, 128, 256)"

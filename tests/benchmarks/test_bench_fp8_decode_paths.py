@@ -15,12 +15,19 @@ import bench_fp8_decode_paths as paths  # noqa: E402
 def test_help_runs_without_a_gpu() -> None:
     out = subprocess.run([sys.executable, str(SCRIPT), "--help"], capture_output=True, text=True,
                          check=True, timeout=120).stdout  # fmt: skip
-    assert "--quick" in out and "--rounds" in out and "--calls" in out
+    assert "--quick" in out and "--rounds" in out and "--calls" in out and "--paths" in out
+
+
+def test_unknown_path_is_refused_by_name() -> None:
+    run = subprocess.run([sys.executable, str(SCRIPT), "--paths", "triton_tma,nope"],
+                         capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert run.returncode != 0 and "unknown paths ['nope']" in run.stderr
 
 
 def test_times_the_package_paths_at_both_models_shapes() -> None:
     assert list(paths.PATHS) == [
         "fi_tc_bf16", "fi_tc_fp8", "fi_tc_fp8[bf16 math]", "xqa_fp8", "triton_tma",
+        "triton_int8_per_token_head", "triton_fp8_per_token_head",
     ]  # fmt: skip
     assert {name for name, _ in paths.CASES} == set(paths.SHAPES)
     assert {batch for _, batch in paths.CASES} == {32, 110, 131}

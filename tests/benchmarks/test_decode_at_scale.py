@@ -151,3 +151,14 @@ def test_prefill_at_scale_builds_every_variants_modules_in_one_batch(monkeypatch
                      ("fa2", n_global, ("prefill",)), ("fa3", n_global, ("prefill",)),
                      ("fa3_fp8", n_global, ("prefill",))]  # fmt: skip
     assert len(builds) == 1 and builds[0] == (sorted(f"{p}/{q}" for p, q, _ in asked), 5)
+
+
+def test_kv_config_names_and_refusal():
+    from bench_decode_at_scale import KV_CONFIGS, MIXED, kv_config
+
+    skip = MODELS["llama-3.1-8b"][3]
+    assert kv_config("fp8", "llama-3.1-8b") == kv_configs(skip)["fp8"]
+    assert kv_config("bf16", "gemma-3-12b") == kv_configs(skip)["bf16"]
+    assert set(MIXED) == set(MODELS) and KV_CONFIGS[:2] == ("bf16", "fp8")
+    with pytest.raises(ValueError, match=r"unknown kv config 'int4'; expected one of \['bf16'"):
+        kv_config("int4", "llama-3.1-8b")

@@ -55,3 +55,17 @@ def test_balanced_schedule_kernel_fits_its_register_cap() -> None:
     assert stats["stack_bytes"] == 0  # no spills
     assert stats["UTMALDG.2D"] == 2 and stats["HMMA.16816.F32"] == 32
     assert "LDS.U8" not in stats and stats["LDS.128"] >= 4
+
+
+@pytest.mark.parametrize("cache", ["int8_per_token_head", "fp8_per_token_head"])
+@pytest.mark.parametrize("head,balanced", [(128, False), (256, False), (128, True)])
+def test_per_token_head_kernels_compile_without_spills(cache: str, head: int, balanced: bool):
+    """Codes with per-(token, head) scales: the same loop (one K and one V box, 16 + 16 mma per
+    page at head 128) plus the scale loads, no spills at the TUNED configs, balanced at its cap."""
+    stats = sass_json("--head", str(head), "--cache", cache, *(["--balanced"] if balanced else []))
+    assert stats["cache"] == cache and stats["stack_bytes"] == 0  # no spills
+    assert stats["registers"] <= (128 if balanced else 255)
+    assert stats["UTMALDG.2D"] == 2 * head // 128 and stats["HMMA.16816.F32"] == 32 * head // 128
+    assert "LDS.U8" not in stats
+    if cache.startswith("int8"):  # int8 -> fp16 by bit operations, no e4m3 conversions
+        assert "F2FP.F16.E4M3.UNPACK_B" not in stats

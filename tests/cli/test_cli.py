@@ -333,3 +333,33 @@ def test_demo_default_is_gemma3_270m_in_english(capsys):
     assert len(texts) == 6 and all(re.search(r"[a-z]{3,} [a-z]{2,}", t) for t in texts), out
     assert len(re.findall(r"fed the other's tokens: \d+ of 4 agree\)", out)) == 3, out
     assert max(len(line) for line in out.splitlines()) <= 100, out
+
+
+@pytest.mark.parametrize(
+    "text, modes",
+    [
+        ("0-2:fp8", ((0, "fp8"), (1, "fp8"), (2, "fp8"))),
+        ("-1:int8_per_token_head, sliding_window:auto", ((-1, "int8_per_token_head"),
+                                                         ("sliding_window", "auto"))),
+        ("model.layers.1*:fp8_per_token_head", (("model.layers.1*", "fp8_per_token_head"),)),
+    ],
+)  # fmt: skip
+def test_kv_map_parses_ranges_indices_and_rules(text, modes):
+    assert cli_args.kv_map(text) == modes
+
+
+def test_inspect_with_a_kv_map_shows_every_mode(capsys):
+    """Three modes at once; with a map no layer is skipped by default (the map says it all)."""
+    code, out, err = run_main(
+        capsys, "inspect", "--kv-cache-dtype", "auto", "--wide",
+        "--kv-map", "0:fp8,full_attention:int8_per_token_head,4:fp8_per_token_head",
+    )  # fmt: skip
+    assert code == 0, err
+    rows = [line.split() for line in out.splitlines() if re.match(r"\d+\s+model\.", line)]
+    assert [r[3] for r in rows] == [
+        "fp8_per_tensor", "none", "int8_per_token_head", "none", "fp8_per_token_head",
+        "int8_per_token_head",
+    ]  # fmt: skip
+    assert "layer_modes=((0, 'fp8'), ('full_attention', 'int8_per_token_head')" in out
+    code, _, err = run_main(capsys, "inspect", "--kv-map", "0-3")
+    assert code == 2 and "argument --kv-map: map entry '0-3' is not RULE:MODE" in err

@@ -110,6 +110,171 @@ def parity(tp) -> dict:
     return out
 
 
+E4M3_VALUES = torch.unique(
+    torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).float().nan_to_num(0.0)
+)  # every finite e4m3 value, sorted
+
+
+class QuantTrace:
+    """Forward hooks (eager) on every attention layer of ``model``: per call, in execution order
+    (the prefill's layers, then each decode step's), the layer's inputs q / k / v and its output,
+    and for a quantized layer the pre-quantization values ``y = x / scale`` (code units: what is
+    rounded to the stored code; the layer's own per-(token, head) or static scale) of every k / v
+    value it writes, by cache slot."""
+
+    def __init__(self, model) -> None:
+        from torch_kvq.attention.context import get_forward_context
+
+        self.calls: list[dict] = []
+        slots_total = model.attention_layers[0].kv_cache.shape[0] * model.kv_specs[0].page_size
+        self.y: dict[int, torch.Tensor] = {}  # layer -> [slots, 2, KH, D] (nan: not written)
+        self.row: dict[int, torch.Tensor] = {}  # layer -> [slots]: the call that wrote the slot
+
+        def hook(i, mod, args, out):
+            q, k, v = args
+            spec = mod.spec
+            slots = get_forward_context().metadata_for(spec).slot_mapping.long()
+            self.calls.append(dict(layer=i, q=q, k=k, v=v, out=out, slots=slots.clone()))
+            if not spec.is_quantized:
+                return
+            if i not in self.y:
+                self.y[i] = torch.full((slots_total, 2, *k.shape[1:]), float("nan"))
+                self.row[i] = torch.full((slots_total,), -1, dtype=torch.long)
+            for j, x, scale in ((0, k, spec.k_scale), (1, v, spec.v_scale)):
+                if spec.mode.per_token_head:
+                    scale = mod._quantize_per_token_head(x)[1][..., None]
+                self.y[i][slots, j] = x.float() / scale
+            self.row[i][slots] = len(self.calls) - 1
+
+        for i, a in enumerate(model.attention_layers):
+            a.register_forward_hook(lambda mod, args, out, i=i: hook(i, mod, args, out))
+
+
+def slot_view(attn, heads: slice | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """A layer's cache codes as [slots, 2, KH, D] fp32 and its per-(token, head) scales as
+    [slots, 2, KH] (None for the other modes), kv heads ``heads`` only."""
+    heads = heads or slice(None)
+    c = attn.kv_cache
+    codes = c.float().transpose(1, 2).reshape(-1, 2, *c.shape[3:])[:, :, heads]
+    s = attn.kv_scale
+    scales = None if s is None else s.permute(0, 3, 1, 2).reshape(-1, 2, s.shape[2])[:, :, heads]
+    return codes, scales
+
+
+def code_flips(spec, a, b, ya, yb, row) -> list[dict]:
+    """Every code that differs between two caches of one layer (a / b: ``slot_view``s; ya / yb:
+    the pre-quantization values by slot, yb None where unknown; row: the writing call by slot):
+    the two codes, whether they are adjacent representable values, the rounding boundary between
+    them (their midpoint), the y values and one step's size in real units (the dequantized
+    values' difference)."""
+    (ca, sa), (cb, sb) = a, b
+    out = []
+    for slot, j, h, d in (ca != cb).nonzero().tolist():
+        x, z = ca[slot, j, h, d].item(), cb[slot, j, h, d].item()
+        if spec.storage_dtype == torch.int8:
+            adjacent = abs(x - z) == 1
+        else:
+            ix, iz = (int((E4M3_VALUES == t).nonzero()) for t in (x, z))
+            adjacent = abs(ix - iz) == 1
+        if sa is None:
+            scale = spec.k_scale if j == 0 else spec.v_scale
+            step = abs(x - z) * scale
+        else:
+            step = abs(x * sa[slot, j, h].item() - z * sb[slot, j, h].item())
+        out.append({
+            "layer": spec.name, "mode": spec.mode.value, "row": int(row[slot]),
+            "kv": "kv"[j], "head": h, "dim": d, "codes": [x, z], "adjacent": adjacent,
+            "boundary": (x + z) / 2, "step": step, "qmax": 127.0 if spec.storage_dtype == torch.int8 else 448.0,
+            "y": [ya[slot, j, h, d].item(), None if yb is None else yb[slot, j, h, d].item()],
+        })  # fmt: skip
+    return out
+
+
+def modes(tp) -> dict:
+    """Three modes at once (issue 32): fp8 per tensor, int8 / fp8 per (token, head) and bf16-kept
+    layers; each rank's per-(token, head) scales cover its own kv heads.
+
+    Besides the logits, the layer-by-layer comparison ``test_tp2_three_modes_at_once`` asserts on:
+    ``rows`` (per attention call of the eager runs, in execution order: the largest difference of
+    the inputs q / k / v and of the output between the whole model, on this rank's heads, and the
+    shard; the per-(token, head) scales' relative difference), ``flips`` (every cache code that
+    differs, whole model vs shard and eager shard vs compiled shard, with its pre-quantization
+    values) and ``values`` (how many k / v values the quantized layers wrote on this rank).
+    """
+    from torch_kvq.passes import make_kvq_backend
+
+    out: dict = {}
+    maps = {
+        "llama-tiny": ((0, "fp8"), (1, "int8_per_token_head"), (-1, "fp8_per_token_head")),
+        "gemma3-tiny": (("full_attention", "int8_per_token_head"), (0, "fp8")),
+    }
+    for name, layer_modes in maps.items():
+        kv = KVCacheConfig(
+            "auto", layer_modes=layer_modes, page_size=4, kv_scales={0: (0.05, 0.05)}
+        )
+        own = dict(num_pages=32, dtype=torch.float32)
+        single = build_model(name, kv, prefix=f"msingle_{name}", **own)
+        shard = build_model(name, kv, prefix=f"mtp_{name}", tp=tp, **own)
+        # the compiled run on a fresh shard: its cache slots are the eager shard's, code for code
+        comp_shard = build_model(name, kv, prefix=f"mtpc_{name}", tp=tp, **own)
+        t_single, t_shard = QuantTrace(single), QuantTrace(shard)
+        ref = generate(single, PROMPTS, NEW, prefill_logits=True)
+        eager = generate(shard, PROMPTS, NEW, force_tokens=ref.tokens, prefill_logits=True)
+        torch._dynamo.reset()
+        comp = generate(
+            comp_shard, PROMPTS, NEW, forward=compiled(comp_shard, make_kvq_backend(inner="eager")),
+            force_tokens=ref.tokens, prefill_logits=True,
+        )  # fmt: skip
+        kh, qh = shard.kv_specs[0].num_kv_heads, shard.kv_specs[0].num_heads
+        kvs, qs = slice(tp.rank * kh, (tp.rank + 1) * kh), slice(tp.rank * qh, (tp.rank + 1) * qh)
+        rows = []
+        for a, b in zip(t_single.calls, t_shard.calls, strict=True):
+            assert a["layer"] == b["layer"] and torch.equal(a["slots"], b["slots"])
+            diffs = [(a[n][:, hs] - b[n]).abs().max().item() for n, hs in
+                     (("q", qs), ("k", kvs), ("v", kvs), ("out", qs))]  # fmt: skip
+            rows.append({"layer": a["layer"], "in_diff": max(diffs[:3]), "out_diff": diffs[3]})
+        flips, values = [], 0
+        for i, spec in enumerate(shard.kv_specs):
+            if not spec.is_quantized:
+                continue
+            s_view = slot_view(single.attention_layers[i], kvs)
+            e_view = slot_view(shard.attention_layers[i])
+            c_view = slot_view(comp_shard.attention_layers[i])
+            ys, ye, row = t_single.y[i][:, :, kvs], t_shard.y[i], t_shard.row[i]
+            values += int((row >= 0).sum()) * 2 * kh * spec.head_size
+            if e_view[1] is not None:  # per-(token, head) scales, each row's written slots
+                rel = ((s_view[1] - e_view[1]).abs() / e_view[1].clamp(min=1e-30)).amax((1, 2))
+                for r in row.unique().tolist():
+                    if r >= 0:
+                        rows[r]["scale_rel"] = rel[row == r].max().item()
+            flips += [
+                f | {"pair": "single/shard"} for f in code_flips(spec, s_view, e_view, ys, ye, row)
+            ]
+            flips += [
+                f | {"pair": "shard/compiled"}
+                for f in code_flips(spec, e_view, c_view, ye, None, row)
+            ]
+        out[name] = {
+            "max_diff": max_diff(ref, eager),
+            "compiled_diff": max_diff(eager, comp),
+            "rows": rows,
+            "flips": flips,
+            "values": values,
+            "modes": [s.mode.value for s in shard.kv_specs],
+            "global_kv_heads": single.kv_specs[0].num_kv_heads,
+            "scale_shapes": [
+                None if a.kv_scale is None else list(a.kv_scale.shape)
+                for a in shard.attention_layers
+            ],
+            "scales_written": all(
+                a.kv_scale is None or bool(a.kv_scale.any()) for a in shard.attention_layers
+            ),
+            "report": report_fused(),
+        }
+        torch._dynamo.reset()
+    return out
+
+
 def catch(fn) -> dict:
     try:
         fn()
@@ -201,6 +366,7 @@ def main() -> None:
         scenarios = {
             "parity": lambda: parity(tp),
             "agreement": lambda: agreement(tp),
+            "modes": lambda: modes(tp),
             "gpu": lambda: gpu(tp),
         }
         result = {"ok": True, **scenarios[scenario]()}

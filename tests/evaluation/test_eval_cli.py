@@ -95,3 +95,15 @@ def test_parse_kv(text, name, dtype, skip, k, v):
 def test_parse_kv_errors(text, match):
     with pytest.raises(ValueError, match=match):
         parse_kv(text)
+
+
+def test_parse_kv_map_takes_the_rest_of_the_spec():
+    kv = parse_kv("mixed=auto:skip=1:map=0:fp8,full_attention:int8_per_token_head,3-4:fp8")
+    assert (kv.name, kv.kv_cache_dtype, kv.skip_layers) == ("mixed", "auto", (1,))
+    assert kv.layer_modes == (
+        (0, "fp8"), ("full_attention", "int8_per_token_head"), (3, "fp8"), (4, "fp8")
+    )  # fmt: skip
+    cfg = kv.config(page_size=16)
+    assert cfg.layer_modes == kv.layer_modes and cfg.skip_layers == (1,)
+    with pytest.raises(ValueError, match=r"--kv 'auto:map=0': map entry '0' is not RULE:MODE"):
+        parse_kv("auto:map=0")

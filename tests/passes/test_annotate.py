@@ -52,7 +52,9 @@ def test_every_kvq_node_gets_its_layers_stamp():
     skipped = by_name[model.specs[1].name]
     assert skipped.mode is KVQuantMode.NONE
     stamps_of_skipped = [get_stamp(n) for n in nodes if get_stamp(n).layer == skipped.name]
-    assert stamps_of_skipped and all(not s.fp8_kv and not s.fp8_output for s in stamps_of_skipped)
+    assert stamps_of_skipped and all(
+        not s.kv_in_place and not s.fp8_output for s in stamps_of_skipped
+    )
     assert stamps_of_skipped[0].kept_reason() == "kept bf16 (skipped: skip rule 1)"
     decisions = manager.last.per_pass["annotate"].decisions
     assert set(decisions) == set(by_name)

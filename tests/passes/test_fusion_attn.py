@@ -80,7 +80,7 @@ def run_scenario(kernel_name, dtype, num_tokens, heads, kv_cache_dtype, quant_fo
     assert backend.managers[-1].runs == 1  # the passes ran in this process (no cache hit)
     rep = backend.managers[-1].last
     stamp = make_stamp(specs[0], kernel.name, device_arch(q.device))
-    fp8_kv, fp8_out = int(stamp.fp8_kv), int(stamp.fp8_output)
+    in_place, fp8_out = int(stamp.kv_in_place), int(stamp.fp8_output)
     quantized = int(specs[0].is_quantized)
     quants_before = {"op": "kvq.quantize_fp8", "torch": "fp8_cast"}[quant_form]
 
@@ -88,14 +88,14 @@ def run_scenario(kernel_name, dtype, num_tokens, heads, kv_cache_dtype, quant_fo
     assert rep.ops_before.get(quants_before, 0) == 1 + 2 * quantized  # o_proj input (+ k, v)
     assert rep.ops_before.get("kvq.dequantize_kv_cache", 0) == quantized
     assert rep.ops_before.get("kvq.paged_attention", 0) == 1
-    assert rep.ops_after.get("kvq.quant_cache_write", 0) == fp8_kv
-    assert rep.ops_after.get("kvq.cache_write", 0) == 1 - fp8_kv
-    assert rep.ops_after.get("kvq.dequantize_kv_cache", 0) == quantized - fp8_kv
-    assert rep.ops_after.get("kvq.paged_attention_fp8", 0) == fp8_kv
-    assert rep.ops_after.get(quants_before, 0) == 1 + 2 * (quantized - fp8_kv) - fp8_out
+    assert rep.ops_after.get("kvq.quant_cache_write", 0) == in_place
+    assert rep.ops_after.get("kvq.cache_write", 0) == 1 - in_place
+    assert rep.ops_after.get("kvq.dequantize_kv_cache", 0) == quantized - in_place
+    assert rep.ops_after.get("kvq.paged_attention_fp8", 0) == in_place
+    assert rep.ops_after.get(quants_before, 0) == 1 + 2 * (quantized - in_place) - fp8_out
     # fused count == eligible layers; attention node count unchanged
-    assert len(rep.layers_fused("quant+write")) == fp8_kv
-    assert len(rep.layers_fused("dequant+attn")) == fp8_kv
+    assert len(rep.layers_fused("quant+write")) == in_place
+    assert len(rep.layers_fused("dequant+attn")) == in_place
     assert len(rep.layers_fused("output quant")) == fp8_out
     attn_before = rep.ops_before.get("kvq.paged_attention", 0)
     attn_after = rep.ops_after.get("kvq.paged_attention", 0) + rep.ops_after.get(

@@ -101,7 +101,7 @@ def test_report_log_line_and_last_report(caplog):
     assert last_report() is rep and isinstance(rep, GraphReport)
     lines = [r.getMessage() for r in caplog.records if r.name == "torch_kvq"]
     assert len(lines) == 1  # one summary line per compiled graph
-    assert "3 attention layers (2 fp8, 1 kept unquantized)" in lines[0]
+    assert "3 attention layers (2 fp8_per_tensor, 1 kept unquantized)" in lines[0]
     assert "fused quant+write 2, dequant+attn 2, output quant 2" in lines[0]
     assert list(rep.per_pass) == list(DEFAULT_PASSES)
     names = [s.name for s in model.specs]

@@ -16,7 +16,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.support.passes import no_compile_caches
+from tests.support.passes import RecordingKernel, no_compile_caches
 from torch_kvq.attention import ReferenceKernel
 from torch_kvq.models import build_model, generate
 from torch_kvq.passes import make_kvq_backend
@@ -24,30 +24,6 @@ from torch_kvq.spec import FP8_DTYPE, KVCacheConfig
 
 PROMPTS = [[1, 5, 9, 14, 3, 7, 2, 11, 30, 4, 6], [8, 2, 4], [19, 3, 3, 27, 40, 41]]
 NEW_TOKENS = 4
-
-
-class RecordingKernel:
-    """Wraps a kernel; records the (q dtype, kv dtype) each layer was planned for and attended
-    with, and whether FP8 output was asked for."""
-
-    def __init__(self, inner) -> None:
-        self.inner = inner
-        self.name = inner.name
-        self.planned: dict[str, set[tuple[torch.dtype, torch.dtype]]] = {}
-        self.attended: dict[str, set[tuple[torch.dtype, torch.dtype, bool]]] = {}
-
-    def check_supported(self, spec) -> None:
-        self.inner.check_supported(spec)
-
-    def plan(self, ctx, specs) -> None:
-        for s in specs:
-            self.planned.setdefault(s.name, set()).add((s.model_dtype, s.storage_dtype))
-        self.inner.plan(ctx, specs)
-
-    def attend(self, ctx, spec, q, kv_cache, k_scale, v_scale, output_scale):
-        key = (q.dtype, kv_cache.dtype, output_scale is not None)
-        self.attended.setdefault(spec.name, set()).add(key)
-        return self.inner.attend(ctx, spec, q, kv_cache, k_scale, v_scale, output_scale)
 
 
 CONFIG = KVCacheConfig(
@@ -111,13 +87,15 @@ def check_mixed_model(model, kernel: RecordingKernel, inner: str, tol: float) ->
     # skipped layers: planned and attended with bf16 q and bf16 KV, never FP8, never fused
     for name in skipped:
         assert kernel.planned[name] == {(bf16, bf16)}
-        assert kernel.attended[name] == {(bf16, bf16, False)} == eager_attended[name]
+        assert kernel.attended[name] == {(bf16, bf16, False, False)} == eager_attended[name]
     # quantized layers: planned for an FP8 cache, attended on it in place (eager: dequantized to
     # float32, issue 31's one semantics)
     for name in quantized:
         assert kernel.planned[name] == {(bf16, FP8_DTYPE)}
-        assert kernel.attended[name] == {(bf16, FP8_DTYPE, False)}
-        assert eager_attended[name] == {(bf16, torch.float32, False)}  # the fp32 dequantized cache
+        assert kernel.attended[name] == {(bf16, FP8_DTYPE, False, False)}
+        assert eager_attended[name] == {
+            (bf16, torch.float32, False, False)
+        }  # the fp32 dequantized cache
 
     assert len(backend.managers) == 2  # the prefill graph, then one dynamic-shape decode graph
     for manager in backend.managers:

@@ -79,12 +79,15 @@ def as_cache_view(kv_cache: torch.Tensor) -> torch.Tensor:
 
 
 def opcheck(op, args) -> None:
-    """``torch.library.opcheck``; for ``kvq::dequantize_kv_cache`` without the AOT-dispatch
+    """``torch.library.opcheck``; for the ``kvq::dequantize_kv_cache*`` ops without the AOT-dispatch
     tests, which compare whole outputs: its pages outside the batch are left unset (so the unfused
     read costs what the batch reads, not the pool), and ``check_ops_on_views`` / the op tests
     compare the batch's pages instead."""
     utils = None
-    if op is torch.ops.kvq.dequantize_kv_cache.default:
+    if op in (
+        torch.ops.kvq.dequantize_kv_cache.default,
+        torch.ops.kvq.dequantize_kv_cache_per_token_head.default,
+    ):
         utils = ("test_schema", "test_autograd_registration", "test_faketensor")
     if utils is None:
         torch.library.opcheck(op, args)

@@ -285,3 +285,28 @@ def check_close(compiled: torch.Tensor, eager: torch.Tensor) -> None:
     bound = step + 2**-7 * e.abs().max()
     worst = ((c - e).abs() / bound).max().item()
     assert worst <= 1.0, f"compiled vs eager FP8 outputs: {worst:.2f}x the allowed difference"
+
+
+class RecordingKernel:
+    """Wraps a kernel; records per layer the (q dtype, cache dtype) each step planned for, and
+    the (q dtype, cache dtype, FP8 output asked, per-(token, head) scales given) it attended
+    with."""
+
+    def __init__(self, inner) -> None:
+        self.inner, self.name = inner, inner.name
+        self.supports_cuda_graphs = inner.supports_cuda_graphs
+        self.planned: dict[str, set[tuple[torch.dtype, torch.dtype]]] = {}
+        self.attended: dict[str, set[tuple[torch.dtype, torch.dtype, bool, bool]]] = {}
+
+    def check_supported(self, spec) -> None:
+        self.inner.check_supported(spec)
+
+    def plan(self, ctx, specs) -> None:
+        for s in specs:
+            self.planned.setdefault(s.name, set()).add((s.model_dtype, s.storage_dtype))
+        self.inner.plan(ctx, specs)
+
+    def attend(self, ctx, spec, q, kv_cache, k_scale, v_scale, output_scale, kv_scale=None):
+        key = (q.dtype, kv_cache.dtype, output_scale is not None, kv_scale is not None)
+        self.attended.setdefault(spec.name, set()).add(key)
+        return self.inner.attend(ctx, spec, q, kv_cache, k_scale, v_scale, output_scale, kv_scale)

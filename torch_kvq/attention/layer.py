@@ -13,8 +13,9 @@ import torch
 from torch import nn
 
 from torch_kvq.attention import ops as _ops  # noqa: F401  (registers torch.ops.kvq.*)
+from torch_kvq.attention import ops_per_token_head as _ops_pth  # noqa: F401  (likewise)
 from torch_kvq.attention import registry
-from torch_kvq.attention.quant import FP8_MAX, quantize_fp8
+from torch_kvq.attention.quant import FP8_MAX, quantize_fp8, quantize_per_token_head
 from torch_kvq.spec import LayerKVSpec, check_positive_int
 
 QuantForm = Literal["op", "torch"]
@@ -29,9 +30,11 @@ class Attention(nn.Module):
     """Paged attention for one layer, per its ``LayerKVSpec``.
 
     forward(q [T, QH, D], k [T, KH, D], v [T, KH, D]) -> [T, QH, D], for the batch in the active
-    forward context. ``quant_form`` picks how k/v quantization is written for FP8 layers: the
-    ``kvq.quantize_fp8`` op or the torch-native expression (``quant.quantize_fp8``; both are
-    fused by the passes).
+    forward context. ``quant_form`` picks how k/v quantization is written for quantized layers:
+    the op (``kvq.quantize_fp8`` / ``kvq.quantize_per_token_head``) or the torch-native expression
+    (``quant.quantize_fp8`` / ``quant.quantize_per_token_head`` with ``torch.round``); the passes
+    fuse both. A per-(token, head) layer keeps its scales in a second buffer, ``kv_scale``
+    [pages, 2, KH, page] float32 (None for the other modes).
     """
 
     def __init__(
@@ -55,18 +58,36 @@ class Attention(nn.Module):
             torch.zeros(shape, dtype=spec.storage_dtype, device=device),
             persistent=False,
         )
+        # per-(token, head) modes: one fp32 scale per (token, kv head) for k and for v, a page's
+        # scales of one head contiguous; None for the other modes
+        self.kv_scale: torch.Tensor | None
+        scale_shape = (num_pages, 2, spec.num_kv_heads, spec.page_size)
+        self.register_buffer(
+            "kv_scale",
+            torch.zeros(scale_shape, dtype=torch.float32, device=device)
+            if spec.mode.per_token_head
+            else None,
+            persistent=False,
+        )
         registry.register(self)
 
     def extra_repr(self) -> str:
         s = self.spec
         return (
             f"{s.name!r}, mode={s.mode.value}, cache={tuple(self.kv_cache.shape)} {s.storage_dtype}"
+            + ("" if self.kv_scale is None else f", kv_scale={tuple(self.kv_scale.shape)}")
         )
 
     def _quantize(self, x: torch.Tensor, scale: float) -> torch.Tensor:
         if self.quant_form == "op":
             return torch.ops.kvq.quantize_fp8(x, scale)
         return quantize_fp8(x, scale)  # the torch-native expression, traced
+
+    def _quantize_per_token_head(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        fmt = self.spec.mode.per_token_head_format
+        if self.quant_form == "op":
+            return torch.ops.kvq.quantize_per_token_head(x, fmt)
+        return quantize_per_token_head(x, fmt, "half_even")  # the torch-native form (.round())
 
     def _check_range(self, k: torch.Tensor, v: torch.Tensor) -> None:
         """Warn (once per layer) when k or v exceeds +-448 * its scale: those values are clamped.
@@ -92,6 +113,16 @@ class Attention(nn.Module):
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         spec = self.spec
+        if spec.mode.per_token_head:
+            kc, ks = self._quantize_per_token_head(k)
+            vc, vs = self._quantize_per_token_head(v)
+            torch.ops.kvq.cache_write_per_token_head(
+                kc, vc, ks, vs, self.kv_cache, self.kv_scale, spec.name
+            )
+            kv = torch.ops.kvq.dequantize_kv_cache_per_token_head(
+                self.kv_cache, self.kv_scale, spec.name, torch.float32
+            )
+            return torch.ops.kvq.paged_attention(q, kv, spec.name)
         if spec.is_quantized:
             self._check_range(k, v)
             kq = self._quantize(k, spec.k_scale)

@@ -1,6 +1,7 @@
 """KV-cache memory that follows the per-layer spec: page pools per cache group, bytes, capacity.
 
-A layer's cache holds ``pages x page_bytes(spec)`` bytes: FP8 layers half of bf16 ones, and with
+A layer's cache holds ``pages x page_bytes(spec)`` bytes (codes and scales): FP8 layers half of
+bf16 ones, 8-bit per-(token, head) layers a little more than half, and with
 windowed pools (``window_pages``, see allocator.py) a sliding-window layer only about ``window``
 tokens per sequence instead of the whole context. ``plan_kv_memory`` sizes the pools for a number
 of sequences at a context length; ``max_seqs_for_budget`` finds how many fit in a byte budget.
@@ -20,8 +21,9 @@ WindowPages = int | Mapping[int, int] | None
 
 
 def page_bytes(spec: LayerKVSpec) -> int:
-    """Bytes of one page of the layer's cache: K and V, ``page_size`` tokens, all its KV heads."""
-    return 2 * spec.page_size * spec.num_kv_heads * spec.head_size * spec.storage_dtype.itemsize
+    """Bytes of one page of the layer's cache: K and V, ``page_size`` tokens, all its KV heads,
+    codes plus the per-(token, head) scales (``kv_scale``) of the modes that have them."""
+    return spec.page_size * spec.cache_bytes_per_token
 
 
 def window_pools(specs: Sequence[LayerKVSpec], window_pages: WindowPages) -> dict[int, int]:

@@ -74,6 +74,16 @@ def skip_rule(text: str) -> int | str:
         return text
 
 
+def kv_map(text: str) -> tuple[tuple[int | str, str], ...]:
+    """``--kv-map``: ``evaluation.kv_arg.parse_kv_map`` as an argparse ``type``."""
+    from torch_kvq.evaluation.kv_arg import parse_kv_map  # torch-free
+
+    try:
+        return parse_kv_map(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
 def positive_int(text: str) -> int:
     """An argparse ``type`` for options that take a positive int."""
     try:
@@ -122,7 +132,11 @@ def add_model_args(p: argparse.ArgumentParser, default_model: str | None = None)
         "without weights (nothing is downloaded); kvq inspect only",
     )
     kv = p.add_argument_group("KV cache config")
-    kv.add_argument("--kv-cache-dtype", default="fp8", help="fp8 (default), auto, bfloat16, ...")
+    kv.add_argument(
+        "--kv-cache-dtype",
+        default="fp8",
+        help="fp8 (default), auto, bfloat16, int8_per_token_head, fp8_per_token_head, ...",
+    )
     skip = kv.add_mutually_exclusive_group()
     skip.add_argument(
         "--skip",
@@ -133,6 +147,16 @@ def add_model_args(p: argparse.ArgumentParser, default_model: str | None = None)
         "glob (default: sliding_window)",
     )
     skip.add_argument("--no-skip", action="store_true", help="quantize every layer")
+    kv.add_argument(
+        "--kv-map",
+        type=kv_map,
+        metavar="MAP",
+        default=None,
+        help="a per-layer mode map, e.g. '0-3:fp8,4-35:int8_per_token_head,sliding_window:auto' "
+        "(RULE:MODE entries; a rule is an index, a range A-B, sliding_window, full_attention, a "
+        "name or glob); layers it leaves out take --kv-cache-dtype; with a map, no layer is "
+        "skipped by default (--skip adds skip rules)",
+    )
     kv.add_argument("--page-size", type=int, choices=PAGE_SIZES, default=16)
     p.add_argument("--layers", type=int, default=None, help="override the model's layer count")
     p.add_argument("--seed", type=int, default=0, help="random weights and prompts")

@@ -66,7 +66,6 @@ def add_parser(sub: Any) -> None:
 
 def _sample(args: argparse.Namespace, percentiles: list[str]):  # -> (stats, meta)
     """Run the model over the calibration windows: per-layer statistics and what they came from."""
-
     from torch_kvq.cli.sources import trained_for_text
     from torch_kvq.evaluation import corpus
     from torch_kvq.evaluation.calibrate import kv_stats

@@ -85,10 +85,24 @@ def make_kernel(name: str, prefill: str):  # -> AttentionKernel
     return FlashInferKernel(fp8_decode=decode[name], prefill=prefill)
 
 
+def check_configs(lm: Any, source: object, texts: list[str], configs: list, kernels: dict) -> None:
+    """Every ``--kv`` config resolved on the model and checked against every kernel before the
+    first run: a bad one stops the command before the runs ahead of it, not after them."""
+    from torch_kvq.attention.kernels.base import KernelUnsupportedError
+
+    for text, cfg in zip(texts, configs):
+        try:
+            specs = lm.resolve_kv_specs(cfg)
+            for kernel in kernels.values():
+                for spec in specs:
+                    kernel.check_supported(spec)
+        except (ValueError, KernelUnsupportedError) as e:
+            raise ValueError(f"--kv {text!r} on {source}: {e}") from e
+
+
 def run(args: argparse.Namespace) -> int:
     import torch
 
-    from torch_kvq.attention.kernels.base import KernelUnsupportedError
     from torch_kvq.evaluation import corpus
     from torch_kvq.evaluation.eval import EvalSettings, eval_data, evaluate
     from torch_kvq.evaluation.eval_report import format_table, plot, to_json
@@ -122,17 +136,10 @@ def run(args: argparse.Namespace) -> int:
             data[str(source)] = eval_data(tok, settings, texts)
             paths = list(lm.layer_paths.values())
             configs = [(kv.name, kv.spec, kv.config(args.page_size, paths)) for kv in kvs]
-            for kv, (_, _, cfg) in zip(kvs, configs):  # every config and kernel first: a bad one
-                try:  # stops the run before the runs ahead of it, not after them
-                    specs = lm.resolve_kv_specs(cfg)
-                    for name in kernels:
-                        kernel = make_kernel(name, args.prefill)
-                        for spec in specs:
-                            kernel.check_supported(spec)
-                except (ValueError, KernelUnsupportedError) as e:
-                    raise ValueError(f"--kv {kv.spec!r} on {source}: {e}") from e
+            served = {name: make_kernel(name, args.prefill) for name in kernels}
+            check_configs(lm, source, [kv.spec for kv in kvs], [c for _, _, c in configs], served)
             for name in kernels:
-                lm.kernel = make_kernel(name, args.prefill)
+                lm.kernel = served[name]
                 rows += evaluate(
                     lm,
                     tok,

@@ -77,7 +77,7 @@ def run(args: argparse.Namespace) -> int:
     rows = layer_plan(specs, args.kernel, args.arch)
     if args.json:
         print(json.dumps(rows, indent=2, default=str))
-        for note in skip_rule_notes(kv.skip_layers, specs):  # stdout stays JSON
+        for note in skip_rule_notes(kv.skip_layers, specs, kv.layer_modes):  # stdout stays JSON
             print(f"kvq inspect: {note}", file=sys.stderr)
     else:
         kernel = f"{rows[0]['kernel']} on {args.arch}" + (
@@ -88,10 +88,18 @@ def run(args: argparse.Namespace) -> int:
         hf = getattr(model, "hf", None)
         print(f"kvq inspect: {model_label(args)}" + (f", {type(hf).__name__}" if hf else ""))
         print(f"kernel {kernel}")
-        print(f"KV config: kv_cache_dtype={kv.kv_cache_dtype!r}, skip_layers={kv.skip_layers}")
+        print(
+            f"KV config: kv_cache_dtype={kv.kv_cache_dtype!r}, skip_layers={kv.skip_layers}"
+            + (f", layer_modes={kv.layer_modes}" if kv.layer_modes else "")
+        )
         print()
         table = layer_table(
-            specs, plan_columns(rows), kv.skip_layers, wide=args.wide, also=("bytes/token",)
+            specs,
+            plan_columns(rows),
+            kv.skip_layers,
+            wide=args.wide,
+            also=("bytes/token",),
+            layer_modes=kv.layer_modes,
         )
         print(table)
         print()

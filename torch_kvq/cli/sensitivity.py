@@ -28,7 +28,6 @@ from torch_kvq.cli.args import check_out_paths
 
 
 def run(args: argparse.Namespace) -> int:
-
     from torch_kvq.cli.sources import trained_for_text
     from torch_kvq.evaluation import corpus
     from torch_kvq.evaluation.eval import EvalSettings, eval_data

@@ -32,9 +32,14 @@ if TYPE_CHECKING:  # torch is imported by the runners only: ``kvq <sub> --help``
 def kv_config_from_args(args: argparse.Namespace) -> KVCacheConfig:
     from torch_kvq.spec import KVCacheConfig
 
-    skip = () if args.no_skip else tuple(args.skip or ("sliding_window",))
+    layer_modes = getattr(args, "kv_map", None) or ()
+    default_skip = () if layer_modes else ("sliding_window",)
+    skip = () if args.no_skip else tuple(args.skip or default_skip)
     return KVCacheConfig(
-        kv_cache_dtype=args.kv_cache_dtype, skip_layers=skip, page_size=args.page_size
+        kv_cache_dtype=args.kv_cache_dtype,
+        skip_layers=skip,
+        page_size=args.page_size,
+        layer_modes=layer_modes,
     )
 
 

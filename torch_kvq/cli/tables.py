@@ -22,14 +22,16 @@ def layer_table(
     *,
     wide: bool,
     also: Sequence[str] = (),
+    layer_modes: Iterable[tuple[int | str, str]] = (),
 ) -> str:
     """The table of ``specs`` with ``extra``'s columns; narrow (``wide`` False): the ``NARROW``
-    columns and ``also``, each other ``extra`` column as grouped lines."""
+    columns and ``also``, each other ``extra`` column as grouped lines. ``skip_layers`` /
+    ``layer_modes``: the config's rules, for the notes below the table."""
     from torch_kvq.spec import format_spec_table, scale_notes, skip_rule_notes
 
-    rules = tuple(skip_layers)
+    rules, modes = tuple(skip_layers), tuple(layer_modes)
     if wide:
-        return format_spec_table(specs, extra, skip_layers=rules)
+        return format_spec_table(specs, extra, skip_layers=rules, layer_modes=modes)
     out = [format_spec_table(specs, extra, columns=(*NARROW, *also), notes=False), ""]
     index = {s.name: s.index for s in specs}
     folded = [c for c in dict.fromkeys(c for cols in extra.values() for c in cols) if c not in also]
@@ -45,7 +47,7 @@ def layer_table(
     out.append("(--wide: every column of the table, these too)")
     notes = [
         textwrap.fill(n, WIDTH, subsequent_indent="      ")
-        for n in skip_rule_notes(rules, specs) + scale_notes(specs)
+        for n in skip_rule_notes(rules, specs, modes) + scale_notes(specs)
     ]
     return "\n".join(out + ([""] + notes if notes else []))
 

@@ -7,7 +7,9 @@
   layer-name glob or name), e.g. ``skip=sliding_window`` or ``skip=0,-1``;
 - ``scales=PATH``: per-layer k/v scales from a safetensors file in the compressed-tensors layout
   (``P.k_scale`` / ``P.v_scale``; what ``kvq calibrate`` writes, read by ``kv_scales_from``);
-- ``scale=F``: every layer's default k and v scale; ``k_scale=F`` / ``v_scale=F``: one of them.
+- ``scale=F``: every layer's default k and v scale; ``k_scale=F`` / ``v_scale=F``: one of them;
+- ``map=RULE:MODE[,RULE:MODE...]``: a per-layer mode map (``parse_kv_map``; the last option: it
+  takes the rest of ``SPEC``), e.g. ``auto:map=0:fp8,full_attention:int8_per_token_head``.
 
 ``NAME=`` is optional (the row's label; default: ``SPEC`` itself). Examples: ``fp8``,
 ``fp8-sliding-bf16=fp8:skip=sliding_window``, ``cal=fp8:scales=/tmp/kv_scales.safetensors``.
@@ -19,7 +21,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-OPTIONS = ("skip", "scales", "scale", "k_scale", "v_scale")
+OPTIONS = ("skip", "scales", "scale", "k_scale", "v_scale", "map")
 
 
 @dataclass(frozen=True)
@@ -31,6 +33,7 @@ class KVArg:
     spec: str
     kv_cache_dtype: str
     skip_layers: tuple[int | str, ...] = ()
+    layer_modes: tuple[tuple[int | str, str], ...] = ()
     scales: Path | None = None
     default_k_scale: float = 1.0
     default_v_scale: float = 1.0
@@ -50,6 +53,7 @@ class KVArg:
         return KVCacheConfig(
             kv_cache_dtype=self.kv_cache_dtype,
             skip_layers=self.skip_layers,
+            layer_modes=self.layer_modes,
             page_size=page_size,
             kv_scales=kv_scales,
             default_k_scale=self.default_k_scale,
@@ -62,6 +66,31 @@ def _rule(text: str) -> int | str:
         return int(text)
     except ValueError:
         return text
+
+
+def parse_kv_map(text: str) -> tuple[tuple[int | str, str], ...]:
+    """A per-layer mode map (TensorRT-LLM's range syntax plus rule names and globs): comma-separated
+    ``RULE:MODE`` entries, e.g. ``0-3:fp8,4-35:int8_per_token_head,sliding_window:auto``. A
+    ``RULE`` is a layer index (negative from the end), a range ``A-B`` of indices (both ends
+    included), ``sliding_window``, ``full_attention``, a layer-name glob or a layer name; a
+    ``MODE`` any ``kv_cache_dtype`` string. Returns ``KVCacheConfig.layer_modes``; ValueError
+    naming a malformed entry."""
+    out: list[tuple[int | str, str]] = []
+    for entry in text.split(","):
+        rule, sep, mode = entry.strip().rpartition(":")
+        if not sep or not rule.strip() or not mode.strip():
+            raise ValueError(
+                f"map entry {entry!r} is not RULE:MODE (e.g. '0-3:fp8' or 'sliding_window:auto')"
+            )
+        rule, mode = rule.strip(), mode.strip()
+        lo, dash, hi = rule.partition("-")
+        if dash and lo.isdigit() and hi.isdigit():
+            if int(lo) > int(hi):
+                raise ValueError(f"map range {rule!r} is empty; expected A-B with A <= B")
+            out += [(i, mode) for i in range(int(lo), int(hi) + 1)]
+        else:
+            out.append((_rule(rule), mode))
+    return tuple(out)
 
 
 def _float(what: str, value: str, spec: str) -> float:
@@ -83,7 +112,10 @@ def parse_kv(text: str) -> KVArg:
         name, spec = "", text
     if not spec or not spec.split(":")[0]:
         raise ValueError(f"--kv {text!r}: expected [NAME=]DTYPE[:OPTION...], e.g. 'fp8:skip=0'")
-    dtype, *opts = spec.split(":")
+    head, _, layer_map = spec.partition(":map=")  # map= takes the rest (its entries hold ':')
+    dtype, *opts = head.split(":")
+    if layer_map:
+        opts.append(f"map={layer_map}")
     import torch
 
     try:
@@ -106,7 +138,12 @@ def parse_kv(text: str) -> KVArg:
         ):
             raise ValueError(f"--kv {text!r}: {key} given twice (scale= sets k_scale and v_scale)")
         seen.add(key)
-        if key == "skip":
+        if key == "map":
+            try:
+                kw["layer_modes"] = parse_kv_map(value)
+            except ValueError as e:
+                raise ValueError(f"--kv {text!r}: {e}") from None
+        elif key == "skip":
             kw["skip_layers"] = tuple(_rule(r) for r in value.split(",") if r)
         elif key == "scales":
             path = Path(value).expanduser()

@@ -53,7 +53,14 @@ from torch_kvq.integrations.hf_checks import check_layer, check_model
 from torch_kvq.integrations.hf_generate import KVQPagedCache, install_forward
 from torch_kvq.integrations.hf_scales import ScaleSource, checkpoint_kv_scales
 from torch_kvq.integrations.hf_tp import shard_hf_model_
-from torch_kvq.spec import MODEL_DTYPES, AttentionLayerInfo, KVCacheConfig, check_positive_int
+from torch_kvq.spec import (
+    MODEL_DTYPES,
+    AttentionLayerInfo,
+    KVCacheConfig,
+    KVQuantMode,
+    check_positive_int,
+    resolve_layer_specs,
+)
 
 
 def _layer_names(paths: list[str], prefix: str | None) -> list[str]:
@@ -167,7 +174,9 @@ class KVQCausalLM(PagedKV):
         if kv_scales_from is not None:
             if kv_config.kv_scales:
                 raise ValueError("give kv_config.kv_scales or kv_scales_from, not both")
-            kv_config = _with_scales(kv_config, checkpoint_kv_scales(kv_scales_from, paths))
+            scales = checkpoint_kv_scales(kv_scales_from, paths)
+            kept = _per_tensor_paths(kv_config, calls, paths, prefix, hf_model.dtype)
+            kv_config = _with_scales(kv_config, {p: s for p, s in scales.items() if p in kept})
         if tp is not None:
             shard_hf_model_(hf_model, calls, paths, tp)  # the dry run above saw the global heads
         lm = cls(
@@ -189,18 +198,7 @@ class KVQCausalLM(PagedKV):
 
     def layer_infos(self) -> list[AttentionLayerInfo]:
         """What HF passed each attention layer in the dry run (no quantization choices)."""
-        return [
-            AttentionLayerInfo(
-                name=name,
-                num_heads=c.num_heads,
-                num_kv_heads=c.num_kv_heads,
-                head_size=c.head_size,
-                sliding_window=c.sliding_window,
-                logits_soft_cap=c.softcap,
-                sm_scale=c.scaling,
-            )
-            for name, c in zip(self.layer_paths, self._calls)
-        ]
+        return [_layer_info(name, c) for name, c in zip(self.layer_paths, self._calls)]
 
     def _attention_slots(self) -> list[tuple[nn.Module, str]]:
         return [(mod, hfa.ATTN_ATTR) for mod in self._hf_attn]
@@ -285,6 +283,32 @@ class KVQCausalLM(PagedKV):
         self.hf.__dict__.pop("forward", None)
         self.hf._kvq_attached = False
         return self.hf
+
+
+def _layer_info(name: str, c: hfa.HFAttentionCall) -> AttentionLayerInfo:
+    return AttentionLayerInfo(
+        name=name,
+        num_heads=c.num_heads,
+        num_kv_heads=c.num_kv_heads,
+        head_size=c.head_size,
+        sliding_window=c.sliding_window,
+        logits_soft_cap=c.softcap,
+        sm_scale=c.scaling,
+    )
+
+
+def _per_tensor_paths(
+    cfg: KVCacheConfig,
+    calls: list[hfa.HFAttentionCall],
+    paths: list[str],
+    prefix: str | None,
+    dtype: torch.dtype,
+) -> set[str]:
+    """HF paths of the layers whose mode is fp8 per tensor: the checkpoint scales load for those
+    only (a per-(token, head) layer computes its own scales; kv_scales for one is a ValueError)."""
+    infos = [_layer_info(n, c) for n, c in zip(_layer_names(paths, prefix), calls)]
+    specs = resolve_layer_specs(replace(cfg, kv_scales=()), infos, dtype)
+    return {p for p, s in zip(paths, specs) if s.mode is KVQuantMode.FP8_PER_TENSOR}
 
 
 def _with_scales(

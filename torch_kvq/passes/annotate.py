@@ -3,7 +3,9 @@
 The layer comes from the node's ``layer_name`` argument, resolved through the live-layer
 registry; an unknown layer, or one whose live spec differs from the pass manager's spec table,
 is an error. So is FP8 work on an unquantized (e.g. skipped) layer: FP8 k / v written into its
-cache, or a dequantize / FP8 attention / quantizing write on it (the seed bug, at compile time). Ops without a layer argument take the stamp of the layer op they feed
+cache, or a dequantize / FP8 attention / quantizing write on it (the seed bug, at compile time),
+and a quantized layer's op of another mode (a per-(token, head) op on an fp8 per-tensor layer,
+or the reverse). Ops without a layer argument take the stamp of the layer op they feed
 (``quantize_fp8`` -> cache write, ``dequantize_kv_cache`` -> attention) or, for an output quant,
 of the attention they quantize. The graph itself is not changed::
 
@@ -13,6 +15,7 @@ of the attention they quantize. The graph itself is not changed::
 
 from __future__ import annotations
 
+import operator
 from typing import ClassVar
 
 from torch import fx
@@ -22,9 +25,13 @@ from torch_kvq.passes.base import KVQPass, PassContext
 from torch_kvq.passes.graph_utils import (
     ATTENTION,
     ATTENTION_FP8,
+    ATTENTION_PTH,
     CACHE_WRITE,
+    CACHE_WRITE_PTH,
     DEQUANTIZE,
+    DEQUANTIZE_PTH,
     QUANT_CACHE_WRITE,
+    QUANT_CACHE_WRITE_PTH,
     QUANT_CACHE_WRITE_TS,
     VIEW_OPS,
     functional_op,
@@ -68,6 +75,8 @@ class AnnotatePass(KVQPass):
             stamp = get_stamp(node)
             if stamp is not None and not stamp.spec.is_quantized:
                 _check_unquantized(node, stamp)
+            elif stamp is not None:
+                _check_mode_ops(node, stamp)
         for layer in seen:
             stamp = ctx.stamps[layer]
             ctx.decide(
@@ -115,16 +124,34 @@ def _check_unquantized(node: fx.Node, stamp: KVQStamp) -> None:
                     f"layer {spec.name!r} is {kept} but graph node {node.name!r} writes FP8 into its "
                     f"cache: {arg_name} has dtype {dtype or FP8_DTYPE}, expected {spec.model_dtype}"
                 )
-    elif op in (QUANT_CACHE_WRITE, QUANT_CACHE_WRITE_TS, DEQUANTIZE, ATTENTION_FP8):
+    elif op in (*_PER_TENSOR_OPS, *_PER_TOKEN_HEAD_OPS):
         raise ValueError(
             f"layer {spec.name!r} is {kept} but graph node {node.name!r} runs {op_label(node)} on "
-            "it, an op for FP8 caches only"
+            "it, an op for quantized caches only"
+        )
+
+
+# the layer ops of the FP8 per-tensor mode and of the per-(token, head) modes
+_PER_TENSOR_OPS = (QUANT_CACHE_WRITE, QUANT_CACHE_WRITE_TS, DEQUANTIZE, ATTENTION_FP8)
+_PER_TOKEN_HEAD_OPS = (CACHE_WRITE_PTH, QUANT_CACHE_WRITE_PTH, DEQUANTIZE_PTH, ATTENTION_PTH)
+
+
+def _check_mode_ops(node: fx.Node, stamp: KVQStamp) -> None:
+    """Refuse a quantized layer's op of another mode (each layer is read by its own mode)."""
+    pth = stamp.spec.mode.per_token_head
+    op = functional_op(node)
+    if op in (_PER_TENSOR_OPS if pth else _PER_TOKEN_HEAD_OPS):
+        raise ValueError(
+            f"layer {stamp.layer!r} has mode {stamp.spec.mode.value} but graph node "
+            f"{node.name!r} runs {op_label(node)} on it, an op of "
+            f"{'the fp8 per-tensor mode' if pth else 'the per-(token, head) modes'}"
         )
 
 
 def _owner(node: fx.Node) -> fx.Node | None:
     """The stamped layer op a layer-less kvq op belongs to (a user, else the quantized attention)."""
-    for user in node.users:
+    users = [u for n in node.users for u in (n.users if is_call(n, operator.getitem) else [n])]
+    for user in users:  # through the getitems of a tuple-returning op (quantize_per_token_head)
         if layer_name_of(user) is not None and get_stamp(user) is not None:
             return user
     src = op_args(node).get("x")

@@ -9,6 +9,10 @@ in place. No dequantized copy of the cache is materialized any more::
     after:
         paged_attention_fp8 = kvq.paged_attention_fp8(q, getitem_1, 0.5, 0.25, 'l0')
 
+A per-(token, head) layer's ``kvq.dequantize_kv_cache_per_token_head(kv_cache, kv_scale, layer,
+float32)`` + attention becomes ``kvq.paged_attention_per_token_head(q, kv_cache, kv_scale,
+layer)``: codes and scales read in place. Each layer by its own mode only (its stamp).
+
 Skipped layers (``kvq.paged_attention`` on their model-dtype cache) are left alone.
 """
 
@@ -23,7 +27,9 @@ from torch_kvq.passes.base import KVQPass, PassContext
 from torch_kvq.passes.graph_utils import (
     ATTENTION,
     ATTENTION_FP8,
+    ATTENTION_PTH,
     DEQUANTIZE,
+    DEQUANTIZE_PTH,
     erase_dead,
     is_call,
     op_args,
@@ -53,11 +59,13 @@ class FuseDequantAttentionPass(KVQPass):
                 continue
             args = op_args(node)
             deq = args["kv_cache"]
-            if not is_call(deq, DEQUANTIZE):
+            pth = stamp.spec.mode.per_token_head
+            want = DEQUANTIZE_PTH if pth else DEQUANTIZE
+            if not is_call(deq, want):
                 found = op_label(deq) if isinstance(deq, fx.Node) else repr(deq)
                 ctx.decide(
                     stamp.layer,
-                    f"not fused: the attention's cache is not kvq.dequantize_kv_cache (found {found})",
+                    f"not fused: the attention's cache is not kvq.{want._opname} (found {found})",
                 )
                 continue
             d = op_args(deq)
@@ -68,11 +76,14 @@ class FuseDequantAttentionPass(KVQPass):
                     "attention reads code * scale in float32 (it would not compute the same)",
                 )
                 continue
+            if pth:
+                fused_args = (args["q"], d["kv_cache"], d["kv_scale"], args["layer_name"])
+            else:
+                fused_args = (
+                    args["q"], d["kv_cache"], d["k_scale"], d["v_scale"], args["layer_name"]
+                )  # fmt: skip
             with graph.inserting_before(node):
-                fused = graph.call_function(
-                    ATTENTION_FP8,
-                    (args["q"], d["kv_cache"], d["k_scale"], d["v_scale"], args["layer_name"]),
-                )
+                fused = graph.call_function(ATTENTION_PTH if pth else ATTENTION_FP8, fused_args)
             fused.meta[META_KEY] = stamp.with_fused(self.decision())
             node.replace_all_uses_with(fused)
             graph.erase_node(node)

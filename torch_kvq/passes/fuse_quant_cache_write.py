@@ -23,10 +23,17 @@ write becomes ``kvq.quant_cache_write_ts(k, v, kv_cache, k_scale_node, v_scale_n
 the scale stays a graph value read at run time, never a constant, so changing the buffer changes
 what the compiled graph writes. The write is kernel-independent (kernels/kv_write.py), so this needs
 no capability bit. One scale a number and the other a tensor is left unfused (decision says so).
+
+A per-(token, head) layer's write (``kvq.cache_write_per_token_head`` of codes and scales from
+``kvq.quantize_per_token_head`` or the torch-native form, ``passes/quant_match_pth.py``) becomes
+``kvq.quant_cache_write_per_token_head(k, v, kv_cache, kv_scale, layer, rounding)``, with
+``rounding="half_even"`` where the matched form rounds with ``torch.round``: the same codes and
+scales, bit for bit. The format must be the layer's own mode's.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import ClassVar
 
 import torch
@@ -36,7 +43,9 @@ from torch_kvq.passes.base import KVQPass, PassContext
 from torch_kvq.passes.graph_utils import (
     AUTO_FUNCTIONALIZED,
     CACHE_WRITE,
+    CACHE_WRITE_PTH,
     QUANT_CACHE_WRITE,
+    QUANT_CACHE_WRITE_PTH,
     QUANT_CACHE_WRITE_TS,
     erase_dead,
     float_cast_arg,
@@ -45,7 +54,8 @@ from torch_kvq.passes.graph_utils import (
     node_dtype,
 )
 from torch_kvq.passes.quant_match import StaticQuant, match_static_fp8_quant, quant_mismatch
-from torch_kvq.passes.stamp import META_KEY, get_stamp, short_dtype
+from torch_kvq.passes.quant_match_pth import TokenHeadQuant, match_per_token_head_quant
+from torch_kvq.passes.stamp import META_KEY, KVQStamp, get_stamp, short_dtype
 
 
 class FuseQuantCacheWritePass(KVQPass):
@@ -58,14 +68,18 @@ class FuseQuantCacheWritePass(KVQPass):
     def __call__(self, graph: fx.Graph, ctx: PassContext) -> int:
         matches = 0
         for node in list(graph.nodes):
-            if not is_call(node, *AUTO_FUNCTIONALIZED) or functional_op(node) is not CACHE_WRITE:
+            if not is_call(node, *AUTO_FUNCTIONALIZED):
                 continue
+            op = functional_op(node)
             stamp = get_stamp(node)
-            if stamp is None:
+            if op not in (CACHE_WRITE, CACHE_WRITE_PTH) or stamp is None:
                 continue
             blocked = stamp.kv_block()
             if blocked is not None:
                 ctx.decide(stamp.layer, blocked)
+                continue
+            if op is CACHE_WRITE_PTH:
+                matches += self._fuse_per_token_head(graph, node, stamp, ctx)
                 continue
             quants: dict[str, tuple[StaticQuant, fx.Node, list[fx.Node]]] = {}
             for arg in ("k", "v"):
@@ -94,16 +108,84 @@ class FuseQuantCacheWritePass(KVQPass):
                 **kwargs,
             }
             op = QUANT_CACHE_WRITE_TS if tensors[0] else QUANT_CACHE_WRITE
-            with graph.inserting_before(node):
-                fused = graph.call_function(node.target, (op,), fused_kwargs)
-            fused.meta[META_KEY] = stamp.with_fused(self.decision())
-            node.replace_all_uses_with(fused)
-            graph.erase_node(node)
-            for quant, _, casts in quants.values():
-                erase_dead(graph, [*reversed(casts), *quant.nodes])
-            ctx.decide(stamp.layer, self.decision())
+            self._replace(graph, node, op, fused_kwargs, stamp, quants.values(), ctx)
             matches += 1
         return matches
+
+    def _fuse_per_token_head(
+        self, graph: fx.Graph, node: fx.Node, stamp: KVQStamp, ctx: PassContext
+    ) -> int:
+        """Rewrite one per-(token, head) write (module doc); 1 if fused, else 0 (decided why)."""
+        fmt = stamp.spec.mode.per_token_head_format
+        found: dict[str, tuple[TokenHeadQuant, fx.Node, list[fx.Node]]] = {}
+        for arg in ("k", "v"):
+            quant = match_per_token_head_quant(
+                node.kwargs[f"{arg}_codes"], node.kwargs[f"{arg}_scales"]
+            )
+            if isinstance(quant, str):
+                ctx.decide(stamp.layer, f"not fused: {arg} {quant}")
+                return 0
+            if quant.fmt != fmt:
+                ctx.decide(
+                    stamp.layer,
+                    f"not fused: {arg} is quantized to {quant.fmt}, and the layer's mode "
+                    f"{stamp.spec.mode.value} stores {fmt}",
+                )
+                return 0
+            source = _model_dtype_source(quant.value, stamp.spec.model_dtype)
+            if isinstance(source, str):
+                ctx.decide(stamp.layer, f"not fused: {arg} {source}")
+                return 0
+            found[arg] = (quant, *source)
+        if found["k"][0].rounding != found["v"][0].rounding:
+            ctx.decide(
+                stamp.layer, "not fused: k and v are rounded differently (op vs torch.round)"
+            )
+            return 0
+        keep = {"layer_name", "_kv_cache_base_index", "_kv_scale_base_index", "_all_bases"}
+        kwargs = {
+            "k": found["k"][1],
+            "v": found["v"][1],
+            "rounding": found["k"][0].rounding,
+            **{key: val for key, val in node.kwargs.items() if key in keep},
+        }
+        self._replace(graph, node, QUANT_CACHE_WRITE_PTH, kwargs, stamp, found.values(), ctx)
+        return 1
+
+    def _replace(
+        self,
+        graph: fx.Graph,
+        node: fx.Node,
+        op: object,
+        kwargs: dict[str, object],
+        stamp: KVQStamp,
+        quants: Iterable[tuple[StaticQuant | TokenHeadQuant, fx.Node, list[fx.Node]]],
+        ctx: PassContext,
+    ) -> None:
+        """Put the fused write ``op`` (``kwargs``) in place of the write ``node`` and erase the
+        quantizations it absorbed (``quants``: (match, source, casts) per k / v) where dead."""
+        with graph.inserting_before(node):
+            fused = graph.call_function(node.target, (op,), kwargs)
+        fused.meta[META_KEY] = stamp.with_fused(self.decision())
+        node.replace_all_uses_with(fused)
+        graph.erase_node(node)
+        for quant, _, casts in quants:
+            erase_dead(graph, [*reversed(casts), *quant.nodes])
+        ctx.decide(stamp.layer, self.decision())
+
+
+def _model_dtype_source(value: fx.Node, model_dtype: object) -> tuple[fx.Node, list[fx.Node]] | str:
+    """``value`` walked back through float casts to the model dtype: (source, casts passed)."""
+    source, casts = value, []
+    while node_dtype(source) != model_dtype:
+        prev = float_cast_arg(source)
+        if prev is None:
+            return (
+                f"reaches the quant as {node_dtype(source)}, expected the model dtype {model_dtype}"
+            )
+        casts.append(source)
+        source = prev
+    return source, casts
 
 
 def _match(arg: object, model_dtype: object) -> tuple[StaticQuant, fx.Node, list[fx.Node]] | str:
@@ -120,13 +202,5 @@ def _match(arg: object, model_dtype: object) -> tuple[StaticQuant, fx.Node, list
             f"rounded to {short_dtype(quotient)} before the FP8 cast), and the fused write "
             "divides in fp32, so it would not write the same bytes; quantize x.float() / scale"
         )
-    source, casts = quant.value, []
-    while node_dtype(source) != model_dtype:
-        prev = float_cast_arg(source)
-        if prev is None:
-            return (
-                f"reaches the quant as {node_dtype(source)}, expected the model dtype {model_dtype}"
-            )
-        casts.append(source)
-        source = prev
-    return quant, source, casts
+    source = _model_dtype_source(quant.value, model_dtype)
+    return source if isinstance(source, str) else (quant, *source)

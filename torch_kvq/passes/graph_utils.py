@@ -13,6 +13,7 @@ import torch
 from torch import fx
 
 from torch_kvq.attention import ops as _ops  # noqa: F401  (registers torch.ops.kvq.*)
+from torch_kvq.attention import ops_per_token_head as _ops_pth  # noqa: F401  (likewise)
 from torch_kvq.spec import FP8_DTYPE
 
 KVQ = torch.ops.kvq
@@ -23,6 +24,12 @@ QUANT_CACHE_WRITE = KVQ.quant_cache_write.default
 QUANT_CACHE_WRITE_TS = KVQ.quant_cache_write_ts.default
 ATTENTION = KVQ.paged_attention.default
 ATTENTION_FP8 = KVQ.paged_attention_fp8.default
+# the per-(token, head) modes' ops (attention/ops_per_token_head.py)
+QUANTIZE_PTH = KVQ.quantize_per_token_head.default
+CACHE_WRITE_PTH = KVQ.cache_write_per_token_head.default
+DEQUANTIZE_PTH = KVQ.dequantize_kv_cache_per_token_head.default
+QUANT_CACHE_WRITE_PTH = KVQ.quant_cache_write_per_token_head.default
+ATTENTION_PTH = KVQ.paged_attention_per_token_head.default
 AUTO_FUNCTIONALIZED = (
     torch.ops.higher_order.auto_functionalized,
     torch.ops.higher_order.auto_functionalized_v2,

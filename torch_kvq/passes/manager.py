@@ -65,6 +65,7 @@ def _per_layer(
 _DEPENDENCIES = (
     "spec.py",
     "attention/ops.py",
+    "attention/ops_per_token_head.py",
     "attention/quant.py",
     "attention/kernels/capabilities.py",
 )
@@ -138,7 +139,7 @@ class KVQPassManager(CustomGraphPass):
         for name in sorted(self.stamps):
             st = self.stamps[name]
             h.update(
-                f"\n{name}:{st.kernel}:{st.arch}:{st.fp8_kv}:{st.fp8_output}:"
+                f"\n{name}:{st.kernel}:{st.arch}:{st.kv_in_place}:{st.fp8_output}:"
                 f"{st.fp8_output_tensor_scale}".encode()
             )
         return h.hexdigest()

@@ -85,7 +85,7 @@ class StaticQuant:
         return self.scale if isinstance(self.scale, fx.Node) else None
 
 
-def _clamp_bounds(node: fx.Node) -> tuple[fx.Node, list[fx.Node], float, float] | None:
+def clamp_bounds(node: fx.Node) -> tuple[fx.Node, list[fx.Node], float, float] | None:
     """Match clamp(x, lo, hi) or clamp_min/clamp_max in either order: (x, nodes, lo, hi)."""
     if is_call(node, _CLAMP):
         lo = _number(node.args[1] if len(node.args) > 1 else node.kwargs.get("min"))
@@ -147,7 +147,7 @@ def _walk(node: fx.Node) -> StaticQuant | str:
     nodes = [node]
     inner, casts = skip_float_casts(node.args[0])
     nodes += casts
-    clamp = _clamp_bounds(inner)
+    clamp = clamp_bounds(inner)
     if clamp is None:
         return (
             "is not a static FP8 quant (no clamp to +-448 before the FP8 cast, found "

@@ -74,7 +74,8 @@ class GraphReport:
 
     def summary(self) -> str:
         """The one log line per compiled graph."""
-        fp8 = sum(1 for info in self.layers.values() if info["mode"] != "none")
+        modes = [str(info["mode"]) for info in self.layers.values() if info["mode"] != "none"]
+        by_mode = "".join(f"{modes.count(m)} {m}, " for m in sorted(set(modes)))
         fused = ", ".join(
             f"{s.fusion} {len(self.layers_fused(s.fusion))}"
             for s in self.per_pass.values()
@@ -91,7 +92,7 @@ class GraphReport:
         )
         n = len(self.layers)
         return (
-            f"kvq graph {self.graph_id}: {n} attention layer{'s' if n != 1 else ''} ({fp8} fp8, "
+            f"kvq graph {self.graph_id}: {n} attention layer{'s' if n != 1 else ''} ({by_mode}"
             f"{kept} kept unquantized); fused {fused or 'nothing (no fusion pass ran)'}; layers a "
             f"fusion passed over (see why per layer): {len(not_fused)}; passes "
             f"{self.time_s * 1e3:.1f} ms" + ("" if self.source == "passes" else f" ({self.source})")

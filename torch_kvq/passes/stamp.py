@@ -28,8 +28,9 @@ def short_dtype(dtype: torch.dtype) -> str:
 class KVQStamp:
     """What ``node.meta["kvq"]`` holds: the layer's spec plus the kernel decisions for it.
 
-    ``fp8_kv``: the layer is quantized and its kernel reads its FP8 cache in place with a
-    model-dtype query (quant+write and dequant+attention may be fused). ``fp8_output``: the kernel
+    ``kv_in_place``: the layer is quantized and its kernel reads its quantized cache (codes, and
+    the per-(token, head) scales where its mode has them) in place with a model-dtype query
+    (quant+write and dequant+attention may be fused). ``fp8_output``: the kernel
     also writes FP8 output for it (an output quant may be fused). ``fused`` names the fusions
     that produced this node (empty for nodes of the original graph). ``limit``: why the layer is
     outside the kernel's capability row for its shape (head size, ...), else None.
@@ -39,7 +40,7 @@ class KVQStamp:
     spec: LayerKVSpec
     kernel: str
     arch: str
-    fp8_kv: bool
+    kv_in_place: bool
     fp8_output: bool
     fused: tuple[str, ...] = ()
     limit: str | None = None
@@ -65,7 +66,7 @@ class KVQStamp:
             return kept
         if self.limit is not None:
             return f"not fused: kernel {self.kernel!r} on {self.arch} cannot serve it: {self.limit}"
-        if not self.fp8_kv:
+        if not self.kv_in_place:
             return (
                 f"not fused: kernel {self.kernel!r} on {self.arch} does not read "
                 f"{self.spec.mode.value} caches with {short_dtype(self.spec.model_dtype)} q"
@@ -100,16 +101,16 @@ def make_stamp(spec: LayerKVSpec, kernel: str, arch: str) -> KVQStamp:
     an arch it has no row for)."""
     q = spec.model_dtype
     limit = caps.layer_limit(kernel, arch, spec)
-    fp8_kv = (
+    kv_in_place = (
         spec.is_quantized and limit is None and caps.supports(kernel, arch, spec.mode, q, False)
     )
-    fp8_out = fp8_kv and caps.supports(kernel, arch, spec.mode, q, True)
+    fp8_out = kv_in_place and caps.supports(kernel, arch, spec.mode, q, True)
     fp8_out_t = fp8_out and caps.supports_tensor_output_scale(kernel, arch)
     return KVQStamp(
         spec,
         kernel,
         arch,
-        fp8_kv=fp8_kv,
+        kv_in_place=kv_in_place,
         fp8_output=fp8_out,
         limit=limit,
         fp8_output_tensor_scale=fp8_out_t,

@@ -10,14 +10,11 @@ test here skips.
 
 from __future__ import annotations
 
-from types import ModuleType
-
 import pytest
 import torch
 
 from tests.support.triton_case import (
     HAS_CUDA,
-    INTERPRETING,
     Case,
     check_on_gpu,
     dense_table,
@@ -27,26 +24,6 @@ from tests.support.triton_case import (
 from torch_kvq.spec import FP8_DTYPE
 
 LENS = (1, 15, 16, 17, 300, 1000)  # 1 .. 63 pages per pair
-
-
-@pytest.fixture(scope="module")
-def interp() -> ModuleType:
-    if not INTERPRETING:
-        pytest.skip("interpreter tests run on a machine without CUDA (gpu tests cover the rest)")
-    from torch_kvq.attention.triton import decode_tma
-
-    return decode_tma
-
-
-@pytest.fixture
-def programs(monkeypatch):
-    """Set the balanced schedule's program count (off CUDA it is per-SM x 132, capped)."""
-    from torch_kvq.attention.triton import decode_balanced
-
-    def force(n: int) -> None:
-        monkeypatch.setattr(decode_balanced, "balanced_programs", lambda *a: n)
-
-    return force
 
 
 @pytest.mark.parametrize("nprog", [1, 2, 5, 64, 5000])

@@ -7,14 +7,11 @@ default fp16 products, under the gate. Without Triton every test here skips.
 
 from __future__ import annotations
 
-from types import ModuleType
-
 import pytest
 import torch
 
 from tests.support.triton_case import (
     HAS_CUDA,
-    INTERPRETING,
     LENS,
     Case,
     check_on_gpu,
@@ -23,15 +20,6 @@ from tests.support.triton_case import (
     run_tma,
 )
 from torch_kvq.spec import FP8_DTYPE
-
-
-@pytest.fixture(scope="module")
-def interp() -> ModuleType:
-    if not INTERPRETING:
-        pytest.skip("interpreter tests run on a machine without CUDA (gpu tests cover the rest)")
-    from torch_kvq.attention.triton import decode_tma
-
-    return decode_tma
 
 
 @pytest.mark.parametrize("qh,kh,d", [(4, 4, 64), (8, 2, 128), (4, 2, 256)])

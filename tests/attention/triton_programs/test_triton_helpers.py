@@ -5,22 +5,11 @@ the workspace), the output dtype, and the argument checks. Without Triton every 
 
 from __future__ import annotations
 
-from types import ModuleType
-
 import pytest
 import torch
 
-from tests.support.triton_case import INTERPRETING, Case, rel_err, run_tma
+from tests.support.triton_case import Case, rel_err, run_tma
 from torch_kvq.spec import FP8_DTYPE
-
-
-@pytest.fixture(scope="module")
-def interp() -> ModuleType:
-    if not INTERPRETING:
-        pytest.skip("interpreter tests run on a machine without CUDA (gpu tests cover the rest)")
-    from torch_kvq.attention.triton import decode_tma
-
-    return decode_tma
 
 
 def test_fp8_widening_is_exact(interp) -> None:

@@ -45,15 +45,20 @@ class AttentionKernel(Protocol):
         k_scale: float,
         v_scale: float,
         output_scale: float | torch.Tensor | None,
+        kv_scale: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Paged attention for the batch's new tokens.
 
         q [T, num_heads, head_size] in ``spec.model_dtype``; kv_cache
-        [pages, 2, page_size, kv_heads, head_size] in the model dtype (scales 1.0) or FP8 (read
-        in place with ``k_scale`` / ``v_scale``). Returns [T, num_heads, head_size] in the model
+        [pages, 2, page_size, kv_heads, head_size] in the model dtype (scales 1.0), a quantized
+        layer's dequantized float32 cache (scales 1.0), FP8 (read in place with ``k_scale`` /
+        ``v_scale``), or a per-(token, head) layer's codes (int8 / FP8) read in place with
+        ``kv_scale`` [pages, 2, kv_heads, page_size] float32 (None for every other mode). Returns [T, num_heads, head_size] in the model
         dtype, or float8_e4m3fn scaled by ``1 / output_scale`` when ``output_scale`` is given (a
         float, or a 0-d float32 tensor read on the device, only for kernels whose capability row
-        sets ``tensor_output_scale``).
+        sets ``tensor_output_scale``). ``kv_scale`` [pages, 2, kv_heads, page_size] float32: the
+        per-(token, head) scales of a cache of int8 / e4m3 codes (``k_scale`` / ``v_scale`` then
+        1.0); None for every other cache.
         The output is a new contiguous tensor whatever q's strides (a transposed view included):
         the ops' fake implementations promise exactly that to the compiler.
         """

@@ -7,18 +7,23 @@ any arch). A row holds:
 - ``combos``: the ``(quant mode, q dtype, fp8 output)`` combinations the kernel runs.
   ``(NONE, bf16, False)``: attention over a bf16 cache with a bf16 query;
   ``(FP8_PER_TENSOR, bf16, False)``: it reads an FP8 paged cache in place with a bf16 query (so
-  quant+write and dequant+attention may be fused for such a layer);
+  quant+write and dequant+attention may be fused for such a layer); likewise
+  ``(INT8_PER_TOKEN_HEAD, bf16, False)`` / ``(FP8_PER_TOKEN_HEAD, bf16, False)``: it reads the
+  codes and their per-(token, head) ``kv_scale`` in place;
   ``(FP8_PER_TENSOR, bf16, True)``: it also writes FP8 output through ``output_scale`` (so a static
   FP8 quant of the attention output may be fused). Claim this only where the kernel really writes
   FP8 output for every batch shape the compiled graph serves (prefill and decode).
 - ``head_sizes``: the head sizes it runs (None: any);
-- ``fp8_page_sizes`` / ``fp8_soft_cap``: limits on quantized layers only (XQA's page sizes, and no
-  logit soft-cap), None / True for none.
+- ``fp8_page_sizes`` / ``fp8_soft_cap``: limits on FP8 per-tensor layers only (XQA's page sizes,
+  and no logit soft-cap), None / True for none; ``per_token_head_page_sizes`` the page sizes of
+  per-(token, head) layers (the Triton decode's), None for any.
 - ``tensor_output_scale``: where the row claims FP8 output, the kernel also takes the output scale
   as a device tensor read at run time (a 0-d / 1-element float32 buffer or parameter), not only as
   a Python float (so a static FP8 quant whose scale is such a tensor may be fused). The reference
   kernel does; FlashInfer's XQA does not (its ``o_scale`` is a float).
 
+``(INT8_PER_TOKEN_HEAD, bf16, False)`` / ``(FP8_PER_TOKEN_HEAD, bf16, False)``: it reads int8 /
+e4m3 codes with their per-(token, head) scales (``kv_scale``) in place.
 A kernel serves a layer when its row has ``(layer mode, model dtype, False)`` and the layer is
 within the row's limits: ``unsupported_reason`` says why not. An arch with no row (and no ``"*"``
 row) is a ``ValueError`` naming the arch and the archs the kernel has rows for, in the kernel's
@@ -48,15 +53,21 @@ class ArchRow:
 
     combos: frozenset[Combo]
     head_sizes: frozenset[int] | None = None  # None: any head size
-    fp8_page_sizes: frozenset[int] | None = None  # page sizes of quantized layers; None: any
-    fp8_soft_cap: bool = True  # quantized layers may have a logit soft-cap
+    fp8_page_sizes: frozenset[int] | None = None  # page sizes of FP8 per-tensor layers; None: any
+    fp8_soft_cap: bool = True  # FP8 per-tensor layers may have a logit soft-cap
     tensor_output_scale: bool = False  # FP8 output with a run-time tensor scale, too
+    per_token_head_page_sizes: frozenset[int] | None = None  # of per-(token, head) layers
 
 
 _TABLE: dict[str, dict[str, ArchRow]] = {
-    "reference": {
+    "reference": {  # every mode; FP8 output where its attention op has an output scale
         ANY_ARCH: ArchRow(
-            frozenset(product(KVQuantMode, MODEL_DTYPES, (False, True))), tensor_output_scale=True
+            frozenset(
+                (mode, q, fp8_out)
+                for mode, q, fp8_out in product(KVQuantMode, MODEL_DTYPES, (False, True))
+                if not (fp8_out and mode.per_token_head)
+            ),
+            tensor_output_scale=True,
         )
     },
 }
@@ -83,6 +94,7 @@ def register_capabilities(
     fp8_page_sizes: Iterable[int] | None = None,
     fp8_soft_cap: bool = True,
     tensor_output_scale: bool = False,
+    per_token_head_page_sizes: Iterable[int] | None = None,
 ) -> None:
     """Set the row of ``kernel`` on ``arch`` (replacing an existing one)."""
     if not isinstance(kernel, str) or not kernel:
@@ -106,6 +118,7 @@ def register_capabilities(
         _sizes("fp8_page_sizes", kernel, arch, fp8_page_sizes),
         bool(fp8_soft_cap),
         bool(tensor_output_scale),
+        _sizes("per_token_head_page_sizes", kernel, arch, per_token_head_page_sizes),
     )
     _TABLE.setdefault(kernel, {})[arch] = row
 
@@ -187,21 +200,28 @@ def _either(items: Iterable[str]) -> str:
 
 
 def layer_limit(kernel: str, arch: str, spec: LayerKVSpec) -> str | None:
-    """Why ``spec``'s shape is outside the row's limits (head size; for quantized layers page
-    size and soft-cap), else None."""
+    """Why ``spec``'s shape is outside the row's limits (head size; for FP8 per-tensor layers page
+    size and soft-cap, for per-(token, head) layers page size), else None."""
     row = arch_row(kernel, arch)
     if row.head_sizes is not None and spec.head_size not in row.head_sizes:
         return (
             f"head size {spec.head_size} is not supported; expected one of "
             f"{tuple(sorted(row.head_sizes))}"
         )
-    if spec.is_quantized and row.fp8_page_sizes and spec.page_size not in row.fp8_page_sizes:
+    fp8 = spec.mode is KVQuantMode.FP8_PER_TENSOR
+    if fp8 and row.fp8_page_sizes and spec.page_size not in row.fp8_page_sizes:
         return (
             f"page size {spec.page_size} is not supported for FP8 caches; expected one of "
             f"{tuple(sorted(row.fp8_page_sizes))}"
         )
-    if spec.is_quantized and spec.logits_soft_cap and not row.fp8_soft_cap:
+    if fp8 and spec.logits_soft_cap and not row.fp8_soft_cap:
         return "a logit soft-cap is not supported for FP8 caches"
+    sizes = row.per_token_head_page_sizes
+    if spec.mode.per_token_head and sizes and spec.page_size not in sizes:
+        return (
+            f"page size {spec.page_size} is not supported for {spec.mode.value} caches; expected "
+            f"one of {tuple(sorted(sizes))}"
+        )
     return None
 
 
@@ -251,6 +271,11 @@ def default_kernel(arch: str) -> str:
 # The "-triton" configurations run FP8 caches through our Triton kernel
 # (attention/triton/decode_tma.py: bulk tensor copies, Hopper and later), claimed on sm90 only,
 # where it was run; elsewhere they serve model-dtype layers only. It takes any head size FlashInfer does, pages of 16 to 128, soft-caps.
+# Per-(token, head) layers (int8 / e4m3 codes with fp32 scales) run on sm90 in every configuration:
+# decode on the same Triton kernel with the scales per logit / weight column, prefill and mixed
+# batches on FlashInfer's model-dtype prefill over the batch's pages dequantized into a compact
+# scratch (kernels/flashinfer.py); bf16 / fp16 q, no FP8 output, pages of 16 to 64 tokens (the
+# Triton decode's shared memory at 6 stages and head 256 caps the page).
 # No FlashInfer row sets tensor_output_scale: XQA's o_scale is a Python float in FlashInfer
 # 0.6.18 (its bmm1/bmm2 scales take tensors, o_scale does not), so a quant whose scale is a tensor
 # is left unfused there.
@@ -261,25 +286,33 @@ _XQA_PAGE_SIZES = (16, 32, 64, 128)
 _FI_DTYPES = (torch.bfloat16, torch.float16)
 _FI_NONE = frozenset(product((KVQuantMode.NONE,), _FI_DTYPES, (False,)))
 _FI_BASE = _FI_NONE | frozenset(product((KVQuantMode.FP8_PER_TENSOR,), _FI_DTYPES, (False,)))
+_PTH_MODES = (KVQuantMode.INT8_PER_TOKEN_HEAD, KVQuantMode.FP8_PER_TOKEN_HEAD)
+_PTH_PAGE_SIZES = (16, 32, 64)
 for _arch in _FI_ARCHS:
+    _pth = frozenset(product(_PTH_MODES, _FI_DTYPES, (False,))) if _arch == "sm90" else frozenset()
+    _pth_limits = {"per_token_head_page_sizes": _PTH_PAGE_SIZES}
     for _name in ("flashinfer", "flashinfer-decode"):
-        register_capabilities(_name, _arch, _FI_BASE, head_sizes=_FI_HEAD_SIZES)
+        register_capabilities(
+            _name, _arch, _FI_BASE | _pth, head_sizes=_FI_HEAD_SIZES, **_pth_limits
+        )
     _xqa = _arch in _XQA_ARCHS
     _fp8_out = {(KVQuantMode.FP8_PER_TENSOR, torch.bfloat16, True)} if _arch == "sm90" else set()
     for _name, _extra in (("flashinfer-xqa", set()), ("flashinfer-xqa-decode", _fp8_out)):
         register_capabilities(
             _name,
             _arch,
-            (_FI_BASE | _extra) if _xqa else _FI_NONE,
+            ((_FI_BASE | _extra) if _xqa else _FI_NONE) | _pth,
             head_sizes=_FI_HEAD_SIZES,
             fp8_page_sizes=_XQA_PAGE_SIZES,
             fp8_soft_cap=False,
+            **_pth_limits,
         )
     for _name in ("flashinfer-triton", "flashinfer-triton-decode"):
         register_capabilities(
             _name,
             _arch,
-            _FI_BASE if _arch == "sm90" else _FI_NONE,
+            (_FI_BASE if _arch == "sm90" else _FI_NONE) | _pth,
             head_sizes=_FI_HEAD_SIZES,
             fp8_page_sizes=_XQA_PAGE_SIZES,
+            **_pth_limits,
         )

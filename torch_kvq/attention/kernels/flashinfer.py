@@ -34,6 +34,23 @@ docs/design/fp8_prefill.md, docs/design/fp8_decode_paths.md, benchmarks/RESULTS.
     registers (``"model"``: to the model dtype): near XQA's speed at the tensor-core decode's
     accuracy. sm90.
 
+* per-(token, head) layers (``int8_per_token_head`` / ``fp8_per_token_head``: codes in the cache,
+  one fp32 scale per token and kv head in ``kv_scale``), sm90, every configuration:
+
+  - decode-only batch: the Triton kernel above with the scales applied per logit column and per
+    softmax-weight column (``fp8_decode_math`` as for FP8; int8 -> fp16 is exact), CUDA graphs
+    included.
+  - prefill / mixed batch: the batch's pages dequantized into a compact model-dtype scratch
+    cache (page i of the scratch is the page table's i-th page, so the table becomes 0..n-1),
+    then the model-dtype prefill wrapper of the ``prefill`` option (fa2; fa3 with ``"fa3"`` or
+    ``"fa3_fp8"``). The scratch is rounded to the model dtype once: within the bf16 path's error.
+
+The unfused form of a quantized layer hands ``attend`` its batch's pages dequantized to fp32
+(the exact semantics; the rest of that tensor is never written). FlashInfer reads no fp32 cache,
+so ``attend`` casts those pages to the model dtype and runs the model-dtype plan on them: the
+GPU's unfused form is an approximation within the bf16 path's error class, like every GPU kernel;
+the fp32 semantics are the reference kernel's.
+
 What a configuration serves (archs, q dtypes, head sizes, XQA's page sizes and soft-cap) is the
 capability table's row for its ``name`` on the GPU's arch (kernels/capabilities.py): the
 ``check_supported`` here and the fusion passes read that one table.
@@ -68,6 +85,7 @@ from torch_kvq.attention.kernels.flashinfer_plan import (
     plan_wrapper,
 )
 from torch_kvq.attention.metadata import GraphShape
+from torch_kvq.attention.quant import dequantize_pages_per_token_head
 from torch_kvq.spec import FP8_DTYPE, LayerKVSpec
 
 if TYPE_CHECKING:
@@ -79,7 +97,10 @@ Phases = Literal["any", "decode"]
 Prefill = Literal["fa2", "fa3", "fa3_fp8"]
 FP8DecodeMath = Literal["fp16", "model"]
 _KERNEL_OF = {"fa2-prefill": "prefill", "fa3-prefill": "prefill", "fa3-fp8-prefill": "prefill",
-              "tc-decode": "decode", "xqa-decode": "xqa", "triton-decode": "triton"}  # fmt: skip
+              "tc-decode": "decode", "xqa-decode": "xqa", "triton-decode": "triton",
+              "fa2-compact-prefill": "compact-prefill",
+              "fa3-compact-prefill": "compact-prefill"}  # fmt: skip
+CODE_DTYPES = (torch.int8, FP8_DTYPE)  # what a per-(token, head) cache stores
 DEFAULT_WORKSPACE_BYTES = 256 * 1024 * 1024
 _generation = itertools.count(1)
 
@@ -210,11 +231,15 @@ class FlashInferKernel:
                 "a logit soft-cap is not supported by fa3's FP8 prefill kernel (prefill='fa3_fp8'); "
                 "FlashInferKernel(prefill='fa3') serves it (FP8 layers on fa2)"
             )
-        if why is None and self.fp8_decode == "triton" and spec.is_quantized:
+        triton = self.fp8_decode == "triton" and spec.is_quantized
+        if why is None and (triton or spec.mode.per_token_head):
             if importlib.util.find_spec("triton") is None:
-                return (
-                    "fp8_decode='triton' needs Triton (pip install triton), which is not installed"
+                what = (
+                    f"a {spec.mode.value} layer"
+                    if spec.mode.per_token_head
+                    else "fp8_decode='triton'"
                 )
+                return f"{what} needs Triton (pip install triton), which is not installed"
         if why is None and self.prefill != "fa2" and arch != "sm90":
             return (
                 f"prefill={self.prefill!r} runs FlashInfer's fa3 kernels, which are built for sm90 "
@@ -236,8 +261,13 @@ class FlashInferKernel:
         return caps.supports(self.name, self.arch(), spec.mode, spec.model_dtype, True)
 
     def variant(self, spec: LayerKVSpec, phase: str, kv_dtype: torch.dtype | None = None) -> str:
-        """Which FlashInfer kernel serves ``spec`` in ``phase`` ("prefill" | "decode")."""
+        """Which FlashInfer kernel serves ``spec`` in ``phase`` ("prefill" | "decode") for a cache
+        of ``kv_dtype`` (default: the layer's storage; the model dtype: the unfused form)."""
         kv_dtype = spec.storage_dtype if kv_dtype is None else kv_dtype
+        if spec.mode.per_token_head and kv_dtype == spec.storage_dtype:  # codes + kv_scale
+            if phase == "decode":
+                return "triton-decode"
+            return "fa2-compact-prefill" if self.prefill == "fa2" else "fa3-compact-prefill"
         if phase == "prefill":
             # fa3 has no kernel for a model-dtype query over an FP8 cache: with "fa3" those stay
             # on fa2; "fa3_fp8" quantizes the query for fa3's FP8 kernel
@@ -257,10 +287,12 @@ class FlashInferKernel:
             q_dtype = FP8_DTYPE
         elif (
             variant in ("tc-decode", "triton-decode")
-            and kv_dtype == FP8_DTYPE
+            and kv_dtype in CODE_DTYPES
             and self.fp8_decode_math == "fp16"
         ):
             q_dtype = torch.float16
+        if variant.endswith("compact-prefill"):  # FlashInfer reads the model-dtype scratch
+            kv_dtype = spec.model_dtype
         return GroupKey(
             kernel=_KERNEL_OF[variant],
             backend="fa3" if variant.startswith("fa3") else "fa2",
@@ -326,7 +358,13 @@ class FlashInferKernel:
                 if host is None:
                     host = hosts[key.window] = HostIndptrs.build(table)
                 graph = None if ctx.graph is None else ctx.graph.for_window(key.window)
-                wrapper = plan_wrapper(self._wrappers, self._float_ws, key, table, host, graph)
+                compact = None  # the scratch's table: page i is the table's i-th page
+                if key.kernel == "compact-prefill":
+                    n = table.kv_indices.numel()
+                    compact = torch.arange(n, dtype=torch.int32, device=device)
+                wrapper = plan_wrapper(
+                    self._wrappers, self._float_ws, key, table, host, graph, compact
+                )
             self._planned_gen[key] = gen
             plans[key] = ctx.plans[(id(self), key)] = GroupPlan(key, wrapper, gen)
         for (name, kv_dtype), key in layers.items():  # attend's lookup: one dict access
@@ -349,12 +387,16 @@ class FlashInferKernel:
         k_scale: float,
         v_scale: float,
         output_scale: float | torch.Tensor | None,
+        kv_scale: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """q [T, QH, D], kv_cache [pages, 2, page, KH, D] -> [T, QH, D] (see module docstring)."""
+        """q [T, QH, D], kv_cache [pages, 2, page, KH, D] -> [T, QH, D] (see module docstring).
+        ``kv_scale`` [pages, 2, KH, page] fp32: the scales of a per-(token, head) cache of codes
+        (``k_scale`` / ``v_scale`` then 1.0); None for every other cache. A float32 cache of a
+        quantized layer (the unfused form's dequantized pages) is cast to the model dtype on the
+        batch's pages first: FlashInfer reads no fp32 cache."""
+        check_kv_scale(spec, kv_cache, kv_scale, k_scale, v_scale)
         if spec.is_quantized and kv_cache.dtype == torch.float32 != spec.model_dtype:
-            # the unfused form's dequantized (fp32) cache: FlashInfer reads no fp32 cache, so it
-            # attends over that cache rounded to the model dtype (the fused kernels read the codes)
-            kv_cache = kv_cache.to(spec.model_dtype)
+            kv_cache = batch_pages_as(kv_cache, ctx.metadata_for(spec).kv_indices, spec.model_dtype)
         plan = ctx.plans.get((id(self), spec.name, kv_cache.dtype))
         if plan is None:
             if kv_cache.dtype not in (spec.storage_dtype, spec.model_dtype):
@@ -363,7 +405,8 @@ class FlashInferKernel:
                     f"{spec.storage_dtype} (its storage) or {spec.model_dtype} (dequantized, unfused)"
                 )
             hint = (
-                " (the unfused form of an FP8 layer needs FlashInferKernel(unfused_attention=True))"
+                " (the unfused form of a quantized layer needs "
+                "FlashInferKernel(unfused_attention=True))"
                 if kv_cache.dtype != spec.storage_dtype
                 else " (was it in the forward context's specs?)"
             )
@@ -407,10 +450,14 @@ class FlashInferKernel:
             return tma.paged_decode_tma(
                 q, kv_cache, t.block_tables, t.seq_lens, k_scale, v_scale, spec.sm_scale,
                 max_seq_len=t.max_seq_len, window=spec.sliding_window,
-                soft_cap=spec.logits_soft_cap or None, dot_dtype=key.q_dtype,
+                soft_cap=spec.logits_soft_cap or None, dot_dtype=key.q_dtype, kv_scale=kv_scale,
                 **tma.tuned(spec.head_size),
             )  # fmt: skip
         out = torch.empty(q.shape, dtype=key.o_dtype, device=q.device)
+        if key.kernel == "compact-prefill":  # the batch's pages, dequantized, in table order
+            ids = ctx.metadata_for(spec).kv_indices
+            scratch = dequantize_pages_per_token_head(kv_cache, kv_scale, ids, key.kv_dtype)
+            return plan.wrapper.run(q, scratch, out=out)
         if kv_cache.dtype != FP8_DTYPE:
             return plan.wrapper.run(q, kv_cache, out=out)
         if key.q_dtype == FP8_DTYPE:  # fa3's FP8 kernel: quantize the query per tensor
@@ -420,3 +467,40 @@ class FlashInferKernel:
             )
         q = q.to(key.q_dtype)  # fp16 math (fp8_decode_math), else a no-op
         return plan.wrapper.run(q, kv_cache, k_scale=k_scale, v_scale=v_scale, out=out)
+
+
+def check_kv_scale(
+    spec: LayerKVSpec,
+    kv_cache: torch.Tensor,
+    kv_scale: torch.Tensor | None,
+    k_scale: float,
+    v_scale: float,
+) -> None:
+    """A per-(token, head) layer's codes come with their ``kv_scale`` and per-tensor scales of
+    1.0; every other cache without one (ValueError naming the layer)."""
+    codes = spec.mode.per_token_head and kv_cache.dtype == spec.storage_dtype
+    if codes and kv_scale is None:
+        raise ValueError(
+            f"layer {spec.name!r} ({spec.mode.value}): its {kv_cache.dtype} codes need their "
+            "per-(token, head) scales, but kv_scale is None"
+        )
+    if codes and (k_scale != 1.0 or v_scale != 1.0):
+        raise ValueError(
+            f"layer {spec.name!r} ({spec.mode.value}): k_scale={k_scale!r}, v_scale={v_scale!r}; "
+            "its scales are per (token, head) (kv_scale), so the per-tensor ones must be 1.0"
+        )
+    if not codes and kv_scale is not None:
+        raise ValueError(
+            f"layer {spec.name!r} ({spec.mode.value}): kv_scale given with a {kv_cache.dtype} "
+            f"cache; only a per-(token, head) layer's codes ({spec.storage_dtype}) have one"
+        )
+
+
+def batch_pages_as(
+    kv_cache: torch.Tensor, page_ids: torch.Tensor, dtype: torch.dtype
+) -> torch.Tensor:
+    """A cache of ``dtype`` whose pages ``page_ids`` are ``kv_cache``'s cast to it; the others are
+    left unset (the batch never reads them), so the cost follows the batch, not the pool."""
+    out = torch.empty(kv_cache.shape, dtype=dtype, device=kv_cache.device)
+    ids = page_ids.long()
+    return out.index_copy_(0, ids, kv_cache.index_select(0, ids).to(dtype))

@@ -43,7 +43,7 @@ def import_flashinfer(module: str = "flashinfer") -> ModuleType:
 class GroupKey:
     """Everything one FlashInfer plan bakes in; layers with equal keys share one plan."""
 
-    kernel: str  # "prefill" | "decode" | "xqa" | "triton"
+    kernel: str  # "prefill" | "compact-prefill" | "decode" | "xqa" | "triton"
     backend: str  # "fa2" | "fa3" (FlashInfer's wrapper backend; "fa2" for XQA)
     window: int | None
     kv_dtype: torch.dtype
@@ -91,14 +91,18 @@ def plan_wrapper(
     md: BatchMetadata,
     host: HostIndptrs,
     graph: GraphShape | None,
+    kv_indices: torch.Tensor | None = None,
 ) -> Any:
     """Plan ``key``'s wrapper (built on first use into ``wrappers``, on the shared ``float_ws``)
-    for the page table ``md``; a prefill wrapper for ``key.kernel == "prefill"``, else the
-    tensor-core decode wrapper (with fixed buffers when ``graph`` is given)."""
+    for the page table ``md`` (its page ids replaced by ``kv_indices`` when given: a compact
+    scratch's 0..n-1); a prefill wrapper for ``key.kernel`` "prefill" / "compact-prefill", else
+    the tensor-core decode wrapper (with fixed buffers when ``graph`` is given)."""
     flashinfer = import_flashinfer()
+    prefill = key.kernel in ("prefill", "compact-prefill")
+    indices = md.kv_indices if kv_indices is None else kv_indices
     wrapper = wrappers.get((key, graph))
     if wrapper is None:
-        if key.kernel == "prefill":
+        if prefill:
             wrapper = flashinfer.BatchPrefillWithPagedKVCacheWrapper(
                 float_ws, "NHD", backend=key.backend
             )
@@ -126,15 +130,15 @@ def plan_wrapper(
         kv_data_type=key.kv_dtype,
         o_data_type=key.o_dtype,
     )
-    if key.kernel == "prefill":
+    if prefill:
         wrapper.plan(
-            host.qo_indptr, host.kv_indptr, md.kv_indices, host.last_page_len,
+            host.qo_indptr, host.kv_indptr, indices, host.last_page_len,
             key.num_heads, key.num_kv_heads, key.head_size, md.page_size,
             causal=True, **common,
         )  # fmt: skip
     else:
         wrapper.plan(
-            host.kv_indptr, md.kv_indices, host.last_page_len,
+            host.kv_indptr, indices, host.last_page_len,
             key.num_heads, key.num_kv_heads, key.head_size, md.page_size, **common,
         )  # fmt: skip
     return wrapper

@@ -30,17 +30,33 @@ graphs capture it and replay the buffer's current value); any other measured for
 no device sync) goes the Python-float way, measured as ``"cpu_tensor"`` (note: like the unfused
 eager form, a CUDA graph captured then keeps the value it saw at capture). On the CPU the aten path
 (``write_kv_torch``) is the unfused expression itself.
+
+Per-(token, head) modes (``write_kv_per_token_head``; math: ``quant.quantize_per_token_head``):
+the codes go into ``kv_cache`` and one fp32 scale per (token, kv head) for k and for v into
+``kv_scale`` [pages, 2, KH, page]. On a CUDA cache one Triton program per few tokens writes both; its
+bytes and scales are those of the unfused torch ops on that device: ``absmax / QMAX`` (a
+Python-float divisor) in aten's measured form (``aten_scalar_division``; QMAX is exact in fp32, so
+the two reciprocal forms agree), ``x.float() / scale`` (a tensor divisor) correctly rounded, as
+``aten_scalar_division(device, "tensor")`` must confirm, else the write is refused.
 """
 
 from __future__ import annotations
 
 import functools
+import importlib
 from typing import Any, Literal
 
 import torch
 
 from torch_kvq.attention.kernels.base import KernelUnsupportedError
-from torch_kvq.attention.quant import FP8_MAX, quantize_fp8
+from torch_kvq.attention.quant import (
+    FP8_MAX,
+    SCALE_FLOOR,
+    Rounding,
+    per_token_head_format,
+    quantize_fp8,
+    quantize_per_token_head,
+)
 from torch_kvq.spec import FP8_DTYPE
 
 Scales = tuple[float, float] | tuple[torch.Tensor, torch.Tensor]
@@ -75,14 +91,23 @@ def write_kv_torch(
     """``write_kv`` in aten ops (any device): the oracle for the Triton kernel."""
     if scales is not None:
         k, v = quantize_fp8(k, scales[0]), quantize_fp8(v, scales[1])
-    page_size = kv_cache.shape[2]
-    pages = torch.div(slot_mapping, page_size, rounding_mode="floor")
-    offsets = slot_mapping - pages * page_size
+    pages, offsets = pages_and_offsets(slot_mapping, kv_cache.shape[2])
     kv_cache[pages, 0, offsets] = k
     kv_cache[pages, 1, offsets] = v
 
 
+def pages_and_offsets(
+    slot_mapping: torch.Tensor, page_size: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Flat slots (page * page_size + offset) [T] -> (pages [T], offsets [T])."""
+    pages = torch.div(slot_mapping, page_size, rounding_mode="floor")
+    return pages, slot_mapping - pages * page_size
+
+
 ScalarDivision = Literal["div", "rcp", "rcp32"]
+# The per-(token, head) write's launch: values of k (and of v) per program, and its warps
+WRITE_ROW_ELEMENTS = 4096
+WRITE_WARPS = 4
 # (x, scale) probes: exact quotients (169 / 13, 1.5 / 0.03 = 50, an FP8 tie) and random values,
 # with scales where the candidate forms round differently (0.03, 0.0341, 13, 0.3, 123.456).
 _PROBE_SCALES = (13.0, 0.03, 0.0341, 0.3, 1.0 / 3.0, 7.7e-3, 123.456)
@@ -179,12 +204,9 @@ def write_kv_triton(
     if scales is not None:
         division = aten_scalar_division(kv_cache.device, kind)
         if kind == "tensor":  # loaded by the kernel from the device: no host sync
-            if division != "div":
-                raise KernelUnsupportedError(
-                    f"aten's x / scale_tensor on {kv_cache.device} (torch {torch.__version__}) is "
-                    f"not correctly rounded (it matches {division!r}); the fused cache write with a "
-                    "tensor scale divides correctly rounded and would not write the same bytes"
-                )
+            require_correct_tensor_division(
+                kv_cache.device, "the fused cache write with a tensor scale"
+            )
             k_op, v_op = (torch.as_tensor(x).reshape(()) for x in scales)
         else:  # a Python float, or a CPU tensor's value (a host read, no device sync)
             k_op, v_op = (_operand(division, float(x)) for x in scales)
@@ -229,6 +251,18 @@ def _scale_kind(kv_cache: torch.Tensor, scales: Scales | None) -> ScaleKind:
     )
 
 
+def require_correct_tensor_division(device: torch.device, writer: str) -> None:
+    """KernelUnsupportedError unless aten's ``x / scale_tensor`` on ``device`` is correctly
+    rounded, the division ``writer`` (a Triton write) performs: else its bytes would differ."""
+    division = aten_scalar_division(device, "tensor")
+    if division != "div":
+        raise KernelUnsupportedError(
+            f"aten's x / scale_tensor on {device} (torch {torch.__version__}) is not correctly "
+            f"rounded (it matches {division!r}); {writer} divides correctly rounded and would "
+            "not write the same bytes"
+        )
+
+
 def _next_pow2(n: int) -> int:
     return 1 << (n - 1).bit_length()
 
@@ -238,14 +272,141 @@ def _inner_dense(x: torch.Tensor) -> bool:
 
 
 @functools.cache
-def _triton_kernel() -> Any:
-    """The Triton program (``attention/triton/kv_write.py``), imported on first use: Triton is
+def _triton_kernel(name: str = "kv_write_kernel") -> Any:
+    """A Triton program of ``attention/triton/kv_write.py``, imported on first use: Triton is
     imported only there, only for CUDA."""
     try:
-        from torch_kvq.attention.triton.kv_write import kv_write_kernel
+        programs = importlib.import_module("torch_kvq.attention.triton.kv_write")
     except ImportError as e:  # torch's CUDA wheels ship Triton; a CUDA build without it cannot
         raise KernelUnsupportedError(
             f"the CUDA cache write is a Triton kernel, and Triton cannot be imported ({e}); "
             "install triton (it comes with torch's CUDA wheels)"
         ) from e
-    return kv_write_kernel
+    return getattr(programs, name)
+
+
+# -- per-(token, head) modes ----------------------------------------------------------------------
+
+
+def write_kv_per_token_head(
+    kv_cache: torch.Tensor,
+    kv_scale: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    mode: str,
+    rounding: Rounding = "half_away",
+) -> None:
+    """Quantize k/v [T, KH, D] per (token, kv head) (``mode`` "int8" | "fp8", int8 ``rounding``
+    "half_away" | "half_even") and write the codes into ``kv_cache`` [pages, 2, page, KH, D] and
+    the scales into ``kv_scale`` [pages, 2, KH, page] fp32 at ``slot_mapping`` [T] slots. CUDA:
+    one Triton program per token; elsewhere ``write_kv_per_token_head_torch``."""
+    check_per_token_head_write(kv_cache, kv_scale, k, v, slot_mapping, mode, rounding)
+    if kv_cache.is_cuda:
+        write_kv_per_token_head_triton(kv_cache, kv_scale, k, v, slot_mapping, mode, rounding)
+    else:
+        write_kv_per_token_head_torch(kv_cache, kv_scale, k, v, slot_mapping, mode, rounding)
+
+
+def check_per_token_head_write(
+    kv_cache: torch.Tensor,
+    kv_scale: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    mode: str,
+    rounding: str,
+) -> None:
+    """ValueError naming the first bad argument of ``write_kv_per_token_head``."""
+    code_dtype, _ = per_token_head_format(mode, rounding)
+    fn = "write_kv_per_token_head"
+    if kv_cache.dim() != 5 or kv_cache.shape[1] != 2 or kv_cache.dtype != code_dtype:
+        raise ValueError(
+            f"{fn}: kv_cache is {kv_cache.dtype} {tuple(kv_cache.shape)}; mode {mode!r} needs "
+            f"{code_dtype} [pages, 2, page, KH, D]"
+        )
+    pages, _, page, kh, d = kv_cache.shape
+    want = (pages, 2, kh, page)
+    if tuple(kv_scale.shape) != want or kv_scale.dtype != torch.float32:
+        raise ValueError(
+            f"{fn}: kv_scale is {kv_scale.dtype} {tuple(kv_scale.shape)}; expected float32 {want} "
+            "(pages, k / v, kv heads, page)"
+        )
+    for name, x in (("k", k), ("v", v)):
+        if x.dim() != 3 or x.shape[1:] != (kh, d) or not x.dtype.is_floating_point:
+            raise ValueError(
+                f"{fn}: {name} is {x.dtype} {tuple(x.shape)}; expected a floating [T, {kh}, {d}]"
+            )
+    if v.shape != k.shape or slot_mapping.shape != k.shape[:1] or slot_mapping.is_floating_point():
+        raise ValueError(
+            f"{fn}: k {tuple(k.shape)}, v {tuple(v.shape)} and slot_mapping "
+            f"{slot_mapping.dtype} {tuple(slot_mapping.shape)} must agree: [T, KH, D] twice, [T] int"
+        )
+    devices = {str(x.device) for x in (kv_cache, kv_scale, k, v, slot_mapping)}
+    if len(devices) != 1:
+        raise ValueError(f"{fn}: arguments on several devices {sorted(devices)}; expected one")
+
+
+def write_kv_per_token_head_torch(
+    kv_cache: torch.Tensor,
+    kv_scale: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    mode: str,
+    rounding: Rounding = "half_away",
+) -> None:
+    """``write_kv_per_token_head`` in aten ops (any device): the oracle for the Triton program."""
+    kc, ks = quantize_per_token_head(k, mode, rounding)
+    vc, vs = quantize_per_token_head(v, mode, rounding)
+    put_per_token_head(kv_cache, kv_scale, kc, vc, ks, vs, slot_mapping)
+
+
+def put_per_token_head(
+    kv_cache: torch.Tensor,
+    kv_scale: torch.Tensor,
+    k_codes: torch.Tensor,
+    v_codes: torch.Tensor,
+    k_scales: torch.Tensor,
+    v_scales: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """Put codes [T, KH, D] into ``kv_cache`` and their scales [T, KH] into ``kv_scale`` at
+    ``slot_mapping`` [T] slots (no checks; ``kvq::cache_write_per_token_head`` and the aten
+    write)."""
+    pages, offsets = pages_and_offsets(slot_mapping, kv_cache.shape[2])
+    kv_cache[pages, 0, offsets] = k_codes
+    kv_cache[pages, 1, offsets] = v_codes
+    kv_scale[pages, 0, :, offsets] = k_scales  # [T, KH]
+    kv_scale[pages, 1, :, offsets] = v_scales
+
+
+def write_kv_per_token_head_triton(
+    kv_cache: torch.Tensor,
+    kv_scale: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    mode: str,
+    rounding: Rounding = "half_away",
+) -> None:
+    """``write_kv_per_token_head`` as one Triton program per token (any strides); the divisions
+    follow aten on the cache's device (module docstring)."""
+    code_dtype, qmax = per_token_head_format(mode, rounding)
+    kernel = _triton_kernel("kv_write_per_token_head_kernel")
+    t, kh, d = k.shape
+    if t == 0:
+        return
+    division = aten_scalar_division(kv_cache.device)  # absmax / QMAX: a Python-float divisor
+    # x / scale: a tensor divisor
+    require_correct_tensor_division(kv_cache.device, "the per-(token, head) cache write")
+    block_h, block_d = _next_pow2(kh), _next_pow2(d)
+    # a program quantizes WRITE_ROW_ELEMENTS values of k (and of v): several tokens when heads are small
+    block_t = max(1, WRITE_ROW_ELEMENTS // (block_h * block_d))
+    kernel[(-(-t // block_t),)](
+        k, v, kv_cache, kv_scale, slot_mapping, _operand(division, qmax), t,
+        *k.stride(), *v.stride(), *kv_cache.stride(), *kv_scale.stride(), kv_cache.shape[2],
+        KH=kh, D=d, BLOCK_T=block_t, BLOCK_H=block_h, BLOCK_D=block_d, QMAX=qmax,
+        FLOOR=_f32(SCALE_FLOOR), DIVIDE=division == "div", INT8=code_dtype == torch.int8,
+        HALF_AWAY=rounding == "half_away", num_warps=WRITE_WARPS,
+    )  # fmt: skip

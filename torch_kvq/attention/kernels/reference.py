@@ -1,7 +1,8 @@
 """The reference kernel: pure torch paged attention, CPU and GPU. The oracle for every test.
 
 GQA, causal masking, sliding window (a query at position p sees keys at p - window < pos <= p),
-logit soft-cap, FP8 caches read in place with k/v scales, optional FP8 output. Math in fp32.
+logit soft-cap, FP8 caches read in place with k/v scales, per-(token, head) caches (int8 / FP8
+codes) read in place with their ``kv_scale``, optional FP8 output. Math in fp32.
 """
 
 from __future__ import annotations
@@ -10,7 +11,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from torch_kvq.attention.quant import quantize_fp8
+from torch_kvq.attention.quant import dequantize_pages_per_token_head, quantize_fp8
 from torch_kvq.spec import LayerKVSpec
 
 if TYPE_CHECKING:
@@ -52,7 +53,7 @@ def ref_attention(
 
 
 class ReferenceKernel:
-    """Serves every layer on any device; supports FP8 KV and FP8 output (with a float or a
+    """Serves every layer on any device, every mode; supports FP8 output (with a float or a
     run-time tensor output scale: tensor math on the device, no host sync)."""
 
     name = "reference"
@@ -74,15 +75,22 @@ class ReferenceKernel:
         k_scale: float,
         v_scale: float,
         output_scale: float | torch.Tensor | None,
+        kv_scale: torch.Tensor | None = None,
     ) -> torch.Tensor:
         md = ctx.metadata_for(spec)
+        kh, d = kv_cache.shape[3:]
         out = torch.empty(q.shape, dtype=torch.float32, device=q.device)
         q_start = page_start = 0
         for qo_len, kv_len, n_pages in zip(md.qo_lens, md.kv_lens, md.pages_per_seq):
             page_ids = md.kv_indices[page_start : page_start + n_pages].long()
-            ctx_kv = kv_cache[page_ids]  # [n, 2, page, KH, D]; only this sequence's pages
-            k = ctx_kv[:, 0].reshape(-1, *kv_cache.shape[3:])[:kv_len].float() * k_scale
-            v = ctx_kv[:, 1].reshape(-1, *kv_cache.shape[3:])[:kv_len].float() * v_scale
+            if kv_scale is None:
+                ctx_kv = kv_cache[page_ids]  # [n, 2, page, KH, D]; only this sequence's pages
+                k = ctx_kv[:, 0].reshape(-1, kh, d)[:kv_len].float() * k_scale
+                v = ctx_kv[:, 1].reshape(-1, kh, d)[:kv_len].float() * v_scale
+            else:  # per (token, head): code.float() * scale, the unfused dequant's fp32 values
+                kv = dequantize_pages_per_token_head(kv_cache, kv_scale, page_ids, torch.float32)
+                k = kv[:, 0].reshape(-1, kh, d)[:kv_len]
+                v = kv[:, 1].reshape(-1, kh, d)[:kv_len]
             k_pos = torch.arange(kv_len, device=q.device)
             out[q_start : q_start + qo_len] = ref_attention(
                 q[q_start : q_start + qo_len],

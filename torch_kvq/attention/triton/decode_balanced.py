@@ -73,12 +73,13 @@ def _pair_of(unit, seq_lens_ptr, window, B, KH: tl.constexpr, BLOCK_B: tl.conste
 @triton.jit
 def _decode_balanced(
     q_ptr, kv_desc, block_table_ptr, seq_lens_ptr,
-    part_o_ptr, part_lse_ptr, out_ptr,
+    part_o_ptr, part_lse_ptr, out_ptr, kv_scale_ptr,
     qk_scale_log2, soft_cap, out_scale, window, B,
     stride_qb, stride_qh, stride_ob, stride_oh, stride_bt,
     KH: tl.constexpr, G: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_B: tl.constexpr,
     D: tl.constexpr, PAGE: tl.constexpr, STAGES: tl.constexpr, PPI: tl.constexpr,
     USE_WINDOW: tl.constexpr, USE_SOFT_CAP: tl.constexpr, DOT: tl.constexpr, LAZY: tl.constexpr,
+    SCALES: tl.constexpr, PV_SCALE: tl.constexpr,
 ):  # fmt: skip
     """The balanced schedule ("stream-K"): program i of P takes units ``[i * T // P,
     (i + 1) * T // P)`` of all T pages of all pairs, so every program reads the same number of
@@ -106,8 +107,9 @@ def _decode_balanced(
         q = load_q(q_ptr, b, heads, g_mask, tl.arange(0, D), stride_qb, stride_qh, DOT)
         table = block_table_ptr + b.to(tl.int64) * stride_bt
         acc, m_i, l_i = attend(
-            q, kv_desc, table, p0, p0 + seg_end - start, kh * D, lo, seq_len, qk_scale_log2,
-            soft_cap, BLOCK_G, D, PAGE, STAGES, PPI, USE_SOFT_CAP, DOT, LAZY,
+            q, kv_desc, table, p0, p0 + seg_end - start, kh, lo, seq_len, qk_scale_log2,
+            soft_cap, kv_scale_ptr, BLOCK_G, D, PAGE, STAGES, PPI, USE_SOFT_CAP, DOT, LAZY, KH,
+            SCALES, PV_SCALE,
         )  # fmt: skip
         whole = (start == pair_start) & (seg_end == pair_start + nb)
         o_ptrs = out_ptr + b * stride_ob + heads[:, None] * stride_oh + offs_d[None, :]
@@ -159,16 +161,17 @@ def decode_balanced(
     q: torch.Tensor, desc: Any, block_table: torch.Tensor, seq_lens: torch.Tensor,
     scales: tuple[float, float, float, int], out: torch.Tensor | None,
     workspace: tuple[torch.Tensor, torch.Tensor] | None, max_seq_len: int, programs_per_sm: int,
-    kv_heads: int, page: int, common: dict[str, Any],
+    kv_heads: int, page: int, common: dict[str, Any], kv_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:  # fmt: skip
     """``paged_decode_tma`` on the balanced schedule (its arguments checked there): ``desc`` the
-    cache's TMA descriptor, ``scales`` (logit scale, soft cap, out scale, window), ``common`` the
-    kernel's shared constexprs and launch options. Returns out [B, QH, D]."""
+    cache's TMA descriptor, ``kv_scale`` its per-(token, head) scales or None, ``scales`` (logit
+    scale, soft cap, out scale, window), ``common`` the kernel's shared constexprs and launch
+    options. Returns out [B, QH, D]."""
     b, qh, d = q.shape
     g, window = qh // kv_heads, scales[3]
     out = split_outputs("paged_decode_tma", q, out, 1, None)[0]
-    args = [q, desc, block_table, seq_lens, q, q, out, *scales, b, q.stride(0), q.stride(1),
-            out.stride(0), out.stride(1), block_table.stride(0)]  # fmt: skip
+    args = [q, desc, block_table, seq_lens, q, q, out, kv_scale, *scales, b, q.stride(0),
+            q.stride(1), out.stride(0), out.stride(1), block_table.stride(0)]  # fmt: skip
     kw = dict(KH=kv_heads, BLOCK_B=triton.next_power_of_2(b), **common)
     per_sm = programs_per_sm
     if q.is_cuda:  # never more than fit on an SM at once: a second wave would double the time
@@ -226,7 +229,8 @@ _RESIDENT: dict[tuple, int] = {}
 
 def _resident(args: list, kw: dict) -> int:
     """``resident_per_sm`` of ``_decode_balanced`` compiled for these arguments (cached)."""
-    key = (torch.cuda.current_device(), tuple(sorted(kw.items())), args[0].dtype, args[6].dtype)
+    key = (torch.cuda.current_device(), tuple(sorted(kw.items())), args[0].dtype, args[6].dtype,
+           args[1].base.dtype)  # fmt: skip
     if key not in _RESIDENT:
         probe = torch.empty(16, dtype=torch.float32, device=args[0].device)
         probe_args = [*args[:4], probe, probe, *args[6:]]

@@ -17,8 +17,11 @@ online softmax in base 2, ``k_scale`` folded into the logit scale and ``v_scale`
 output; splits merged by log-sum-exp (``helpers.combine_splits``). With many (sequence, kv head)
 pairs the split grid neither fills the SMs nor packs into whole waves: there the balanced
 schedule (``decode_balanced``, ``BALANCED``) gives every program an equal run of pages.
+Per-(token, head) caches (int8 or e4m3 codes, ``kv_scale``) run the same loop with the scales
+applied per logit column and per softmax-weight column (``helpers``); in fp16 products the v
+scales are pre-multiplied by a power of two (``pv_shift``) that the output divides back out.
 CUDA-graph capturable: the descriptor holds the cache pointer (by value, in the launch), the
-host reads no device tensor. Import only where Triton is.
+host reads no device tensor (the scales are read on the device). Import only where Triton is.
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from torch_kvq.attention.triton.helpers import (
+    CODE_DTYPES,
     DOT_DTYPES,
     LOG2E,
     acc_cols,
@@ -48,15 +52,16 @@ from torch_kvq.attention.triton.helpers import (
 @triton.jit
 def _decode_pages(
     q_ptr, kv_desc, block_table_ptr, seq_lens_ptr,
-    part_o_ptr, part_lse_ptr, out_ptr,
+    part_o_ptr, part_lse_ptr, out_ptr, kv_scale_ptr,
     qk_scale_log2, soft_cap, out_scale, window,
     stride_qb, stride_qh, stride_ob, stride_oh, stride_bt,
     QH: tl.constexpr, G: tl.constexpr, BLOCK_G: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr,
     NUM_SPLITS: tl.constexpr, STAGES: tl.constexpr, PPI: tl.constexpr,
     USE_WINDOW: tl.constexpr, USE_SOFT_CAP: tl.constexpr, DOT: tl.constexpr, DIRECT: tl.constexpr,
-    LAZY: tl.constexpr,
+    LAZY: tl.constexpr, SCALES: tl.constexpr, PV_SCALE: tl.constexpr,
 ):  # fmt: skip
-    """The split grid: one program per (kv head, split, sequence)."""
+    """The split grid: one program per (kv head, split, sequence). ``kv_scale_ptr``: the
+    per-(token, head) scales when ``SCALES`` (else None)."""
     kh = tl.program_id(0)
     split = tl.program_id(1)
     b = tl.program_id(2)
@@ -68,8 +73,8 @@ def _decode_pages(
     heads = kh * G + offs_g
     q = load_q(q_ptr, b, heads, g_mask, tl.arange(0, D), stride_qb, stride_qh, DOT)
     acc, m_i, l_i = attend(
-        q, kv_desc, table, p_begin, p_end, kh * D, lo, seq_len, qk_scale_log2, soft_cap,
-        BLOCK_G, D, PAGE, STAGES, PPI, USE_SOFT_CAP, DOT, LAZY,
+        q, kv_desc, table, p_begin, p_end, kh, lo, seq_len, qk_scale_log2, soft_cap, kv_scale_ptr,
+        BLOCK_G, D, PAGE, STAGES, PPI, USE_SOFT_CAP, DOT, LAZY, QH // G, SCALES, PV_SCALE,
     )  # fmt: skip
     store_split(
         acc, m_i, l_i, b, split, heads, g_mask, acc_cols(D), out_ptr, part_o_ptr, part_lse_ptr,
@@ -104,6 +109,19 @@ TUNED = {128: (1, 6, 1, True), 256: (1, 6, 1, False)}
 # grid would have 1 or 2 splits: there it measured faster at head 128 (Llama); with more splits,
 # and at head 256 at every batch measured, the split grid is faster.
 BALANCED = {128: (16, 128)}
+
+
+def pv_shift(cache_dtype: torch.dtype, dot_dtype: torch.dtype, lazy: bool) -> int:
+    """log2 of the power of two that per-token v scales are multiplied by before ``p @ v`` (and
+    the output divided by, exactly). In fp16 the weight times scale, ``p * v_scale`` with
+    ``v_scale = absmax / QMAX``, falls below fp16's normal range (6.1e-5) for the small values
+    that real V heads hold, and loses bits there; the shift moves it up, keeping
+    ``p * v_scale * 2^shift`` below fp16's 65504 for |v| up to about 1800 with the lazy rescale
+    (weights up to 2^8) and about 28000 without (weights up to 1). A larger |v| overflows to inf
+    (the output NaN, never silently clipped); ``dot_dtype`` bf16 (fp32's range) has no shift."""
+    if dot_dtype != torch.float16:
+        return 0
+    return (4 if lazy else 8) + (0 if cache_dtype == torch.int8 else 2)
 
 
 def tuned(head_size: int) -> dict[str, int | bool]:
@@ -148,8 +166,10 @@ def paged_decode_tma(
     workspace: tuple[torch.Tensor, torch.Tensor] | None = None,
     programs_per_sm: int | None = None,
     max_registers: int | None = None,
+    kv_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Decode attention, one query token per sequence, over a paged FP8 (or bf16 / fp16) cache.
+    """Decode attention, one query token per sequence, over a paged FP8 (or bf16 / fp16) cache, or
+    a per-(token, head) one (int8 / e4m3 codes with ``kv_scale``).
 
     q [B, QH, D] (bf16 / fp16, last dim contiguous); kv_cache [P, 2, page, KH, D] contiguous (K at
     ``[:, 0]``, V at ``[:, 1]``; dequantized = value * scale); block_table [B, W] int32: sequence
@@ -170,7 +190,8 @@ def paged_decode_tma(
     is (partial out [P, 2, QH / KH, D], lse [P, 2, QH / KH]) fp32 for P =
     ``balanced_programs(...)``. With both None and no workspace the schedule is chosen by
     ``BALANCED``. ``max_registers``: Triton's ``maxnreg`` (per thread), to hold more programs
-    per SM.
+    per SM. ``kv_scale`` [P, 2, KH, page] fp32 contiguous: one scale per (token, kv head) for k
+    and v, ``real = code * scale``; ``k_scale`` and ``v_scale`` must then be 1.0.
     Returns out [B, QH, D] (``q``'s dtype unless ``out`` is given).
     """
     b, qh, d = q.shape
@@ -192,6 +213,7 @@ def paged_decode_tma(
             f"paged_decode_tma: block_table {tuple(block_table.shape)} must be [B={b}, W] with "
             "a contiguous last dim"
         )
+    check_scales(kv_cache, kv_scale, k_scale, v_scale)
     cfg = resolve_config(
         d, num_warps=num_warps, num_stages=num_stages, pages_per_iter=pages_per_iter,
         lazy_rescale=lazy_rescale,
@@ -205,13 +227,18 @@ def paged_decode_tma(
     rows = kv_cache.view(pages * 2 * page, kh * d)
     desc = TensorDescriptor(rows, list(rows.shape), [kh * d, 1], [page, d])
     g = qh // kh
+    pv_scale = 1.0
+    if kv_scale is not None:
+        pv_scale = float(2 ** pv_shift(kv_cache.dtype, dot_dtype, lazy_rescale))
     common = dict(
         G=g, BLOCK_G=max(16, triton.next_power_of_2(g)), D=d, PAGE=page, STAGES=num_stages,
         PPI=pages_per_iter, USE_WINDOW=window is not None, USE_SOFT_CAP=bool(soft_cap),
-        DOT=DOT_DTYPES[dot_dtype], LAZY=lazy_rescale, num_warps=num_warps,
+        DOT=DOT_DTYPES[dot_dtype], LAZY=lazy_rescale, SCALES=kv_scale is not None,
+        PV_SCALE=pv_scale, num_warps=num_warps,
         **({"maxnreg": max_registers} if max_registers else {}),
     )  # fmt: skip
-    scales = (sm_scale * k_scale * LOG2E, float(soft_cap or 1.0), float(v_scale), int(window or 0))
+    out_scale = float(v_scale) / pv_scale  # a power of two: exact
+    scales = (sm_scale * k_scale * LOG2E, float(soft_cap or 1.0), out_scale, int(window or 0))
     if num_splits is None and programs_per_sm is None:
         splits, balanced = default_schedule(b, kh, max_seq_len, page, d, sm_count(q.device))
         if balanced is not None and workspace is None:
@@ -231,12 +258,46 @@ def paged_decode_tma(
             )
         return decode_balanced(
             q, desc, block_table, seq_lens, scales, out, workspace, max_seq_len, programs_per_sm,
-            kh, page, common,
+            kh, page, common, kv_scale,
         )  # fmt: skip
     out, part_o, part_lse = split_outputs("paged_decode_tma", q, out, num_splits, workspace)
     _decode_pages[(kh, num_splits, b)](
-        q, desc, block_table, seq_lens, part_o, part_lse, out, *scales,
+        q, desc, block_table, seq_lens, part_o, part_lse, out, kv_scale, *scales,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), block_table.stride(0),
         QH=qh, NUM_SPLITS=num_splits, DIRECT=num_splits == 1, **common,
     )  # fmt: skip
-    return combine_splits(part_o, part_lse, out, v_scale, num_splits)
+    return combine_splits(part_o, part_lse, out, out_scale, num_splits)
+
+
+def check_scales(
+    kv_cache: torch.Tensor, kv_scale: torch.Tensor | None, k_scale: float, v_scale: float
+) -> None:
+    """A per-(token, head) cache comes with its scales [P, 2, KH, page] (fp32, contiguous, on the
+    cache's device) and per-tensor scales of 1.0; an int8 cache always has them. ValueError."""
+    fn = "paged_decode_tma"
+    if kv_scale is None:
+        if kv_cache.dtype == torch.int8:
+            raise ValueError(f"{fn}: an int8 cache needs its per-(token, head) kv_scale")
+        return
+    pages, _, page, kh, _ = kv_cache.shape
+    want = (pages, 2, kh, page)
+    if kv_cache.dtype not in CODE_DTYPES:
+        raise ValueError(
+            f"{fn}: kv_scale is given, so kv_cache must hold codes ({list(CODE_DTYPES)}), got "
+            f"{kv_cache.dtype}"
+        )
+    if (
+        tuple(kv_scale.shape) != want
+        or kv_scale.dtype != torch.float32
+        or not kv_scale.is_contiguous()
+        or kv_scale.device != kv_cache.device
+    ):
+        raise ValueError(
+            f"{fn}: kv_scale is {kv_scale.dtype} {tuple(kv_scale.shape)} on {kv_scale.device}; "
+            f"expected contiguous float32 {want} on {kv_cache.device}"
+        )
+    if k_scale != 1.0 or v_scale != 1.0:
+        raise ValueError(
+            f"{fn}: k_scale={k_scale!r}, v_scale={v_scale!r} with kv_scale: the scales are per "
+            "(token, head), so the per-tensor ones must be 1.0"
+        )

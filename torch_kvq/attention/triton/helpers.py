@@ -2,23 +2,30 @@
 balanced schedule ``decode_balanced``).
 
 The math every decode program runs: one new token per sequence, all G = QH / KH query heads of a
-kv head at once (each K / V byte is read once). A cache page is widened in registers (e4m3 ->
-fp16 / bf16 is exact), both matrix products accumulate in fp32, the softmax is online in base 2,
-``k_scale`` is folded into the logit scale and ``v_scale`` into the output, so FP8 values are
-never rescaled element by element. A program's part of a sequence ends either as the output
-(``store_out``) or as a normalised partial output and its log-sum-exp (``store_part``), merged by
-``combine_splits``. Imports Triton: import only where Triton is installed.
+kv head at once (each K / V byte is read once). A cache page is widened in registers (e4m3 and
+int8 -> fp16 / bf16 are exact), both matrix products accumulate in fp32, the softmax is online in
+base 2, ``k_scale`` is folded into the logit scale and ``v_scale`` into the output, so FP8 values
+are never rescaled element by element. Per-(token, head) caches (``SCALES``) carry one scale per
+token and kv head (``kv_scale`` [pages, 2, KH, page]); a token's scale is constant along both
+reductions, so its k scale multiplies its logit column and its v scale its softmax-weight column
+before ``p @ v`` (the softmax sum takes the unscaled weights): still no per-element
+dequantization. A program's part of a sequence ends either as the output (``store_out``) or as
+a normalised partial output and its log-sum-exp (``store_part``), merged by ``combine_splits``. Imports Triton: import only where Triton is installed.
 """
 
 from __future__ import annotations
+
+import os
 
 import torch
 import triton
 import triton.language as tl
 
 DOT_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
+CODE_DTYPES = (torch.int8, torch.float8_e4m3fn)  # caches read with per-(token, head) scales
 LOG2E = 1.4426950408889634
 _LOG2E = tl.constexpr(LOG2E)  # a jit function reads only constexpr globals (Triton 3.6)
+_INTERPRET = tl.constexpr(os.environ.get("TRITON_INTERPRET") == "1")  # no inline PTX there
 
 
 @triton.jit
@@ -47,40 +54,93 @@ def load_q(q_ptr, b, heads, g_mask, offs_d, stride_qb, stride_qh, DT: tl.constex
 
 @triton.jit
 def page_logits(
-    q, kv_desc, table, p, p_end, col, lo, seq_len, qk_scale_log2, soft_cap, offs_t,
+    q, kv_desc, table, p, p_end, col, lo, seq_len, qk_scale_log2, soft_cap, offs_t, scale_ptr, kh,
     PAGE: tl.constexpr, D: tl.constexpr, DOT: tl.constexpr, USE_SOFT_CAP: tl.constexpr,
+    KH: tl.constexpr, SCALES: tl.constexpr, PV_SCALE: tl.constexpr,
 ):  # fmt: skip
     """Page ``p`` of the run (``p >= p_end``: past it, all logits -inf, page 0 read), one TMA box
-    ``[PAGE, D]`` each for K and V: its base-2 logits [BLOCK_G, PAGE] (fp32) and its V rows
+    ``[PAGE, D]`` each for K and V: its base-2 logits [BLOCK_G, PAGE] (fp32), its V rows
     [PAGE, D] (cache dtype) with the columns permuted: column ``c = j * (D // 16) + r`` holds head
-    dim ``d = 16 * r + j``."""
+    dim ``d = 16 * r + j``, and (``SCALES``) its tokens' v scales of kv head ``kh`` times
+    ``PV_SCALE`` [PAGE] (0 where masked), else an unused scalar. ``SCALES``: each logit column is
+    also scaled by its token's k scale, read from ``scale_ptr`` (``kv_scale``)."""
     ok = p < p_end
-    row = tl.load(table + p, mask=ok, other=0) * (2 * PAGE)
+    page = tl.load(table + p, mask=ok, other=0)
+    row = page * (2 * PAGE)
     k = kv_desc.load([row, col])  # [PAGE, D]
     v = kv_desc.load([row + PAGE, col])
     # ``p @ v`` sums over tokens, so V's columns may come in any order (the output's follow).
     # In this order each lane's mma B fragment (column l // 4 of every 8-column block) is 16
     # contiguous bytes of a row: one 128-bit shared load instead of 16 byte loads.
     v = tl.reshape(tl.permute(tl.reshape(v, [PAGE, D // 16, 16]), [0, 2, 1]), [PAGE, D])
-    s = tl.dot(q, tl.trans(k.to(DOT)))  # [BLOCK_G, PAGE] fp32
+    s = tl.dot(q, tl.trans(widen(k, DOT)))  # [BLOCK_G, PAGE] fp32
+    if SCALES:  # the page's k and v scales of kv head kh: PAGE contiguous floats each
+        scales = scale_ptr + (page.to(tl.int64) * (2 * KH) + kh) * PAGE + offs_t
+        logit_scale = (tl.load(scales) * qk_scale_log2)[None, :]
+        toks = p * PAGE + offs_t
+        live = (toks >= lo) & (toks < seq_len) & ok
+        v_scales = tl.where(live, tl.load(scales + KH * PAGE) * PV_SCALE, 0.0)
+    else:
+        logit_scale = qk_scale_log2
+        v_scales = qk_scale_log2
     if USE_SOFT_CAP:  # cap * tanh(x / cap), tanh(y) = 1 - 2 / (exp(2y) + 1)
-        s = s * qk_scale_log2 / _LOG2E
+        s = s * logit_scale / _LOG2E
         s = soft_cap * (1.0 - 2.0 / (tl.exp(2.0 * s / soft_cap) + 1.0)) * _LOG2E
     else:
-        s = s * qk_scale_log2
+        s = s * logit_scale
     toks = p * PAGE + offs_t
-    return tl.where(((toks >= lo) & (toks < seq_len) & ok)[None, :], s, float("-inf")), v
+    return tl.where(((toks >= lo) & (toks < seq_len) & ok)[None, :], s, float("-inf")), v, v_scales
+
+
+@triton.jit
+def widen(x, DOT: tl.constexpr):
+    """Cache values ``x`` as the dot dtype ``DOT``, exactly. int8 -> fp16 by the exponent trick:
+    the byte with its sign bit flipped (``x + 128``) under fp16's exponent of 1024 is
+    ``1024 + x + 128``; subtracting 1152 leaves x. Compiled, four codes at a time in one 32-bit
+    register (``_widen_int8_fp16``: one xor, two byte permutes, two packed subtractions); the
+    interpreter, which runs no PTX, takes the same steps value by value."""
+    if x.dtype.is_int8() and DOT == tl.float16:
+        if _INTERPRET:
+            bits = x.to(tl.uint8, bitcast=True).to(tl.uint16) ^ 0x6480
+            return bits.to(tl.float16, bitcast=True) - 1152.0
+        return _widen_int8_fp16(x)
+    return x.to(DOT)
+
+
+@triton.jit
+def _widen_int8_fp16(x):
+    """int8 -> fp16 four codes per instance: ``t = x ^ 0x80808080`` (each byte + 128), bytes of t
+    interleaved with 0x64 (``prmt``: fp16 ``1024 + byte``), minus 1152 (0x6480) two at a time."""
+    return tl.inline_asm_elementwise(
+        "{ .reg .b32 t, lo, hi, c; mov.b32 c, 0x64806480; xor.b32 t, $2, 0x80808080; "
+        "prmt.b32 lo, t, 0x64646464, 0x4140; prmt.b32 hi, t, 0x64646464, 0x4342; "
+        "sub.rn.f16x2 $0, lo, c; sub.rn.f16x2 $1, hi, c; }",
+        "=r,=r,r", [x], dtype=tl.float16, is_pure=True, pack=4,
+    )  # fmt: skip
+
+
+@triton.jit
+def weights(pr, v_scales, SCALES: tl.constexpr):
+    """The ``p @ v`` operand: the softmax weights ``pr`` [BLOCK_G, PAGE], each column times its
+    token's v scale where the cache has per-token scales (``SCALES``)."""
+    w = pr
+    if SCALES:
+        w = pr * v_scales[None, :]
+    return w
 
 
 @triton.jit
 def attend(
-    q, kv_desc, table, p_begin, p_end, col, lo, seq_len, qk_scale_log2, soft_cap,
+    q, kv_desc, table, p_begin, p_end, kh, lo, seq_len, qk_scale_log2, soft_cap, scale_ptr,
     BLOCK_G: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr, STAGES: tl.constexpr,
     PPI: tl.constexpr, USE_SOFT_CAP: tl.constexpr, DOT: tl.constexpr, LAZY: tl.constexpr,
+    KH: tl.constexpr, SCALES: tl.constexpr, PV_SCALE: tl.constexpr,
 ):  # fmt: skip
-    """Pages ``[p_begin, p_end)`` of one sequence's table for one kv head (cache columns ``col``),
-    ``PPI`` per iteration and ``STAGES`` iterations in flight: (acc [BLOCK_G, D] fp32 unnormalised
-    with the columns of ``acc_cols``, running max, running sum), base 2."""
+    """Pages ``[p_begin, p_end)`` of one sequence's table for kv head ``kh`` (cache columns
+    ``kh * D``), ``PPI`` per iteration and ``STAGES`` iterations in flight: (acc [BLOCK_G, D] fp32
+    unnormalised with the columns of ``acc_cols``, running max, running sum), base 2. ``SCALES``:
+    per-(token, head) scales at ``scale_ptr`` (``page_logits``); acc then carries ``PV_SCALE``."""
+    col = kh * D
     offs_t = tl.arange(0, PAGE)
     # LAZY: m_i is a reference max moved only when some row's max grew by more than 8 (base 2),
     # as FlashAttention-4 does: p <= 2^8 (exact in fp16), and most iterations skip rescaling acc.
@@ -91,25 +151,25 @@ def attend(
     n_iter = (p_end - p_begin + PPI - 1) // PPI
     for it in tl.range(0, n_iter, num_stages=STAGES):  # PPI pages per iteration, one softmax update
         p = p_begin + it * PPI
-        s0, v0 = page_logits(
+        s0, v0, vs0 = page_logits(
             q, kv_desc, table, p, p_end, col, lo, seq_len, qk_scale_log2, soft_cap,
-            offs_t, PAGE, D, DOT, USE_SOFT_CAP,
+            offs_t, scale_ptr, kh, PAGE, D, DOT, USE_SOFT_CAP, KH, SCALES, PV_SCALE,
         )  # fmt: skip
         m_blk = tl.max(s0, axis=1)
         if PPI >= 2:
-            s1, v1 = page_logits(
+            s1, v1, vs1 = page_logits(
                 q, kv_desc, table, p + 1, p_end, col, lo, seq_len, qk_scale_log2, soft_cap,
-                offs_t, PAGE, D, DOT, USE_SOFT_CAP,
+                offs_t, scale_ptr, kh, PAGE, D, DOT, USE_SOFT_CAP, KH, SCALES, PV_SCALE,
             )  # fmt: skip
             m_blk = tl.maximum(m_blk, tl.max(s1, axis=1))
         if PPI >= 4:
-            s2, v2 = page_logits(
+            s2, v2, vs2 = page_logits(
                 q, kv_desc, table, p + 2, p_end, col, lo, seq_len, qk_scale_log2, soft_cap,
-                offs_t, PAGE, D, DOT, USE_SOFT_CAP,
+                offs_t, scale_ptr, kh, PAGE, D, DOT, USE_SOFT_CAP, KH, SCALES, PV_SCALE,
             )  # fmt: skip
-            s3, v3 = page_logits(
+            s3, v3, vs3 = page_logits(
                 q, kv_desc, table, p + 3, p_end, col, lo, seq_len, qk_scale_log2, soft_cap,
-                offs_t, PAGE, D, DOT, USE_SOFT_CAP,
+                offs_t, scale_ptr, kh, PAGE, D, DOT, USE_SOFT_CAP, KH, SCALES, PV_SCALE,
             )  # fmt: skip
             m_blk = tl.maximum(m_blk, tl.maximum(tl.max(s2, axis=1), tl.max(s3, axis=1)))
         m_new = tl.maximum(m_i, m_blk)
@@ -128,18 +188,18 @@ def attend(
             m_i = m_new
         pr = tl.exp2(s0 - m_safe[:, None])
         l_i += tl.sum(pr, axis=1)
-        acc = tl.dot(pr.to(DOT), v0.to(DOT), acc)
+        acc = tl.dot(weights(pr, vs0, SCALES).to(DOT), widen(v0, DOT), acc)
         if PPI >= 2:
             pr = tl.exp2(s1 - m_safe[:, None])
             l_i += tl.sum(pr, axis=1)
-            acc = tl.dot(pr.to(DOT), v1.to(DOT), acc)
+            acc = tl.dot(weights(pr, vs1, SCALES).to(DOT), widen(v1, DOT), acc)
         if PPI >= 4:
             pr = tl.exp2(s2 - m_safe[:, None])
             l_i += tl.sum(pr, axis=1)
-            acc = tl.dot(pr.to(DOT), v2.to(DOT), acc)
+            acc = tl.dot(weights(pr, vs2, SCALES).to(DOT), widen(v2, DOT), acc)
             pr = tl.exp2(s3 - m_safe[:, None])
             l_i += tl.sum(pr, axis=1)
-            acc = tl.dot(pr.to(DOT), v3.to(DOT), acc)
+            acc = tl.dot(weights(pr, vs3, SCALES).to(DOT), widen(v3, DOT), acc)
     return acc, m_i, l_i
 
 

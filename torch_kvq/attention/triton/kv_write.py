@@ -1,14 +1,21 @@
-"""The paged cache write as one Triton program: one program per token (slot -> page and offset,
-load k and v, quantize, store both).
+"""The paged cache writes as Triton programs (slot -> page and offset, load k and v, quantize,
+store): ``kv_write_kernel`` (model-dtype or FP8-per-tensor caches; one program per token) and
+``kv_write_per_token_head_kernel`` (int8 / e4m3 codes plus one fp32 scale per kv head; one
+program per few tokens).
 
 The host side (checks, which division aten uses, the launch) is ``attention/kernels/kv_write.py``
-(``write_kv_triton``), which imports this module on first use. Imports Triton.
+(``write_kv_triton``, ``write_kv_per_token_head``), which imports this module on first use.
+Imports Triton.
 """
 
 from __future__ import annotations
 
+import os
+
 import triton
 import triton.language as tl
+
+_INTERPRET = tl.constexpr(os.environ.get("TRITON_INTERPRET") == "1")  # its fma rounds twice
 
 
 @triton.jit
@@ -65,3 +72,95 @@ def kv_write_kernel(
     dst = cache_ptr + page * c_stride_page + offset * c_stride_slot + i
     tl.store(dst, k, mask=mask)
     tl.store(dst + c_stride_kv, v, mask=mask)
+
+
+@triton.jit
+def _divide_rows(x, s):
+    """``x / s[:, None]`` correctly rounded, as aten's tensor division. Compiled: one reciprocal
+    per row, ``r = 1 / s`` (correctly rounded), then per element ``y0 = x * r``, the exact
+    residual ``e = fma(-y0, s, x)`` and ``y0 + e * r`` by one more fma (Markstein: correctly
+    rounded when r is and no intermediate underflows), with x's sign put back (a zero residual
+    would give -0 + 0 = +0). Only where fp32 underflows (|x| < 2^-100, or a subnormal quotient)
+    may the quotient differ, and there (the scale is at least 1e-6) every int8 and e4m3 code is
+    zero either way. The interpreter, whose fma rounds twice, divides directly."""
+    if _INTERPRET:
+        return tl.math.div_rn(x, s[:, None])
+    r = tl.math.div_rn(1.0, s)[:, None]
+    y0 = x * r
+    y = tl.math.fma(tl.math.fma(-y0, s[:, None], x), r, y0)
+    sign = x.to(tl.uint32, bitcast=True) & 0x80000000
+    return ((y.to(tl.uint32, bitcast=True) & 0x7FFFFFFF) | sign).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _quantize_heads(x, mask, qmax_op, QMAX: tl.constexpr, FLOOR: tl.constexpr,
+                    DIVIDE: tl.constexpr, INT8: tl.constexpr, HALF_AWAY: tl.constexpr):  # fmt: skip
+    """Rows of x [BLOCK_H, BLOCK_D] (one kv head each; ``mask`` the real elements) -> (codes,
+    scales [BLOCK_H] fp32) as ``quant.quantize_per_token_head`` computes them: ``absmax / QMAX``
+    as aten does (``DIVIDE``: correctly rounded by ``qmax_op``, else times ``qmax_op``, the
+    reciprocal), ``x / scale`` correctly rounded (``_divide_rows``), int8 rounded exactly
+    (half away: ``floor(|y| + 0.49999997)`` with y's sign; half even: trunc plus the fraction's
+    verdict), clamped and cast; e4m3 clamped and cast with round to nearest even."""
+    x = x.to(tl.float32)
+    amax = tl.max(tl.where(mask, tl.abs(x), 0.0), axis=1)
+    if DIVIDE:
+        s = tl.math.div_rn(amax, qmax_op)
+    else:
+        s = amax * qmax_op
+    s = tl.maximum(s, FLOOR, propagate_nan=tl.PropagateNan.ALL)
+    y = _divide_rows(x, s)
+    if INT8:
+        if HALF_AWAY:  # exact for every fp32 |y| <= 256 (checked for all of them), |y| <= 128 here
+            r = tl.floor(tl.abs(y) + 0.49999997)  # >= 0: y's sign bit goes back on by an or
+            sign = y.to(tl.uint32, bitcast=True) & 0x80000000
+            r = (r.to(tl.uint32, bitcast=True) | sign).to(tl.float32, bitcast=True)
+        else:  # ties to even, as torch.round: trunc plus the fraction's verdict (exact)
+            t = y.to(tl.int32)  # toward zero; |y| <= 127 (plus rounding) by construction
+            tf = t.to(tl.float32)
+            frac = tl.abs(y - tf)
+            up = (frac > 0.5) | ((frac == 0.5) & ((t & 1) != 0))
+            r = tf + tl.where(up, tl.where(y < 0.0, -1.0, 1.0), 0.0)
+        codes = tl.clamp(r, -128.0, 127.0).to(tl.int8)
+    else:
+        y = tl.clamp(y, -QMAX, QMAX, propagate_nan=tl.PropagateNan.ALL)
+        codes = y.to(tl.float8e4nv, fp_downcast_rounding="rtne")
+    return codes, s
+
+
+@triton.jit
+def kv_write_per_token_head_kernel(
+    k_ptr, v_ptr, cache_ptr, scale_ptr, slot_ptr, qmax_op, n_tokens,
+    k_st, k_sh, k_sd, v_st, v_sh, v_sd,
+    c_sp, c_skv, c_ss, c_sh, c_sd, s_sp, s_skv, s_sh, s_ss, page_size,
+    KH: tl.constexpr, D: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr,
+    BLOCK_D: tl.constexpr, QMAX: tl.constexpr, FLOOR: tl.constexpr, DIVIDE: tl.constexpr,
+    INT8: tl.constexpr, HALF_AWAY: tl.constexpr,
+):  # fmt: skip
+    """Tokens ``[BLOCK_T * program_id, ...)`` (of ``n_tokens``): their k and v [KH, D], quantized
+    per kv head (``_quantize_heads``; one row per (token, head), so that a program amortizes
+    its scale math and reductions over several tokens): codes into ``cache[page, 0 / 1,
+    offset]``, scales into ``scale[page, 0 / 1, :, offset]``. Any strides (``*_s*``: token /
+    page, k-or-v, slot, head, dim)."""
+    rows = tl.arange(0, BLOCK_T * BLOCK_H)
+    token = tl.program_id(0).to(tl.int64) * BLOCK_T + rows // BLOCK_H  # [rows]
+    h = rows % BLOCK_H
+    row_ok = (token < n_tokens) & (h < KH)
+    slot = tl.load(slot_ptr + token, mask=row_ok, other=0).to(tl.int64)
+    page = slot // page_size
+    offset = slot - page * page_size
+    d = tl.arange(0, BLOCK_D)
+    mask = row_ok[:, None] & (d[None, :] < D)
+    k = tl.load(
+        k_ptr + (token * k_st + h * k_sh)[:, None] + d[None, :] * k_sd, mask=mask, other=0.0
+    )
+    v = tl.load(
+        v_ptr + (token * v_st + h * v_sh)[:, None] + d[None, :] * v_sd, mask=mask, other=0.0
+    )
+    kc, ks = _quantize_heads(k, mask, qmax_op, QMAX, FLOOR, DIVIDE, INT8, HALF_AWAY)
+    vc, vs = _quantize_heads(v, mask, qmax_op, QMAX, FLOOR, DIVIDE, INT8, HALF_AWAY)
+    dst = cache_ptr + (page * c_sp + offset * c_ss + h * c_sh)[:, None] + d[None, :] * c_sd
+    tl.store(dst, kc, mask=mask)
+    tl.store(dst + c_skv, vc, mask=mask)
+    sdst = scale_ptr + page * s_sp + offset * s_ss + h * s_sh
+    tl.store(sdst, ks, mask=row_ok)
+    tl.store(sdst + s_skv, vs, mask=row_ok)

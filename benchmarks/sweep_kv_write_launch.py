@@ -1,0 +1,43 @@
+"""The per-(token, head) cache write's launch on one GPU: values per program x warps, timed as
+``bench_kv_write`` times a write (CUDA graph of 4 writes, median of 5 rounds), for the sizes
+where it is bandwidth-bound. Chooses ``kernels/kv_write.WRITE_ROW_ELEMENTS`` / ``WRITE_WARPS``.
+
+    python benchmarks/sweep_kv_write_launch.py     # prints one line per (shape, tokens, mode, launch)
+"""
+
+from __future__ import annotations
+
+import statistics
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+
+def main() -> None:
+    from bench_kv_write import SHAPES, graph_ms, make_write
+    from gpu_common import copy_bandwidth
+
+    from torch_kvq.attention.kernels import kv_write
+
+    copy = copy_bandwidth()["GBps"]
+    for shape in ("llama", "gemma_global"):
+        kh, d = SHAPES[shape]
+        for tokens in (16384, 131072):
+            for mode in ("int8_per_token_head", "fp8_per_token_head"):
+                w = make_write(mode, kh, d, tokens, "cuda")
+                for elems in (kh * d, 2 * kh * d, 4096, 8192):
+                    for warps in (2, 4, 8):
+                        kv_write.WRITE_ROW_ELEMENTS, kv_write.WRITE_WARPS = elems, warps
+                        ms = statistics.median(graph_ms(w.call, 4, 5))
+                        pct = 100 * w.nbytes / (ms * 1e-3) / 1e9 / copy
+                        print(f"{shape} {tokens} {mode} elems {elems} warps {warps}: {ms:.4f} ms {pct:.1f}% copy", flush=True)
+                del w
+                torch.cuda.empty_cache()
+
+
+if __name__ == "__main__":
+    main()

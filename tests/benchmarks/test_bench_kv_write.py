@@ -1,0 +1,49 @@
+"""bench_kv_write on the CPU: its command line, the smoke run (every mode's aten write) and the
+bytes each mode is charged (codes and scales), and the markdown table."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[2]
+SCRIPT = ROOT / "benchmarks" / "bench_kv_write.py"
+sys.path.insert(0, str(ROOT / "benchmarks"))
+import bench_kv_write as bench  # noqa: E402
+
+
+def test_smoke_runs_every_mode_on_the_cpu() -> None:
+    out = subprocess.run([sys.executable, str(SCRIPT), "--smoke"], capture_output=True, text=True,
+                         check=True, timeout=300).stdout  # fmt: skip
+    assert "smoke ok: bf16, fp8_per_tensor, int8_per_token_head, fp8_per_token_head" in out
+
+
+def test_bytes_count_reads_codes_and_scales() -> None:
+    t, kh, d = 40, 2, 64
+    got = {m: bench.make_write(m, kh, d, t, "cpu").nbytes for m in bench.MODES}
+    kv_in, slots = 2 * t * kh * d * 2, t * 8
+    assert got["bf16"] == kv_in + 2 * t * kh * d * 2 + slots
+    assert got["fp8_per_tensor"] == kv_in + 2 * t * kh * d + slots
+    scales = 2 * t * kh * 4
+    assert got["int8_per_token_head"] == got["fp8_per_token_head"] == got["fp8_per_tensor"] + scales
+
+
+def test_the_write_lands_in_the_cache() -> None:
+    w = bench.make_write("int8_per_token_head", 2, 64, 40, "cpu")
+    assert w.cache.dtype == torch.int8 and not w.cache.any()
+    w.call()
+    assert int(w.kv_scale.gt(0).sum()) == 2 * 40 * 2  # k and v, 40 tokens, 2 heads
+    assert int(w.cache.abs().amax(-1).eq(127).sum()) == 2 * 40 * 2  # each head reaches QMAX
+
+
+def test_markdown_rows_and_errors() -> None:
+    env, copy = {"gpu": "test"}, {"GBps": 4000.0}
+    ok = {"shape": "llama", "tokens": 32, "mode": "bf16", "ms": 0.01, "ms_min": 0.009,
+          "ms_max": 0.011, "GBps": 100.0, "pct_copy": 2.5}  # fmt: skip
+    bad = {"shape": "llama", "tokens": 32, "mode": "int8_per_token_head", "error": "boom"}
+    md = bench.markdown(env, copy, [ok, bad])
+    assert "| llama | 32 | bf16 | 0.0100 (0.0090..0.0110) | 100 | 2.5 |" in md
+    assert "| llama | 32 | int8_per_token_head | error: boom |" in md

@@ -1,0 +1,72 @@
+"""Issue 32 on Hugging Face models: ``KVQCausalLM`` gets the per-layer modes through ``PagedKV``
+(a per-(token, head) layer has its ``kv_scale``), compiled with the passes equals eager bit for
+bit, and checkpoint FP8 scales load for the per-tensor layers only."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.support.hf_families import NUM_PAGES, PAGE_SIZE, hf_model, make_prompts
+from tests.support.passes import no_compile_caches
+from torch_kvq import KVCacheConfig
+from torch_kvq.integrations.transformers import KVQCausalLM
+from torch_kvq.models import generate
+from torch_kvq.passes import make_kvq_backend
+
+MAP = ((0, "fp8"), (1, "int8_per_token_head"), (-1, "fp8_per_token_head"))
+
+
+def test_hf_model_with_three_modes_compiles_to_eager():
+    lm = KVQCausalLM.from_hf(
+        hf_model("llama", torch.bfloat16),
+        KVCacheConfig("auto", layer_modes=MAP, page_size=PAGE_SIZE),
+        num_pages=NUM_PAGES,
+    )
+    assert [s.mode.value for s in lm.kv_specs] == [
+        "fp8_per_tensor", "int8_per_token_head", "none", "fp8_per_token_head"
+    ]  # fmt: skip
+    assert [a.kv_scale is not None for a in lm.attention_layers] == [False, True, False, True]
+    prompts = make_prompts()
+    eager = generate(lm, prompts, 3, prefill_logits=True)
+    backend = make_kvq_backend(inner="eager")
+    with no_compile_caches():
+        comp = generate(
+            lm,
+            prompts,
+            3,
+            forward=lm.compiled_forward(backend),
+            force_tokens=eager.tokens,
+            prefill_logits=True,
+        )
+    torch._dynamo.reset()
+    assert torch.equal(comp.logits, eager.logits)
+    for c, e in zip(comp.prefill_logits, eager.prefill_logits):
+        assert torch.equal(c, e)
+    rep = backend.managers[-1].last
+    quantized = {s.name for s in lm.kv_specs if s.is_quantized}
+    assert (
+        set(rep.layers_fused("quant+write")) == set(rep.layers_fused("dequant+attn")) == quantized
+    )
+    assert rep.ops_after["kvq.paged_attention_per_token_head"] == 2
+    lm.detach()
+
+
+def test_checkpoint_scales_load_for_the_per_tensor_layers_only():
+    scales = {f"model.layers.{i}.self_attn.kv_scale": torch.tensor(0.5) for i in range(4)}
+    lm = KVQCausalLM.from_hf(
+        hf_model("llama", torch.bfloat16),
+        KVCacheConfig("fp8", layer_modes=((1, "int8_per_token_head"),), page_size=PAGE_SIZE),
+        num_pages=NUM_PAGES,
+        kv_scales_from=scales,
+    )
+    pairs = [(s.mode.value, s.k_scale, s.v_scale) for s in lm.kv_specs]
+    assert pairs[1] == ("int8_per_token_head", 1.0, 1.0)  # computes its own scales
+    assert [p for i, p in enumerate(pairs) if i != 1] == [("fp8_per_tensor", 0.5, 0.5)] * 3
+    lm.detach()
+    with pytest.raises(ValueError, match="kv_scales gives per-tensor scales for layer"):
+        KVQCausalLM.from_hf(
+            hf_model("llama", torch.bfloat16),
+            KVCacheConfig("int8_per_token_head", kv_scales={0: (0.5, 0.5)}),
+            num_pages=NUM_PAGES,
+        )
