@@ -36,15 +36,18 @@ LABELS = {
         "tab:purple",
     ),
     ("fp8", "xqa"): ("FP8 KV, XQA (FP8 math, ~4e-2)", "tab:green"),
-    ("int8_per_token_head", "tc"): (
+    ("int8_per_token_head", "triton"): (
         "int8 per (token, head) KV, torch_kvq Triton TMA kernel",
         "tab:brown",
     ),
-    ("fp8_per_token_head", "tc"): (
+    ("fp8_per_token_head", "triton"): (
         "FP8 per (token, head) KV, torch_kvq Triton TMA kernel",
         "tab:pink",
     ),
-    ("mixed", "tc"): ("per-layer mode map (MIXED in bench_decode_at_scale.py)", "tab:olive"),
+    ("mixed", "triton"): (
+        "per-layer mode map (MIXED in bench_decode_at_scale.py), Triton TMA",
+        "tab:olive",
+    ),
 }
 
 
