@@ -34,7 +34,10 @@ def main() -> None:
                         kv_write.WRITE_ROW_ELEMENTS, kv_write.WRITE_WARPS = elems, warps
                         ms = statistics.median(graph_ms(w.call, 4, 5))
                         pct = 100 * w.nbytes / (ms * 1e-3) / 1e9 / copy
-                        print(f"{shape} {tokens} {mode} elems {elems} warps {warps}: {ms:.4f} ms {pct:.1f}% copy", flush=True)
+                        print(
+                            f"{shape} {tokens} {mode} elems {elems} warps {warps}: {ms:.4f} ms {pct:.1f}% copy",
+                            flush=True,
+                        )
                 del w
                 torch.cuda.empty_cache()
 
