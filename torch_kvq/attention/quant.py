@@ -120,3 +120,110 @@ def dequantize_pages_per_token_head(
     ids = page_ids.long()
     scales = kv_scale[ids].transpose(-1, -2)  # [n, 2, page, KH]
     return dequantize_per_token_head(kv_cache[ids], scales).to(out_dtype)
+
+
+# -- 4-bit per (token, head), with a Hadamard rotation (issue 33; branch work, no mode yet) ------
+#
+# Rotation: ``R = H_b diag(signs) / sqrt(b)`` on each block of b channels of a head vector, b the
+# largest power of two dividing D (D itself for 64 / 128 / 256; 32 for 96; an odd D gets b = 1:
+# only the signs), H_b the Walsh-Hadamard matrix, signs a fixed +-1 vector per D (seeded, so a
+# cache written by one process is read by another). R is orthogonal: q . k = (R q) . (R k), and
+# attention over R v gives R (its output), undone by R^T. Codes: per head vector, asymmetric over
+# a range that holds zero (lo = min(min, 0), hi = max(max, 0), as torch.ao's observers; without it
+# a head of equal values would have no range), ``scale = max((hi - lo) / 15, 1e-6)``, ``zp =
+# clamp(round(-lo / scale), 0, 15)``, ``code = clamp(round(y / scale + zp), 0, 15)``; symmetric
+# ``scale = max(absmax / 7, 1e-6)``, zp = 8.
+# Rounding half away from zero. The zero point rides in the scale's 4 low mantissa bits (vLLM's
+# layout): the scale used everywhere is the fp32 value with those bits cleared. Two codes per
+# byte: the even channel in the low nibble.
+
+INT4_LEVELS = 15
+HADAMARD_SEED = 20261202
+
+
+def hadamard_block(d: int) -> int:
+    """The block size of the rotation of a head of ``d`` channels: the largest power of two
+    dividing ``d`` (1 for odd ``d``: then the rotation is only the signs)."""
+    if d <= 0:
+        raise ValueError(f"head size must be positive, got {d}")
+    return d & -d
+
+
+def hadamard_signs(d: int, device: torch.device | str = "cpu") -> torch.Tensor:
+    """The fixed +-1 fp32 vector [d] of the rotation of ``d``-channel heads (seeded by ``d``)."""
+    g = torch.Generator().manual_seed(HADAMARD_SEED + d)
+    return (torch.randint(0, 2, (d,), generator=g) * 2 - 1).float().to(device)
+
+
+def _walsh_hadamard(x: torch.Tensor, b: int) -> torch.Tensor:
+    """Unnormalized Walsh-Hadamard transform of each block of ``b`` channels of x [..., D] (fp32)."""
+    shape = x.shape
+    y = x.reshape(-1, shape[-1] // b, b)
+    h = 1
+    while h < b:
+        y = y.view(y.shape[0], y.shape[1], b // (2 * h), 2, h)
+        y = torch.stack((y[..., 0, :] + y[..., 1, :], y[..., 0, :] - y[..., 1, :]), dim=-2)
+        y = y.reshape(y.shape[0], y.shape[1], b)
+        h *= 2
+    return y.reshape(shape)
+
+
+def rotate(x: torch.Tensor) -> torch.Tensor:
+    """``R x`` over the last dim, in fp32 (the module's rotation for ``x.shape[-1]`` channels)."""
+    d = x.shape[-1]
+    b = hadamard_block(d)
+    return _walsh_hadamard(x.float() * hadamard_signs(d, x.device), b) / b**0.5
+
+
+def unrotate(y: torch.Tensor) -> torch.Tensor:
+    """``R^T y`` over the last dim, in fp32: ``unrotate(rotate(x)) == x`` up to fp32 rounding."""
+    d = y.shape[-1]
+    b = hadamard_block(d)
+    return _walsh_hadamard(y.float(), b) / b**0.5 * hadamard_signs(d, y.device)
+
+
+def _with_zero_point(scale: torch.Tensor, zp: torch.Tensor) -> torch.Tensor:
+    """fp32 ``scale`` with its 4 low mantissa bits replaced by ``zp`` (0..15)."""
+    bits = scale.view(torch.int32) & ~0xF | zp.to(torch.int32)
+    return bits.view(torch.float32)
+
+
+def split_scale(stored: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A stored int4 scale -> (the scale used, its low bits cleared; the zero point, fp32)."""
+    bits = stored.view(torch.int32)
+    return (bits & ~0xF).view(torch.float32), (bits & 0xF).float()
+
+
+def quantize_int4_per_token_head(
+    x: torch.Tensor, symmetric: bool = False
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [..., D] (D even) -> (packed codes [..., D / 2] uint8, stored scales [...] fp32 with the
+    zero point in their low bits), as the section's comment says. No rotation here: ``rotate``
+    first for the rotated format."""
+    if x.shape[-1] % 2:
+        raise ValueError(
+            f"int4 packs two channels per byte: head size must be even, got {x.shape[-1]}"
+        )
+    xf = x.float()
+    if symmetric:
+        scale = (xf.abs().amax(-1) / 7.0).clamp(min=SCALE_FLOOR)
+        zp = torch.full_like(scale, 8.0)
+    else:
+        lo, hi = xf.amin(-1).clamp(max=0.0), xf.amax(-1).clamp(min=0.0)
+        scale = ((hi - lo) / INT4_LEVELS).clamp(min=SCALE_FLOOR)
+    stored_unzp = (scale.view(torch.int32) & ~0xF).view(torch.float32)  # the scale used
+    if not symmetric:
+        zp = round_half_away(-lo / stored_unzp).clamp(0, INT4_LEVELS)
+    codes = round_half_away(xf / stored_unzp.unsqueeze(-1) + zp.unsqueeze(-1)).clamp(0, INT4_LEVELS)
+    c = codes.to(torch.uint8)
+    packed = c[..., 0::2] | (c[..., 1::2] << 4)
+    return packed, _with_zero_point(stored_unzp, zp)
+
+
+def dequantize_int4_per_token_head(packed: torch.Tensor, stored: torch.Tensor) -> torch.Tensor:
+    """Packed codes [..., D / 2] with stored scales [...] back to real values [..., D] in fp32:
+    ``(code - zp) * scale`` (still in the rotated space if the codes were written rotated)."""
+    scale, zp = split_scale(stored)
+    lo, hi = (packed & 0xF).float(), (packed >> 4).float()
+    codes = torch.stack((lo, hi), dim=-1).flatten(-2)
+    return (codes - zp.unsqueeze(-1)) * scale.unsqueeze(-1)

@@ -1,0 +1,113 @@
+"""Which 4-bit per-(token, head) KV format to build (issue 33), measured on the shipped trained
+models before the mode exists: every layer's k and v are quantized and dequantized on their way
+into a model-dtype cache (a pre-hook on each ``Attention`` layer), so prefill and decode read
+exactly what an int4 cache would hold, through ``kvq eval``'s measurement (its windows, decode
+phase and greedy prompts, reference kernel, eager, fp32 on CPU).
+
+Variants (``--variants``): ``int4`` / ``int4-sym`` (asymmetric with a zero point / symmetric,
+``attention/quant.py``'s ``quantize_int4_per_token_head``), each with ``-rot`` (k and v rotated by
+the Hadamard of ``quant.rotate`` before quantizing, rotated back after: q . k and the output are
+unchanged by the rotation in exact arithmetic, so this equals attention in the rotated space);
+``int8`` (int8 per (token, head), the 8-bit reference); a ``@`` suffix keeps layers in another
+format: ``@ends8`` (layers 0 and -1 int8), ``@sliding16`` (sliding-window layers unquantized),
+``@ends8-sliding16``.
+
+    python benchmarks/int4_study.py --model smollm2-135m --json int4_smollm2.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from torch_kvq.attention import quant  # noqa: E402
+
+VARIANTS = ("int8", "int4", "int4-rot", "int4-sym", "int4-sym-rot", "int4-rot@ends8",
+            "int4-rot@sliding16", "int4-rot@ends8-sliding16")  # fmt: skip
+
+
+def fake_quant(x: torch.Tensor, fmt: str) -> torch.Tensor:
+    """x [T, KH, D] through the cache format ``fmt`` and back, in x's dtype."""
+    if fmt == "none":
+        return x
+    if fmt == "int8":
+        codes, scales = quant.quantize_per_token_head(x, "int8")
+        return quant.dequantize_per_token_head(codes, scales).to(x.dtype)
+    rot = fmt.endswith("-rot")
+    y = quant.rotate(x) if rot else x.float()
+    packed, stored = quant.quantize_int4_per_token_head(y, symmetric=fmt.startswith("int4-sym"))
+    y = quant.dequantize_int4_per_token_head(packed, stored)
+    return (quant.unrotate(y) if rot else y).to(x.dtype)
+
+
+def layer_formats(variant: str, kinds: list[str]) -> list[str]:
+    """The format of each layer (``kinds``: "sliding_attention" / "full_attention" per layer)."""
+    base, _, keep = variant.partition("@")
+    fmts = [base] * len(kinds)
+    if "sliding16" in keep:
+        fmts = ["none" if k == "sliding_attention" else f for f, k in zip(fmts, kinds)]
+    if "ends8" in keep:
+        fmts[0] = fmts[-1] = "int8"
+    return fmts
+
+
+def main() -> None:
+    from torch_kvq.attention.layer import Attention
+    from torch_kvq.evaluation import corpus
+    from torch_kvq.evaluation.eval import EvalSettings, eval_data, measure
+    from torch_kvq.integrations.trained import load_trained
+    from torch_kvq.spec import KVCacheConfig
+
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--model", default="smollm2-135m")
+    ap.add_argument("--variants", nargs="+", default=list(VARIANTS))
+    ap.add_argument("--json", type=Path)
+    args = ap.parse_args()
+    settings = EvalSettings()
+    lm, tok = load_trained(args.model, KVCacheConfig(), num_pages=settings.pages_needed(16))
+    data = eval_data(tok, settings, corpus.split("eval"))
+    layers = [m for m in lm.modules() if isinstance(m, Attention)]
+    kinds = ["sliding_attention" if m.spec.sliding_window else "full_attention" for m in layers]
+    ref = measure(lm, data, settings)
+    rows = [dict(variant="auto", ppl=ref.ppl, decode_ppl=ref.decode_ppl)]
+    print(f"{args.model}: auto ppl {ref.ppl:.4f} decode {ref.decode_ppl:.4f}", flush=True)
+    for variant in args.variants:
+        fmts = layer_formats(variant, kinds)
+
+        def hook(mod, a, kw, fmt):  # (q, k, v, ...): k and v through the format
+            return (a[0], fake_quant(a[1], fmt), fake_quant(a[2], fmt), *a[3:]), kw
+
+        hs = [m.register_forward_pre_hook(lambda mod, a, kw, f=f: hook(mod, a, kw, f), with_kwargs=True)
+              for m, f in zip(layers, fmts)]  # fmt: skip
+        t0 = time.perf_counter()
+        try:
+            got = measure(lm, data, settings)
+        finally:
+            for h in hs:
+                h.remove()
+        pairs = [(a, b) for ta, tb in zip(got.tokens, ref.tokens) for a, b in zip(ta, tb)]
+        prefix = [next((i for i, (a, b) in enumerate(zip(ta, tb)) if a != b), len(ta))
+                  for ta, tb in zip(got.tokens, ref.tokens)]  # fmt: skip
+        r = dict(variant=variant, formats=fmts, ppl=got.ppl, decode_ppl=got.decode_ppl,
+                 ppl_delta_pct=100 * (got.ppl / ref.ppl - 1), decode_delta_pct=100 * (got.decode_ppl / ref.decode_ppl - 1),
+                 agreement=sum(a == b for a, b in pairs) / len(pairs), prefix=prefix,
+                 seconds=time.perf_counter() - t0)  # fmt: skip
+        rows.append(r)
+        print(f"{args.model}: {variant:28s} ppl {got.ppl:.4f} ({r['ppl_delta_pct']:+.2f}%) decode "
+              f"{got.decode_ppl:.4f} ({r['decode_delta_pct']:+.2f}%) agreement {100 * r['agreement']:.1f}% "
+              f"prefix {'/'.join(map(str, prefix))}", flush=True)  # fmt: skip
+    if args.json:
+        args.json.write_text(
+            json.dumps(dict(model=args.model, settings=vars(settings), rows=rows), indent=1) + "\n"
+        )
+
+
+if __name__ == "__main__":
+    main()
