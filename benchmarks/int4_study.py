@@ -4,13 +4,18 @@ into a model-dtype cache (a pre-hook on each ``Attention`` layer), so prefill an
 exactly what an int4 cache would hold, through ``kvq eval``'s measurement (its windows, decode
 phase and greedy prompts, reference kernel, eager, fp32 on CPU).
 
-Variants (``--variants``): ``int4`` / ``int4-sym`` (asymmetric with a zero point / symmetric,
-``attention/quant.py``'s ``quantize_int4_per_token_head``), each with ``-rot`` (k and v rotated by
-the Hadamard of ``quant.rotate`` before quantizing, rotated back after: q . k and the output are
-unchanged by the rotation in exact arithmetic, so this equals attention in the rotated space);
-``int8`` (int8 per (token, head), the 8-bit reference); a ``@`` suffix keeps layers in another
-format: ``@ends8`` (layers 0 and -1 int8), ``@sliding16`` (sliding-window layers unquantized),
-``@ends8-sliding16``.
+Variants (``--variants``), ``[k:|v:]FORMAT[@KEEP]``. FORMAT: ``int8`` (int8 per (token, head), the
+8-bit reference) or ``int4`` (asymmetric with a zero point, ``attention/quant.py``'s
+``quantize_int4_per_token_head``) with options joined by ``-``: ``sym`` (symmetric), ``rot`` (k and
+v rotated by the Hadamard of ``quant.rotate`` before quantizing, rotated back after: q . k and the
+output are unchanged by the rotation in exact arithmetic, so this equals attention in the rotated
+space), ``mse`` (per-row MSE clipping over ``CLIP_RATIOS``), ``g32`` / ``g64`` (one scale and zero
+point per 32 / 64 channels, ``quantize_int4_grouped``), ``sink`` (a diagnostic: token position 0
+of every sequence kept unquantized). ``k:`` / ``v:`` quantize only k / only v (the other stays in
+the model dtype). KEEP, ``-``-joined: ``ends8`` (layers 0 and -1 int8), ``sliding16`` (sliding-window
+layers unquantized), ``only<i>`` (only layer i in FORMAT, the others unquantized), ``8x<i>.<j>``
+(layers i, j int8). ``--quick`` measures the teacher-forced ppl only (no decode phase, no greedy
+prompts): the per-layer sweeps.
 
     python benchmarks/int4_study.py --model smollm2-135m --json int4_smollm2.json
 """
@@ -31,34 +36,53 @@ from torch_kvq.attention import quant  # noqa: E402
 
 VARIANTS = ("int8", "int4", "int4-rot", "int4-sym", "int4-sym-rot", "int4-rot@ends8",
             "int4-rot@sliding16", "int4-rot@ends8-sliding16")  # fmt: skip
+CLIP_RATIOS = tuple(1.0 - 0.05 * i for i in range(11))  # 1.0 .. 0.5
 
 
-def fake_quant(x: torch.Tensor, fmt: str) -> torch.Tensor:
-    """x [T, KH, D] through the cache format ``fmt`` and back, in x's dtype."""
+def fake_quant(x: torch.Tensor, fmt: str, pos: torch.Tensor | None = None) -> torch.Tensor:
+    """x [T, KH, D] through the cache format ``fmt`` and back, in x's dtype (``pos`` [T]: the
+    tokens' positions, for ``sink``)."""
     if fmt == "none":
         return x
-    if fmt == "int8":
+    base, *opts = fmt.split("-")
+    if base == "int8":
         codes, scales = quant.quantize_per_token_head(x, "int8")
-        return quant.dequantize_per_token_head(codes, scales).to(x.dtype)
-    rot = fmt.endswith("-rot")
-    y = quant.rotate(x) if rot else x.float()
-    packed, stored = quant.quantize_int4_per_token_head(y, symmetric=fmt.startswith("int4-sym"))
-    y = quant.dequantize_int4_per_token_head(packed, stored)
-    return (quant.unrotate(y) if rot else y).to(x.dtype)
+        y = quant.dequantize_per_token_head(codes, scales).to(x.dtype)
+    else:
+        rot = "rot" in opts
+        y = quant.rotate(x) if rot else x.float()
+        clip = CLIP_RATIOS if "mse" in opts else (1.0,)
+        group = next((int(o[1:]) for o in opts if o[0] == "g"), x.shape[-1])
+        packed, stored = quant.quantize_int4_grouped(y, group, "sym" in opts, clip)
+        y = quant.dequantize_int4_grouped(packed, stored)
+        y = (quant.unrotate(y) if rot else y).to(x.dtype)
+    if "sink" in opts:
+        y = torch.where((pos == 0)[:, None, None], x, y)
+    return y
 
 
-def layer_formats(variant: str, kinds: list[str]) -> list[str]:
-    """The format of each layer (``kinds``: "sliding_attention" / "full_attention" per layer)."""
-    base, _, keep = variant.partition("@")
+def layer_formats(variant: str, kinds: list[str]) -> list[tuple[str, str]]:
+    """The (k, v) formats of each layer (``kinds``: "sliding_attention" / "full_attention")."""
+    scope, _, rest = variant.rpartition(":")
+    base, _, keep = rest.partition("@")
     fmts = [base] * len(kinds)
-    if "sliding16" in keep:
-        fmts = ["none" if k == "sliding_attention" else f for f, k in zip(fmts, kinds)]
-    if "ends8" in keep:
-        fmts[0] = fmts[-1] = "int8"
-    return fmts
+    for opt in filter(None, keep.split("-")):
+        if opt == "sliding16":
+            fmts = ["none" if k == "sliding_attention" else f for f, k in zip(fmts, kinds)]
+        elif opt == "ends8":
+            fmts[0] = fmts[-1] = "int8"
+        elif opt.startswith("only"):
+            fmts = [f if i == int(opt[4:]) else "none" for i, f in enumerate(fmts)]
+        elif opt.startswith("8x"):
+            for i in map(int, opt[2:].split(".")):
+                fmts[i] = "int8"
+        else:
+            raise ValueError(f"unknown keep option {opt!r} in {variant!r}")
+    return [(f, "none") if scope == "k" else ("none", f) if scope == "v" else (f, f) for f in fmts]
 
 
 def main() -> None:
+    from torch_kvq.attention.context import get_forward_context
     from torch_kvq.attention.layer import Attention
     from torch_kvq.evaluation import corpus
     from torch_kvq.evaluation.eval import EvalSettings, eval_data, measure
@@ -69,8 +93,10 @@ def main() -> None:
     ap.add_argument("--model", default="smollm2-135m")
     ap.add_argument("--variants", nargs="+", default=list(VARIANTS))
     ap.add_argument("--json", type=Path)
+    ap.add_argument("--quick", action="store_true", help="teacher-forced ppl only")
     args = ap.parse_args()
-    settings = EvalSettings()
+    torch.set_num_threads(1)
+    settings = EvalSettings(decode_tokens=0, new_tokens=0) if args.quick else EvalSettings()
     lm, tok = load_trained(args.model, KVCacheConfig(), num_pages=settings.pages_needed(16))
     data = eval_data(tok, settings, corpus.split("eval"))
     layers = [m for m in lm.modules() if isinstance(m, Attention)]
@@ -81,10 +107,11 @@ def main() -> None:
     for variant in args.variants:
         fmts = layer_formats(variant, kinds)
 
-        def hook(mod, a, kw, fmt):  # (q, k, v, ...): k and v through the format
-            return (a[0], fake_quant(a[1], fmt), fake_quant(a[2], fmt), *a[3:]), kw
+        def hook(mod, a, kw, kf, vf):  # (q, k, v): k and v through their formats
+            pos = get_forward_context().metadata_for(mod.spec).positions
+            return (a[0], fake_quant(a[1], kf, pos), fake_quant(a[2], vf, pos), *a[3:]), kw
 
-        hs = [m.register_forward_pre_hook(lambda mod, a, kw, f=f: hook(mod, a, kw, f), with_kwargs=True)
+        hs = [m.register_forward_pre_hook(lambda mod, a, kw, f=f: hook(mod, a, kw, *f), with_kwargs=True)
               for m, f in zip(layers, fmts)]  # fmt: skip
         t0 = time.perf_counter()
         try:
@@ -97,16 +124,15 @@ def main() -> None:
                   for ta, tb in zip(got.tokens, ref.tokens)]  # fmt: skip
         r = dict(variant=variant, formats=fmts, ppl=got.ppl, decode_ppl=got.decode_ppl,
                  ppl_delta_pct=100 * (got.ppl / ref.ppl - 1), decode_delta_pct=100 * (got.decode_ppl / ref.decode_ppl - 1),
-                 agreement=sum(a == b for a, b in pairs) / len(pairs), prefix=prefix,
+                 agreement=sum(a == b for a, b in pairs) / len(pairs) if pairs else None, prefix=prefix,
                  seconds=time.perf_counter() - t0)  # fmt: skip
         rows.append(r)
         print(f"{args.model}: {variant:28s} ppl {got.ppl:.4f} ({r['ppl_delta_pct']:+.2f}%) decode "
-              f"{got.decode_ppl:.4f} ({r['decode_delta_pct']:+.2f}%) agreement {100 * r['agreement']:.1f}% "
-              f"prefix {'/'.join(map(str, prefix))}", flush=True)  # fmt: skip
-    if args.json:
-        args.json.write_text(
-            json.dumps(dict(model=args.model, settings=vars(settings), rows=rows), indent=1) + "\n"
-        )
+              f"{got.decode_ppl:.4f} ({r['decode_delta_pct']:+.2f}%) agreement {100 * (r['agreement'] or 0):.1f}% "
+              f"prefix {'/'.join(map(str, prefix))} {r['seconds']:.0f} s", flush=True)  # fmt: skip
+        if args.json:  # after every variant: a long sweep keeps what it measured
+            out = dict(model=args.model, settings=vars(settings), quick=args.quick, rows=rows)
+            args.json.write_text(json.dumps(out, indent=1) + "\n")
 
 
 if __name__ == "__main__":

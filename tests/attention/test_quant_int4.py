@@ -77,3 +77,69 @@ def test_zero_and_constant_heads() -> None:
 def test_odd_head_size_is_refused() -> None:
     with pytest.raises(ValueError, match="head size must be even, got 7"):
         quant.quantize_int4_per_token_head(torch.randn(2, 7))
+
+
+def _sq_err(x: torch.Tensor, packed: torch.Tensor, stored: torch.Tensor) -> torch.Tensor:
+    return (quant.dequantize_int4_per_token_head(packed, stored) - x).square().sum(-1)
+
+
+@pytest.mark.parametrize("symmetric", [False, True])
+def test_mse_clipping_never_loses_to_the_full_range_and_wins_on_gaussian_rows(
+    symmetric: bool,
+) -> None:
+    g = torch.Generator().manual_seed(2)
+    x = torch.randn(256, 4, 128, generator=g)
+    full = _sq_err(x, *quant.quantize_int4_per_token_head(x, symmetric))
+    ratios = (1.0, 0.9, 0.8, 0.7)
+    packed, stored = quant.quantize_int4_per_token_head(x, symmetric, clip_ratios=ratios)
+    clipped = _sq_err(x, packed, stored)
+    assert (clipped <= full).all()
+    assert clipped.sum() < 0.95 * full.sum()  # a Gaussian row's max is a tail worth clipping
+    # each row's error is the least of the ratios tried one at a time
+    each = torch.stack(
+        [
+            _sq_err(x, *quant.quantize_int4_per_token_head(x, symmetric, clip_ratios=(r,)))
+            for r in ratios
+        ]
+    )
+    torch.testing.assert_close(clipped, each.min(0).values)
+    if not symmetric:
+        _, zp = quant.split_scale(stored)
+        assert ((zp >= 0) & (zp <= 15)).all()
+
+
+def test_mse_clipping_keeps_the_full_range_where_it_is_exact() -> None:
+    ramp = torch.arange(16.0)  # exactly on the 16 codes of the full range: error 0 there
+    packed, stored = quant.quantize_int4_per_token_head(ramp, clip_ratios=(0.9, 1.0, 0.6))
+    assert quant.split_scale(stored)[0].item() == 1.0
+    assert torch.equal(quant.dequantize_int4_per_token_head(packed, stored), ramp)
+
+
+@pytest.mark.parametrize("ratios", [(), (1.0, 0.0), (1.2,)])
+def test_bad_clip_ratios_are_refused(ratios: tuple[float, ...]) -> None:
+    with pytest.raises(ValueError, match="clip ratios must be in"):
+        quant.quantize_int4_per_token_head(torch.randn(2, 8), clip_ratios=ratios)
+
+
+def test_grouped_codes_have_one_scale_per_group() -> None:
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(5, 2, 128, generator=g)
+    x[..., 64:] *= 50  # the second half of each head is 50x the first
+    whole = quant.quantize_int4_per_token_head(x)
+    same = quant.quantize_int4_grouped(x, 128)
+    assert torch.equal(same[0], whole[0]) and torch.equal(same[1], whole[1][..., None])
+    packed, stored = quant.quantize_int4_grouped(x, 32)
+    assert packed.shape == (5, 2, 64) and stored.shape == (5, 2, 4)
+    y = quant.dequantize_int4_grouped(packed, stored)
+    scale, _ = quant.split_scale(stored)
+    err = (y - x).abs().unflatten(-1, (4, 32))
+    assert (err <= scale.unsqueeze(-1) * 0.5 * (1 + 1e-5) + 1e-6).all()
+    # the small half no longer shares the large half's step
+    small = quant.dequantize_int4_per_token_head(*whole)[..., :64] - x[..., :64]
+    assert (y[..., :64] - x[..., :64]).square().sum() < 0.01 * small.square().sum()
+
+
+@pytest.mark.parametrize("group", [0, 3, 48, 256])
+def test_a_group_that_does_not_divide_the_head_is_refused(group: int) -> None:
+    with pytest.raises(ValueError, match="group must be even and divide the head size 128"):
+        quant.quantize_int4_grouped(torch.randn(2, 128), group)

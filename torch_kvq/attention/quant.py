@@ -23,6 +23,7 @@ except ``absmax / QMAX``, which aten computes per device (``kernels/kv_write.py`
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Literal
 
 import torch
@@ -194,30 +195,57 @@ def split_scale(stored: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return (bits & ~0xF).view(torch.float32), (bits & 0xF).float()
 
 
+def _int4_codes(
+    xf: torch.Tensor, symmetric: bool, ratio: float
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(codes [..., D] fp32, scale used [...], zp [...]) of fp32 ``xf`` over its range shrunk by
+    ``ratio`` (1: the full range; the range still holds zero)."""
+    if symmetric:
+        scale = (xf.abs().amax(-1) * ratio / 7.0).clamp(min=SCALE_FLOOR)
+    else:
+        lo, hi = xf.amin(-1).clamp(max=0.0) * ratio, xf.amax(-1).clamp(min=0.0) * ratio
+        scale = ((hi - lo) / INT4_LEVELS).clamp(min=SCALE_FLOOR)
+    scale = (scale.view(torch.int32) & ~0xF).view(torch.float32)  # the scale used
+    if symmetric:
+        zp = torch.full_like(scale, 8.0)
+    else:
+        zp = round_half_away(-lo / scale).clamp(0, INT4_LEVELS)
+    codes = round_half_away(xf / scale.unsqueeze(-1) + zp.unsqueeze(-1)).clamp(0, INT4_LEVELS)
+    return codes, scale, zp
+
+
 def quantize_int4_per_token_head(
-    x: torch.Tensor, symmetric: bool = False
+    x: torch.Tensor, symmetric: bool = False, clip_ratios: Sequence[float] = (1.0,)
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """x [..., D] (D even) -> (packed codes [..., D / 2] uint8, stored scales [...] fp32 with the
     zero point in their low bits), as the section's comment says. No rotation here: ``rotate``
-    first for the rotated format."""
+    first for the rotated format.
+
+    ``clip_ratios``: per-row MSE clipping at write time. The range (``[lo, hi]``, or ``absmax``
+    symmetric) is shrunk by each ratio in turn and each row keeps the ratio whose dequantized
+    values have the least squared error against ``x`` (the first on a tie); values outside a
+    shrunk range clamp to the end codes. Still one scale and zero point per row. The default
+    ``(1.0,)`` is the full range."""
     if x.shape[-1] % 2:
         raise ValueError(
             f"int4 packs two channels per byte: head size must be even, got {x.shape[-1]}"
         )
+    if not clip_ratios or any(not 0.0 < r <= 1.0 for r in clip_ratios):
+        raise ValueError(f"clip ratios must be in (0, 1], got {tuple(clip_ratios)}")
     xf = x.float()
-    if symmetric:
-        scale = (xf.abs().amax(-1) / 7.0).clamp(min=SCALE_FLOOR)
-        zp = torch.full_like(scale, 8.0)
-    else:
-        lo, hi = xf.amin(-1).clamp(max=0.0), xf.amax(-1).clamp(min=0.0)
-        scale = ((hi - lo) / INT4_LEVELS).clamp(min=SCALE_FLOOR)
-    stored_unzp = (scale.view(torch.int32) & ~0xF).view(torch.float32)  # the scale used
-    if not symmetric:
-        zp = round_half_away(-lo / stored_unzp).clamp(0, INT4_LEVELS)
-    codes = round_half_away(xf / stored_unzp.unsqueeze(-1) + zp.unsqueeze(-1)).clamp(0, INT4_LEVELS)
+    codes, scale, zp = _int4_codes(xf, symmetric, clip_ratios[0])
+    if len(clip_ratios) > 1:
+        best = ((codes - zp.unsqueeze(-1)) * scale.unsqueeze(-1) - xf).square().sum(-1)
+        for r in clip_ratios[1:]:
+            c, s, z = _int4_codes(xf, symmetric, r)
+            err = ((c - z.unsqueeze(-1)) * s.unsqueeze(-1) - xf).square().sum(-1)
+            better = err < best
+            codes = torch.where(better.unsqueeze(-1), c, codes)
+            scale, zp = torch.where(better, s, scale), torch.where(better, z, zp)
+            best = torch.minimum(err, best)
     c = codes.to(torch.uint8)
     packed = c[..., 0::2] | (c[..., 1::2] << 4)
-    return packed, _with_zero_point(stored_unzp, zp)
+    return packed, _with_zero_point(scale, zp)
 
 
 def dequantize_int4_per_token_head(packed: torch.Tensor, stored: torch.Tensor) -> torch.Tensor:
@@ -227,3 +255,26 @@ def dequantize_int4_per_token_head(packed: torch.Tensor, stored: torch.Tensor) -
     lo, hi = (packed & 0xF).float(), (packed >> 4).float()
     codes = torch.stack((lo, hi), dim=-1).flatten(-2)
     return (codes - zp.unsqueeze(-1)) * scale.unsqueeze(-1)
+
+
+def quantize_int4_grouped(
+    x: torch.Tensor, group: int, symmetric: bool = False, clip_ratios: Sequence[float] = (1.0,)
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """int4 with one scale and zero point per ``group`` channels of each head instead of per head
+    (a diagnostic of the format's headroom; D / group scales per (token, head), each 4 bytes):
+    x [..., D] -> (packed [..., D / 2] uint8, stored scales [..., D / group] fp32), each group
+    quantized as ``quantize_int4_per_token_head`` quantizes a head."""
+    d = x.shape[-1]
+    if group <= 0 or group % 2 or d % group:
+        raise ValueError(f"group must be even and divide the head size {d}, got {group}")
+    packed, stored = quantize_int4_per_token_head(
+        x.reshape(*x.shape[:-1], d // group, group), symmetric, clip_ratios
+    )
+    return packed.flatten(-2), stored
+
+
+def dequantize_int4_grouped(packed: torch.Tensor, stored: torch.Tensor) -> torch.Tensor:
+    """``quantize_int4_grouped``'s codes [..., D / 2] and scales [..., G] back to [..., D] fp32."""
+    g = stored.shape[-1]
+    y = dequantize_int4_per_token_head(packed.unflatten(-1, (g, -1)), stored)
+    return y.flatten(-2)
