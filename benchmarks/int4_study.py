@@ -14,8 +14,8 @@ point per 32 / 64 channels, ``quantize_int4_grouped``), ``sink`` (a diagnostic: 
 of every sequence kept unquantized). ``k:`` / ``v:`` quantize only k / only v (the other stays in
 the model dtype). KEEP, ``-``-joined: ``ends8`` (layers 0 and -1 int8), ``sliding16`` (sliding-window
 layers unquantized), ``only<i>`` (only layer i in FORMAT, the others unquantized), ``8x<i>.<j>``
-(layers i, j int8). ``--quick`` measures the teacher-forced ppl only (no decode phase, no greedy
-prompts): the per-layer sweeps.
+(layers i, j int8), ``k8x<i>.<j>`` (their k int8, v as FORMAT). ``--quick`` measures the teacher-forced ppl only (no decode phase, no greedy
+prompts), ``--windows`` fewer windows: the per-layer sweeps.
 
     python benchmarks/int4_study.py --model smollm2-135m --json int4_smollm2.json
 """
@@ -65,20 +65,26 @@ def layer_formats(variant: str, kinds: list[str]) -> list[tuple[str, str]]:
     """The (k, v) formats of each layer (``kinds``: "sliding_attention" / "full_attention")."""
     scope, _, rest = variant.rpartition(":")
     base, _, keep = rest.partition("@")
-    fmts = [base] * len(kinds)
-    for opt in filter(None, keep.split("-")):
+    n = len(kinds)
+    ks, vs = [base if scope != "v" else "none"] * n, [base if scope != "k" else "none"] * n
+    int8_last = sorted(filter(None, keep.split("-")), key=lambda o: o == "ends8" or "8x" in o)
+    for opt in int8_last:
         if opt == "sliding16":
-            fmts = ["none" if k == "sliding_attention" else f for f, k in zip(fmts, kinds)]
+            ks = ["none" if k == "sliding_attention" else f for f, k in zip(ks, kinds)]
+            vs = ["none" if k == "sliding_attention" else f for f, k in zip(vs, kinds)]
         elif opt == "ends8":
-            fmts[0] = fmts[-1] = "int8"
+            ks[0] = ks[-1] = vs[0] = vs[-1] = "int8"
         elif opt.startswith("only"):
-            fmts = [f if i == int(opt[4:]) else "none" for i, f in enumerate(fmts)]
-        elif opt.startswith("8x"):
-            for i in map(int, opt[2:].split(".")):
-                fmts[i] = "int8"
+            ks = [f if i == int(opt[4:]) else "none" for i, f in enumerate(ks)]
+            vs = [f if i == int(opt[4:]) else "none" for i, f in enumerate(vs)]
+        elif opt.startswith(("8x", "k8x")):
+            for i in map(int, opt.partition("8x")[2].split(".")):
+                ks[i] = "int8"
+                if opt[0] == "8":
+                    vs[i] = "int8"
         else:
             raise ValueError(f"unknown keep option {opt!r} in {variant!r}")
-    return [(f, "none") if scope == "k" else ("none", f) if scope == "v" else (f, f) for f in fmts]
+    return list(zip(ks, vs))
 
 
 def main() -> None:
@@ -94,9 +100,11 @@ def main() -> None:
     ap.add_argument("--variants", nargs="+", default=list(VARIANTS))
     ap.add_argument("--json", type=Path)
     ap.add_argument("--quick", action="store_true", help="teacher-forced ppl only")
+    ap.add_argument("--windows", type=int, default=EvalSettings.windows)
     args = ap.parse_args()
     torch.set_num_threads(1)
-    settings = EvalSettings(decode_tokens=0, new_tokens=0) if args.quick else EvalSettings()
+    quick = dict(decode_tokens=0, new_tokens=0) if args.quick else {}
+    settings = EvalSettings(windows=args.windows, **quick)
     lm, tok = load_trained(args.model, KVCacheConfig(), num_pages=settings.pages_needed(16))
     data = eval_data(tok, settings, corpus.split("eval"))
     layers = [m for m in lm.modules() if isinstance(m, Attention)]
