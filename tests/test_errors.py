@@ -1691,7 +1691,7 @@ def _resolve(**kw) -> object:
 
 @case("modes.unknown-mode")
 def _() -> object:
-    return KVCacheConfig(layer_modes=((0, "int4_per_token_head"),))
+    return KVCacheConfig(layer_modes=((0, "int2_per_token_head"),))
 
 
 @case("modes.rule-not-a-pair")
@@ -1765,7 +1765,7 @@ def pth_env(mode: str = "int8_per_token_head") -> Env:
 
 @case("modes.quantize-unknown-format")
 def _() -> object:
-    return ops.quantize_per_token_head(torch.zeros(2, 8), "int4")
+    return ops.quantize_per_token_head(torch.zeros(2, 8), "int2")
 
 
 @case("modes.write-unknown-rounding")
@@ -1819,6 +1819,41 @@ def _() -> object:
     )[0]
     with fake_gpu(arch=(8, 9)):  # the per-token decode is built for sm90 only
         return FlashInferKernel(prefill="fa2").check_supported(spec)
+
+
+@case("modes.int4-odd-head-size")
+def _() -> object:
+    layer = AttentionLayerInfo(f"i4{next(_uid)}.attn", HEADS, KV_HEADS, 15)
+    return resolve_layer_specs(KVCacheConfig("int4_per_token_head"), [layer])
+
+
+@case("modes.int4-torch-quant-form")
+def _() -> object:
+    layer = AttentionLayerInfo(f"i4{next(_uid)}.attn", HEADS, KV_HEADS, D)
+    spec = resolve_layer_specs(KVCacheConfig("int4_per_token_head", page_size=PAGE), [layer])[0]
+    return Attention(spec, 4, quant_form="torch")
+
+
+@case("modes.flashinfer-int4")
+def _() -> object:
+    spec = resolve_layer_specs(
+        KVCacheConfig("int4_per_token_head"),
+        [AttentionLayerInfo(f"fi{next(_uid)}.attn", HEADS, KV_HEADS, 128)],
+    )[0]
+    with fake_gpu():  # sm90, where the 8-bit per-(token, head) modes are served
+        return FlashInferKernel().check_supported(spec)
+
+
+@case("modes.int4-triton-write")
+def _() -> object:
+    from torch_kvq.attention.kernels.kv_write import write_kv_per_token_head_triton
+
+    cache = torch.zeros(2, 2, PAGE, KV_HEADS, D // 2, dtype=torch.uint8)
+    scale = torch.zeros(2, 2, KV_HEADS, PAGE)
+    k = torch.zeros(1, KV_HEADS, D)
+    return write_kv_per_token_head_triton(
+        cache, scale, k, k, torch.zeros(1, dtype=torch.long), "int4"
+    )
 
 
 # --- the tests ----------------------------------------------------------------------------------

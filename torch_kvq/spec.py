@@ -36,6 +36,9 @@ class KVQuantMode(enum.Enum):
     FP8_PER_TENSOR = "fp8_per_tensor"  # float8_e4m3fn, static per-tensor k and v scales
     INT8_PER_TOKEN_HEAD = "int8_per_token_head"  # int8, one fp32 scale per (token, kv head)
     FP8_PER_TOKEN_HEAD = "fp8_per_token_head"  # float8_e4m3fn, one fp32 scale per (token, kv head)
+    # two rotated, asymmetric 4-bit codes per uint8 byte, one fp32 scale per (token, kv head) with
+    # the zero point in its low mantissa bits (attention/quant.py); head size must be even
+    INT4_PER_TOKEN_HEAD = "int4_per_token_head"
 
     @property
     def is_quantized(self) -> bool:
@@ -44,7 +47,17 @@ class KVQuantMode(enum.Enum):
     @property
     def per_token_head(self) -> bool:
         """Scales computed per (token, kv head) when the token is written (``kv_scale``)."""
-        return self in (KVQuantMode.INT8_PER_TOKEN_HEAD, KVQuantMode.FP8_PER_TOKEN_HEAD)
+        return self in (
+            KVQuantMode.INT8_PER_TOKEN_HEAD,
+            KVQuantMode.FP8_PER_TOKEN_HEAD,
+            KVQuantMode.INT4_PER_TOKEN_HEAD,
+        )
+
+    @property
+    def codes_per_byte(self) -> int:
+        """Channels one cache element holds: 2 for ``INT4_PER_TOKEN_HEAD`` (two codes per uint8),
+        1 for every other mode; a cache's last dim is ``head_size // codes_per_byte``."""
+        return 2 if self is KVQuantMode.INT4_PER_TOKEN_HEAD else 1
 
     @property
     def code_dtype(self) -> torch.dtype | None:
@@ -58,22 +71,25 @@ class KVQuantMode(enum.Enum):
 
     @property
     def per_token_head_format(self) -> str:
-        """``"int8"`` / ``"fp8"``: the ``mode`` argument of the per-(token, head) math and ops
-        (``attention/quant.py``); ValueError for a mode that is not per-(token, head)."""
+        """``"int8"`` / ``"fp8"`` / ``"int4"``: the ``mode`` argument of the per-(token, head)
+        math and ops (``attention/quant.py``); ValueError for a mode that is not per-(token,
+        head)."""
         if not self.per_token_head:
             raise ValueError(f"mode {self.value!r} has no per-(token, head) format")
-        return "int8" if self is KVQuantMode.INT8_PER_TOKEN_HEAD else "fp8"
+        return self.value.split("_", 1)[0]
 
 
 _CODE_DTYPES = {
     KVQuantMode.FP8_PER_TENSOR: FP8_DTYPE,
     KVQuantMode.INT8_PER_TOKEN_HEAD: torch.int8,
     KVQuantMode.FP8_PER_TOKEN_HEAD: FP8_DTYPE,
+    KVQuantMode.INT4_PER_TOKEN_HEAD: torch.uint8,
 }
 _QMAX = {  # attention/quant.py's FP8_MAX / INT8_MAX (spec sits below it; a test checks they agree)
     KVQuantMode.FP8_PER_TENSOR: 448.0,
     KVQuantMode.INT8_PER_TOKEN_HEAD: 127.0,
     KVQuantMode.FP8_PER_TOKEN_HEAD: 448.0,
+    KVQuantMode.INT4_PER_TOKEN_HEAD: 15.0,  # asymmetric: the codes 0..15 span [lo, hi]
 }
 SCALE_BYTES = 4  # one fp32 scale per (token, kv head), for k and for v, in per-(token, head) modes
 
@@ -91,6 +107,7 @@ _DTYPE_ALIASES: dict[str, tuple[KVQuantMode, torch.dtype | None]] = {
     "fp8_e4m3": (KVQuantMode.FP8_PER_TENSOR, FP8_DTYPE),
     "int8_per_token_head": (KVQuantMode.INT8_PER_TOKEN_HEAD, torch.int8),
     "fp8_per_token_head": (KVQuantMode.FP8_PER_TOKEN_HEAD, FP8_DTYPE),
+    "int4_per_token_head": (KVQuantMode.INT4_PER_TOKEN_HEAD, torch.uint8),
 }
 
 
@@ -135,7 +152,7 @@ class KVCacheConfig:
     Args:
         kv_cache_dtype: the mode of every layer no rule selects: ``auto`` | ``bfloat16`` |
             ``float16`` | ``float32`` | ``fp8`` | ``fp8_e4m3`` | ``int8_per_token_head`` |
-            ``fp8_per_token_head``.
+            ``fp8_per_token_head`` | ``int4_per_token_head`` (even head sizes only).
         layer_modes: ``((rule, kv_cache_dtype string), ...)`` (or a mapping): a per-layer mode
             map. A rule is an int index (negative from the end), ``"sliding_window"``,
             ``"full_attention"``, a name glob, or an exact layer name. Precedence: a layer takes
@@ -297,9 +314,15 @@ class LayerKVSpec:
         return 2 * self.num_kv_heads * SCALE_BYTES if self.mode.per_token_head else 0
 
     @property
+    def code_dim(self) -> int:
+        """The cache's last dim: ``head_size``, or ``head_size // 2`` for ``int4_per_token_head``
+        (two codes per byte)."""
+        return self.head_size // self.mode.codes_per_byte
+
+    @property
     def cache_bytes_per_token(self) -> int:
         """K plus V bytes one token takes in this layer's cache: codes plus scales."""
-        codes = 2 * self.num_kv_heads * self.head_size * self.storage_dtype.itemsize
+        codes = 2 * self.num_kv_heads * self.code_dim * self.storage_dtype.itemsize
         return codes + self.scale_bytes_per_token
 
     def as_dict(self) -> dict[str, object]:
@@ -393,6 +416,12 @@ def resolve_layer_specs(
     any_quantized = default[0].is_quantized or any(m[0].is_quantized for _, m, _, _ in rule_modes)
     specs = []
     for idx, (info, ((mode, storage), reason)) in enumerate(zip(layers, modes)):
+        if info.head_size % mode.codes_per_byte:
+            raise ValueError(
+                f"layer {idx} ({info.name!r}): mode {mode.value!r} packs two 4-bit codes per "
+                f"byte, so its head size must be even, got {info.head_size}; give this layer an "
+                "8-bit or unquantized mode in layer_modes"
+            )
         per_tensor = mode is KVQuantMode.FP8_PER_TENSOR
         k_scale, v_scale = scales.get(info.name, (config.default_k_scale, config.default_v_scale))
         specs.append(

@@ -150,8 +150,8 @@ def test_half_even_is_torch_round_and_differs_from_half_away() -> None:
 
 def test_bad_mode_and_rounding_are_named() -> None:
     x = torch.zeros(2, 1, 8)
-    with pytest.raises(ValueError, match=r"unknown per-\(token, head\) format 'int4'; expected"):
-        quant.quantize_per_token_head(x, "int4")
+    with pytest.raises(ValueError, match=r"unknown per-\(token, head\) format 'int2'; expected"):
+        quant.quantize_per_token_head(x, "int2")
     with pytest.raises(ValueError, match=r"unknown rounding 'up'; expected one of \['half_away', "):
         quant.quantize_per_token_head(x, "int8", rounding="up")  # type: ignore[arg-type]
 
@@ -221,7 +221,7 @@ def test_write_argument_checks_name_the_bad_argument() -> None:
         ((cache, scale, k[:, :1], v, slots, "int8"), r"k is torch.bfloat16 \(3, 1, 8\)"),
         ((cache, scale, k, v.int(), slots, "int8"), r"v is torch.int32"),
         ((cache, scale, k, v, slots[:2], "int8"), r"slot_mapping torch.int64 \(2,\) must agree"),
-        ((cache, scale, k, v, slots, "int4"), r"unknown per-\(token, head\) format 'int4'"),
+        ((cache, scale, k, v, slots, "int2"), r"unknown per-\(token, head\) format 'int2'"),
     ]
     for args, match in cases:
         with pytest.raises(ValueError, match=match):

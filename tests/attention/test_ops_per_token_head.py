@@ -153,5 +153,5 @@ def test_ops_check_cache_and_scales(setup) -> None:
 
 
 def test_quantize_op_rejects_an_unknown_format() -> None:
-    with pytest.raises(ValueError, match=r"unknown per-\(token, head\) format 'int4'"):
-        ops.quantize_per_token_head(torch.zeros(2, 8), "int4")
+    with pytest.raises(ValueError, match=r"unknown per-\(token, head\) format 'int2'"):
+        ops.quantize_per_token_head(torch.zeros(2, 8), "int2")

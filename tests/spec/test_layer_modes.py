@@ -35,6 +35,7 @@ def modes(cfg: KVCacheConfig) -> list[str]:
     [
         (KVQuantMode.INT8_PER_TOKEN_HEAD, torch.int8, 127.0, "int8"),
         (KVQuantMode.FP8_PER_TOKEN_HEAD, FP8_DTYPE, 448.0, "fp8"),
+        (KVQuantMode.INT4_PER_TOKEN_HEAD, torch.uint8, 15.0, "int4"),
     ],
 )
 def test_per_token_head_mode_properties(mode, code, qmax, fmt) -> None:
@@ -47,7 +48,7 @@ def test_qmax_and_code_dtypes_agree_with_the_quant_math() -> None:
     from torch_kvq.attention.quant import FP8_MAX, PER_TOKEN_HEAD_FORMATS
 
     assert KVQuantMode.FP8_PER_TENSOR.qmax == FP8_MAX
-    for mode in (KVQuantMode.INT8_PER_TOKEN_HEAD, KVQuantMode.FP8_PER_TOKEN_HEAD):
+    for mode in (m for m in KVQuantMode if m.per_token_head):
         assert PER_TOKEN_HEAD_FORMATS[mode.per_token_head_format] == (mode.code_dtype, mode.qmax)
 
 

@@ -35,6 +35,14 @@ class Attention(nn.Module):
     (``quant.quantize_fp8`` / ``quant.quantize_per_token_head`` with ``torch.round``); the passes
     fuse both. A per-(token, head) layer keeps its scales in a second buffer, ``kv_scale``
     [pages, 2, KH, page] float32 (None for the other modes).
+
+    ``int4_per_token_head``: ``kv_cache`` is uint8 [pages, 2, page, KH, D / 2] (two codes per
+    byte), ``kv_scale`` holds each scale with its zero point in the low mantissa bits. The write
+    rotates k and v (``quant.rotate``) and quantizes them; the read dequantizes and un-rotates
+    (``quant.unrotate``), so attention sees k and v in the model's basis and q is not rotated.
+    That equals rotating q and k (scores unchanged, the rotation is orthogonal) and un-rotating
+    the output (attention is linear in v) in exact arithmetic; the fused kernels will do that
+    instead, to skip the per-key un-rotation. Such a layer takes ``quant_form="op"`` only.
     """
 
     def __init__(
@@ -48,11 +56,17 @@ class Attention(nn.Module):
         if quant_form not in ("op", "torch"):
             raise ValueError(f"quant_form {quant_form!r} unknown; expected 'op' or 'torch'")
         check_positive_int(num_pages, "num_pages")
+        if quant_form == "torch" and spec.mode.codes_per_byte == 2:
+            raise ValueError(
+                f"layer {spec.name!r}: mode {spec.mode.value!r} has no torch-native quant form "
+                "(its rotation and MSE-clipped 4-bit codes are one op, kvq.quantize_per_token_head, "
+                "which the passes fuse); use quant_form='op'"
+            )
         self.spec = spec
         self.layer_name = spec.name
         self.quant_form = quant_form
         self.range_reported = False  # one FP8RangeWarning per layer
-        shape = (num_pages, 2, spec.page_size, spec.num_kv_heads, spec.head_size)
+        shape = (num_pages, 2, spec.page_size, spec.num_kv_heads, spec.code_dim)  # D / 2: int4
         self.register_buffer(
             "kv_cache",
             torch.zeros(shape, dtype=spec.storage_dtype, device=device),

@@ -55,7 +55,9 @@ def _check(cond: bool, msg: str) -> None:
 def _check_kv_args(
     spec: LayerKVSpec, k: Tensor, v: Tensor, kv_cache: Tensor, dtype: torch.dtype, n: int
 ) -> None:
-    want = (n, spec.num_kv_heads, spec.head_size)
+    # codes (the cache dtype) are ``code_dim`` wide: D / 2 for int4_per_token_head
+    width = spec.code_dim if dtype == spec.storage_dtype else spec.head_size
+    want = (n, spec.num_kv_heads, width)
     for nm, t in (("k", k), ("v", v)):
         _check(
             tuple(t.shape) == want,
@@ -66,7 +68,9 @@ def _check_kv_args(
 
 
 def _check_cache(spec: LayerKVSpec, kv_cache: Tensor) -> None:
-    want = (2, spec.page_size, spec.num_kv_heads, spec.head_size)
+    # codes are ``code_dim`` wide (int4: D / 2); a dequantized or model-dtype cache D wide
+    width = spec.code_dim if kv_cache.dtype == spec.storage_dtype else spec.head_size
+    want = (2, spec.page_size, spec.num_kv_heads, width)
     _check(
         kv_cache.dim() == 5 and tuple(kv_cache.shape[1:]) == want,
         f"layer {spec.name!r}: kv_cache has shape {tuple(kv_cache.shape)}, expected (pages, *{want})",

@@ -35,12 +35,20 @@ from torch_kvq.attention import quant
 from torch_kvq.attention.context import get_forward_context
 from torch_kvq.attention.kernels.kv_write import put_per_token_head, write_kv_per_token_head
 from torch_kvq.attention.metadata import BatchMetadata
-from torch_kvq.attention.ops import _check, _check_capacity, _check_kv_args, _check_q, _new_output
+from torch_kvq.attention.ops import (
+    _check,
+    _check_cache,
+    _check_capacity,
+    _check_kv_args,
+    _check_q,
+    _new_output,
+)
 from torch_kvq.spec import LayerKVSpec
 
 
 def _check_pth_layer(spec: LayerKVSpec, op: str) -> str:
-    """The layer's format ("int8" / "fp8"); ValueError unless its mode is per-(token, head)."""
+    """The layer's format ("int8" / "fp8" / "int4"); ValueError unless its mode is per-(token,
+    head)."""
     _check(
         spec.mode.per_token_head,
         f"layer {spec.name!r} has mode {spec.mode.value}, not a per-(token, head) mode; {op} "
@@ -52,12 +60,14 @@ def _check_pth_layer(spec: LayerKVSpec, op: str) -> str:
 def _check_pth_cache(
     spec: LayerKVSpec, kv_cache: Tensor, kv_scale: Tensor, md: BatchMetadata
 ) -> None:
-    """Codes of the layer's dtype, scales float32 [pages, 2, KH, page], room for the batch."""
+    """Codes of the layer's dtype and shape, scales float32 [pages, 2, KH, page], room for the
+    batch."""
     _check(
         kv_cache.dtype == spec.storage_dtype,
         f"layer {spec.name!r}: cache dtype {kv_cache.dtype}, expected {spec.storage_dtype} "
         f"(mode {spec.mode.value})",
     )
+    _check_cache(spec, kv_cache)  # [pages, 2, page, KH, D] (D / 2 for int4's packed codes)
     want = (kv_cache.shape[0], 2, spec.num_kv_heads, spec.page_size)
     _check(
         kv_scale.dtype == torch.float32 and tuple(kv_scale.shape) == want,
@@ -81,6 +91,9 @@ def quantize_per_token_head(x: Tensor, mode: str) -> tuple[Tensor, Tensor]:
 def _(x: Tensor, mode: str) -> tuple[Tensor, Tensor]:
     code_dtype, _ = quant.per_token_head_format(mode)
     scales = torch.empty(x.shape[:-1], dtype=torch.float32, device=x.device)
+    if mode == "int4":  # two codes per byte
+        codes = torch.empty((*x.shape[:-1], x.shape[-1] // 2), dtype=code_dtype, device=x.device)
+        return codes, scales
     return _new_output(x, code_dtype), scales
 
 
@@ -124,7 +137,7 @@ def dequantize_kv_cache_per_token_head(
     _check_pth_layer(spec, "dequantize_kv_cache_per_token_head")
     md = ctx.metadata_for(spec)
     _check_pth_cache(spec, kv_cache, kv_scale, md)
-    out = _new_output(kv_cache, out_dtype)
+    out = _dequantized_output(kv_cache, out_dtype)
     pages = md.kv_indices.long()
     out[pages] = quant.dequantize_pages_per_token_head(kv_cache, kv_scale, pages, out_dtype)
     return out
@@ -132,7 +145,14 @@ def dequantize_kv_cache_per_token_head(
 
 @dequantize_kv_cache_per_token_head.register_fake
 def _(kv_cache: Tensor, kv_scale: Tensor, layer_name: str, out_dtype: torch.dtype) -> Tensor:
-    return _new_output(kv_cache, out_dtype)
+    return _dequantized_output(kv_cache, out_dtype)
+
+
+def _dequantized_output(kv_cache: Tensor, out_dtype: torch.dtype) -> Tensor:
+    """A new [pages, 2, page, KH, D] tensor of ``out_dtype``: the cache's shape, its last dim
+    doubled for a uint8 (``int4_per_token_head``: two codes per byte) cache."""
+    d = kv_cache.shape[-1] * (2 if kv_cache.dtype == torch.uint8 else 1)
+    return torch.empty((*kv_cache.shape[:-1], d), dtype=out_dtype, device=kv_cache.device)
 
 
 @torch.library.custom_op(

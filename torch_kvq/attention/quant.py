@@ -37,6 +37,7 @@ SCALE_FLOOR = 1e-6  # the smallest per-(token, head) scale (vLLM's), so all-zero
 PER_TOKEN_HEAD_FORMATS: dict[str, tuple[torch.dtype, float]] = {
     "int8": (torch.int8, INT8_MAX),
     "fp8": (FP8_DTYPE, FP8_MAX),
+    "int4": (torch.uint8, 15.0),  # INT4_PER_TOKEN_HEAD: rotated, asymmetric, MSE-clipped (below)
 }
 Rounding = Literal["half_away", "half_even"]
 ROUNDINGS = ("half_away", "half_even")
@@ -93,8 +94,13 @@ def quantize_per_token_head(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """x [..., D] -> (codes [..., D] int8 / float8_e4m3fn, scales [...] fp32): one scale per head
     vector (the last dim), as the module docstring says. With ``rounding="half_even"`` the int8
-    codes are those of the torch-native form a model writes (``.round()``)."""
+    codes are those of the torch-native form a model writes (``.round()``).
+
+    ``mode="int4"`` is ``quantize_int4_rotated`` (packed codes [..., D / 2] uint8; ``rounding``
+    does not apply: the int4 codes always round half away from zero)."""
     code_dtype, qmax = per_token_head_format(mode, rounding)
+    if mode == "int4":
+        return quantize_int4_rotated(x)
     xf = x.float()
     scales = (xf.abs().amax(-1, keepdim=True) / qmax).clamp(min=SCALE_FLOOR)
     y = xf / scales
@@ -117,13 +123,16 @@ def dequantize_pages_per_token_head(
     """Pages ``page_ids`` [n] of a per-(token, head) cache (codes [pages, 2, page, KH, D], scales
     [pages, 2, KH, page]) dequantized into a compact [n, 2, page, KH, D] tensor of ``out_dtype``
     (fp32 values rounded once to it): page i of the result is cache page ``page_ids[i]``, so a page
-    table over it counts 0..n-1."""
+    table over it counts 0..n-1. A uint8 cache is ``int4_per_token_head``'s (codes [pages, 2,
+    page, KH, D / 2]): ``dequantize_int4_rotated``, back in the model's basis."""
     ids = page_ids.long()
     scales = kv_scale[ids].transpose(-1, -2)  # [n, 2, page, KH]
+    if kv_cache.dtype == torch.uint8:
+        return dequantize_int4_rotated(kv_cache[ids], scales).to(out_dtype)
     return dequantize_per_token_head(kv_cache[ids], scales).to(out_dtype)
 
 
-# -- 4-bit per (token, head), with a Hadamard rotation (issue 33; branch work, no mode yet) ------
+# -- 4-bit per (token, head), with a Hadamard rotation (issue 33: ``INT4_PER_TOKEN_HEAD``) --------
 #
 # Rotation: ``R = H_b diag(signs) / sqrt(b)`` on each block of b channels of a head vector, b the
 # largest power of two dividing D (D itself for 64 / 128 / 256; 32 for 96; an odd D gets b = 1:
@@ -278,3 +287,27 @@ def dequantize_int4_grouped(packed: torch.Tensor, stored: torch.Tensor) -> torch
     g = stored.shape[-1]
     y = dequantize_int4_per_token_head(packed.unflatten(-1, (g, -1)), stored)
     return y.flatten(-2)
+
+
+# -- INT4_PER_TOKEN_HEAD ("int4"): the format docs/design/int4-branch.md chose ------------------
+#
+# Rotated, asymmetric, per-row MSE-clipped (the study's ``int4-rot-mse``, benchmarks/int4_study.py's
+# CLIP_RATIOS). The eager / reference form rotates k and v at the write and un-rotates them after
+# dequantization, so attention reads k and v in the model's basis; rotating q instead of
+# un-rotating k (scores unchanged: R is orthogonal) and un-rotating the output instead of v is the
+# same attention in exact arithmetic, and is what a fused kernel does to skip the per-key pass.
+
+INT4_CLIP_RATIOS = tuple(1.0 - 0.05 * i for i in range(11))  # 1.0, 0.95, .., 0.5
+
+
+def quantize_int4_rotated(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``INT4_PER_TOKEN_HEAD``'s write: x [..., D] (D even) -> (packed codes [..., D / 2] uint8,
+    stored scales [...] fp32 with the zero point in their low bits) of ``rotate(x)``, asymmetric,
+    MSE-clipped over ``INT4_CLIP_RATIOS``."""
+    return quantize_int4_per_token_head(rotate(x), clip_ratios=INT4_CLIP_RATIOS)
+
+
+def dequantize_int4_rotated(packed: torch.Tensor, stored: torch.Tensor) -> torch.Tensor:
+    """``INT4_PER_TOKEN_HEAD``'s read: packed codes [..., D / 2] with stored scales [...] back to
+    [..., D] fp32 in the model's basis (dequantized, then ``unrotate``)."""
+    return unrotate(dequantize_int4_per_token_head(packed, stored))

@@ -31,7 +31,8 @@ no device sync) goes the Python-float way, measured as ``"cpu_tensor"`` (note: l
 eager form, a CUDA graph captured then keeps the value it saw at capture). On the CPU the aten path
 (``write_kv_torch``) is the unfused expression itself.
 
-Per-(token, head) modes (``write_kv_per_token_head``; math: ``quant.quantize_per_token_head``):
+Per-(token, head) modes (``write_kv_per_token_head``; math: ``quant.quantize_per_token_head``;
+``int4_per_token_head`` is written by the aten form on every device, no Triton program yet):
 the codes go into ``kv_cache`` and one fp32 scale per (token, kv head) for k and for v into
 ``kv_scale`` [pages, 2, KH, page]. On a CUDA cache one Triton program per few tokens writes both; its
 bytes and scales are those of the unfused torch ops on that device: ``absmax / QMAX`` (a
@@ -300,9 +301,14 @@ def write_kv_per_token_head(
     """Quantize k/v [T, KH, D] per (token, kv head) (``mode`` "int8" | "fp8", int8 ``rounding``
     "half_away" | "half_even") and write the codes into ``kv_cache`` [pages, 2, page, KH, D] and
     the scales into ``kv_scale`` [pages, 2, KH, page] fp32 at ``slot_mapping`` [T] slots. CUDA:
-    one Triton program per token; elsewhere ``write_kv_per_token_head_torch``."""
+    one Triton program per token; elsewhere ``write_kv_per_token_head_torch``.
+
+    ``mode="int4"`` (``int4_per_token_head``: codes [pages, 2, page, KH, D / 2] uint8) has no
+    Triton program yet: it is ``write_kv_per_token_head_torch`` on every device, the reference
+    kernel's path (the only kernel that serves such a layer; FlashInfer refuses it when it
+    checks the layer, ``kernels/capabilities.py``)."""
     check_per_token_head_write(kv_cache, kv_scale, k, v, slot_mapping, mode, rounding)
-    if kv_cache.is_cuda:
+    if kv_cache.is_cuda and mode != "int4":
         write_kv_per_token_head_triton(kv_cache, kv_scale, k, v, slot_mapping, mode, rounding)
     else:
         write_kv_per_token_head_torch(kv_cache, kv_scale, k, v, slot_mapping, mode, rounding)
@@ -326,6 +332,7 @@ def check_per_token_head_write(
             f"{code_dtype} [pages, 2, page, KH, D]"
         )
     pages, _, page, kh, d = kv_cache.shape
+    d *= 2 if mode == "int4" else 1  # two codes per byte
     want = (pages, 2, kh, page)
     if tuple(kv_scale.shape) != want or kv_scale.dtype != torch.float32:
         raise ValueError(
@@ -393,6 +400,12 @@ def write_kv_per_token_head_triton(
     """``write_kv_per_token_head`` as one Triton program per token (any strides); the divisions
     follow aten on the cache's device (module docstring)."""
     code_dtype, qmax = per_token_head_format(mode, rounding)
+    if mode == "int4":
+        raise KernelUnsupportedError(
+            "the Triton per-(token, head) cache write has no int4_per_token_head program (rotate, "
+            "MSE-clipped asymmetric int4, two codes per byte); write_kv_per_token_head_torch "
+            "writes it"
+        )
     kernel = _triton_kernel("kv_write_per_token_head_kernel")
     t, kh, d = k.shape
     if t == 0:

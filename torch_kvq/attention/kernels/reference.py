@@ -2,7 +2,8 @@
 
 GQA, causal masking, sliding window (a query at position p sees keys at p - window < pos <= p),
 logit soft-cap, FP8 caches read in place with k/v scales, per-(token, head) caches (int8 / FP8
-codes) read in place with their ``kv_scale``, optional FP8 output. Math in fp32.
+codes, or int4 ones dequantized and un-rotated back to the model's basis) read in place with their
+``kv_scale``, optional FP8 output. Math in fp32.
 """
 
 from __future__ import annotations
@@ -78,7 +79,7 @@ class ReferenceKernel:
         kv_scale: torch.Tensor | None = None,
     ) -> torch.Tensor:
         md = ctx.metadata_for(spec)
-        kh, d = kv_cache.shape[3:]
+        kh, d = kv_cache.shape[3], spec.head_size  # an int4 cache's last dim is D / 2
         out = torch.empty(q.shape, dtype=torch.float32, device=q.device)
         q_start = page_start = 0
         for qo_len, kv_len, n_pages in zip(md.qo_lens, md.kv_lens, md.pages_per_seq):
