@@ -135,7 +135,8 @@ def add_model_args(p: argparse.ArgumentParser, default_model: str | None = None)
     kv.add_argument(
         "--kv-cache-dtype",
         default="fp8",
-        help="fp8 (default), auto, bfloat16, int8_per_token_head, fp8_per_token_head, ...",
+        help="fp8 (default), auto, bfloat16, int8_per_token_head, fp8_per_token_head, "
+        "int4_per_token_head, ...",
     )
     skip = kv.add_mutually_exclusive_group()
     skip.add_argument(
