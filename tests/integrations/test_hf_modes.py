@@ -52,6 +52,46 @@ def test_hf_model_with_three_modes_compiles_to_eager():
     lm.detach()
 
 
+def test_hf_model_with_an_int4_layer_compiles_to_eager():
+    """int4_per_token_head (issue 33) next to int8 and bf16 layers on a Hugging Face model: each
+    layer's cache its own (int4: uint8, D / 2), compiled with the passes equals eager bit for bit
+    (reference kernel)."""
+    lm = KVQCausalLM.from_hf(
+        hf_model("llama", torch.bfloat16),
+        KVCacheConfig(
+            "auto",
+            layer_modes=((0, "int4_per_token_head"), (1, "int8_per_token_head")),
+            page_size=PAGE_SIZE,
+        ),
+        num_pages=NUM_PAGES,
+    )
+    caches = [(a.kv_cache.dtype, a.kv_cache.shape[-1]) for a in lm.attention_layers]
+    d = lm.kv_specs[0].head_size
+    assert caches == [
+        (torch.uint8, d // 2),
+        (torch.int8, d),
+        (torch.bfloat16, d),
+        (torch.bfloat16, d),
+    ]
+    prompts = make_prompts()
+    eager = generate(lm, prompts, 3, prefill_logits=True)
+    backend = make_kvq_backend(inner="eager")
+    with no_compile_caches():
+        comp = generate(
+            lm,
+            prompts,
+            3,
+            forward=lm.compiled_forward(backend),
+            force_tokens=eager.tokens,
+            prefill_logits=True,
+        )
+    torch._dynamo.reset()
+    assert torch.equal(comp.logits, eager.logits)
+    rep = backend.managers[-1].last
+    assert set(rep.layers_fused("quant+write")) == {s.name for s in lm.kv_specs[:2]}
+    lm.detach()
+
+
 def test_checkpoint_scales_load_for_the_per_tensor_layers_only():
     scales = {f"model.layers.{i}.self_attn.kv_scale": torch.tensor(0.5) for i in range(4)}
     lm = KVQCausalLM.from_hf(
