@@ -264,6 +264,8 @@ def test_flashinfer_rows_refuse_int4(name: str) -> None:
     assert why is not None and why.startswith("quant mode 'int4_per_token_head' is not supported")
     stamp = make_stamp(spec, name, "sm90")  # so no pass fuses for it at compile time
     assert not stamp.kv_in_place
+    assert caps.unsupported_reason("reference", "sm90", spec) is None  # the reference serves it
+    assert make_stamp(spec, "reference", "cpu").kv_in_place
 
 
 def test_flashinfer_kernel_refuses_int4_at_plan_time() -> None:

@@ -19,6 +19,11 @@ Computed once when the token is written, never revisited. In a paged cache the c
 ``kv_cache`` [pages, 2, page, KH, D] and the scales in ``kv_scale`` [pages, 2, KH, page] fp32 (a
 page's scales of one head contiguous). Every step is an exact or correctly rounded fp32 operation
 except ``absmax / QMAX``, which aten computes per device (``kernels/kv_write.py`` reproduces it).
+
+4-bit per (token, kv head) (``INT4_PER_TOKEN_HEAD``, ``mode`` "int4"): rotated, asymmetric,
+MSE-clipped int4, two codes per byte (``quantize_int4_rotated`` / ``dequantize_int4_rotated``;
+the sections at the end of this module); codes [pages, 2, page, KH, D / 2] uint8, the same
+``kv_scale`` layout with each scale's zero point in its low mantissa bits.
 """
 
 from __future__ import annotations
