@@ -143,14 +143,16 @@ def dequantize_pages_per_token_head(
 # largest power of two dividing D (D itself for 64 / 128 / 256; 32 for 96; an odd D gets b = 1:
 # only the signs), H_b the Walsh-Hadamard matrix, signs a fixed +-1 vector per D (seeded, so a
 # cache written by one process is read by another). R is orthogonal: q . k = (R q) . (R k), and
-# attention over R v gives R (its output), undone by R^T. Codes: per head vector, asymmetric over
-# a range that holds zero (lo = min(min, 0), hi = max(max, 0), as torch.ao's observers; without it
-# a head of equal values would have no range), ``scale = max((hi - lo) / 15, 1e-6)``, ``zp =
-# clamp(round(-lo / scale), 0, 15)``, ``code = clamp(round(y / scale + zp), 0, 15)``; symmetric
-# ``scale = max(absmax / 7, 1e-6)``, zp = 8.
-# Rounding half away from zero. The zero point rides in the scale's 4 low mantissa bits (vLLM's
-# layout): the scale used everywhere is the fp32 value with those bits cleared. Two codes per
-# byte: the even channel in the low nibble.
+# attention over R v gives R (its output), undone by R^T. In fp32: signs, then the butterfly
+# (log2 b stages of a + b, a - b), then times fp32(b ** -0.5). Codes: per head vector,
+# asymmetric over a range that holds zero (lo = min(min, 0), hi = max(max, 0), as torch.ao's
+# observers; without it a head of equal values would have no range), ``scale = max((hi - lo) *
+# fp32(1 / 15), 1e-6)`` (its 4 low bits then cleared), ``zp = clamp(round(-lo / scale), 0,
+# 15)``, ``code = clamp(round(y * (1 / scale) + zp), 0, 15)`` (the reciprocal correctly rounded,
+# each product and sum rounded to fp32 on its own); symmetric ``scale = max(absmax * fp32(1 / 7),
+# 1e-6)``, zp = 8. Rounding half away from zero. The zero point rides in the scale's 4 low
+# mantissa bits (vLLM's layout): the scale used everywhere is the fp32 value with those bits
+# cleared. Two codes per byte: the even channel in the low nibble.
 
 INT4_LEVELS = 15
 HADAMARD_SEED = 20261202
@@ -187,14 +189,14 @@ def rotate(x: torch.Tensor) -> torch.Tensor:
     """``R x`` over the last dim, in fp32 (the module's rotation for ``x.shape[-1]`` channels)."""
     d = x.shape[-1]
     b = hadamard_block(d)
-    return _walsh_hadamard(x.float() * hadamard_signs(d, x.device), b) / b**0.5
+    return _walsh_hadamard(x.float() * hadamard_signs(d, x.device), b) * b**-0.5
 
 
 def unrotate(y: torch.Tensor) -> torch.Tensor:
     """``R^T y`` over the last dim, in fp32: ``unrotate(rotate(x)) == x`` up to fp32 rounding."""
     d = y.shape[-1]
     b = hadamard_block(d)
-    return _walsh_hadamard(y.float(), b) / b**0.5 * hadamard_signs(d, y.device)
+    return _walsh_hadamard(y.float(), b) * b**-0.5 * hadamard_signs(d, y.device)
 
 
 def _with_zero_point(scale: torch.Tensor, zp: torch.Tensor) -> torch.Tensor:
@@ -213,19 +215,31 @@ def _int4_codes(
     xf: torch.Tensor, symmetric: bool, ratio: float
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(codes [..., D] fp32, scale used [...], zp [...]) of fp32 ``xf`` over its range shrunk by
-    ``ratio`` (1: the full range; the range still holds zero)."""
+    ``ratio`` (1: the full range; the range still holds zero). Every step is one fp32 operation
+    that rounds the same way on every device (products by Python floats, which aten and Triton
+    take as fp32; a correctly rounded reciprocal; no division by a Python float, which aten's
+    CUDA kernels turn into a product): ``kernels/kv_write.py``'s Triton program repeats them."""
     if symmetric:
-        scale = (xf.abs().amax(-1) * ratio / 7.0).clamp(min=SCALE_FLOOR)
+        scale = (xf.abs().amax(-1) * ratio * (1.0 / 7.0)).clamp(min=SCALE_FLOOR)
     else:
         lo, hi = xf.amin(-1).clamp(max=0.0) * ratio, xf.amax(-1).clamp(min=0.0) * ratio
-        scale = ((hi - lo) / INT4_LEVELS).clamp(min=SCALE_FLOOR)
+        scale = ((hi - lo) * (1.0 / INT4_LEVELS)).clamp(min=SCALE_FLOOR)
     scale = (scale.view(torch.int32) & ~0xF).view(torch.float32)  # the scale used
     if symmetric:
         zp = torch.full_like(scale, 8.0)
     else:
         zp = round_half_away(-lo / scale).clamp(0, INT4_LEVELS)
-    codes = round_half_away(xf / scale.unsqueeze(-1) + zp.unsqueeze(-1)).clamp(0, INT4_LEVELS)
-    return codes, scale, zp
+    y = xf * torch.reciprocal(scale).unsqueeze(-1) + zp.unsqueeze(-1)
+    return round_half_away(y).clamp(0, INT4_LEVELS), scale, zp
+
+
+def _int4_sq_err(
+    xf: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, zp: torch.Tensor
+) -> torch.Tensor:
+    """Squared error per row of the dequantized codes against ``xf``, summed in fp64 (each term
+    exact there), so that two sums of the same terms in another order pick the same ratio."""
+    d = (codes - zp.unsqueeze(-1)) * scale.unsqueeze(-1) - xf
+    return d.double().square().sum(-1)
 
 
 def quantize_int4_per_token_head(
@@ -249,10 +263,10 @@ def quantize_int4_per_token_head(
     xf = x.float()
     codes, scale, zp = _int4_codes(xf, symmetric, clip_ratios[0])
     if len(clip_ratios) > 1:
-        best = ((codes - zp.unsqueeze(-1)) * scale.unsqueeze(-1) - xf).square().sum(-1)
+        best = _int4_sq_err(xf, codes, scale, zp)
         for r in clip_ratios[1:]:
             c, s, z = _int4_codes(xf, symmetric, r)
-            err = ((c - z.unsqueeze(-1)) * s.unsqueeze(-1) - xf).square().sum(-1)
+            err = _int4_sq_err(xf, c, s, z)
             better = err < best
             codes = torch.where(better.unsqueeze(-1), c, codes)
             scale, zp = torch.where(better, s, scale), torch.where(better, z, zp)
