@@ -126,7 +126,9 @@ MIXED = {
     "llama-3.1-8b": ("int8_per_token_head", ((0, "auto"), (-1, "fp8"))),
     "gemma-3-12b": ("auto", (("full_attention", "int8_per_token_head"), (0, "fp8"))),
 }
-KV_CONFIGS = ("bf16", "fp8", "int8_per_token_head", "fp8_per_token_head", "mixed")
+KV_CONFIGS = (
+    "bf16", "fp8", "int8_per_token_head", "fp8_per_token_head", "int4_per_token_head", "mixed"
+)
 
 
 def kv_configs(skip) -> dict[str, KVCacheConfig]:

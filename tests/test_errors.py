@@ -1834,16 +1834,6 @@ def _() -> object:
     return Attention(spec, 4, quant_form="torch")
 
 
-@case("modes.flashinfer-int4")
-def _() -> object:
-    spec = resolve_layer_specs(
-        KVCacheConfig("int4_per_token_head"),
-        [AttentionLayerInfo(f"fi{next(_uid)}.attn", HEADS, KV_HEADS, 128)],
-    )[0]
-    with fake_gpu():  # sm90, where the 8-bit per-(token, head) modes are served
-        return FlashInferKernel().check_supported(spec)
-
-
 @case("modes.int4-triton-write")
 def _() -> object:
     from torch_kvq.attention.kernels.kv_write import write_kv_per_token_head_triton

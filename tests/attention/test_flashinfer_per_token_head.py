@@ -1,4 +1,5 @@
-"""FlashInferKernel on per-(token, head) layers (int8 / e4m3 codes with fp32 scales, ``kv_scale``).
+"""FlashInferKernel on per-(token, head) layers (int8 / e4m3 codes, or int4 ones two per byte,
+with fp32 scales, ``kv_scale``).
 
 CPU: the capability rows (sm90 only, every configuration; page sizes), which variant serves each
 phase, the argument checks, the fp32 -> model-dtype copy of the unfused form's pages. GPU (``-m
@@ -22,7 +23,8 @@ from torch_kvq.spec import FP8_DTYPE, KVQuantMode, LayerKVSpec
 HAS_CUDA = torch.cuda.is_available()
 needs_gpu = pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU (and FlashInfer)")
 INT8, FP8 = KVQuantMode.INT8_PER_TOKEN_HEAD, KVQuantMode.FP8_PER_TOKEN_HEAD
-CODE = {INT8: torch.int8, FP8: FP8_DTYPE, KVQuantMode.NONE: torch.bfloat16}
+INT4 = KVQuantMode.INT4_PER_TOKEN_HEAD
+CODE = {INT8: torch.int8, FP8: FP8_DTYPE, INT4: torch.uint8, KVQuantMode.NONE: torch.bfloat16}
 PAGE, D, WINDOW, SOFT_CAP, PAGES = 16, 128, 64, 5.0, 64
 FI_NAMES = ("flashinfer", "flashinfer-xqa", "flashinfer-decode", "flashinfer-xqa-decode",
             "flashinfer-triton", "flashinfer-triton-decode")  # fmt: skip
@@ -45,7 +47,7 @@ def _kernel(name: str) -> FlashInferKernel:
 
 
 @pytest.mark.parametrize("arch", ["sm80", "sm89", "sm90", "sm100", "sm120"])
-@pytest.mark.parametrize("mode", [INT8, FP8])
+@pytest.mark.parametrize("mode", [INT8, FP8, INT4])
 def test_rows_claim_sm90_only(arch: str, mode: KVQuantMode) -> None:
     layers = [spec("t.g", mode), spec("t.cap", mode, sliding_window=WINDOW, logits_soft_cap=5.0)]
     for name in FI_NAMES:
@@ -105,7 +107,7 @@ def test_variants_and_group_keys(prefill: str, want: str, fp8_decode: str) -> No
     """Codes decode on the Triton kernel whatever ``fp8_decode`` says (fp16 math by default),
     prefill on the compact model-dtype scratch; the unfused form (model-dtype cache) on the
     model-dtype kernels, never the Triton one."""
-    for mode in (INT8, FP8):
+    for mode in (INT8, FP8, INT4):
         s = spec("t", mode)
         kernel = FlashInferKernel(fp8_decode, prefill=prefill)
         assert kernel.variant(s, "decode") == "triton-decode"
@@ -161,9 +163,12 @@ LAYERS = [
     spec("p.g_fp8", FP8, 2, sm_scale=0.05),
     spec("p.s_int8", INT8, 3, sliding_window=WINDOW),
     spec("p.g_bf16", KVQuantMode.NONE, 4),
+    spec("p.g_int4", INT4, 5),
+    spec("p.s_int4", INT4, 6, sliding_window=WINDOW),
 ]
 CAPPED = [spec("c.s_int8_cap", INT8, 0, sliding_window=WINDOW, logits_soft_cap=SOFT_CAP),
-          spec("c.g_fp8_cap", FP8, 1, logits_soft_cap=SOFT_CAP)]  # fmt: skip
+          spec("c.g_fp8_cap", FP8, 1, logits_soft_cap=SOFT_CAP),
+          spec("c.g_int4_cap", INT4, 2, logits_soft_cap=SOFT_CAP)]  # fmt: skip
 
 
 def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
@@ -180,8 +185,11 @@ class Scenario:
         g = torch.Generator(device="cuda").manual_seed(seed)
         self.specs, self.caches, self.scales = specs, {}, {}
         for s in specs:
-            shape = (PAGES, 2, PAGE, s.num_kv_heads, s.head_size)
-            poison = torch.randn(shape, device="cuda", generator=g) * 4
+            shape = (PAGES, 2, PAGE, s.num_kv_heads, s.code_dim)
+            if s.storage_dtype == torch.uint8:  # int4: any byte is two valid codes
+                poison = torch.randint(0, 256, shape, device="cuda", generator=g)
+            else:
+                poison = torch.randn(shape, device="cuda", generator=g) * 4
             self.caches[s.name] = poison.to(s.storage_dtype)
             if s.mode.per_token_head:
                 sc = torch.rand(PAGES, 2, s.num_kv_heads, PAGE, device="cuda", generator=g) + 0.5
@@ -200,7 +208,7 @@ class Scenario:
                 )
                 cache = self.caches[s.name]
                 if s.mode.per_token_head:
-                    mode = "int8" if s.mode is INT8 else "fp8"
+                    mode = s.mode.per_token_head_format
                     slots = md.for_window(s.sliding_window).slot_mapping
                     write_kv_per_token_head(cache, self.scales[s.name], k, v, slots, mode)
                 else:

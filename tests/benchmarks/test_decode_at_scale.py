@@ -160,5 +160,5 @@ def test_kv_config_names_and_refusal():
     assert kv_config("fp8", "llama-3.1-8b") == kv_configs(skip)["fp8"]
     assert kv_config("bf16", "gemma-3-12b") == kv_configs(skip)["bf16"]
     assert set(MIXED) == set(MODELS) and KV_CONFIGS[:2] == ("bf16", "fp8")
-    with pytest.raises(ValueError, match=r"unknown kv config 'int4'; expected one of \['bf16'"):
-        kv_config("int4", "llama-3.1-8b")
+    with pytest.raises(ValueError, match=r"unknown kv config 'int2'; expected one of \['bf16'"):
+        kv_config("int2", "llama-3.1-8b")

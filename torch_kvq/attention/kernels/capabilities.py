@@ -8,8 +8,9 @@ any arch). A row holds:
   ``(NONE, bf16, False)``: attention over a bf16 cache with a bf16 query;
   ``(FP8_PER_TENSOR, bf16, False)``: it reads an FP8 paged cache in place with a bf16 query (so
   quant+write and dequant+attention may be fused for such a layer); likewise
-  ``(INT8_PER_TOKEN_HEAD, bf16, False)`` / ``(FP8_PER_TOKEN_HEAD, bf16, False)``: it reads the
-  codes and their per-(token, head) ``kv_scale`` in place;
+  ``(INT8_PER_TOKEN_HEAD, bf16, False)`` / ``(FP8_PER_TOKEN_HEAD, bf16, False)`` /
+  ``(INT4_PER_TOKEN_HEAD, bf16, False)``: it reads the codes and their per-(token, head)
+  ``kv_scale`` in place;
   ``(FP8_PER_TENSOR, bf16, True)``: it also writes FP8 output through ``output_scale`` (so a static
   FP8 quant of the attention output may be fused). Claim this only where the kernel really writes
   FP8 output for every batch shape the compiled graph serves (prefill and decode).
@@ -22,8 +23,9 @@ any arch). A row holds:
   a Python float (so a static FP8 quant whose scale is such a tensor may be fused). The reference
   kernel does; FlashInfer's XQA does not (its ``o_scale`` is a float).
 
-``(INT8_PER_TOKEN_HEAD, bf16, False)`` / ``(FP8_PER_TOKEN_HEAD, bf16, False)``: it reads int8 /
-e4m3 codes with their per-(token, head) scales (``kv_scale``) in place.
+``(INT8_PER_TOKEN_HEAD, bf16, False)`` / ``(FP8_PER_TOKEN_HEAD, bf16, False)`` /
+``(INT4_PER_TOKEN_HEAD, bf16, False)``: it reads int8 / e4m3 codes, or int4 ones two per byte,
+with their per-(token, head) scales (``kv_scale``) in place.
 A kernel serves a layer when its row has ``(layer mode, model dtype, False)`` and the layer is
 within the row's limits: ``unsupported_reason`` says why not. An arch with no row (and no ``"*"``
 row) is a ``ValueError`` naming the arch and the archs the kernel has rows for, in the kernel's
@@ -286,10 +288,11 @@ _XQA_PAGE_SIZES = (16, 32, 64, 128)
 _FI_DTYPES = (torch.bfloat16, torch.float16)
 _FI_NONE = frozenset(product((KVQuantMode.NONE,), _FI_DTYPES, (False,)))
 _FI_BASE = _FI_NONE | frozenset(product((KVQuantMode.FP8_PER_TENSOR,), _FI_DTYPES, (False,)))
-# INT4_PER_TOKEN_HEAD (issue 33) is in no FlashInfer row: no kernel here reads its packed codes
-# yet (the Triton decode and write are 8-bit), so check_supported refuses such a layer, naming
-# it and the mode, and no pass fuses for it; the reference row serves it.
-_PTH_MODES = (KVQuantMode.INT8_PER_TOKEN_HEAD, KVQuantMode.FP8_PER_TOKEN_HEAD)
+_PTH_MODES = (
+    KVQuantMode.INT8_PER_TOKEN_HEAD,
+    KVQuantMode.FP8_PER_TOKEN_HEAD,
+    KVQuantMode.INT4_PER_TOKEN_HEAD,
+)
 _PTH_PAGE_SIZES = (16, 32, 64)
 for _arch in _FI_ARCHS:
     _pth = frozenset(product(_PTH_MODES, _FI_DTYPES, (False,))) if _arch == "sm90" else frozenset()

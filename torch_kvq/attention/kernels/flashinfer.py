@@ -34,12 +34,14 @@ docs/design/fp8_prefill.md, docs/design/fp8_decode_paths.md, benchmarks/RESULTS.
     registers (``"model"``: to the model dtype): near XQA's speed at the tensor-core decode's
     accuracy. sm90.
 
-* per-(token, head) layers (``int8_per_token_head`` / ``fp8_per_token_head``: codes in the cache,
-  one fp32 scale per token and kv head in ``kv_scale``), sm90, every configuration:
+* per-(token, head) layers (``int8_per_token_head`` / ``fp8_per_token_head`` /
+  ``int4_per_token_head``: codes in the cache, one fp32 scale per token and kv head in
+  ``kv_scale``), sm90, every configuration:
 
   - decode-only batch: the Triton kernel above with the scales applied per logit column and per
-    softmax-weight column (``fp8_decode_math`` as for FP8; int8 -> fp16 is exact), CUDA graphs
-    included.
+    softmax-weight column (``fp8_decode_math`` as for FP8; int8 -> fp16 is exact; int4 codes
+    minus their zero point are exact in fp16, q is rotated once per program and the output
+    un-rotated at its end), CUDA graphs included.
   - prefill / mixed batch: the batch's pages dequantized into a compact model-dtype scratch
     cache (page i of the scratch is the page table's i-th page, so the table becomes 0..n-1),
     then the model-dtype prefill wrapper of the ``prefill`` option (fa2; fa3 with ``"fa3"`` or
@@ -100,7 +102,8 @@ _KERNEL_OF = {"fa2-prefill": "prefill", "fa3-prefill": "prefill", "fa3-fp8-prefi
               "tc-decode": "decode", "xqa-decode": "xqa", "triton-decode": "triton",
               "fa2-compact-prefill": "compact-prefill",
               "fa3-compact-prefill": "compact-prefill"}  # fmt: skip
-CODE_DTYPES = (torch.int8, FP8_DTYPE)  # what a per-(token, head) cache stores
+# what a per-(token, head) cache stores (uint8: int4_per_token_head's two codes per byte)
+CODE_DTYPES = (torch.int8, FP8_DTYPE, torch.uint8)
 DEFAULT_WORKSPACE_BYTES = 256 * 1024 * 1024
 _generation = itertools.count(1)
 
