@@ -1,0 +1,57 @@
+"""The compact-scratch dequantization (``kernels/kv_dequant.py``): the Triton pass equals the aten
+form (``quant.dequantize_pages_per_token_head``) bit for bit, for int8 / e4m3 codes and for int4
+ones (unpacked, zero point, un-rotated), under the interpreter on CPU and on the GPU."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.support.triton_case import HAS_CUDA  # sets the interpreter up first
+from torch_kvq.attention import quant
+from torch_kvq.attention.kernels.kv_dequant import dequantize_pages, dequantize_pages_triton
+from torch_kvq.spec import FP8_DTYPE
+
+DEVICE = "cuda" if HAS_CUDA else "cpu"
+CASES = [("int4", 2, 16, 128), ("int4", 3, 16, 64), ("int4", 1, 32, 256), ("int8", 8, 16, 128),
+         ("fp8", 3, 32, 64), ("int4", 8, 64, 128)]  # fmt: skip
+
+
+def cache_of(fmt: str, pages: int, page: int, kh: int, d: int, seed: int = 0):
+    """A cache written from random k/v with outliers (so every code and many zero points occur)."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(pages, 2, page, kh, d, generator=g) * torch.rand(pages, 2, page, kh, 1, generator=g) * 4
+    x[..., 3] += 20.0 * (torch.rand(pages, 2, page, kh, generator=g) > 0.9)
+    codes, scales = quant.quantize_per_token_head(x.bfloat16(), fmt)
+    return codes.to(DEVICE), scales.transpose(-1, -2).contiguous().to(DEVICE)
+
+
+@pytest.mark.parametrize("fmt,kh,page,d", CASES)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_triton_pass_equals_aten(fmt: str, kh: int, page: int, d: int, dtype: torch.dtype) -> None:
+    cache, scales = cache_of(fmt, 6, page, kh, d)
+    assert cache.dtype == {"int4": torch.uint8, "int8": torch.int8, "fp8": FP8_DTYPE}[fmt]
+    ids = torch.tensor([4, 0, 5, 4], dtype=torch.int32, device=DEVICE)
+    want = quant.dequantize_pages_per_token_head(cache, scales, ids, dtype)
+    got = dequantize_pages_triton(cache, scales, ids, dtype)
+    assert got.dtype == dtype and got.shape == want.shape
+    assert torch.equal(got.view(torch.uint8), want.view(torch.uint8))
+
+
+def test_empty_batch_and_refusals() -> None:
+    cache, scales = cache_of("int4", 2, 16, 2, 64)
+    ids = torch.zeros(0, dtype=torch.int32, device=DEVICE)
+    assert dequantize_pages_triton(cache, scales, ids, torch.bfloat16).shape == (0, 2, 16, 2, 64)
+    with pytest.raises(ValueError, match="power-of-two head size, got head size 96"):
+        odd = torch.zeros(2, 2, 16, 2, 48, dtype=torch.uint8, device=DEVICE)
+        dequantize_pages_triton(odd, scales, ids, torch.bfloat16)
+    with pytest.raises(ValueError, match=r"need \[P, 2, page, KH, D'\] codes and float32"):
+        dequantize_pages_triton(cache, scales[:, :, :1], ids, torch.bfloat16)
+
+
+def test_cpu_cache_takes_the_aten_form() -> None:
+    cache, scales = quant.quantize_per_token_head(torch.randn(2, 2, 16, 2, 64), "int4")
+    scales = scales.transpose(-1, -2).contiguous()
+    ids = torch.tensor([1, 0])
+    want = quant.dequantize_pages_per_token_head(cache, scales, ids, torch.bfloat16)
+    assert torch.equal(dequantize_pages(cache, scales, ids, torch.bfloat16), want)

@@ -1,0 +1,88 @@
+"""A batch's pages of a per-(token, head) cache dequantized into a compact scratch of the model
+dtype, the cache FlashInfer's prefill reads for such a layer (``kernels/flashinfer.py``).
+
+``dequantize_pages``: on a CUDA cache one Triton pass (``attention/triton/kv_dequant.py``: codes
+and scales in, model-dtype rows out, int4 un-rotated on the way); elsewhere the aten form,
+``quant.dequantize_pages_per_token_head``, which the Triton pass equals bit for bit.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+
+import torch
+
+from torch_kvq.attention.kernels.base import KernelUnsupportedError
+from torch_kvq.attention.quant import (
+    dequantize_pages_per_token_head,
+    hadamard_block,
+    hadamard_signs,
+)
+
+ROW_ELEMENTS = 4096  # values of one program (rows of a page's k or v times the head size)
+
+
+def dequantize_pages(
+    kv_cache: torch.Tensor, kv_scale: torch.Tensor, page_ids: torch.Tensor, out_dtype: torch.dtype
+) -> torch.Tensor:
+    """``quant.dequantize_pages_per_token_head(kv_cache, kv_scale, page_ids, out_dtype)``: pages
+    ``page_ids`` [n] into a compact [n, 2, page, KH, D] tensor of ``out_dtype``; one Triton pass
+    on a CUDA cache (contiguous cache and scales, power-of-two head size: else ValueError)."""
+    if not kv_cache.is_cuda:
+        return dequantize_pages_per_token_head(kv_cache, kv_scale, page_ids, out_dtype)
+    return dequantize_pages_triton(kv_cache, kv_scale, page_ids, out_dtype)
+
+
+def dequantize_pages_triton(
+    kv_cache: torch.Tensor, kv_scale: torch.Tensor, page_ids: torch.Tensor, out_dtype: torch.dtype
+) -> torch.Tensor:
+    """``dequantize_pages`` as one Triton program per block of rows (any device Triton runs on)."""
+    pages, two, page, kh, dc = kv_cache.shape
+    int4 = kv_cache.dtype == torch.uint8
+    d = dc * 2 if int4 else dc
+    fn = "dequantize_pages"
+    if two != 2 or tuple(kv_scale.shape) != (pages, 2, kh, page) or kv_scale.dtype != torch.float32:
+        raise ValueError(
+            f"{fn}: kv_cache {tuple(kv_cache.shape)} / kv_scale {kv_scale.dtype} "
+            f"{tuple(kv_scale.shape)}: need [P, 2, page, KH, D'] codes and float32 [P, 2, KH, page]"
+        )
+    if not (kv_cache.is_contiguous() and kv_scale.is_contiguous()) or d & (d - 1):
+        raise ValueError(
+            f"{fn}: the Triton pass needs a contiguous cache and scales and a power-of-two head "
+            f"size, got head size {d}, contiguous {kv_cache.is_contiguous()} / "
+            f"{kv_scale.is_contiguous()}"
+        )
+    ids = page_ids.to(torch.int32)
+    out = torch.empty((ids.numel(), 2, page, kh, d), dtype=out_dtype, device=kv_cache.device)
+    if ids.numel() == 0:
+        return out
+    rows = max(1, min(triton_next_pow2(page * kh), ROW_ELEMENTS // d))
+    signs = _signs(d, kv_cache.device) if int4 else kv_scale  # unused unless int4
+    kernel = _kernel()
+    kernel[(ids.numel(), 2, -(-(page * kh) // rows))](
+        kv_cache, kv_scale, ids, out, signs, float(hadamard_block(d) ** -0.5),
+        PAGE=page, KH=kh, D=d, LOG2D=d.bit_length() - 1, ROWS=rows, INT4=int4, num_warps=4,
+    )  # fmt: skip
+    return out
+
+
+def triton_next_pow2(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())
+
+
+@functools.cache
+def _signs(d: int, device: torch.device) -> torch.Tensor:
+    return hadamard_signs(d, device)
+
+
+@functools.cache
+def _kernel():
+    try:
+        module = importlib.import_module("torch_kvq.attention.triton.kv_dequant")
+    except ImportError as e:
+        raise KernelUnsupportedError(
+            f"the CUDA scratch dequantization is a Triton kernel, and Triton cannot be imported "
+            f"({e}); install triton (it comes with torch's CUDA wheels)"
+        ) from e
+    return module.kv_dequant_pages_kernel

@@ -1,0 +1,81 @@
+"""A batch's pages of a per-(token, head) cache dequantized into a compact model-dtype scratch in
+one pass (the prefill path of ``kernels/flashinfer.py``): ``kv_dequant_pages_kernel``.
+
+Each program reads one block of rows (token, kv head) of k or of v of one page, its codes and
+scales, and writes the rows in the model dtype: int8 / e4m3 ``code * scale``; int4
+(``int4_per_token_head``) unpacked, ``(code - zp) * scale`` and un-rotated by the Walsh-Hadamard
+butterfly (``walsh_hadamard``), so the scratch is in the model's basis, as FlashInfer's prefill
+reads it. Every step is the fp32 operation ``quant.dequantize_pages_per_token_head`` performs, in
+the same order, so the scratch equals the aten one bit for bit. The host side is
+``attention/kernels/kv_dequant.py``. Imports Triton.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from torch_kvq.attention.triton.helpers import _INTERPRET as INTERPRET
+
+
+@triton.jit
+def walsh_hadamard(x, R: tl.constexpr, D: tl.constexpr, LOG2D: tl.constexpr):
+    """The unnormalized Walsh-Hadamard transform of each row of x [R, D] (D = 2 ** LOG2D), in
+    ``quant._walsh_hadamard``'s order: for h = 1, 2, .., D / 2, in each group of 2h channels
+    the first h (a) and the second h (c) become (a + c, a - c)."""
+    for s in tl.static_range(LOG2D):
+        y = tl.permute(tl.reshape(x, [R, D // (2 << s), 2, 1 << s]), [0, 1, 3, 2])
+        a, c = tl.split(y)
+        y = tl.permute(tl.join(a + c, a - c), [0, 1, 3, 2])
+        x = tl.reshape(y, [R, D])
+    return x
+
+
+@triton.jit
+def kv_dequant_pages_kernel(
+    cache_ptr, scale_ptr, ids_ptr, out_ptr, signs_ptr, inv_sqrt_b,
+    PAGE: tl.constexpr, KH: tl.constexpr, D: tl.constexpr, LOG2D: tl.constexpr,
+    ROWS: tl.constexpr, INT4: tl.constexpr,
+):  # fmt: skip
+    """Rows ``[ROWS * program_id(2), ..)`` (row r: token r // KH, head r % KH) of k or v
+    (``program_id(1)``) of scratch page ``program_id(0)``, which is cache page ``ids[pid0]``.
+    cache [P, 2, PAGE, KH, D / 2 or D] and scale [P, 2, KH, PAGE] contiguous; out [n, 2, PAGE,
+    KH, D] contiguous. ``INT4``: uint8 codes two per byte, the zero point in each scale's low
+    bits, ``signs_ptr`` [D] fp32 and ``inv_sqrt_b`` the rotation's sign vector and fp32(D ** -0.5)."""
+    i = tl.program_id(0).to(tl.int64)
+    kv = tl.program_id(1)
+    r = tl.program_id(2) * ROWS + tl.arange(0, ROWS)
+    ok = r < PAGE * KH
+    page = tl.load(ids_ptr + i).to(tl.int64)
+    t = r // KH
+    h = r - t * KH
+    stored = tl.load(scale_ptr + (page * 2 + kv) * (KH * PAGE) + h * PAGE + t, mask=ok, other=1.0)
+    if INT4:
+        C: tl.constexpr = D // 2
+        c = tl.arange(0, C)
+        src = cache_ptr + (page * 2 + kv) * (PAGE * KH * C) + r[:, None] * C + c[None, :]
+        codes = tl.load(src, mask=ok[:, None])
+        bits = stored.to(tl.int32, bitcast=True)
+        scale = (bits & ~0xF).to(tl.float32, bitcast=True)
+        zp = (bits & 0xF).to(tl.float32)
+        lo = (codes & 0xF).to(tl.float32)
+        hi = (codes >> 4).to(tl.float32)
+        q = tl.reshape(tl.join(lo, hi), [ROWS, D])  # even channel from the low nibble
+        y = (q - zp[:, None]) * scale[:, None]
+        y = walsh_hadamard(y, ROWS, D, LOG2D) * inv_sqrt_b
+        y = y * tl.load(signs_ptr + tl.arange(0, D))[None, :]
+    else:
+        d = tl.arange(0, D)
+        src = cache_ptr + (page * 2 + kv) * (PAGE * KH * D) + r[:, None] * D + d[None, :]
+        codes = tl.load(src, mask=ok[:, None])
+        y = codes.to(tl.float32) * stored[:, None]
+    o = tl.arange(0, D)
+    dst = out_ptr + (i * 2 + kv) * (PAGE * KH * D) + r[:, None] * D + o[None, :]
+    if out_ptr.dtype.element_ty == tl.float32:
+        tl.store(dst, y, mask=ok[:, None])
+    elif INTERPRET and out_ptr.dtype.element_ty == tl.bfloat16:  # its bf16 cast truncates
+        bits = y.to(tl.uint32, bitcast=True)
+        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16  # to nearest even (finite values)
+        tl.store(dst.to(tl.pointer_type(tl.uint16)), bits.to(tl.uint16), mask=ok[:, None])
+    else:  # round to nearest even, as aten's cast
+        tl.store(dst, y.to(out_ptr.dtype.element_ty, fp_downcast_rounding="rtne"), mask=ok[:, None])
