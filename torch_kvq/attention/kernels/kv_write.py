@@ -107,8 +107,8 @@ def pages_and_offsets(
 
 ScalarDivision = Literal["div", "rcp", "rcp32"]
 # The per-(token, head) write's launch: values of k (and of v) per program, and its warps
-WRITE_ROW_ELEMENTS = 4096
-WRITE_WARPS = 4
+WRITE_ROW_ELEMENTS = 2048
+WRITE_WARPS = 2
 # (x, scale) probes: exact quotients (169 / 13, 1.5 / 0.03 = 50, an FP8 tie) and random values,
 # with scales where the candidate forms round differently (0.03, 0.0341, 13, 0.3, 123.456).
 _PROBE_SCALES = (13.0, 0.03, 0.0341, 0.3, 1.0 / 3.0, 7.7e-3, 123.456)
