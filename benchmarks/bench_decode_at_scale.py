@@ -126,9 +126,9 @@ MIXED = {
     "llama-3.1-8b": ("int8_per_token_head", ((0, "auto"), (-1, "fp8"))),
     "gemma-3-12b": ("auto", (("full_attention", "int8_per_token_head"), (0, "fp8"))),
 }
-KV_CONFIGS = (
-    "bf16", "fp8", "int8_per_token_head", "fp8_per_token_head", "int4_per_token_head", "mixed"
-)
+KV_CONFIGS = ("bf16", "fp8", "int8_per_token_head", "fp8_per_token_head", "int4_per_token_head",
+              "mixed", "int8_per_token_head-all", "fp8_per_token_head-all",
+              "int4_per_token_head-all")  # fmt: skip
 
 
 def kv_configs(skip) -> dict[str, KVCacheConfig]:
@@ -141,7 +141,8 @@ def kv_configs(skip) -> dict[str, KVCacheConfig]:
 
 def kv_config(name: str, model_name: str) -> KVCacheConfig:
     """The KV config ``name`` (``KV_CONFIGS``) for ``model_name``: the per-(token, head) modes
-    with the FP8 config's skip rule, ``mixed`` with the model's ``MIXED`` map."""
+    with the FP8 config's skip rule (``-all``: on every layer), ``mixed`` with the model's
+    ``MIXED`` map."""
     skip = MODELS[model_name][3]
     if name in ("bf16", "fp8"):
         return kv_configs(skip)[name]
@@ -150,6 +151,8 @@ def kv_config(name: str, model_name: str) -> KVCacheConfig:
         return KVCacheConfig(default, layer_modes=rules, page_size=PAGE)
     if name not in KV_CONFIGS:
         raise ValueError(f"unknown kv config {name!r}; expected one of {list(KV_CONFIGS)}")
+    if name.endswith("-all"):
+        return KVCacheConfig(name.removesuffix("-all"), page_size=PAGE)
     return KVCacheConfig(name, skip_layers=skip, page_size=PAGE)
 
 

@@ -1,7 +1,9 @@
 """The fused cache write per layer on one GPU: bytes moved per second against copy bandwidth.
 
-One layer's new k / v [T, KH, D] (bf16) written into a paged cache at shuffled slots (pages of
-16), for every cache mode the package writes:
+One layer's new k / v [T, KH, D] (bf16) written into a paged cache (pages of 16) at shuffled slots
+(``--slots tokens``) and in shuffled whole pages, as a prefill writes them (``pages``; a page's
+scales then one run of 64 bytes per kv head, not scattered 4-byte stores), for every cache mode
+the package writes:
   bf16                 ``write_kv`` into a bf16 cache (a skipped layer: no quantization)
   fp8_per_tensor       ``write_kv`` with static k / v scales (``kvq::quant_cache_write``)
   int8_per_token_head  ``write_kv_per_token_head``: absmax per (token, kv head), int8 codes
@@ -37,6 +39,7 @@ PAGE = 16
 SHAPES = {"llama": (8, 128), "gemma_global": (8, 256)}  # KH, D
 TOKENS = (32, 131, 16384, 8 * 16384)
 MODES = ("bf16", "fp8_per_tensor", "int8_per_token_head", "fp8_per_token_head")
+SLOTS = ("tokens", "pages")  # new tokens at shuffled slots; in shuffled whole pages
 CODE = {"bf16": torch.bfloat16, "fp8_per_tensor": torch.float8_e4m3fn,
         "int8_per_token_head": torch.int8, "fp8_per_token_head": torch.float8_e4m3fn}  # fmt: skip
 
@@ -51,13 +54,21 @@ class Write:
     kv_scale: torch.Tensor | None
 
 
-def make_write(mode: str, kh: int, d: int, tokens: int, device: str) -> Write:
-    """A call writing ``tokens`` new tokens of one layer in ``mode`` at shuffled slots."""
+def make_write(
+    mode: str, kh: int, d: int, tokens: int, device: str, slots: str = "tokens"
+) -> Write:
+    """A call writing ``tokens`` new tokens of one layer in ``mode``: at shuffled slots
+    (``slots="tokens"``: each token anywhere in the pool), or, as a prefill fills them, in
+    shuffled whole pages (``"pages"``: a page's tokens at its consecutive offsets)."""
     from torch_kvq.attention.kernels.kv_write import write_kv, write_kv_per_token_head
 
     pages = -(-tokens * 5 // 4 // PAGE)  # a pool a quarter larger than the tokens
     gen = torch.Generator().manual_seed(tokens)
-    slots = torch.randperm(pages * PAGE, generator=gen)[:tokens].to(device)
+    if slots == "tokens":
+        slot_ids = torch.randperm(pages * PAGE, generator=gen)[:tokens].to(device)
+    else:
+        order = torch.randperm(pages, generator=gen)[:, None] * PAGE + torch.arange(PAGE)
+        slot_ids = order.reshape(-1)[:tokens].to(device)
     k, v = (torch.randn(tokens, kh, d, generator=gen).bfloat16().to(device) for _ in "kv")
     cache = torch.zeros(pages, 2, PAGE, kh, d, dtype=CODE[mode], device=device)
     nbytes = 2 * tokens * kh * d * (2 + cache.element_size()) + tokens * 8
@@ -65,10 +76,10 @@ def make_write(mode: str, kh: int, d: int, tokens: int, device: str) -> Write:
         kv_scale = torch.zeros(pages, 2, kh, PAGE, device=device)
         nbytes += 2 * tokens * kh * 4
         fmt = mode.split("_")[0]
-        call = lambda: write_kv_per_token_head(cache, kv_scale, k, v, slots, fmt)  # noqa: E731
+        call = lambda: write_kv_per_token_head(cache, kv_scale, k, v, slot_ids, fmt)  # noqa: E731
         return Write(call, nbytes, cache, kv_scale)
     scales = (1 / 16, 1 / 8) if mode == "fp8_per_tensor" else None
-    return Write(lambda: write_kv(cache, k, v, slots, scales), nbytes, cache, None)
+    return Write(lambda: write_kv(cache, k, v, slot_ids, scales), nbytes, cache, None)
 
 
 def graph_ms(fn: Callable, calls: int, rounds: int) -> list[float]:
@@ -94,9 +105,9 @@ def markdown(env: dict, copy: dict, rows: list[dict]) -> str:
     lines = ["## Fused cache write per layer", ""]
     lines += [f"- {k}: {v}" for k, v in env.items()]
     lines += [f"- copy bandwidth (read+write): {copy['GBps']:.0f} GB/s", ""]
-    lines += ["| shape | tokens | mode | ms med (min..max) | GB/s | % copy |", "|---|---|---|---|---|---|"]  # fmt: skip
+    lines += ["| shape | tokens | slots | mode | ms med (min..max) | GB/s | % copy |", "|---|---|---|---|---|---|---|"]  # fmt: skip
     for r in rows:
-        head = f"| {r['shape']} | {r['tokens']} | {r['mode']} |"
+        head = f"| {r['shape']} | {r['tokens']} | {r.get('slots', 'tokens')} | {r['mode']} |"
         if "error" in r:
             lines.append(f"{head} error: {r['error'][:150]} | | |")
             continue
@@ -109,12 +120,14 @@ def markdown(env: dict, copy: dict, rows: list[dict]) -> str:
 
 def smoke() -> None:
     """CPU: every mode's aten write on a small case writes the tokens it was given."""
-    for mode in MODES:
-        w = make_write(mode, 2, 64, 40, "cpu")
+    for mode, slots in ((m, p) for m in MODES for p in SLOTS):
+        w = make_write(mode, 2, 64, 40, "cpu", slots)
         w.call()
         written = w.cache.float().abs().amax(dim=(3, 4)).gt(0).sum()  # [pages, 2, page] slots
         if int(written) != 2 * 40:
-            raise SystemExit(f"smoke: {mode} wrote {int(written)} k / v token slots, not 80")
+            raise SystemExit(
+                f"smoke: {mode} ({slots}) wrote {int(written)} k / v token slots, not 80"
+            )
     print("smoke ok:", ", ".join(MODES))
 
 
@@ -124,6 +137,8 @@ def main() -> None:
     ap.add_argument("--calls", type=int, default=20, help="calls per timed graph")
     ap.add_argument("--max-tokens", type=int, default=max(TOKENS), help="skip larger cases")
     ap.add_argument("--smoke", action="store_true", help="CPU only: run the aten writes once")
+    ap.add_argument("--slots", nargs="+", choices=SLOTS, default=list(SLOTS),
+                    help="slot patterns: shuffled tokens, shuffled whole pages (a prefill's)")  # fmt: skip
     args = ap.parse_args()
     if args.smoke:
         smoke()
@@ -133,11 +148,11 @@ def main() -> None:
     env, copy = environment(), copy_bandwidth()
     rows: list[dict[str, Any]] = []
     for shape, (kh, d) in SHAPES.items():
-        for tokens in (t for t in TOKENS if t <= args.max_tokens):
+        for tokens, slots in ((t, p) for t in TOKENS if t <= args.max_tokens for p in args.slots):
             for mode in MODES:
-                base = {"shape": shape, "tokens": tokens, "mode": mode}
+                base = {"shape": shape, "tokens": tokens, "slots": slots, "mode": mode}
                 try:
-                    w = make_write(mode, kh, d, tokens, "cuda")
+                    w = make_write(mode, kh, d, tokens, "cuda", slots)
                     nbytes = w.nbytes
                     ms = graph_ms(w.call, args.calls if tokens < 16384 else 4, args.rounds)
                 except Exception as e:  # noqa: BLE001 - the row says why

@@ -24,9 +24,12 @@ import matplotlib.pyplot as plt  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
 BOUND = {"bf16": "tab:blue", "fp8": "black", "int8_per_token_head": "tab:brown",
-         "fp8_per_token_head": "tab:pink", "mixed": "tab:olive"}  # fmt: skip
+         "fp8_per_token_head": "tab:pink", "mixed": "tab:olive",
+         "int8_per_token_head-all": "tab:gray", "fp8_per_token_head-all": "tab:cyan"}  # fmt: skip
 BOUND_NAME = {"bf16": "bf16", "fp8": "FP8", "int8_per_token_head": "int8 per (token, head)",
-              "fp8_per_token_head": "FP8 per (token, head)", "mixed": "mode map"}  # fmt: skip
+              "fp8_per_token_head": "FP8 per (token, head)", "mixed": "mode map",
+              "int8_per_token_head-all": "int8 per (token, head), every layer",
+              "fp8_per_token_head-all": "FP8 per (token, head), every layer"}  # fmt: skip
 LABELS = {
     ("bf16", "bf16"): ("all-bf16 KV", "tab:blue"),
     ("fp8", "tc-bf16"): ("FP8 KV, tensor cores, bf16 math (accurate, ~2e-3)", "tab:red"),
@@ -43,6 +46,14 @@ LABELS = {
     ("fp8_per_token_head", "triton"): (
         "FP8 per (token, head) KV, torch_kvq Triton TMA kernel",
         "tab:pink",
+    ),
+    ("int8_per_token_head-all", "triton"): (
+        "int8 per (token, head) KV on every layer, torch_kvq Triton TMA kernel",
+        "tab:gray",
+    ),
+    ("fp8_per_token_head-all", "triton"): (
+        "FP8 per (token, head) KV on every layer, torch_kvq Triton TMA kernel",
+        "tab:cyan",
     ),
     ("mixed", "triton"): (
         "per-layer mode map (MIXED in bench_decode_at_scale.py), Triton TMA",

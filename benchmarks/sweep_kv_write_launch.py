@@ -1,6 +1,6 @@
 """The per-(token, head) cache write's launch on one GPU: values per program x warps, timed as
-``bench_kv_write`` times a write (CUDA graph of 4 writes, median of 5 rounds), for the sizes
-where it is bandwidth-bound. Chooses ``kernels/kv_write.WRITE_ROW_ELEMENTS`` / ``WRITE_WARPS``.
+``bench_kv_write`` times a write (CUDA graph of 4 writes, median of 5 rounds), at a decode
+step's 32 tokens and at the sizes where it is bandwidth-bound (shuffled tokens or whole pages). Chooses ``kernels/kv_write.WRITE_ROW_ELEMENTS`` / ``WRITE_WARPS``.
 
     python benchmarks/sweep_kv_write_launch.py     # prints one line per (shape, tokens, mode, launch)
 """
@@ -26,16 +26,21 @@ def main() -> None:
     copy = copy_bandwidth()["GBps"]
     for shape in ("llama", "gemma_global"):
         kh, d = SHAPES[shape]
-        for tokens in (16384, 131072):
+        for tokens, slots in (
+            (32, "tokens"),
+            (16384, "tokens"),
+            (16384, "pages"),
+            (131072, "pages"),
+        ):
             for mode in ("int8_per_token_head", "fp8_per_token_head"):
-                w = make_write(mode, kh, d, tokens, "cuda")
+                w = make_write(mode, kh, d, tokens, "cuda", slots)
                 for elems in (kh * d, 2 * kh * d, 4096, 8192):
                     for warps in (2, 4, 8):
                         kv_write.WRITE_ROW_ELEMENTS, kv_write.WRITE_WARPS = elems, warps
                         ms = statistics.median(graph_ms(w.call, 4, 5))
                         pct = 100 * w.nbytes / (ms * 1e-3) / 1e9 / copy
                         print(
-                            f"{shape} {tokens} {mode} elems {elems} warps {warps}: {ms:.4f} ms {pct:.1f}% copy",
+                            f"{shape} {tokens} {slots} {mode} elems {elems} warps {warps}: {ms:.4f} ms {pct:.1f}% copy",
                             flush=True,
                         )
                 del w

@@ -25,6 +25,10 @@ for d in .xfer .x[0-9]*; do  # the parts this call carried (.xfer, .x1, .x2...; 
   [ -d "$d" ] && cp -r "$d/." /tmp/xfer/
 done
 
+copy_tree() {  # this call's tree into /tmp/gate, without the carried parts
+  mkdir -p /tmp/gate && tar --exclude=./.xfer --exclude="./.x[0-9]*" -cf - . | tar -xf - -C /tmp/gate
+}
+
 launch() {  # $1: job name, $2: folder to run in, rest: the command
   local job=$1 dir=$2; shift 2
   mkdir -p $S/$job
@@ -45,12 +49,11 @@ report() {
 
 case ${1:-} in
   gate)
-    rm -rf /tmp/gate && mkdir -p /tmp/gate
-    tar --exclude=./.xfer --exclude="./.x[0-9]*" -cf - . | tar -xf - -C /tmp/gate
+    rm -rf /tmp/gate && copy_tree
     launch gate /tmp/gate "KVQ_COMMIT=$2 KVQ_PYTEST_WORKERS=${KVQ_PYTEST_WORKERS:-4} bash scripts/gpu_run.sh tests jitpack" ;;
   part) ;;
   job)
-    [ -d /tmp/gate/torch_kvq ] || { mkdir -p /tmp/gate && tar --exclude=./.xfer --exclude="./.x[0-9]*" -cf - . | tar -xf - -C /tmp/gate; }
+    [ -d /tmp/gate/torch_kvq ] || copy_tree
     launch "$2" /tmp/gate "$3" ;;
   evalrows)
     launch evalrows /tmp/gate "bash scripts/gpu_eval_rows.sh" ;;

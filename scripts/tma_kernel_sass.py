@@ -131,7 +131,7 @@ def main() -> None:
     ap.add_argument("--dump", type=Path, help="write the whole SASS here")
     ap.add_argument("--json", action="store_true", help="one JSON object per config")
     ap.add_argument("--balanced", action="store_true",
-                    help="the balanced schedule's kernel (at BALANCED's register cap)")
+                    help="the balanced schedule's kernel (at BALANCED's register cap)")  # fmt: skip
     ap.add_argument("--max-registers", type=int, help="Triton's maxnreg (0: none)")  # fmt: skip
     ap.add_argument("--cache", choices=CACHES, default="fp8",
                     help="FP8 per tensor (default), or codes with per-(token, head) scales")  # fmt: skip

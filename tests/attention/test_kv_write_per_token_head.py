@@ -62,13 +62,28 @@ def _fma32(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
     return torch.where(tie & ((lo > 0) == (nb.double() > g)), nb, f)
 
 
+def _int8_bits(y: torch.Tensor, half_away: bool = True) -> torch.Tensor:
+    """The compiled int8 rounding (``triton/kv_write._int8_codes``) step by step: half away,
+    ``a = |y| + 0.49999997`` (fp32), ``b = a + 2^23`` rounded toward zero (= 2^23 + floor(a)),
+    the low byte of ``(bits(b) ^ m) - m``, m all ones where y is negative; half even, the low
+    byte of ``y + 1.5 * 2^23`` rounded to nearest even."""
+    if not half_away:
+        return (y + 12582912.0).view(torch.int32).to(torch.int8)
+    a = y.abs() + 0.49999997
+    b = (torch.floor(a.double()) + 2.0**23).float()  # exact: an integer below 2^24
+    m = y.view(torch.int32) >> 31
+    return ((b.view(torch.int32) ^ m) - m).to(torch.int8)
+
+
 def test_the_compiled_division_is_aten_division_in_codes() -> None:
-    """The Triton write's compiled ``x / s`` (``triton/kv_write._divide_rows``: ``r = 1 / s``, then
-    ``y0 = x * r`` and two fmas, x's sign put back), emulated exactly here, gives the codes of the
-    correctly rounded division for every finite bf16 x with |x| <= absmax, at scales of both
-    modes in both of aten's forms (``absmax / QMAX``, ``absmax * (1 / QMAX)``); the quotients
-    themselves differ only where fp32 underflows (|x| < 2^-100: the residual; or a subnormal
-    quotient), and there every code is zero (the scale is at least 1e-6)."""
+    """The Triton write's compiled ``x / s`` (``triton/kv_write._divide_rows``: ``r = 1 / s``,
+    ``y0 = x * r``, ``n = fma(y0, s, -x)``, ``fma(n, -r, y0)``), emulated exactly here, gives the
+    bytes of the correctly rounded division, -0's sign included, for every finite bf16 x with
+    |x| <= absmax, at scales of both modes in both of aten's forms (``absmax / QMAX``,
+    ``absmax * (1 / QMAX)``), and the compiled int8 rounding (``_int8_bits``) its codes, both
+    roundings; the quotients themselves differ only where fp32 underflows (|x| < 2^-100: the
+    residual; or a subnormal quotient), and there every code is zero (the scale is at least
+    1e-6)."""
     bits = torch.arange(-(2**15), 2**15, dtype=torch.int32).to(torch.int16)
     xs = bits.view(torch.bfloat16).float()
     xs = xs[torch.isfinite(xs)]
@@ -86,31 +101,32 @@ def test_the_compiled_division_is_aten_division_in_codes() -> None:
                 s = s.clamp(min=quant.SCALE_FLOOR).expand_as(x)
                 r = (1.0 / s.double()).float()  # div_rn(1, s): correctly rounded
                 y0 = x * r
-                y = _fma32(_fma32(-y0, s, x), r, y0).abs() * torch.where(
-                    x.view(torch.int32) < 0, -1.0, 1.0
-                )
+                y = _fma32(_fma32(y0, s, -x), -r, y0)
                 want = x / s
                 # the residual x - y0 * s (~ x * 2^-24) and the quotient are normal fp32 values
                 normal = (x.abs() > 2.0**-100) & (want.abs() >= 2.0**-126)
-                assert torch.equal(y[normal], want[normal]), (amax, mode)
+                assert torch.equal(y[normal].view(torch.int32), want[normal].view(torch.int32))
                 if mode == "int8":
-                    codes = quant.round_half_away(y).clamp(-128, 127).to(torch.int8)
-                    assert torch.equal(
-                        codes, quant.round_half_away(want).clamp(-128, 127).to(torch.int8)
-                    )
-                else:
+                    for away in (True, False):
+                        rounded = quant.round_half_away(want) if away else want.round()
+                        codes = rounded.clamp(-128, 127).to(torch.int8)
+                        assert torch.equal(_int8_bits(y, away), codes), (amax, away)
+                else:  # the compiled cast saturates: aten's clamp to +-448, the same bytes
                     got = y.clamp(-448, 448).to(FP8_DTYPE).view(torch.uint8)
                     assert torch.equal(got, want.clamp(-448, 448).to(FP8_DTYPE).view(torch.uint8))
 
 
 def test_half_away_by_floor_is_exact() -> None:
-    """The compiled int8 rounding, ``floor(|y| + 0.49999997)`` with y's sign, is
-    ``round_half_away`` at ties, beside them and at 0.49999997 (where ``|y| + 0.5`` fails)."""
-    y = torch.cat([torch.arange(-130, 130, 0.5), torch.rand(100_000) * 260 - 130,
-                   torch.tensor([0.49999997, -0.49999997, 0.5, 1.4999999, 2.5000002, 126.5])])  # fmt: skip
-    y = torch.cat([y, torch.nextafter(y, y + 1), torch.nextafter(y, y - 1)])
-    r = torch.floor(y.abs() + 0.49999997) * torch.where(y < 0, -1.0, 1.0)
-    assert torch.equal(r.abs(), quant.round_half_away(y).abs())
+    """The compiled int8 rounding (``_int8_bits``: ``floor(|y| + 0.49999997)`` by an add toward
+    zero, y's sign on the integer) is ``round_half_away`` at ties, beside them, at 0.49999997
+    (where ``|y| + 0.5`` fails) and at +-0; half even is ``torch.round``."""
+    y = torch.cat([torch.arange(-127, 127.5, 0.5), torch.rand(100_000) * 254 - 127,
+                   torch.tensor([0.49999997, -0.49999997, 0.5, 1.4999999, 2.5000002, 126.5,
+                                 -0.0, 0.0])])  # fmt: skip
+    y = torch.cat([y, torch.nextafter(y, y + 1), torch.nextafter(y, y - 1)]).clamp(-127.4, 127.4)
+    assert torch.equal(_int8_bits(y), quant.round_half_away(y).to(torch.int8))
+    assert torch.equal(_int8_bits(y, half_away=False), y.round().to(torch.int8))
+    assert (torch.tensor(0.49999997) + 0.5).floor().item() == 1.0  # why not |y| + 0.5
 
 
 @pytest.mark.parametrize("mode", MODES)

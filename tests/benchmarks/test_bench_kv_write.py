@@ -39,11 +39,26 @@ def test_the_write_lands_in_the_cache() -> None:
     assert int(w.cache.abs().amax(-1).eq(127).sum()) == 2 * 40 * 2  # each head reaches QMAX
 
 
+def test_page_slots_fill_whole_pages_in_order() -> None:
+    """``slots="pages"``: 40 tokens fill two whole pages and half a third, each page's tokens at
+    its consecutive offsets; ``"tokens"`` scatters them over more pages."""
+    w = bench.make_write("bf16", 2, 64, 40, "cpu", "pages")
+    w.call()
+    used = w.cache.abs().amax(dim=(3, 4))[:, 0].gt(0)  # [pages, page]: k written
+    full = used.all(-1)
+    assert int(full.sum()) == 2 and int(used.any(-1).sum()) == 3
+    part = used[used.any(-1) & ~full][0]
+    assert part.tolist() == [True] * 8 + [False] * 8  # the first 8 offsets of the third page
+    scattered = bench.make_write("bf16", 2, 64, 40, "cpu", "tokens")
+    scattered.call()
+    assert int(scattered.cache.abs().amax(dim=(3, 4))[:, 0].gt(0).any(-1).sum()) > 3
+
+
 def test_markdown_rows_and_errors() -> None:
     env, copy = {"gpu": "test"}, {"GBps": 4000.0}
-    ok = {"shape": "llama", "tokens": 32, "mode": "bf16", "ms": 0.01, "ms_min": 0.009,
-          "ms_max": 0.011, "GBps": 100.0, "pct_copy": 2.5}  # fmt: skip
+    ok = {"shape": "llama", "tokens": 32, "slots": "pages", "mode": "bf16", "ms": 0.01,
+          "ms_min": 0.009, "ms_max": 0.011, "GBps": 100.0, "pct_copy": 2.5}  # fmt: skip
     bad = {"shape": "llama", "tokens": 32, "mode": "int8_per_token_head", "error": "boom"}
     md = bench.markdown(env, copy, [ok, bad])
-    assert "| llama | 32 | bf16 | 0.0100 (0.0090..0.0110) | 100 | 2.5 |" in md
-    assert "| llama | 32 | int8_per_token_head | error: boom |" in md
+    assert "| llama | 32 | pages | bf16 | 0.0100 (0.0090..0.0110) | 100 | 2.5 |" in md
+    assert "| llama | 32 | tokens | int8_per_token_head | error: boom |" in md

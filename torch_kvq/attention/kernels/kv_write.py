@@ -4,8 +4,9 @@
     k, v     [T, KH, D]                     slot_mapping [T] int: page * page_size + offset
 
 ``write_kv`` is what ``kvq::cache_write`` / ``kvq::quant_cache_write`` call. On a CUDA cache it is
-one Triton kernel per layer (``attention/triton/kv_write.py``: one program per token); on the CPU
-it is ``write_kv_torch`` (aten: quantize, page/offset, two index_puts).
+one Triton kernel per layer (``attention/triton/kv_write.py``: one program per token, or per few
+tokens for the per-(token, head) modes); on the CPU it is ``write_kv_torch`` (aten: quantize,
+page/offset, two index_puts).
 
 Both write the bytes of the unfused form they replace: ``quantize_fp8``, i.e.
 ``clamp(x.float() / scale, ±448)`` cast to e4m3 with round-to-nearest-even, computed as aten
@@ -107,8 +108,8 @@ def pages_and_offsets(
 
 ScalarDivision = Literal["div", "rcp", "rcp32"]
 # The per-(token, head) write's launch: values of k (and of v) per program, and its warps
-WRITE_ROW_ELEMENTS = 4096
-WRITE_WARPS = 4
+WRITE_ROW_ELEMENTS = 2048
+WRITE_WARPS = 2
 # (x, scale) probes: exact quotients (169 / 13, 1.5 / 0.03 = 50, an FP8 tie) and random values,
 # with scales where the candidate forms round differently (0.03, 0.0341, 13, 0.3, 123.456).
 _PROBE_SCALES = (13.0, 0.03, 0.0341, 0.3, 1.0 / 3.0, 7.7e-3, 123.456)
@@ -264,6 +265,9 @@ def require_correct_tensor_division(device: torch.device, writer: str) -> None:
         )
 
 
+_PROGRAMS_HELPERS = "torch_kvq.attention.triton.helpers"  # imports Triton: only on first use
+
+
 def _next_pow2(n: int) -> int:
     return 1 << (n - 1).bit_length()
 
@@ -301,12 +305,10 @@ def write_kv_per_token_head(
     """Quantize k/v [T, KH, D] per (token, kv head) (``mode`` "int8" | "fp8", int8 ``rounding``
     "half_away" | "half_even") and write the codes into ``kv_cache`` [pages, 2, page, KH, D] and
     the scales into ``kv_scale`` [pages, 2, KH, page] fp32 at ``slot_mapping`` [T] slots. CUDA:
-    one Triton program per token; elsewhere ``write_kv_per_token_head_torch``.
+    ``write_kv_per_token_head_triton``; elsewhere ``write_kv_per_token_head_torch``.
 
     ``mode="int4"`` (``int4_per_token_head``: codes [pages, 2, page, KH, D / 2] uint8) has no
-    Triton program yet: it is ``write_kv_per_token_head_torch`` on every device, the reference
-    kernel's path (the only kernel that serves such a layer; FlashInfer refuses it when it
-    checks the layer, ``kernels/capabilities.py``)."""
+    Triton program yet: it is ``write_kv_per_token_head_torch`` on every device."""
     check_per_token_head_write(kv_cache, kv_scale, k, v, slot_mapping, mode, rounding)
     if kv_cache.is_cuda and mode != "int4":
         write_kv_per_token_head_triton(kv_cache, kv_scale, k, v, slot_mapping, mode, rounding)
@@ -397,8 +399,9 @@ def write_kv_per_token_head_triton(
     mode: str,
     rounding: Rounding = "half_away",
 ) -> None:
-    """``write_kv_per_token_head`` as one Triton program per token (any strides); the divisions
-    follow aten on the cache's device (module docstring)."""
+    """``write_kv_per_token_head`` as one Triton program per ``WRITE_ROW_ELEMENTS`` values of k
+    (several tokens when heads are small; any strides, the page size a compile-time constant);
+    the divisions follow aten on the cache's device (module docstring)."""
     code_dtype, qmax = per_token_head_format(mode, rounding)
     if mode == "int4":
         raise KernelUnsupportedError(
@@ -414,12 +417,15 @@ def write_kv_per_token_head_triton(
     # x / scale: a tensor divisor
     require_correct_tensor_division(kv_cache.device, "the per-(token, head) cache write")
     block_h, block_d = _next_pow2(kh), _next_pow2(d)
-    # a program quantizes WRITE_ROW_ELEMENTS values of k (and of v): several tokens when heads are small
+    # a program quantizes WRITE_ROW_ELEMENTS values of k (and of v): several tokens when heads are
+    # small, one when there are too few tokens to fill the GPU that way (a decode step's batch)
     block_t = max(1, WRITE_ROW_ELEMENTS // (block_h * block_d))
+    if t < block_t * importlib.import_module(_PROGRAMS_HELPERS).sm_count(kv_cache.device):
+        block_t = 1
     kernel[(-(-t // block_t),)](
         k, v, kv_cache, kv_scale, slot_mapping, _operand(division, qmax), t,
-        *k.stride(), *v.stride(), *kv_cache.stride(), *kv_scale.stride(), kv_cache.shape[2],
-        KH=kh, D=d, BLOCK_T=block_t, BLOCK_H=block_h, BLOCK_D=block_d, QMAX=qmax,
+        *k.stride(), *v.stride(), *kv_cache.stride(), *kv_scale.stride(),
+        PAGE=kv_cache.shape[2], KH=kh, D=d, BLOCK_T=block_t, BLOCK_H=block_h, BLOCK_D=block_d, QMAX=qmax,
         FLOOR=_f32(SCALE_FLOOR), DIVIDE=division == "div", INT8=code_dtype == torch.int8,
         HALF_AWAY=rounding == "half_away", num_warps=WRITE_WARPS,
     )  # fmt: skip

@@ -1,5 +1,6 @@
 """Device code and host checks shared by the Triton decode kernels (``decode_tma`` and its
-balanced schedule ``decode_balanced``).
+balanced schedule ``decode_balanced``); ``INTERPRET`` (Triton's interpreter: no inline PTX, no
+libdevice) also by the cache writes.
 
 The math every decode program runs: one new token per sequence, all G = QH / KH query heads of a
 kv head at once (each K / V byte is read once). A cache page is widened in registers (e4m3 and
@@ -25,7 +26,7 @@ DOT_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.floa
 CODE_DTYPES = (torch.int8, torch.float8_e4m3fn)  # caches read with per-(token, head) scales
 LOG2E = 1.4426950408889634
 _LOG2E = tl.constexpr(LOG2E)  # a jit function reads only constexpr globals (Triton 3.6)
-_INTERPRET = tl.constexpr(os.environ.get("TRITON_INTERPRET") == "1")  # no inline PTX there
+INTERPRET = tl.constexpr(os.environ.get("TRITON_INTERPRET") == "1")  # no PTX or libdevice there
 
 
 @triton.jit
@@ -100,7 +101,7 @@ def widen(x, DOT: tl.constexpr):
     register (``_widen_int8_fp16``: one xor, two byte permutes, two packed subtractions); the
     interpreter, which runs no PTX, takes the same steps value by value."""
     if x.dtype.is_int8() and DOT == tl.float16:
-        if _INTERPRET:
+        if INTERPRET:
             bits = x.to(tl.uint8, bitcast=True).to(tl.uint16) ^ 0x6480
             return bits.to(tl.float16, bitcast=True) - 1152.0
         return _widen_int8_fp16(x)

@@ -10,12 +10,13 @@ Imports Triton.
 
 from __future__ import annotations
 
-import os
-
 import triton
 import triton.language as tl
 
-_INTERPRET = tl.constexpr(os.environ.get("TRITON_INTERPRET") == "1")  # its fma rounds twice
+from torch_kvq.attention.triton.helpers import INTERPRET
+
+_TWO_23 = tl.constexpr(8388608.0)  # 2^23 (0f4B000000): fp32's ulp is 1 in [2^23, 2^24)
+_TWO_23_HALF = tl.constexpr(12582912.0)  # 1.5 * 2^23: y + it rounds y to an integer, ties to even
 
 
 @triton.jit
@@ -77,32 +78,63 @@ def kv_write_kernel(
 @triton.jit
 def _divide_rows(x, s):
     """``x / s[:, None]`` correctly rounded, as aten's tensor division. Compiled: one reciprocal
-    per row, ``r = 1 / s`` (correctly rounded), then per element ``y0 = x * r``, the exact
-    residual ``e = fma(-y0, s, x)`` and ``y0 + e * r`` by one more fma (Markstein: correctly
-    rounded when r is and no intermediate underflows), with x's sign put back (a zero residual
-    would give -0 + 0 = +0). Only where fp32 underflows (|x| < 2^-100, or a subnormal quotient)
-    may the quotient differ, and there (the scale is at least 1e-6) every int8 and e4m3 code is
-    zero either way. The interpreter, whose fma rounds twice, divides directly."""
-    if _INTERPRET:
+    per row, ``r = 1 / s`` (correctly rounded), then per element ``y0 = x * r``, the residual
+    negated, ``n = y0 * s - x`` (exact, by one fma), and ``y0 - n * r`` by one more fma
+    (Markstein: correctly rounded when r is and no intermediate underflows). Negated so that
+    -0 keeps its sign (``y0 = -0``, ``n = +0``: ``-0 + -0``), which e4m3 writes as its own
+    byte; the residual ``x - y0 * s`` would give ``-0 + +0 = +0``. Only where fp32 underflows
+    (|x| < 2^-100, or a subnormal quotient) may the quotient differ, and there (the scale is at
+    least 1e-6) every int8 and e4m3 code is zero either way. The interpreter, whose fma rounds
+    twice, divides directly."""
+    if INTERPRET:
         return tl.math.div_rn(x, s[:, None])
-    r = tl.math.div_rn(1.0, s)[:, None]
-    y0 = x * r
-    y = tl.math.fma(tl.math.fma(-y0, s[:, None], x), r, y0)
-    sign = x.to(tl.uint32, bitcast=True) & 0x80000000
-    return ((y.to(tl.uint32, bitcast=True) & 0x7FFFFFFF) | sign).to(tl.float32, bitcast=True)
+    r = tl.math.div_rn(1.0, s)
+    return tl.inline_asm_elementwise(  # in one asm block, so that ptxas folds the negations
+        "{ .reg .f32 y0, n; mul.rn.f32 y0, $1, $3; neg.f32 n, $1; fma.rn.f32 n, y0, $2, n; "
+        "neg.f32 n, n; fma.rn.f32 $0, n, $3, y0; }",
+        "=f,f,f,f",
+        [x, tl.broadcast_to(s[:, None], x.shape), tl.broadcast_to(r[:, None], x.shape)],
+        dtype=tl.float32, is_pure=True, pack=1,
+    )  # fmt: skip
 
 
 @triton.jit
-def _quantize_heads(x, mask, qmax_op, QMAX: tl.constexpr, FLOOR: tl.constexpr,
-                    DIVIDE: tl.constexpr, INT8: tl.constexpr, HALF_AWAY: tl.constexpr):  # fmt: skip
-    """Rows of x [BLOCK_H, BLOCK_D] (one kv head each; ``mask`` the real elements) -> (codes,
-    scales [BLOCK_H] fp32) as ``quant.quantize_per_token_head`` computes them: ``absmax / QMAX``
-    as aten does (``DIVIDE``: correctly rounded by ``qmax_op``, else times ``qmax_op``, the
+def _int8_codes(y, HALF_AWAY: tl.constexpr):
+    """Quotients y (|y| <= 127 and a rounding, by construction) -> int8 codes, rounded exactly
+    with no float-to-int conversion (a quarter-rate op): an fp32 in [2^23, 2^24) holds an integer
+    n as 2^23 + n in its low mantissa bits. Half away from zero: ``b = 2^23 + floor(|y| +
+    0.49999997)`` (an add rounded toward zero; ``floor(|y| + 0.5)`` would round 0.49999997 up), its
+    low byte negated (``(b ^ m) - m``, m all ones) where y is negative. Half even, as
+    torch.round: ``y + 1.5 * 2^23`` rounded to nearest even, whose low byte is the code in two's
+    complement."""
+    if HALF_AWAY:
+        if INTERPRET:  # no PTX there; floor(a) + 2^23 is exact for 0 <= a < 2^23
+            b = tl.floor(tl.abs(y) + 0.49999997) + _TWO_23
+            m = y.to(tl.int32, bitcast=True) >> 31  # arithmetic: all ones where y is negative
+            n = (b.to(tl.int32, bitcast=True) ^ m) - m
+        else:
+            n = tl.inline_asm_elementwise(
+                "{ .reg .b32 a, m; abs.f32 a, $1; add.rn.f32 a, a, 0f3EFFFFFF; "
+                "add.rz.f32 a, a, 0f4B000000; shr.s32 m, $1, 31; xor.b32 a, a, m; "
+                "sub.s32 $0, a, m; }",
+                "=r,r", [y], dtype=tl.int32, is_pure=True, pack=1,
+            )  # fmt: skip
+    else:
+        n = (y + _TWO_23_HALF).to(tl.int32, bitcast=True)
+    return n.to(tl.int8)  # the low byte
+
+
+@triton.jit
+def _quantize_heads(x, qmax_op, QMAX: tl.constexpr, FLOOR: tl.constexpr, DIVIDE: tl.constexpr,
+                    INT8: tl.constexpr, HALF_AWAY: tl.constexpr):  # fmt: skip
+    """Rows of x [BLOCK_H, BLOCK_D] (one kv head each; padding loaded as 0) -> (codes, scales
+    [BLOCK_H] fp32) as ``quant.quantize_per_token_head`` computes them: ``absmax / QMAX`` as
+    aten does (``DIVIDE``: correctly rounded by ``qmax_op``, else times ``qmax_op``, the
     reciprocal), ``x / scale`` correctly rounded (``_divide_rows``), int8 rounded exactly
-    (half away: ``floor(|y| + 0.49999997)`` with y's sign; half even: trunc plus the fraction's
-    verdict), clamped and cast; e4m3 clamped and cast with round to nearest even."""
+    (``_int8_codes``; |x / scale| <= QMAX, so no clamp), e4m3 cast with round to nearest even and
+    saturation (aten's clamp to +-QMAX: the same bytes)."""
     x = x.to(tl.float32)
-    amax = tl.max(tl.where(mask, tl.abs(x), 0.0), axis=1)
+    amax = tl.max(tl.abs(x), axis=1)
     if DIVIDE:
         s = tl.math.div_rn(amax, qmax_op)
     else:
@@ -110,19 +142,10 @@ def _quantize_heads(x, mask, qmax_op, QMAX: tl.constexpr, FLOOR: tl.constexpr,
     s = tl.maximum(s, FLOOR, propagate_nan=tl.PropagateNan.ALL)
     y = _divide_rows(x, s)
     if INT8:
-        if HALF_AWAY:  # exact for every fp32 |y| <= 256 (checked for all of them), |y| <= 128 here
-            r = tl.floor(tl.abs(y) + 0.49999997)  # >= 0: y's sign bit goes back on by an or
-            sign = y.to(tl.uint32, bitcast=True) & 0x80000000
-            r = (r.to(tl.uint32, bitcast=True) | sign).to(tl.float32, bitcast=True)
-        else:  # ties to even, as torch.round: trunc plus the fraction's verdict (exact)
-            t = y.to(tl.int32)  # toward zero; |y| <= 127 (plus rounding) by construction
-            tf = t.to(tl.float32)
-            frac = tl.abs(y - tf)
-            up = (frac > 0.5) | ((frac == 0.5) & ((t & 1) != 0))
-            r = tf + tl.where(up, tl.where(y < 0.0, -1.0, 1.0), 0.0)
-        codes = tl.clamp(r, -128.0, 127.0).to(tl.int8)
+        codes = _int8_codes(y, HALF_AWAY)
     else:
-        y = tl.clamp(y, -QMAX, QMAX, propagate_nan=tl.PropagateNan.ALL)
+        if INTERPRET:  # numpy's cast does not saturate
+            y = tl.clamp(y, -QMAX, QMAX, propagate_nan=tl.PropagateNan.ALL)
         codes = y.to(tl.float8e4nv, fp_downcast_rounding="rtne")
     return codes, s
 
@@ -131,23 +154,23 @@ def _quantize_heads(x, mask, qmax_op, QMAX: tl.constexpr, FLOOR: tl.constexpr,
 def kv_write_per_token_head_kernel(
     k_ptr, v_ptr, cache_ptr, scale_ptr, slot_ptr, qmax_op, n_tokens,
     k_st, k_sh, k_sd, v_st, v_sh, v_sd,
-    c_sp, c_skv, c_ss, c_sh, c_sd, s_sp, s_skv, s_sh, s_ss, page_size,
-    KH: tl.constexpr, D: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr,
-    BLOCK_D: tl.constexpr, QMAX: tl.constexpr, FLOOR: tl.constexpr, DIVIDE: tl.constexpr,
-    INT8: tl.constexpr, HALF_AWAY: tl.constexpr,
+    c_sp, c_skv, c_ss, c_sh, c_sd, s_sp, s_skv, s_sh, s_ss,
+    PAGE: tl.constexpr, KH: tl.constexpr, D: tl.constexpr, BLOCK_T: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, QMAX: tl.constexpr, FLOOR: tl.constexpr,
+    DIVIDE: tl.constexpr, INT8: tl.constexpr, HALF_AWAY: tl.constexpr,
 ):  # fmt: skip
     """Tokens ``[BLOCK_T * program_id, ...)`` (of ``n_tokens``): their k and v [KH, D], quantized
     per kv head (``_quantize_heads``; one row per (token, head), so that a program amortizes
     its scale math and reductions over several tokens): codes into ``cache[page, 0 / 1,
     offset]``, scales into ``scale[page, 0 / 1, :, offset]``. Any strides (``*_s*``: token /
-    page, k-or-v, slot, head, dim)."""
+    page, k-or-v, slot, head, dim); ``PAGE`` slots per page."""
     rows = tl.arange(0, BLOCK_T * BLOCK_H)
     token = tl.program_id(0).to(tl.int64) * BLOCK_T + rows // BLOCK_H  # [rows]
     h = rows % BLOCK_H
     row_ok = (token < n_tokens) & (h < KH)
     slot = tl.load(slot_ptr + token, mask=row_ok, other=0).to(tl.int64)
-    page = slot // page_size
-    offset = slot - page * page_size
+    page = slot // PAGE  # a constant divisor: a shift, or a multiply
+    offset = slot - page * PAGE
     d = tl.arange(0, BLOCK_D)
     mask = row_ok[:, None] & (d[None, :] < D)
     k = tl.load(
@@ -156,8 +179,8 @@ def kv_write_per_token_head_kernel(
     v = tl.load(
         v_ptr + (token * v_st + h * v_sh)[:, None] + d[None, :] * v_sd, mask=mask, other=0.0
     )
-    kc, ks = _quantize_heads(k, mask, qmax_op, QMAX, FLOOR, DIVIDE, INT8, HALF_AWAY)
-    vc, vs = _quantize_heads(v, mask, qmax_op, QMAX, FLOOR, DIVIDE, INT8, HALF_AWAY)
+    kc, ks = _quantize_heads(k, qmax_op, QMAX, FLOOR, DIVIDE, INT8, HALF_AWAY)
+    vc, vs = _quantize_heads(v, qmax_op, QMAX, FLOOR, DIVIDE, INT8, HALF_AWAY)
     dst = cache_ptr + (page * c_sp + offset * c_ss + h * c_sh)[:, None] + d[None, :] * c_sd
     tl.store(dst, kc, mask=mask)
     tl.store(dst + c_skv, vc, mask=mask)
