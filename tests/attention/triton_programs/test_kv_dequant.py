@@ -7,12 +7,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.support.triton_case import HAS_CUDA  # sets the interpreter up first
+from tests.support.triton_case import HAS_CUDA, INTERPRETING  # sets the interpreter up first
 from torch_kvq.attention import quant
 from torch_kvq.attention.kernels.kv_dequant import dequantize_pages, dequantize_pages_triton
 from torch_kvq.spec import FP8_DTYPE
 
 DEVICE = "cuda" if HAS_CUDA else "cpu"
+on_interpreter = pytest.mark.skipif(not INTERPRETING, reason="the interpreter runs where no CUDA is")
 CASES = [("int4", 2, 16, 128), ("int4", 3, 16, 64), ("int4", 1, 32, 256), ("int8", 8, 16, 128),
          ("fp8", 3, 32, 64), ("int4", 8, 64, 128)]  # fmt: skip
 
@@ -26,9 +27,7 @@ def cache_of(fmt: str, pages: int, page: int, kh: int, d: int, seed: int = 0):
     return codes.to(DEVICE), scales.transpose(-1, -2).contiguous().to(DEVICE)
 
 
-@pytest.mark.parametrize("fmt,kh,page,d", CASES)
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
-def test_triton_pass_equals_aten(fmt: str, kh: int, page: int, d: int, dtype: torch.dtype) -> None:
+def _check_equal(fmt: str, kh: int, page: int, d: int, dtype: torch.dtype) -> None:
     cache, scales = cache_of(fmt, 6, page, kh, d)
     assert cache.dtype == {"int4": torch.uint8, "int8": torch.int8, "fp8": FP8_DTYPE}[fmt]
     ids = torch.tensor([4, 0, 5, 4], dtype=torch.int32, device=DEVICE)
@@ -38,7 +37,22 @@ def test_triton_pass_equals_aten(fmt: str, kh: int, page: int, d: int, dtype: to
     assert torch.equal(got.view(torch.uint8), want.view(torch.uint8))
 
 
-def test_empty_batch_and_refusals() -> None:
+@on_interpreter
+@pytest.mark.parametrize("fmt,kh,page,d", CASES)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_interpreter_pass_equals_aten(fmt, kh, page, d, dtype) -> None:
+    _check_equal(fmt, kh, page, d, dtype)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
+@pytest.mark.parametrize("fmt,kh,page,d", CASES)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_gpu_pass_equals_aten(fmt, kh, page, d, dtype) -> None:
+    _check_equal(fmt, kh, page, d, dtype)
+
+
+def _check_empty_batch_and_refusals() -> None:
     cache, scales = cache_of("int4", 2, 16, 2, 64)
     ids = torch.zeros(0, dtype=torch.int32, device=DEVICE)
     assert dequantize_pages_triton(cache, scales, ids, torch.bfloat16).shape == (0, 2, 16, 2, 64)
@@ -47,6 +61,17 @@ def test_empty_batch_and_refusals() -> None:
         dequantize_pages_triton(odd, scales, ids, torch.bfloat16)
     with pytest.raises(ValueError, match=r"need \[P, 2, page, KH, D'\] codes and float32"):
         dequantize_pages_triton(cache, scales[:, :, :1], ids, torch.bfloat16)
+
+
+@on_interpreter
+def test_interpreter_empty_batch_and_refusals() -> None:
+    _check_empty_batch_and_refusals()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
+def test_gpu_empty_batch_and_refusals() -> None:
+    _check_empty_batch_and_refusals()
 
 
 def test_cpu_cache_takes_the_aten_form() -> None:

@@ -43,7 +43,8 @@ docs/design/fp8_prefill.md, docs/design/fp8_decode_paths.md, benchmarks/RESULTS.
     minus their zero point are exact in fp16, q is rotated once per program and the output
     un-rotated at its end), CUDA graphs included.
   - prefill / mixed batch: the batch's pages dequantized into a compact model-dtype scratch
-    cache (page i of the scratch is the page table's i-th page, so the table becomes 0..n-1),
+    cache in one Triton pass (``kv_dequant``; int4 un-rotated there) (page i of the scratch is
+    the page table's i-th page, so the table becomes 0..n-1),
     then the model-dtype prefill wrapper of the ``prefill`` option (fa2; fa3 with ``"fa3"`` or
     ``"fa3_fp8"``). The scratch is rounded to the model dtype once: within the bf16 path's error.
 
@@ -87,7 +88,7 @@ from torch_kvq.attention.kernels.flashinfer_plan import (
     plan_wrapper,
 )
 from torch_kvq.attention.metadata import GraphShape
-from torch_kvq.attention.quant import dequantize_pages_per_token_head
+from torch_kvq.attention.kernels.kv_dequant import dequantize_pages
 from torch_kvq.spec import FP8_DTYPE, LayerKVSpec
 
 if TYPE_CHECKING:
@@ -459,7 +460,7 @@ class FlashInferKernel:
         out = torch.empty(q.shape, dtype=key.o_dtype, device=q.device)
         if key.kernel == "compact-prefill":  # the batch's pages, dequantized, in table order
             ids = ctx.metadata_for(spec).kv_indices
-            scratch = dequantize_pages_per_token_head(kv_cache, kv_scale, ids, key.kv_dtype)
+            scratch = dequantize_pages(kv_cache, kv_scale, ids, key.kv_dtype)
             return plan.wrapper.run(q, scratch, out=out)
         if kv_cache.dtype != FP8_DTYPE:
             return plan.wrapper.run(q, kv_cache, out=out)

@@ -15,7 +15,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from torch_kvq.attention.triton.helpers import _INTERPRET as INTERPRET
+from torch_kvq.attention.triton.helpers import INTERPRET
 
 
 @triton.jit
