@@ -31,14 +31,15 @@ no device sync) goes the Python-float way, measured as ``"cpu_tensor"`` (note: l
 eager form, a CUDA graph captured then keeps the value it saw at capture). On the CPU the aten path
 (``write_kv_torch``) is the unfused expression itself.
 
-Per-(token, head) modes (``write_kv_per_token_head``; math: ``quant.quantize_per_token_head``;
-``int4_per_token_head`` is written by the aten form on every device, no Triton program yet):
+Per-(token, head) modes (``write_kv_per_token_head``; math: ``quant.quantize_per_token_head``):
 the codes go into ``kv_cache`` and one fp32 scale per (token, kv head) for k and for v into
 ``kv_scale`` [pages, 2, KH, page]. On a CUDA cache one Triton program per few tokens writes both; its
 bytes and scales are those of the unfused torch ops on that device: ``absmax / QMAX`` (a
 Python-float divisor) in aten's measured form (``aten_scalar_division``; QMAX is exact in fp32, so
 the two reciprocal forms agree), ``x.float() / scale`` (a tensor divisor) correctly rounded, as
 ``aten_scalar_division(device, "tensor")`` must confirm, else the write is refused.
+``int4_per_token_head`` (codes [pages, 2, page, KH, D / 2] uint8) is its own program, launched by
+``kernels/kv_write_int4.py`` (rotation, MSE-clipped asymmetric int4, two codes per byte).
 """
 
 from __future__ import annotations
@@ -50,6 +51,7 @@ from typing import Any, Literal
 import torch
 
 from torch_kvq.attention.kernels.base import KernelUnsupportedError
+from torch_kvq.attention.kernels.kv_write_int4 import launch_int4_write
 from torch_kvq.attention.quant import (
     FP8_MAX,
     SCALE_FLOOR,
@@ -301,14 +303,10 @@ def write_kv_per_token_head(
     """Quantize k/v [T, KH, D] per (token, kv head) (``mode`` "int8" | "fp8", int8 ``rounding``
     "half_away" | "half_even") and write the codes into ``kv_cache`` [pages, 2, page, KH, D] and
     the scales into ``kv_scale`` [pages, 2, KH, page] fp32 at ``slot_mapping`` [T] slots. CUDA:
-    one Triton program per token; elsewhere ``write_kv_per_token_head_torch``.
-
-    ``mode="int4"`` (``int4_per_token_head``: codes [pages, 2, page, KH, D / 2] uint8) has no
-    Triton program yet: it is ``write_kv_per_token_head_torch`` on every device, the reference
-    kernel's path (the only kernel that serves such a layer; FlashInfer refuses it when it
-    checks the layer, ``kernels/capabilities.py``)."""
+    one Triton program per few tokens; elsewhere ``write_kv_per_token_head_torch``. ``mode="int4"``
+    (``int4_per_token_head``): codes [pages, 2, page, KH, D / 2] uint8, the same way."""
     check_per_token_head_write(kv_cache, kv_scale, k, v, slot_mapping, mode, rounding)
-    if kv_cache.is_cuda and mode != "int4":
+    if kv_cache.is_cuda:
         write_kv_per_token_head_triton(kv_cache, kv_scale, k, v, slot_mapping, mode, rounding)
     else:
         write_kv_per_token_head_torch(kv_cache, kv_scale, k, v, slot_mapping, mode, rounding)
@@ -397,22 +395,19 @@ def write_kv_per_token_head_triton(
     mode: str,
     rounding: Rounding = "half_away",
 ) -> None:
-    """``write_kv_per_token_head`` as one Triton program per token (any strides); the divisions
-    follow aten on the cache's device (module docstring)."""
+    """``write_kv_per_token_head`` as one Triton program per few tokens (any strides); the
+    divisions follow aten on the cache's device (module docstring). int4: ``launch_int4_write``."""
     code_dtype, qmax = per_token_head_format(mode, rounding)
-    if mode == "int4":
-        raise KernelUnsupportedError(
-            "the Triton per-(token, head) cache write has no int4_per_token_head program (rotate, "
-            "MSE-clipped asymmetric int4, two codes per byte); write_kv_per_token_head_torch "
-            "writes it"
-        )
-    kernel = _triton_kernel("kv_write_per_token_head_kernel")
+    kernel = _triton_kernel("kv_write_int4_kernel" if mode == "int4" else
+                            "kv_write_per_token_head_kernel")  # fmt: skip
     t, kh, d = k.shape
     if t == 0:
         return
-    division = aten_scalar_division(kv_cache.device)  # absmax / QMAX: a Python-float divisor
-    # x / scale: a tensor divisor
+    # x / scale (int4: -lo / scale): a tensor divisor
     require_correct_tensor_division(kv_cache.device, "the per-(token, head) cache write")
+    if mode == "int4":
+        return launch_int4_write(kernel, kv_cache, kv_scale, k, v, slot_mapping)
+    division = aten_scalar_division(kv_cache.device)  # absmax / QMAX: a Python-float divisor
     block_h, block_d = _next_pow2(kh), _next_pow2(d)
     # a program quantizes WRITE_ROW_ELEMENTS values of k (and of v): several tokens when heads are small
     block_t = max(1, WRITE_ROW_ELEMENTS // (block_h * block_d))
