@@ -406,7 +406,8 @@ def write_kv_per_token_head_triton(
     # x / scale (int4: -lo / scale): a tensor divisor
     require_correct_tensor_division(kv_cache.device, "the per-(token, head) cache write")
     if mode == "int4":
-        return launch_int4_write(kernel, kv_cache, kv_scale, k, v, slot_mapping)
+        launch_int4_write(kernel, kv_cache, kv_scale, k, v, slot_mapping)
+        return
     division = aten_scalar_division(kv_cache.device)  # absmax / QMAX: a Python-float divisor
     block_h, block_d = _next_pow2(kh), _next_pow2(d)
     # a program quantizes WRITE_ROW_ELEMENTS values of k (and of v): several tokens when heads are small

@@ -55,7 +55,13 @@ def clip_ratios(device: torch.device) -> torch.Tensor:
 @functools.cache
 def require_correct_reciprocal(device: torch.device) -> None:
     """KernelUnsupportedError unless ``torch.reciprocal`` of fp32 on ``device`` is correctly
-    rounded (the program's ``div_rn(1, scale)``), checked on probe values once per device."""
+    rounded (the program's ``div_rn(1, scale)``), checked on probe values once per device (not
+    inside CUDA graph capture: the probe reads its result on the host)."""
+    if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+        raise KernelUnsupportedError(
+            f"the int4 cache write's reciprocal probe for {device} cannot run inside CUDA graph "
+            "capture; run one uncaptured step first (DecodeGraphRunner's warm-up runs do)"
+        )
     gen = torch.Generator().manual_seed(1)
     x = torch.cat([torch.tensor([3.0, 0.03, 1e-6, 7.7e-3, 123.456]),
                    torch.rand(4096, generator=gen).mul(30).sub(20).exp2()])  # fmt: skip
@@ -76,20 +82,21 @@ def launch_int4_write(
     k: torch.Tensor,
     v: torch.Tensor,
     slot_mapping: torch.Tensor,
-) -> None:
+) -> Any:
     """``kv_write_int4_kernel`` (``program``) over the T * KH (token, kv head) rows of k and v
     [T, KH, D] (any strides), into codes ``kv_cache`` [pages, 2, page, KH, D / 2] uint8 and
     scales ``kv_scale`` [pages, 2, KH, page] fp32 at ``slot_mapping`` [T] slots. Arguments
-    already checked (``check_per_token_head_write``)."""
+    already checked (``check_per_token_head_write``). Returns the launched program's handle
+    (its ``asm`` on a GPU), None for an empty batch."""
     t, kh, d = k.shape
     if t == 0:
-        return
+        return None
     require_correct_reciprocal(kv_cache.device)
     b = hadamard_block(d)
     block_d = 1 << (d - 1).bit_length()
-    block_r = max(1, INT4_ROW_ELEMENTS // block_d)
+    block_r = 1 << (max(1, INT4_ROW_ELEMENTS // block_d).bit_length() - 1)  # a power of two
     n_rows = t * kh
-    program[(-(-n_rows // block_r),)](
+    return program[(-(-n_rows // block_r),)](
         k, v, kv_cache, kv_scale, slot_mapping, rotation_signs(d, kv_cache.device),
         clip_ratios(kv_cache.device), n_rows,
         *k.stride(), *v.stride(), *kv_cache.stride(), *kv_scale.stride(), kv_cache.shape[2],

@@ -255,8 +255,12 @@ def kv_write_int4_kernel(
     d = tl.arange(0, BLOCK_D)
     mask = row_ok[:, None] & (d[None, :] < D)
     signs = tl.load(sign_ptr + d, mask=d < D, other=0.0)
-    k = tl.load(k_ptr + (token * k_st + h * k_sh)[:, None] + d[None, :] * k_sd, mask=mask, other=0.0)
-    v = tl.load(v_ptr + (token * v_st + h * v_sh)[:, None] + d[None, :] * v_sd, mask=mask, other=0.0)
+    k = tl.load(
+        k_ptr + (token * k_st + h * k_sh)[:, None] + d[None, :] * k_sd, mask=mask, other=0.0
+    )
+    v = tl.load(
+        v_ptr + (token * v_st + h * v_sh)[:, None] + d[None, :] * v_sd, mask=mask, other=0.0
+    )
     kc, ks = _int4_rows(k, mask, signs, ratio_ptr, BLOCK_R, BLOCK_D, LOG2B, RSQRT_B, RCP15, FLOOR,
                         NUM_RATIOS)  # fmt: skip
     vc, vs = _int4_rows(v, mask, signs, ratio_ptr, BLOCK_R, BLOCK_D, LOG2B, RSQRT_B, RCP15, FLOOR,
