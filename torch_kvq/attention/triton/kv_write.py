@@ -181,23 +181,21 @@ def _butterfly(x, R: tl.constexpr, N: tl.constexpr, H: tl.constexpr):
 
 @triton.jit
 def _round_clamp15(y):
-    """``clamp(round_half_away(y), 0, 15)`` exactly: ``clamp(floor(y) + (y - floor(y) >= 0.5), 0,
-    15)`` (the same for every fp32 y: below 0 both give 0; the fraction is exact where it counts;
-    tests/attention/test_kv_write_int4.py checks it)."""
-    f = tl.floor(y)
-    r = f + tl.where(y - f >= 0.5, 1.0, 0.0)
-    return tl.minimum(tl.maximum(r, 0.0), 15.0)
+    """``clamp(round_half_away(y), 0, 15)`` exactly, for every fp32 y: ``clamp(floor(y +
+    0.49999997), 0, 15)`` (0.49999997: fp32 0.5 - 2^-25; checked for every fp32 in [-1, 16.5]
+    and beyond it on both sides nothing can differ: tests/attention/test_kv_write_int4.py)."""
+    return tl.minimum(tl.maximum(tl.floor(y + 0.4999999701976776), 0.0), 15.0)
 
 
 @triton.jit
-def _int4_rows(x, mask, signs, ratio_ptr, R: tl.constexpr, BLOCK_D: tl.constexpr,
+def _int4_rows(x, signs, ratio_ptr, R: tl.constexpr, BLOCK_D: tl.constexpr,
                LOG2B: tl.constexpr, RSQRT_B: tl.constexpr, RCP15: tl.constexpr,
                FLOOR: tl.constexpr, NUM_RATIOS: tl.constexpr):  # fmt: skip
-    """Rows x [R, BLOCK_D] (one (token, kv head) each, zero outside ``mask``) -> (packed codes
+    """Rows x [R, BLOCK_D] (one (token, kv head) each, zero past D) -> (packed codes
     [R, BLOCK_D / 2] uint8, stored scales [R] fp32) as ``quant.quantize_int4_rotated``: every
     step the same fp32 operation (the launch turns off fma contraction), the clip errors in
-    fp64. Padding channels stay zero through the rotation (D is a multiple of its block) and
-    leave min / max alone (the range holds zero anyway); the error sums mask them."""
+    fp64. Padding channels stay zero through the rotation (D is a multiple of its block), leave
+    min / max alone (the range holds zero anyway) and add exact zeros to the error sums."""
     xf = x.to(tl.float32) * signs[None, :]
     for s in tl.static_range(LOG2B):
         xf = _butterfly(xf, R, BLOCK_D, 1 << s)
@@ -216,8 +214,8 @@ def _int4_rows(x, mask, signs, ratio_ptr, R: tl.constexpr, BLOCK_D: tl.constexpr
         zp = _round_clamp15(tl.math.div_rn(-lo, scale))
         inv = tl.math.div_rn(tl.full([R], 1.0, tl.float32), scale)
         codes = _round_clamp15(xf * inv[:, None] + zp[:, None])
-        diff = (codes - zp[:, None]) * scale[:, None] - xf
-        diff = tl.where(mask, diff, 0.0).to(tl.float64)
+        # padding channels: xf = 0, so code = zp and diff = 0: no mask needed
+        diff = ((codes - zp[:, None]) * scale[:, None] - xf).to(tl.float64)
         err = tl.sum(diff * diff, axis=1)
         better = (err < best) | (i == 0)
         best = tl.where(better, err, best)
@@ -261,9 +259,9 @@ def kv_write_int4_kernel(
     v = tl.load(
         v_ptr + (token * v_st + h * v_sh)[:, None] + d[None, :] * v_sd, mask=mask, other=0.0
     )
-    kc, ks = _int4_rows(k, mask, signs, ratio_ptr, BLOCK_R, BLOCK_D, LOG2B, RSQRT_B, RCP15, FLOOR,
+    kc, ks = _int4_rows(k, signs, ratio_ptr, BLOCK_R, BLOCK_D, LOG2B, RSQRT_B, RCP15, FLOOR,
                         NUM_RATIOS)  # fmt: skip
-    vc, vs = _int4_rows(v, mask, signs, ratio_ptr, BLOCK_R, BLOCK_D, LOG2B, RSQRT_B, RCP15, FLOOR,
+    vc, vs = _int4_rows(v, signs, ratio_ptr, BLOCK_R, BLOCK_D, LOG2B, RSQRT_B, RCP15, FLOOR,
                         NUM_RATIOS)  # fmt: skip
     j = tl.arange(0, BLOCK_D // 2)
     bmask = row_ok[:, None] & (j[None, :] < D // 2)
