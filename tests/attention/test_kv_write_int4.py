@@ -169,7 +169,7 @@ def test_interpreter_program_equals_aten(t, kh, d, page, dtype, layout) -> None:
 def test_interpreter_tiles_end_mid_token(monkeypatch) -> None:
     """Rows (token, head) tile the programs without regard to tokens: with 3 heads and 4 rows a
     program, a token's heads straddle two programs."""
-    monkeypatch.setattr(kv_write_int4, "INT4_ROW_ELEMENTS", 4 * 64)
+    monkeypatch.setattr(kv_write_int4, "INT4_ROWS", 4)
     _check(*_case(11, 3, 64, 16, torch.bfloat16, seed=7))
 
 

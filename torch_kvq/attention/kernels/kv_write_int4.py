@@ -31,9 +31,11 @@ from torch_kvq.attention.quant import (
     hadamard_signs,
 )
 
-# values of k (and of v) per program: BLOCK_R rows of the head size padded to a power of two
-INT4_ROW_ELEMENTS = 2048
-INT4_WARPS = 4
+# (token, kv head) rows of k (and of v) per program: one a thread (the program holds its rows
+# channels first, so each thread's row stays in its registers: rotation, min / max and error sums
+# without shuffles, and the per-row scale math once per row)
+INT4_WARPS = 1
+INT4_ROWS = 32 * INT4_WARPS
 
 
 def _f32(x: float) -> float:
@@ -94,7 +96,7 @@ def launch_int4_write(
     require_correct_reciprocal(kv_cache.device)
     b = hadamard_block(d)
     block_d = 1 << (d - 1).bit_length()
-    block_r = 1 << (max(1, INT4_ROW_ELEMENTS // block_d).bit_length() - 1)  # a power of two
+    block_r = INT4_ROWS  # a power of two
     n_rows = t * kh
     return program[(-(-n_rows // block_r),)](
         k, v, kv_cache, kv_scale, slot_mapping, rotation_signs(d, kv_cache.device),
