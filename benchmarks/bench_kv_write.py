@@ -9,6 +9,8 @@ the package writes:
   int8_per_token_head  ``write_kv_per_token_head``: absmax per (token, kv head), int8 codes
                        and fp32 scales (``kvq::quant_cache_write_per_token_head``)
   fp8_per_token_head   the same with e4m3 codes
+  int4_per_token_head  the same, rotated, MSE-clipped asymmetric int4 (two codes per byte: D / 2
+                       bytes per (token, head), plus the 4-byte scale holding the zero point)
 Shapes: Llama-3.1-8B (KH 8, D 128) and Gemma-3-12B's global layer (KH 8, D 256); T: decode batches
 of 32 and 131 tokens, one 16k prompt, and 8 prompts of 16k (a prefill step). Each case: a CUDA
 graph of ``--calls`` writes, replayed per round; median over rounds. "% copy" is (k / v bytes
@@ -17,6 +19,7 @@ bandwidth (read + write); decode-sized writes are launch-bound, not bandwidth-bo
 
     python benchmarks/bench_kv_write.py            # bash scripts/gpu_k32.sh
     python benchmarks/bench_kv_write.py --smoke    # CPU: the aten writes of one small case
+    python benchmarks/bench_kv_write.py --modes bf16 int4_per_token_head   # some modes only
 """
 
 from __future__ import annotations
@@ -38,10 +41,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 PAGE = 16
 SHAPES = {"llama": (8, 128), "gemma_global": (8, 256)}  # KH, D
 TOKENS = (32, 131, 16384, 8 * 16384)
-MODES = ("bf16", "fp8_per_tensor", "int8_per_token_head", "fp8_per_token_head")
+MODES = ("bf16", "fp8_per_tensor", "int8_per_token_head", "fp8_per_token_head",
+         "int4_per_token_head")  # fmt: skip
 SLOTS = ("tokens", "pages")  # new tokens at shuffled slots; in shuffled whole pages
 CODE = {"bf16": torch.bfloat16, "fp8_per_tensor": torch.float8_e4m3fn,
-        "int8_per_token_head": torch.int8, "fp8_per_token_head": torch.float8_e4m3fn}  # fmt: skip
+        "int8_per_token_head": torch.int8, "fp8_per_token_head": torch.float8_e4m3fn,
+        "int4_per_token_head": torch.uint8}  # fmt: skip
 
 
 @dataclass
@@ -70,8 +75,10 @@ def make_write(
         order = torch.randperm(pages, generator=gen)[:, None] * PAGE + torch.arange(PAGE)
         slot_ids = order.reshape(-1)[:tokens].to(device)
     k, v = (torch.randn(tokens, kh, d, generator=gen).bfloat16().to(device) for _ in "kv")
-    cache = torch.zeros(pages, 2, PAGE, kh, d, dtype=CODE[mode], device=device)
-    nbytes = 2 * tokens * kh * d * (2 + cache.element_size()) + tokens * 8
+    packed = 2 if mode == "int4_per_token_head" else 1  # codes per cache element
+    cache = torch.zeros(pages, 2, PAGE, kh, d // packed, dtype=CODE[mode], device=device)
+    # k / v read in bf16, codes written (D / 2 bytes a row for int4), slots read
+    nbytes = 2 * tokens * kh * (d * 2 + d // packed * cache.element_size()) + tokens * 8
     if mode.endswith("per_token_head"):
         kv_scale = torch.zeros(pages, 2, kh, PAGE, device=device)
         nbytes += 2 * tokens * kh * 4
@@ -139,6 +146,8 @@ def main() -> None:
     ap.add_argument("--smoke", action="store_true", help="CPU only: run the aten writes once")
     ap.add_argument("--slots", nargs="+", choices=SLOTS, default=list(SLOTS),
                     help="slot patterns: shuffled tokens, shuffled whole pages (a prefill's)")  # fmt: skip
+    ap.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES),
+                    help="cache modes to measure (default: all)")  # fmt: skip
     args = ap.parse_args()
     if args.smoke:
         smoke()
@@ -149,7 +158,7 @@ def main() -> None:
     rows: list[dict[str, Any]] = []
     for shape, (kh, d) in SHAPES.items():
         for tokens, slots in ((t, p) for t in TOKENS if t <= args.max_tokens for p in args.slots):
-            for mode in MODES:
+            for mode in args.modes:
                 base = {"shape": shape, "tokens": tokens, "slots": slots, "mode": mode}
                 try:
                     w = make_write(mode, kh, d, tokens, "cuda", slots)

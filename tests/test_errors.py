@@ -1834,16 +1834,6 @@ def _() -> object:
     return Attention(spec, 4, quant_form="torch")
 
 
-@case("modes.int4-triton-write")
-def _() -> object:
-    from torch_kvq.attention.kernels.kv_write import write_kv_per_token_head_triton
-
-    cache = torch.zeros(2, 2, PAGE, KV_HEADS, D // 2, dtype=torch.uint8)
-    scale = torch.zeros(2, 2, KV_HEADS, PAGE)
-    k = torch.zeros(1, KV_HEADS, D)
-    return write_kv_per_token_head_triton(
-        cache, scale, k, k, torch.zeros(1, dtype=torch.long), "int4"
-    )
 
 
 # --- the tests ----------------------------------------------------------------------------------

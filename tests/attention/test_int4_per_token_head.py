@@ -1,7 +1,7 @@
 """``int4_per_token_head`` (issue 33) on the CPU: the mode, its packed cache, the write and read of
 the reference path (eager and fused, bit for bit), a per-layer map mixing it with bf16 and
 ``int8_per_token_head`` on a small model, and the refusals (odd head size, the torch-native quant
-form, FlashInfer and the Triton write)."""
+form, FlashInfer). The CUDA write's Triton program: tests/attention/test_kv_write_int4.py."""
 
 from __future__ import annotations
 
@@ -25,10 +25,7 @@ from tests.support.passes import (
 from torch_kvq.attention import Attention, PageAllocator, ReferenceKernel, forward_context, quant
 from torch_kvq.attention.kernels import FlashInferKernel, KernelUnsupportedError
 from torch_kvq.attention.kernels import capabilities as caps
-from torch_kvq.attention.kernels.kv_write import (
-    write_kv_per_token_head,
-    write_kv_per_token_head_triton,
-)
+from torch_kvq.attention.kernels.kv_write import write_kv_per_token_head
 from torch_kvq.attention.memory import page_bytes
 from torch_kvq.models import build_model, generate
 from torch_kvq.passes import make_kvq_backend
@@ -288,12 +285,14 @@ def test_flashinfer_kernel_refuses_int4_off_sm90() -> None:
             FlashInferKernel().check_supported(spec)
 
 
-def test_triton_write_refuses_int4() -> None:
+def test_cpu_write_of_int4_is_the_aten_form() -> None:
+    """On the CPU ``write_kv_per_token_head`` writes int4 with aten ops (CUDA: the Triton program,
+    tests/attention/test_kv_write_int4.py)."""
     cache = torch.zeros(2, 2, 4, 2, 16, dtype=torch.uint8)
     scale = torch.zeros(2, 2, 2, 4)
     k = torch.randn(3, 2, 32)
     slots = torch.tensor([0, 1, 2])
-    with pytest.raises(KernelUnsupportedError, match="has no int4_per_token_head program"):
-        write_kv_per_token_head_triton(cache, scale, k, k, slots, "int4")
-    write_kv_per_token_head(cache, scale, k, k, slots, "int4")  # the aten write, on the CPU
-    assert torch.equal(cache[0, 0, :3], quant.quantize_int4_rotated(k)[0])
+    write_kv_per_token_head(cache, scale, k, k, slots, "int4")
+    packed, stored = quant.quantize_int4_rotated(k)
+    assert torch.equal(cache[0, 0, :3], packed) and torch.equal(cache[0, 1, :3], packed)
+    assert torch.equal(scale[0, 0, :, :3], stored.T)

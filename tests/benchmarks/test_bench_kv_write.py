@@ -18,7 +18,10 @@ import bench_kv_write as bench  # noqa: E402
 def test_smoke_runs_every_mode_on_the_cpu() -> None:
     out = subprocess.run([sys.executable, str(SCRIPT), "--smoke"], capture_output=True, text=True,
                          check=True, timeout=300).stdout  # fmt: skip
-    assert "smoke ok: bf16, fp8_per_tensor, int8_per_token_head, fp8_per_token_head" in out
+    assert (
+        "smoke ok: bf16, fp8_per_tensor, int8_per_token_head, fp8_per_token_head, "
+        "int4_per_token_head" in out
+    )
 
 
 def test_bytes_count_reads_codes_and_scales() -> None:
@@ -29,6 +32,15 @@ def test_bytes_count_reads_codes_and_scales() -> None:
     assert got["fp8_per_tensor"] == kv_in + 2 * t * kh * d + slots
     scales = 2 * t * kh * 4
     assert got["int8_per_token_head"] == got["fp8_per_token_head"] == got["fp8_per_tensor"] + scales
+    assert got["int4_per_token_head"] == kv_in + 2 * t * kh * (d // 2) + scales + slots
+
+
+def test_int4_write_lands_packed() -> None:
+    w = bench.make_write("int4_per_token_head", 2, 64, 40, "cpu")
+    assert w.cache.dtype == torch.uint8 and w.cache.shape[-1] == 32
+    w.call()
+    assert int(w.kv_scale.gt(0).sum()) == 2 * 40 * 2
+    assert int(w.cache.ne(0).any(-1).sum()) == 2 * 40 * 2  # every (token, head) row written
 
 
 def test_the_write_lands_in_the_cache() -> None:

@@ -32,14 +32,15 @@ no device sync) goes the Python-float way, measured as ``"cpu_tensor"`` (note: l
 eager form, a CUDA graph captured then keeps the value it saw at capture). On the CPU the aten path
 (``write_kv_torch``) is the unfused expression itself.
 
-Per-(token, head) modes (``write_kv_per_token_head``; math: ``quant.quantize_per_token_head``;
-``int4_per_token_head`` is written by the aten form on every device, no Triton program yet):
+Per-(token, head) modes (``write_kv_per_token_head``; math: ``quant.quantize_per_token_head``):
 the codes go into ``kv_cache`` and one fp32 scale per (token, kv head) for k and for v into
 ``kv_scale`` [pages, 2, KH, page]. On a CUDA cache one Triton program per few tokens writes both; its
 bytes and scales are those of the unfused torch ops on that device: ``absmax / QMAX`` (a
 Python-float divisor) in aten's measured form (``aten_scalar_division``; QMAX is exact in fp32, so
 the two reciprocal forms agree), ``x.float() / scale`` (a tensor divisor) correctly rounded, as
 ``aten_scalar_division(device, "tensor")`` must confirm, else the write is refused.
+``int4_per_token_head`` (codes [pages, 2, page, KH, D / 2] uint8) is its own program, launched by
+``kernels/kv_write_int4.py`` (rotation, MSE-clipped asymmetric int4, two codes per byte).
 """
 
 from __future__ import annotations
@@ -51,6 +52,7 @@ from typing import Any, Literal
 import torch
 
 from torch_kvq.attention.kernels.base import KernelUnsupportedError
+from torch_kvq.attention.kernels.kv_write_int4 import launch_int4_write
 from torch_kvq.attention.quant import (
     FP8_MAX,
     SCALE_FLOOR,
@@ -305,12 +307,10 @@ def write_kv_per_token_head(
     """Quantize k/v [T, KH, D] per (token, kv head) (``mode`` "int8" | "fp8", int8 ``rounding``
     "half_away" | "half_even") and write the codes into ``kv_cache`` [pages, 2, page, KH, D] and
     the scales into ``kv_scale`` [pages, 2, KH, page] fp32 at ``slot_mapping`` [T] slots. CUDA:
-    ``write_kv_per_token_head_triton``; elsewhere ``write_kv_per_token_head_torch``.
-
-    ``mode="int4"`` (``int4_per_token_head``: codes [pages, 2, page, KH, D / 2] uint8) has no
-    Triton program yet: it is ``write_kv_per_token_head_torch`` on every device."""
+    ``write_kv_per_token_head_triton``; elsewhere ``write_kv_per_token_head_torch``. ``mode="int4"``
+    (``int4_per_token_head``): codes [pages, 2, page, KH, D / 2] uint8, the same way."""
     check_per_token_head_write(kv_cache, kv_scale, k, v, slot_mapping, mode, rounding)
-    if kv_cache.is_cuda and mode != "int4":
+    if kv_cache.is_cuda:
         write_kv_per_token_head_triton(kv_cache, kv_scale, k, v, slot_mapping, mode, rounding)
     else:
         write_kv_per_token_head_torch(kv_cache, kv_scale, k, v, slot_mapping, mode, rounding)
@@ -401,21 +401,20 @@ def write_kv_per_token_head_triton(
 ) -> None:
     """``write_kv_per_token_head`` as one Triton program per ``WRITE_ROW_ELEMENTS`` values of k
     (several tokens when heads are small; any strides, the page size a compile-time constant);
-    the divisions follow aten on the cache's device (module docstring)."""
+    the divisions follow aten on the cache's device (module docstring). int4:
+    ``launch_int4_write``."""
     code_dtype, qmax = per_token_head_format(mode, rounding)
-    if mode == "int4":
-        raise KernelUnsupportedError(
-            "the Triton per-(token, head) cache write has no int4_per_token_head program (rotate, "
-            "MSE-clipped asymmetric int4, two codes per byte); write_kv_per_token_head_torch "
-            "writes it"
-        )
-    kernel = _triton_kernel("kv_write_per_token_head_kernel")
+    kernel = _triton_kernel("kv_write_int4_kernel" if mode == "int4" else
+                            "kv_write_per_token_head_kernel")  # fmt: skip
     t, kh, d = k.shape
     if t == 0:
         return
-    division = aten_scalar_division(kv_cache.device)  # absmax / QMAX: a Python-float divisor
-    # x / scale: a tensor divisor
+    # x / scale (int4: -lo / scale): a tensor divisor
     require_correct_tensor_division(kv_cache.device, "the per-(token, head) cache write")
+    if mode == "int4":
+        launch_int4_write(kernel, kv_cache, kv_scale, k, v, slot_mapping)
+        return
+    division = aten_scalar_division(kv_cache.device)  # absmax / QMAX: a Python-float divisor
     block_h, block_d = _next_pow2(kh), _next_pow2(d)
     # a program quantizes WRITE_ROW_ELEMENTS values of k (and of v): several tokens when heads are
     # small, one when there are too few tokens to fill the GPU that way (a decode step's batch)

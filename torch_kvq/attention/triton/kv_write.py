@@ -187,3 +187,122 @@ def kv_write_per_token_head_kernel(
     sdst = scale_ptr + page * s_sp + offset * s_ss + h * s_sh
     tl.store(sdst, ks, mask=row_ok)
     tl.store(sdst + s_skv, vs, mask=row_ok)
+
+
+# -- int4_per_token_head: rotate, MSE-clipped asymmetric int4, two codes per byte ---------------
+
+
+@triton.jit
+def _butterfly(x, N: tl.constexpr, R: tl.constexpr, H: tl.constexpr):
+    """One Walsh-Hadamard stage on x [N, R] (channels first, one row a column): in each group of
+    2H channels, with a the first H and c the second, (a, c) -> (a + c, a - c)
+    (``quant._walsh_hadamard``'s order and operations)."""
+    y = tl.permute(tl.reshape(x, [N // (2 * H), 2, H, R]), [0, 2, 3, 1])
+    a, c = tl.split(y)  # [N / 2H, H, R] each
+    y = tl.permute(tl.join(a + c, a - c), [0, 3, 1, 2])
+    return tl.reshape(y, [N, R])
+
+
+@triton.jit
+def _round_clamp15(y):
+    """``clamp(round_half_away(y), 0, 15)`` exactly, for every fp32 y: ``clamp(floor(y +
+    0.49999997), 0, 15)`` (0.49999997: fp32 0.5 - 2^-25; checked for every fp32 in [-1, 16.5]
+    and beyond it on both sides nothing can differ: tests/attention/test_kv_write_int4.py)."""
+    return tl.minimum(tl.maximum(tl.floor(y + 0.4999999701976776), 0.0), 15.0)
+
+
+@triton.jit
+def _int4_rows(x, signs, ratio_ptr, R: tl.constexpr, BLOCK_D: tl.constexpr,
+               LOG2B: tl.constexpr, RSQRT_B: tl.constexpr, RCP15: tl.constexpr,
+               FLOOR: tl.constexpr, NUM_RATIOS: tl.constexpr):  # fmt: skip
+    """Rows x [BLOCK_D, R] (channels first: one (token, kv head) a column, zero past D) ->
+    (packed codes [BLOCK_D / 2, R] uint8, stored scales [R] fp32) as
+    ``quant.quantize_int4_rotated``: every step the same fp32 operation (the launch turns off fma
+    contraction), the clip errors in fp64. Padding channels stay zero through the rotation (D
+    is a multiple of its block), leave min / max alone (the range holds zero anyway) and add
+    exact zeros to the error sums."""
+    xf = x.to(tl.float32) * signs[:, None]
+    for s in tl.static_range(LOG2B):
+        xf = _butterfly(xf, BLOCK_D, R, 1 << s)
+    xf = xf * RSQRT_B
+    lo0 = tl.minimum(tl.min(xf, axis=0), 0.0)
+    hi0 = tl.maximum(tl.max(xf, axis=0), 0.0)
+    best = tl.full([R], float("inf"), tl.float64)
+    best_scale = tl.zeros([R], tl.float32)
+    best_inv = tl.zeros([R], tl.float32)
+    best_zp = tl.zeros([R], tl.float32)
+    for i in range(NUM_RATIOS):  # the clip ratios, largest first; the first kept on a tie
+        ratio = tl.load(ratio_ptr + i)
+        lo = lo0 * ratio
+        scale = tl.maximum((hi0 * ratio - lo) * RCP15, FLOOR)
+        scale = (scale.to(tl.int32, bitcast=True) & -16).to(tl.float32, bitcast=True)
+        zp = _round_clamp15(tl.math.div_rn(-lo, scale))
+        inv = tl.math.div_rn(tl.full([R], 1.0, tl.float32), scale)
+        codes = _round_clamp15(xf * inv[None, :] + zp[None, :])
+        # padding channels: xf = 0, so code = zp and diff = 0: no mask needed
+        diff = ((codes - zp[None, :]) * scale[None, :] - xf).to(tl.float64)
+        err = tl.sum(diff * diff, axis=0)
+        better = (err < best) | (i == 0)
+        best = tl.where(better, err, best)
+        best_scale = tl.where(better, scale, best_scale)
+        best_inv = tl.where(better, inv, best_inv)
+        best_zp = tl.where(better, zp, best_zp)
+    codes = _round_clamp15(xf * best_inv[None, :] + best_zp[None, :])
+    codes = tl.permute(tl.reshape(codes, [BLOCK_D // 2, 2, R]), [0, 2, 1])
+    even, odd = tl.split(codes)  # [BLOCK_D / 2, R] each
+    packed = (even + odd * 16.0).to(tl.int32).to(tl.uint8)
+    stored = best_scale.to(tl.int32, bitcast=True) | best_zp.to(tl.int32)
+    return packed, stored.to(tl.float32, bitcast=True)
+
+
+@triton.jit(do_not_specialize=["k_sd", "v_sd"])
+def kv_write_int4_kernel(
+    k_ptr, v_ptr, cache_ptr, scale_ptr, slot_ptr, sign_ptr, ratio_ptr, n_rows,
+    k_st, k_sh, k_sd, v_st, v_sh, v_sd,
+    c_sp, c_skv, c_ss, c_sh, c_sd, s_sp, s_skv, s_sh, s_ss, page_size,
+    KH: tl.constexpr, D: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr,
+    LOG2B: tl.constexpr, RSQRT_B: tl.constexpr, RCP15: tl.constexpr, FLOOR: tl.constexpr,
+    NUM_RATIOS: tl.constexpr,
+):  # fmt: skip
+    """Rows ``[BLOCK_R * program_id, ...)`` of the ``n_rows`` = T * KH (token, kv head) rows of k
+    and of v, each quantized by ``_int4_rows``: packed codes into ``cache[page, 0 / 1, offset,
+    head]`` (D / 2 bytes), stored scales into ``scale[page, 0 / 1, head, offset]``. ``sign_ptr``:
+    the rotation's signs [D] fp32; ``ratio_ptr``: the clip ratios [NUM_RATIOS] fp32. Any
+    strides (``*_s*``: token / page, k-or-v, slot, head, dim).
+
+    The tiles are channels first, [BLOCK_D, BLOCK_R], and k / v's channel strides are not
+    specialized (so not known to be 1): Triton then lays a tile out with the rows across the
+    threads and each row's channels in one thread's registers, so the butterfly, min / max, the
+    error sums and the per-row scale math need no shuffles and run once per row (sm90 SASS,
+    offline: about 170 instructions per value of k or v, 1 warp, D 64-256; a row-major tile
+    spread each row over the lanes and repeated the per-row math in every thread, about 870).
+    D = 256 spills (a row is 256 fp32 registers)."""
+    row = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
+    row_ok = row < n_rows
+    token = row // KH
+    h = row - token * KH
+    slot = tl.load(slot_ptr + token, mask=row_ok, other=0).to(tl.int64)
+    page = slot // page_size
+    offset = slot - page * page_size
+    d = tl.arange(0, BLOCK_D)
+    mask = (d[:, None] < D) & row_ok[None, :]
+    signs = tl.load(sign_ptr + d, mask=d < D, other=0.0)
+    j = tl.arange(0, BLOCK_D // 2)
+    bmask = (j[:, None] < D // 2) & row_ok[None, :]
+    dst = cache_ptr + (page * c_sp + offset * c_ss + h * c_sh)[None, :] + j[:, None] * c_sd
+    sdst = scale_ptr + page * s_sp + offset * s_ss + h * s_sh
+    # k, then v: one row set live at a time
+    k = tl.load(
+        (k_ptr + token * k_st + h * k_sh)[None, :] + d[:, None] * k_sd, mask=mask, other=0.0
+    )
+    kc, ks = _int4_rows(k, signs, ratio_ptr, BLOCK_R, BLOCK_D, LOG2B, RSQRT_B, RCP15, FLOOR,
+                        NUM_RATIOS)  # fmt: skip
+    tl.store(dst, kc, mask=bmask)
+    tl.store(sdst, ks, mask=row_ok)
+    v = tl.load(
+        (v_ptr + token * v_st + h * v_sh)[None, :] + d[:, None] * v_sd, mask=mask, other=0.0
+    )
+    vc, vs = _int4_rows(v, signs, ratio_ptr, BLOCK_R, BLOCK_D, LOG2B, RSQRT_B, RCP15, FLOOR,
+                        NUM_RATIOS)  # fmt: skip
+    tl.store(dst + c_skv, vc, mask=bmask)
+    tl.store(sdst + s_skv, vs, mask=row_ok)
