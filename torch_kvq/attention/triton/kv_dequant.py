@@ -4,7 +4,7 @@ one pass (the prefill path of ``kernels/flashinfer.py``): ``kv_dequant_pages_ker
 Each program reads one block of rows (token, kv head) of k or of v of one page, its codes and
 scales, and writes the rows in the model dtype: int8 / e4m3 ``code * scale``; int4
 (``int4_per_token_head``) unpacked, ``(code - zp) * scale`` and un-rotated by the Walsh-Hadamard
-butterfly (``walsh_hadamard``), so the scratch is in the model's basis, as FlashInfer's prefill
+butterfly (``triton/hadamard.py``), so the scratch is in the model's basis, as FlashInfer's prefill
 reads it. Every step is the fp32 operation ``quant.dequantize_pages_per_token_head`` performs, in
 the same order, so the scratch equals the aten one bit for bit. The host side is
 ``attention/kernels/kv_dequant.py``. Imports Triton.
@@ -15,20 +15,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from torch_kvq.attention.triton.hadamard import walsh_hadamard
 from torch_kvq.attention.triton.helpers import INTERPRET
-
-
-@triton.jit
-def walsh_hadamard(x, R: tl.constexpr, D: tl.constexpr, LOG2D: tl.constexpr):
-    """The unnormalized Walsh-Hadamard transform of each row of x [R, D] (D = 2 ** LOG2D), in
-    ``quant._walsh_hadamard``'s order: for h = 1, 2, .., D / 2, in each group of 2h channels
-    the first h (a) and the second h (c) become (a + c, a - c)."""
-    for s in tl.static_range(LOG2D):
-        y = tl.permute(tl.reshape(x, [R, D // (2 << s), 2, 1 << s]), [0, 1, 3, 2])
-        a, c = tl.split(y)
-        y = tl.permute(tl.join(a + c, a - c), [0, 1, 3, 2])
-        x = tl.reshape(y, [R, D])
-    return x
 
 
 @triton.jit
@@ -50,32 +38,35 @@ def kv_dequant_pages_kernel(
     t = r // KH
     h = r - t * KH
     stored = tl.load(scale_ptr + (page * 2 + kv) * (KH * PAGE) + h * PAGE + t, mask=ok, other=1.0)
-    if INT4:
+    if INT4:  # channels first [D, ROWS]: the butterfly's layout (triton/hadamard.py)
         C: tl.constexpr = D // 2
         c = tl.arange(0, C)
-        src = cache_ptr + (page * 2 + kv) * (PAGE * KH * C) + r[:, None] * C + c[None, :]
-        codes = tl.load(src, mask=ok[:, None])
+        src = cache_ptr + (page * 2 + kv) * (PAGE * KH * C) + r[None, :] * C + c[:, None]
+        codes = tl.load(src, mask=ok[None, :])
         bits = stored.to(tl.int32, bitcast=True)
         scale = (bits & ~0xF).to(tl.float32, bitcast=True)
         zp = (bits & 0xF).to(tl.float32)
         lo = (codes & 0xF).to(tl.float32)
         hi = (codes >> 4).to(tl.float32)
-        q = tl.reshape(tl.join(lo, hi), [ROWS, D])  # even channel from the low nibble
-        y = (q - zp[:, None]) * scale[:, None]
-        y = walsh_hadamard(y, ROWS, D, LOG2D) * inv_sqrt_b
-        y = y * tl.load(signs_ptr + tl.arange(0, D))[None, :]
+        # channel 2j from the low nibble of byte j, 2j + 1 from the high one
+        q = tl.reshape(tl.permute(tl.join(lo, hi), [0, 2, 1]), [D, ROWS])
+        y = (q - zp[None, :]) * scale[None, :]
+        y = walsh_hadamard(y, D, ROWS, LOG2D) * inv_sqrt_b
+        y = y * tl.load(signs_ptr + tl.arange(0, D))[:, None]
+        dst = out_ptr + (i * 2 + kv) * (PAGE * KH * D) + r[None, :] * D + tl.arange(0, D)[:, None]
+        mask = ok[None, :]
     else:
         d = tl.arange(0, D)
         src = cache_ptr + (page * 2 + kv) * (PAGE * KH * D) + r[:, None] * D + d[None, :]
         codes = tl.load(src, mask=ok[:, None])
         y = codes.to(tl.float32) * stored[:, None]
-    o = tl.arange(0, D)
-    dst = out_ptr + (i * 2 + kv) * (PAGE * KH * D) + r[:, None] * D + o[None, :]
+        dst = out_ptr + (i * 2 + kv) * (PAGE * KH * D) + r[:, None] * D + d[None, :]
+        mask = ok[:, None]
     if out_ptr.dtype.element_ty == tl.float32:
-        tl.store(dst, y, mask=ok[:, None])
+        tl.store(dst, y, mask=mask)
     elif INTERPRET and out_ptr.dtype.element_ty == tl.bfloat16:  # its bf16 cast truncates
         bits = y.to(tl.uint32, bitcast=True)
         bits = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16  # to nearest even (finite values)
-        tl.store(dst.to(tl.pointer_type(tl.uint16)), bits.to(tl.uint16), mask=ok[:, None])
+        tl.store(dst.to(tl.pointer_type(tl.uint16)), bits.to(tl.uint16), mask=mask)
     else:  # round to nearest even, as aten's cast
-        tl.store(dst, y.to(out_ptr.dtype.element_ty, fp_downcast_rounding="rtne"), mask=ok[:, None])
+        tl.store(dst, y.to(out_ptr.dtype.element_ty, fp_downcast_rounding="rtne"), mask=mask)

@@ -13,6 +13,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from torch_kvq.attention.triton.hadamard import walsh_hadamard
 from torch_kvq.attention.triton.helpers import INTERPRET
 
 _TWO_23 = tl.constexpr(8388608.0)  # 2^23 (0f4B000000): fp32's ulp is 1 in [2^23, 2^24)
@@ -193,17 +194,6 @@ def kv_write_per_token_head_kernel(
 
 
 @triton.jit
-def _butterfly(x, N: tl.constexpr, R: tl.constexpr, H: tl.constexpr):
-    """One Walsh-Hadamard stage on x [N, R] (channels first, one row a column): in each group of
-    2H channels, with a the first H and c the second, (a, c) -> (a + c, a - c)
-    (``quant._walsh_hadamard``'s order and operations)."""
-    y = tl.permute(tl.reshape(x, [N // (2 * H), 2, H, R]), [0, 2, 3, 1])
-    a, c = tl.split(y)  # [N / 2H, H, R] each
-    y = tl.permute(tl.join(a + c, a - c), [0, 3, 1, 2])
-    return tl.reshape(y, [N, R])
-
-
-@triton.jit
 def _round_clamp15(y):
     """``clamp(round_half_away(y), 0, 15)`` exactly, for every fp32 y: ``clamp(floor(y +
     0.49999997), 0, 15)`` (0.49999997: fp32 0.5 - 2^-25; checked for every fp32 in [-1, 16.5]
@@ -222,9 +212,7 @@ def _int4_rows(x, signs, ratio_ptr, R: tl.constexpr, BLOCK_D: tl.constexpr,
     is a multiple of its block), leave min / max alone (the range holds zero anyway) and add
     exact zeros to the error sums."""
     xf = x.to(tl.float32) * signs[:, None]
-    for s in tl.static_range(LOG2B):
-        xf = _butterfly(xf, BLOCK_D, R, 1 << s)
-    xf = xf * RSQRT_B
+    xf = walsh_hadamard(xf, BLOCK_D, R, LOG2B) * RSQRT_B
     lo0 = tl.minimum(tl.min(xf, axis=0), 0.0)
     hi0 = tl.maximum(tl.max(xf, axis=0), 0.0)
     best = tl.full([R], float("inf"), tl.float64)
