@@ -125,9 +125,10 @@ def _decode_balanced(
                 USE_SOFT_CAP, DOT, LAZY, KH, PV_SCALE,
             )  # fmt: skip
             store_lse(m_i, l_i, part_lse_ptr + rows, g_mask & ~whole)
+            dst = out_ptr + b * stride_ob + heads * stride_oh
             unrotate_store(
-                acc_lo, acc_hi, l_i, out_scale, rot_ptr, out_ptr + b * stride_ob + heads * stride_oh,
-                g_mask & whole, part_o_ptr + rows * D, g_mask & ~whole, D, DOT, RSQRT_B, True,
+                acc_lo, acc_hi, l_i, out_scale, rot_ptr, dst, g_mask & whole,
+                part_o_ptr + rows * D, g_mask & ~whole, D, DOT, RSQRT_B, True,
             )  # fmt: skip
         else:
             q = load_q(q_ptr, b, heads, g_mask, tl.arange(0, D), stride_qb, stride_qh, DOT)

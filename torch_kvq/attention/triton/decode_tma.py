@@ -37,7 +37,6 @@ import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from torch_kvq.attention.quant import hadamard_block
-
 from torch_kvq.attention.triton.helpers import (
     CODE_DTYPES,
     DOT_DTYPES,
@@ -293,7 +292,9 @@ def paged_decode_tma(
         splits, balanced = default_schedule(b, kh, max_seq_len, page, d, sm_count(q.device))
         if balanced is not None and workspace is None:
             programs_per_sm, cap = balanced
-            regs = balanced_registers(d, cfg, cap)
+            # int4: no cap (measured for the 8-bit caches; its prologue and two accumulators
+            # need more registers: scripts' ptxas counts ~233 at head 128, uncapped)
+            regs = None if int4 else balanced_registers(d, cfg, cap)
             if regs is not None:
                 common.setdefault("maxnreg", regs)
         else:

@@ -1,5 +1,5 @@
-"""Device code of the TMA decode over an ``int4_per_token_head`` cache, read in place (``decode_tma``
-and ``decode_balanced`` call it where ``INT4``).
+"""Device code of the TMA decode over an ``int4_per_token_head`` cache, read in place
+(``decode_tma`` and ``decode_balanced`` call it where ``INT4``).
 
 The cache (``quant``'s "4-bit per (token, head)" section): packed codes [P, 2, page, KH, D / 2]
 uint8, the even channel of each pair in the low nibble; ``kv_scale`` [P, 2, KH, page] fp32 whose 4
@@ -79,19 +79,31 @@ def rotate_q(
     BLOCK_G: tl.constexpr, D: tl.constexpr, DOT: tl.constexpr, RSQRT_B: tl.constexpr,
 ):  # fmt: skip
     """``R q`` of ``heads`` (masked by ``g_mask``) of sequence ``b`` as (even channels, odd
-    channels) [BLOCK_G, D / 2] in ``DOT``: q @ M (``rotation_matrices``) 16 rows of M at a time,
-    fp32 accumulate, times ``RSQRT_B`` in fp32, one rounding to ``DOT``."""
+    channels) [BLOCK_G, D / 2] in ``DOT`` (``_rotate_half`` each)."""
+    q_rows = q_ptr + b * stride_qb + heads[:, None] * stride_qh
+    q_lo = _rotate_half(q_rows, g_mask, rot_ptr, BLOCK_G, D, DOT, RSQRT_B)
+    q_hi = _rotate_half(q_rows, g_mask, rot_ptr + D // 2, BLOCK_G, D, DOT, RSQRT_B)
+    return q_lo, q_hi
+
+
+@triton.jit
+def _rotate_half(
+    q_rows, g_mask, m_ptr, BLOCK_G: tl.constexpr, D: tl.constexpr, DOT: tl.constexpr,
+    RSQRT_B: tl.constexpr,
+):  # fmt: skip
+    """``q @ M[:, half]`` (``m_ptr``: the half's first column of M, rows of D) 16 rows of M at a
+    time, fp32 accumulate (exact: +-1 times ``DOT`` values), times ``RSQRT_B`` in fp32, one
+    rounding to ``DOT``. One half at a time, in a loop that is not unrolled: only one fp32
+    accumulator and one chunk of M live at once (registers)."""
     offs_k = tl.arange(0, NC)
     offs_w = tl.arange(0, D // 2)
-    q_lo = tl.zeros([BLOCK_G, D // 2], tl.float32)
-    q_hi = tl.zeros([BLOCK_G, D // 2], tl.float32)
-    q_rows = q_ptr + b * stride_qb + heads[:, None] * stride_qh
-    for c in tl.static_range(D // NC):
-        qc = tl.load(q_rows + (c * NC + offs_k)[None, :], mask=g_mask[:, None], other=0.0)
-        m = rot_ptr + (c * NC + offs_k)[:, None] * D + offs_w[None, :]
-        q_lo = tl.dot(qc.to(DOT), tl.load(m).to(DOT), q_lo)
-        q_hi = tl.dot(qc.to(DOT), tl.load(m + D // 2).to(DOT), q_hi)
-    return (q_lo * RSQRT_B).to(DOT), (q_hi * RSQRT_B).to(DOT)
+    acc = tl.zeros([BLOCK_G, D // 2], tl.float32)
+    for c in tl.range(0, D // NC, num_stages=1):
+        rows = offs_k + c * NC  # (tensor first: constexpr + tensor is no tensor)
+        qc = tl.load(q_rows + rows[None, :], mask=g_mask[:, None], other=0.0)
+        m = tl.load(m_ptr + rows[:, None] * D + offs_w[None, :])
+        acc = tl.dot(qc.to(DOT), m.to(DOT), acc)
+    return (acc * RSQRT_B).to(DOT)
 
 
 @triton.jit
@@ -274,10 +286,10 @@ def unrotate_store(
     offs_w = tl.arange(0, D // 2)
     offs_n = tl.arange(0, NC)
     for c in tl.static_range(D // NC):
-        u = rot_ptr + D * D + offs_w[:, None] * D + (c * NC + offs_n)[None, :]
+        cols = (offs_n + c * NC)[None, :]  # (tensor first: constexpr + tensor is no tensor)
+        u = rot_ptr + D * D + offs_w[:, None] * D + cols
         u_odd = tl.load(u + (D // 2) * D).to(u_hi.dtype)
         o = tl.dot(u_hi, u_odd, tl.dot(u_lo, tl.load(u).to(u_lo.dtype))) * back
-        cols = (c * NC + offs_n)[None, :]
         tl.store(dst0[:, None] + cols, o.to(dst0.dtype.element_ty), mask=mask0[:, None])
         if TWO:
             tl.store(dst1[:, None] + cols, o.to(dst1.dtype.element_ty), mask=mask1[:, None])
