@@ -15,17 +15,22 @@ sequences, ``bench_decode_at_scale.py``). Paths, as ``FlashInferKernel`` runs th
   triton_int8_per_token_head the same kernel on an ``int8_per_token_head`` cache (int8 codes, one
                              fp32 scale per token and kv head), as FlashInferKernel decodes it
   triton_fp8_per_token_head  ... on an ``fp8_per_token_head`` cache (e4m3 codes, fp32 scales)
+  triton_int4_per_token_head ... on an ``int4_per_token_head`` cache (two rotated codes per byte,
+                             fp32 scales holding the zero point), read in place (the kernel
+                             rotates q and un-rotates its output)
 Each path: a CUDA graph of ``--calls`` calls, replayed once per round, rounds interleaved across
 paths; median, min, max over rounds, plus per-call times (one event pair per call) to expose two
 modes. "% copy" is bytes of K+V read (codes and scales: the per-(token, head) caches' fp32 scales
-count) / time over the measured device-to-device copy bandwidth (read + write). rel err:
-Frobenius, against fp32 dense attention on the dequantized cache the path read (the
-per-(token, head) caches hold the bf16 cache's values quantized). A path that cannot run gets a
+count; int4: D / 2 code bytes + 4 scale bytes per (token, kv head) for k and for v) / time over
+the measured device-to-device copy bandwidth (read + write). rel err: Frobenius, against fp32
+dense attention on the dequantized cache the path read (the per-(token, head) caches hold the
+bf16 cache's values quantized; int4's dequantized and un-rotated). A path that cannot run gets a
 row with its error, never a substitute.
 
     python benchmarks/bench_fp8_decode_paths.py           # every shape (bash scripts/gpu_run.sh paths)
     python benchmarks/bench_fp8_decode_paths.py --quick   # batch 32 only
     python benchmarks/bench_fp8_decode_paths.py --quick --paths fi_tc_bf16,triton_tma,triton_int8_per_token_head,triton_fp8_per_token_head
+    python benchmarks/bench_fp8_decode_paths.py --quick --paths triton_int8_per_token_head,triton_int4_per_token_head
 """
 
 from __future__ import annotations
@@ -81,35 +86,46 @@ class Case:
         return self.cache16
 
     def per_token_head(self, mode: str) -> tuple[torch.Tensor, torch.Tensor]:
-        """The bf16 cache quantized per (token, head) (``mode`` "int8" | "fp8"): codes and scales
-        [pages, 2, KH, page]; its fp32 reference and bytes (codes + scales) set as attributes."""
+        """The bf16 cache quantized per (token, head) (``mode`` "int8" | "fp8" | "int4"): codes
+        and scales [pages, 2, KH, page]; its fp32 reference and bytes (codes + scales) set as
+        attributes. int4: packed codes [pages, 2, page, KH, D / 2] uint8 (rotated, MSE-clipped:
+        ``quant.quantize_int4_rotated``), D / 2 code bytes per (token, kv head)."""
         from torch_kvq.attention.quant import quantize_per_token_head
 
         cache16 = self.bf16_cache()
         pages = cache16.shape[0]
-        codes = torch.empty(cache16.shape, dtype=torch.int8 if mode == "int8" else FP8,
-                            device="cuda")  # fmt: skip
+        dtype = {"int8": torch.int8, "fp8": FP8, "int4": torch.uint8}[mode]
+        width = self.d // 2 if mode == "int4" else self.d
+        codes = torch.empty((*cache16.shape[:-1], width), dtype=dtype, device="cuda")
         scales = torch.empty(pages, 2, self.kh, PAGE, device="cuda")
-        step = 4096
+        step = 1024 if mode == "int4" else 4096  # int4 tries 11 clip ratios: more temporaries
         for i in range(0, pages, step):
             c, s = quantize_per_token_head(cache16[i : i + step], mode)  # s [n, 2, page, KH]
             codes[i : i + step], scales[i : i + step] = c, s.transpose(-1, -2)
         ref = self.reference(codes, 1.0, 1.0, scales)
         setattr(self, f"ref_{mode}", ref)
-        setattr(self, f"bytes_{mode}", self.kv_bytes + self.batch * self.ctx * self.kh * 2 * 4)
+        code_bytes = self.kv_bytes * width // self.d
+        setattr(self, f"bytes_{mode}", code_bytes + self.batch * self.ctx * self.kh * 2 * 4)
         return codes, scales
 
     def reference(
         self, cache: torch.Tensor, ks: float, vs: float, scales: torch.Tensor | None = None
     ) -> torch.Tensor:
         """fp32 dense attention, 4 sequences at a time (bounded memory); ``scales``: the
-        per-(token, head) ones [pages, 2, KH, page]."""
+        per-(token, head) ones [pages, 2, KH, page] (a uint8 cache: int4, dequantized and
+        un-rotated)."""
+        from torch_kvq.attention.quant import dequantize_int4_rotated
+
         out = torch.empty(self.batch, self.qh, self.d, device="cuda")
         g = self.qh // self.kh
         for s in range(0, self.batch, 4):
-            pages = cache[self.table[s : s + 4].long()].float()  # [b, n, 2, page, KH, D]
-            if scales is not None:
-                pages = pages * scales[self.table[s : s + 4].long()].transpose(-1, -2)[..., None]
+            ids = self.table[s : s + 4].long()
+            if cache.dtype == torch.uint8 and scales is not None:
+                pages = dequantize_int4_rotated(cache[ids], scales[ids].transpose(-1, -2))
+            else:
+                pages = cache[ids].float()  # [b, n, 2, page, KH, D]
+            if scales is not None and cache.dtype != torch.uint8:
+                pages = pages * scales[ids].transpose(-1, -2)[..., None]
             b = pages.shape[0]
             k = pages[:, :, 0].reshape(b, -1, self.kh, self.d)[:, : self.ctx] * ks
             v = pages[:, :, 1].reshape(b, -1, self.kh, self.d)[:, : self.ctx] * vs
@@ -205,6 +221,7 @@ PATHS: dict[str, Callable[[Case], Callable]] = {
     "triton_tma": tma_path,
     "triton_int8_per_token_head": lambda c: tma_per_token_head_path(c, "int8"),
     "triton_fp8_per_token_head": lambda c: tma_per_token_head_path(c, "fp8"),
+    "triton_int4_per_token_head": lambda c: tma_per_token_head_path(c, "int4"),
 }
 # (shape, batch) at 16k: 32 sequences, and the largest batch each model fits with FP8 KV
 CASES = [("llama", 32), ("gemma_global", 32), ("llama", 110), ("gemma_global", 131)]

@@ -24,7 +24,10 @@ pytest.importorskip("triton", reason="needs triton (the CPU test venv has none; 
 INTERPRETING = os.environ.get("TRITON_INTERPRET") == "1"
 
 from torch_kvq.attention.kernels.reference import ref_attention  # noqa: E402
-from torch_kvq.attention.quant import quantize_per_token_head  # noqa: E402
+from torch_kvq.attention.quant import (  # noqa: E402
+    dequantize_pages_per_token_head,
+    quantize_per_token_head,
+)
 from torch_kvq.spec import FP8_DTYPE  # noqa: E402
 
 K_SCALE, V_SCALE = 1 / 16, 1 / 8
@@ -82,7 +85,9 @@ class Case:
 class ScaledCase(Case):
     """``Case`` with a per-(token, head) cache: the same shuffled pages of model-dtype values
     (N(0, 1) times ``k_gain`` / ``v_gain``) quantized by ``quant.quantize_per_token_head``
-    (``mode`` "int8" | "fp8"): codes in ``kv_cache``, scales in ``kv_scale`` [P, 2, KH, page]."""
+    (``mode`` "int8" | "fp8" | "int4"): codes in ``kv_cache``, scales in ``kv_scale``
+    [P, 2, KH, page]; int4 (``quantize_int4_rotated``): packed codes [..., D / 2] uint8, rotated,
+    the reference on the cache dequantized and un-rotated."""
 
     def __init__(self, lens: tuple[int, ...], qh: int, kh: int, d: int, mode: str = "int8",
                  page: int = 16, device: str = "cpu", seed: int = 0, k_gain: float = 1.0,
@@ -97,6 +102,8 @@ class ScaledCase(Case):
         self.k_scale = self.v_scale = 1.0
 
     def pages(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.kv_cache.dtype == torch.uint8:  # int4: dequantized and un-rotated (model basis)
+            return dequantize_pages_per_token_head(self.kv_cache, self.kv_scale, ids, torch.float32)
         return self.kv_cache[ids].float() * self.kv_scale[ids].transpose(-1, -2)[..., None]
 
 

@@ -33,6 +33,12 @@ from torch_kvq.attention.triton.helpers import (
     store_out,
     store_part,
 )
+from torch_kvq.attention.triton.int4 import (
+    attend_int4,
+    rotate_q,
+    store_lse,
+    unrotate_store,
+)
 
 
 @triton.jit
@@ -73,19 +79,21 @@ def _pair_of(unit, seq_lens_ptr, window, B, KH: tl.constexpr, BLOCK_B: tl.conste
 @triton.jit
 def _decode_balanced(
     q_ptr, kv_desc, block_table_ptr, seq_lens_ptr,
-    part_o_ptr, part_lse_ptr, out_ptr, kv_scale_ptr,
+    part_o_ptr, part_lse_ptr, out_ptr, kv_scale_ptr, rot_ptr,
     qk_scale_log2, soft_cap, out_scale, window, B,
     stride_qb, stride_qh, stride_ob, stride_oh, stride_bt,
     KH: tl.constexpr, G: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_B: tl.constexpr,
     D: tl.constexpr, PAGE: tl.constexpr, STAGES: tl.constexpr, PPI: tl.constexpr,
     USE_WINDOW: tl.constexpr, USE_SOFT_CAP: tl.constexpr, DOT: tl.constexpr, LAZY: tl.constexpr,
-    SCALES: tl.constexpr, PV_SCALE: tl.constexpr,
+    SCALES: tl.constexpr, PV_SCALE: tl.constexpr, INT4: tl.constexpr, RSQRT_B: tl.constexpr,
 ):  # fmt: skip
     """The balanced schedule ("stream-K"): program i of P takes units ``[i * T // P,
     (i + 1) * T // P)`` of all T pages of all pairs, so every program reads the same number of
     pages (+-1) whatever the lengths, and all P programs are resident at once (no tail wave). A
     pair wholly inside the range is written to the output; a pair cut by the range's start goes to
-    partial slot 0 of the program, one cut by its end to slot 1 (``_combine_balanced``)."""
+    partial slot 0 of the program, one cut by its end to slot 1 (``_combine_balanced``).
+    ``INT4``: an int4 cache (``int4``; outputs and partials stored un-rotated, ``out_scale``
+    applied to both)."""
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
     total = _seq_work(seq_lens_ptr, window, B, KH, BLOCK_B, PAGE, USE_WINDOW)[3]
@@ -104,18 +112,34 @@ def _decode_balanced(
         lo = tl.maximum(seq_len - window, 0) if USE_WINDOW else 0
         p0 = lo // PAGE + start - pair_start
         heads = kh * G + offs_g
-        q = load_q(q_ptr, b, heads, g_mask, tl.arange(0, D), stride_qb, stride_qh, DOT)
         table = block_table_ptr + b.to(tl.int64) * stride_bt
-        acc, m_i, l_i = attend(
-            q, kv_desc, table, p0, p0 + seg_end - start, kh, lo, seq_len, qk_scale_log2,
-            soft_cap, kv_scale_ptr, BLOCK_G, D, PAGE, STAGES, PPI, USE_SOFT_CAP, DOT, LAZY, KH,
-            SCALES, PV_SCALE,
-        )  # fmt: skip
         whole = (start == pair_start) & (seg_end == pair_start + nb)
-        o_ptrs = out_ptr + b * stride_ob + heads[:, None] * stride_oh + offs_d[None, :]
-        store_out(acc, l_i, o_ptrs, (g_mask & whole)[:, None], out_scale)
         rows = (pid * 2 + tl.where(start == first, 0, 1)) * G + offs_g  # [P, 2, G] row
-        store_part(acc, m_i, l_i, rows, g_mask & ~whole, offs_d, part_o_ptr, part_lse_ptr, D)
+        if INT4:
+            q_lo, q_hi = rotate_q(
+                q_ptr, b, heads, g_mask, stride_qb, stride_qh, rot_ptr, BLOCK_G, D, DOT, RSQRT_B
+            )  # fmt: skip
+            acc_lo, acc_hi, m_i, l_i = attend_int4(
+                q_lo, q_hi, kv_desc, table, p0, p0 + seg_end - start, kh, lo, seq_len,
+                qk_scale_log2, soft_cap, kv_scale_ptr, BLOCK_G, D, PAGE, STAGES, PPI,
+                USE_SOFT_CAP, DOT, LAZY, KH, PV_SCALE,
+            )  # fmt: skip
+            store_lse(m_i, l_i, part_lse_ptr + rows, g_mask & ~whole)
+            dst = out_ptr + b * stride_ob + heads * stride_oh
+            unrotate_store(
+                acc_lo, acc_hi, l_i, out_scale, rot_ptr, dst, g_mask & whole,
+                part_o_ptr + rows * D, g_mask & ~whole, D, DOT, RSQRT_B, True,
+            )  # fmt: skip
+        else:
+            q = load_q(q_ptr, b, heads, g_mask, tl.arange(0, D), stride_qb, stride_qh, DOT)
+            acc, m_i, l_i = attend(
+                q, kv_desc, table, p0, p0 + seg_end - start, kh, lo, seq_len, qk_scale_log2,
+                soft_cap, kv_scale_ptr, BLOCK_G, D, PAGE, STAGES, PPI, USE_SOFT_CAP, DOT, LAZY,
+                KH, SCALES, PV_SCALE,
+            )  # fmt: skip
+            o_ptrs = out_ptr + b * stride_ob + heads[:, None] * stride_oh + offs_d[None, :]
+            store_out(acc, l_i, o_ptrs, (g_mask & whole)[:, None], out_scale)
+            store_part(acc, m_i, l_i, rows, g_mask & ~whole, offs_d, part_o_ptr, part_lse_ptr, D)
         start = seg_end
 
 
@@ -162,15 +186,17 @@ def decode_balanced(
     scales: tuple[float, float, float, int], out: torch.Tensor | None,
     workspace: tuple[torch.Tensor, torch.Tensor] | None, max_seq_len: int, programs_per_sm: int,
     kv_heads: int, page: int, common: dict[str, Any], kv_scale: torch.Tensor | None = None,
+    rot: torch.Tensor | None = None,
 ) -> torch.Tensor:  # fmt: skip
     """``paged_decode_tma`` on the balanced schedule (its arguments checked there): ``desc`` the
-    cache's TMA descriptor, ``kv_scale`` its per-(token, head) scales or None, ``scales`` (logit
-    scale, soft cap, out scale, window), ``common`` the kernel's shared constexprs and launch
-    options. Returns out [B, QH, D]."""
+    cache's TMA descriptor, ``kv_scale`` its per-(token, head) scales or None, ``rot`` an int4
+    cache's rotation matrices (``int4.rotation_matrices``) or None, ``scales`` (logit scale, soft
+    cap, out scale, window), ``common`` the kernel's shared constexprs and launch options.
+    Returns out [B, QH, D]."""
     b, qh, d = q.shape
     g, window = qh // kv_heads, scales[3]
     out = split_outputs("paged_decode_tma", q, out, 1, None)[0]
-    args = [q, desc, block_table, seq_lens, q, q, out, kv_scale, *scales, b, q.stride(0),
+    args = [q, desc, block_table, seq_lens, q, q, out, kv_scale, rot, *scales, b, q.stride(0),
             q.stride(1), out.stride(0), out.stride(1), block_table.stride(0)]  # fmt: skip
     kw = dict(KH=kv_heads, BLOCK_B=triton.next_power_of_2(b), **common)
     per_sm = programs_per_sm
@@ -179,8 +205,10 @@ def decode_balanced(
     nprog = balanced_programs(q, kv_heads, max_seq_len, page, per_sm)
     part_o, part_lse = args[4:6] = _balanced_workspace(q, nprog, g, workspace)
     _decode_balanced[(nprog,)](*args, **kw)
+    combine_scale = 1.0 if common["INT4"] else scales[2]  # int4 partials carry out_scale
     _combine_balanced[(qh, b)](
-        part_o, part_lse, out, seq_lens, scales[2], window, b, nprog, out.stride(0), out.stride(1),
+        part_o, part_lse, out, seq_lens, combine_scale, window, b, nprog, out.stride(0),
+        out.stride(1),
         KH=kv_heads, G=g, D=d, PAGE=page, BLOCK_B=kw["BLOCK_B"], USE_WINDOW=common["USE_WINDOW"],
         num_warps=1,
     )  # fmt: skip

@@ -20,6 +20,9 @@ schedule (``decode_balanced``, ``BALANCED``) gives every program an equal run of
 Per-(token, head) caches (int8 or e4m3 codes, ``kv_scale``) run the same loop with the scales
 applied per logit column and per softmax-weight column (``helpers``); in fp16 products the v
 scales are pre-multiplied by a power of two (``pv_shift``) that the output divides back out.
+An ``int4_per_token_head`` cache (uint8: two rotated codes per byte, zero points in the scales'
+low bits) is read in place by ``int4``'s loop, q rotated once per program and the output
+un-rotated in the epilogue.
 CUDA-graph capturable: the descriptor holds the cache pointer (by value, in the launch), the
 host reads no device tensor (the scales are read on the device). Import only where Triton is.
 """
@@ -33,6 +36,7 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
+from torch_kvq.attention.quant import hadamard_block
 from torch_kvq.attention.triton.helpers import (
     CODE_DTYPES,
     DOT_DTYPES,
@@ -47,21 +51,30 @@ from torch_kvq.attention.triton.helpers import (
     split_range,
     store_split,
 )
+from torch_kvq.attention.triton.int4 import (
+    attend_int4,
+    int4_pv_shift,
+    rotate_q,
+    rotation_matrices,
+    store_split_int4,
+)
 
 
 @triton.jit
 def _decode_pages(
     q_ptr, kv_desc, block_table_ptr, seq_lens_ptr,
-    part_o_ptr, part_lse_ptr, out_ptr, kv_scale_ptr,
+    part_o_ptr, part_lse_ptr, out_ptr, kv_scale_ptr, rot_ptr,
     qk_scale_log2, soft_cap, out_scale, window,
     stride_qb, stride_qh, stride_ob, stride_oh, stride_bt,
     QH: tl.constexpr, G: tl.constexpr, BLOCK_G: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr,
     NUM_SPLITS: tl.constexpr, STAGES: tl.constexpr, PPI: tl.constexpr,
     USE_WINDOW: tl.constexpr, USE_SOFT_CAP: tl.constexpr, DOT: tl.constexpr, DIRECT: tl.constexpr,
-    LAZY: tl.constexpr, SCALES: tl.constexpr, PV_SCALE: tl.constexpr,
+    LAZY: tl.constexpr, SCALES: tl.constexpr, PV_SCALE: tl.constexpr, INT4: tl.constexpr,
+    RSQRT_B: tl.constexpr,
 ):  # fmt: skip
     """The split grid: one program per (kv head, split, sequence). ``kv_scale_ptr``: the
-    per-(token, head) scales when ``SCALES`` (else None)."""
+    per-(token, head) scales when ``SCALES`` (else None); ``INT4``: the cache is
+    ``int4_per_token_head``'s, read by ``int4`` with the rotation matrices at ``rot_ptr``."""
     kh = tl.program_id(0)
     split = tl.program_id(1)
     b = tl.program_id(2)
@@ -71,15 +84,31 @@ def _decode_pages(
     offs_g = tl.arange(0, BLOCK_G)
     g_mask = offs_g < G
     heads = kh * G + offs_g
-    q = load_q(q_ptr, b, heads, g_mask, tl.arange(0, D), stride_qb, stride_qh, DOT)
-    acc, m_i, l_i = attend(
-        q, kv_desc, table, p_begin, p_end, kh, lo, seq_len, qk_scale_log2, soft_cap, kv_scale_ptr,
-        BLOCK_G, D, PAGE, STAGES, PPI, USE_SOFT_CAP, DOT, LAZY, QH // G, SCALES, PV_SCALE,
-    )  # fmt: skip
-    store_split(
-        acc, m_i, l_i, b, split, heads, g_mask, acc_cols(D), out_ptr, part_o_ptr, part_lse_ptr,
-        out_scale, stride_ob, stride_oh, QH, D, NUM_SPLITS, DIRECT,
-    )  # fmt: skip
+    if INT4:
+        q_lo, q_hi = rotate_q(
+            q_ptr, b, heads, g_mask, stride_qb, stride_qh, rot_ptr, BLOCK_G, D, DOT, RSQRT_B
+        )  # fmt: skip
+        acc_lo, acc_hi, m_i, l_i = attend_int4(
+            q_lo, q_hi, kv_desc, table, p_begin, p_end, kh, lo, seq_len, qk_scale_log2,
+            soft_cap, kv_scale_ptr, BLOCK_G, D, PAGE, STAGES, PPI, USE_SOFT_CAP, DOT, LAZY,
+            QH // G, PV_SCALE,
+        )  # fmt: skip
+        store_split_int4(
+            acc_lo, acc_hi, m_i, l_i, b, split, heads, g_mask, out_ptr, part_o_ptr,
+            part_lse_ptr, out_scale, rot_ptr, stride_ob, stride_oh, QH, D, NUM_SPLITS, DIRECT,
+            DOT, RSQRT_B,
+        )  # fmt: skip
+    else:
+        q = load_q(q_ptr, b, heads, g_mask, tl.arange(0, D), stride_qb, stride_qh, DOT)
+        acc, m_i, l_i = attend(
+            q, kv_desc, table, p_begin, p_end, kh, lo, seq_len, qk_scale_log2, soft_cap,
+            kv_scale_ptr, BLOCK_G, D, PAGE, STAGES, PPI, USE_SOFT_CAP, DOT, LAZY, QH // G,
+            SCALES, PV_SCALE,
+        )  # fmt: skip
+        store_split(
+            acc, m_i, l_i, b, split, heads, g_mask, acc_cols(D), out_ptr, part_o_ptr,
+            part_lse_ptr, out_scale, stride_ob, stride_oh, QH, D, NUM_SPLITS, DIRECT,
+        )  # fmt: skip
 
 
 def default_num_splits(batch: int, kv_heads: int, max_seq_len: int, page: int, sms: int) -> int:
@@ -118,7 +147,10 @@ def pv_shift(cache_dtype: torch.dtype, dot_dtype: torch.dtype, lazy: bool) -> in
     that real V heads hold, and loses bits there; the shift moves it up, keeping
     ``p * v_scale * 2^shift`` below fp16's 65504 for |v| up to about 1800 with the lazy rescale
     (weights up to 2^8) and about 28000 without (weights up to 1). A larger |v| overflows to inf
-    (the output NaN, never silently clipped); ``dot_dtype`` bf16 (fp32's range) has no shift."""
+    (the output NaN, never silently clipped); ``dot_dtype`` bf16 (fp32's range) has no shift.
+    int4 codes (uint8): ``int4.int4_pv_shift``."""
+    if cache_dtype == torch.uint8:
+        return int4_pv_shift(dot_dtype, lazy)
     if dot_dtype != torch.float16:
         return 0
     return (4 if lazy else 8) + (0 if cache_dtype == torch.int8 else 2)
@@ -169,7 +201,9 @@ def paged_decode_tma(
     kv_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Decode attention, one query token per sequence, over a paged FP8 (or bf16 / fp16) cache, or
-    a per-(token, head) one (int8 / e4m3 codes with ``kv_scale``).
+    a per-(token, head) one (int8 / e4m3 codes with ``kv_scale``), or an ``int4_per_token_head``
+    one (uint8 kv_cache [P, 2, page, KH, D / 2], two rotated codes per byte, with ``kv_scale``
+    holding each scale's zero point in its low bits: ``quant``'s int4 section; D >= 32).
 
     q [B, QH, D] (bf16 / fp16, last dim contiguous); kv_cache [P, 2, page, KH, D] contiguous (K at
     ``[:, 0]``, V at ``[:, 1]``; dequantized = value * scale); block_table [B, W] int32: sequence
@@ -195,8 +229,20 @@ def paged_decode_tma(
     Returns out [B, QH, D] (``q``'s dtype unless ``out`` is given).
     """
     b, qh, d = q.shape
+    if kv_cache.dim() != 5:
+        raise ValueError(
+            f"paged_decode_tma: kv_cache {tuple(kv_cache.shape)} must be [P, 2, page, KH, D]"
+        )
     pages, two, page, kh, dk = kv_cache.shape
-    if two != 2 or dk != d or qh % kh or d & (d - 1) or d < 16 or page & (page - 1) or page < 16:
+    int4 = kv_cache.dtype == torch.uint8
+    if int4 and (dk * 2 != d or d < 32):
+        raise ValueError(
+            f"paged_decode_tma: a uint8 kv_cache is int4_per_token_head's, two codes per byte: "
+            f"its last dim must be head_dim / 2 = {d // 2} with head_dim >= 32 (q {tuple(q.shape)}"
+            f"), got {dk}"
+        )
+    if (two != 2 or (dk != d and not int4) or qh % kh or d & (d - 1) or d < 16
+            or page & (page - 1) or page < 16):  # fmt: skip
         raise ValueError(
             f"paged_decode_tma: q {tuple(q.shape)} / kv_cache {tuple(kv_cache.shape)}: need "
             "kv_cache [P, 2, page, KH, D] with QH % KH == 0, D and page powers of two, D >= 16 and "
@@ -224,8 +270,9 @@ def paged_decode_tma(
         raise ValueError(
             f"paged_decode_tma: pages_per_iter must be 1, 2 or 4, got {pages_per_iter}"
         )
-    rows = kv_cache.view(pages * 2 * page, kh * d)
-    desc = TensorDescriptor(rows, list(rows.shape), [kh * d, 1], [page, d])
+    width = d // 2 if int4 else d  # bytes (elements) of a head in the cache
+    rows = kv_cache.view(pages * 2 * page, kh * width)
+    desc = TensorDescriptor(rows, list(rows.shape), [kh * width, 1], [page, width])
     g = qh // kh
     pv_scale = 1.0
     if kv_scale is not None:
@@ -234,16 +281,20 @@ def paged_decode_tma(
         G=g, BLOCK_G=max(16, triton.next_power_of_2(g)), D=d, PAGE=page, STAGES=num_stages,
         PPI=pages_per_iter, USE_WINDOW=window is not None, USE_SOFT_CAP=bool(soft_cap),
         DOT=DOT_DTYPES[dot_dtype], LAZY=lazy_rescale, SCALES=kv_scale is not None,
-        PV_SCALE=pv_scale, num_warps=num_warps,
+        PV_SCALE=pv_scale, INT4=int4, RSQRT_B=hadamard_block(d) ** -0.5 if int4 else 1.0,
+        num_warps=num_warps,
         **({"maxnreg": max_registers} if max_registers else {}),
     )  # fmt: skip
     out_scale = float(v_scale) / pv_scale  # a power of two: exact
     scales = (sm_scale * k_scale * LOG2E, float(soft_cap or 1.0), out_scale, int(window or 0))
+    rot = rotation_matrices(d, q.device) if int4 else None
     if num_splits is None and programs_per_sm is None:
         splits, balanced = default_schedule(b, kh, max_seq_len, page, d, sm_count(q.device))
         if balanced is not None and workspace is None:
             programs_per_sm, cap = balanced
-            regs = balanced_registers(d, cfg, cap)
+            # int4: no cap (measured for the 8-bit caches; its prologue and two accumulators
+            # need more registers: scripts' ptxas counts ~233 at head 128, uncapped)
+            regs = None if int4 else balanced_registers(d, cfg, cap)
             if regs is not None:
                 common.setdefault("maxnreg", regs)
         else:
@@ -258,32 +309,40 @@ def paged_decode_tma(
             )
         return decode_balanced(
             q, desc, block_table, seq_lens, scales, out, workspace, max_seq_len, programs_per_sm,
-            kh, page, common, kv_scale,
+            kh, page, common, kv_scale, rot,
         )  # fmt: skip
     out, part_o, part_lse = split_outputs("paged_decode_tma", q, out, num_splits, workspace)
     _decode_pages[(kh, num_splits, b)](
-        q, desc, block_table, seq_lens, part_o, part_lse, out, kv_scale, *scales,
+        q, desc, block_table, seq_lens, part_o, part_lse, out, kv_scale, rot, *scales,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), block_table.stride(0),
         QH=qh, NUM_SPLITS=num_splits, DIRECT=num_splits == 1, **common,
     )  # fmt: skip
-    return combine_splits(part_o, part_lse, out, out_scale, num_splits)
+    # an int4 program stores its (partial) output with out_scale applied (before un-rotating)
+    return combine_splits(part_o, part_lse, out, 1.0 if int4 else out_scale, num_splits)
 
 
 def check_scales(
     kv_cache: torch.Tensor, kv_scale: torch.Tensor | None, k_scale: float, v_scale: float
 ) -> None:
     """A per-(token, head) cache comes with its scales [P, 2, KH, page] (fp32, contiguous, on the
-    cache's device) and per-tensor scales of 1.0; an int8 cache always has them. ValueError."""
+    cache's device) and per-tensor scales of 1.0; an int8 cache and an int4 one (uint8: two
+    codes per byte, the zero point in the scales' low bits) always have them. ValueError."""
     fn = "paged_decode_tma"
     if kv_scale is None:
         if kv_cache.dtype == torch.int8:
             raise ValueError(f"{fn}: an int8 cache needs its per-(token, head) kv_scale")
+        if kv_cache.dtype == torch.uint8:
+            raise ValueError(
+                f"{fn}: a uint8 (int4_per_token_head) cache needs its per-(token, head) kv_scale "
+                "[P, 2, KH, page] fp32 (scale and zero point)"
+            )
         return
     pages, _, page, kh, _ = kv_cache.shape
     want = (pages, 2, kh, page)
-    if kv_cache.dtype not in CODE_DTYPES:
+    codes = (*CODE_DTYPES, torch.uint8)
+    if kv_cache.dtype not in codes:
         raise ValueError(
-            f"{fn}: kv_scale is given, so kv_cache must hold codes ({list(CODE_DTYPES)}), got "
+            f"{fn}: kv_scale is given, so kv_cache must hold codes ({list(codes)}), got "
             f"{kv_cache.dtype}"
         )
     if (

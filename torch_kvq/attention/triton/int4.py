@@ -1,0 +1,335 @@
+"""Device code of the TMA decode over an ``int4_per_token_head`` cache, read in place
+(``decode_tma`` and ``decode_balanced`` call it where ``INT4``).
+
+The cache (``quant``'s "4-bit per (token, head)" section): packed codes [P, 2, page, KH, D / 2]
+uint8, the even channel of each pair in the low nibble; ``kv_scale`` [P, 2, KH, page] fp32 whose 4
+low mantissa bits hold the zero point zp; value = (code - zp) * scale (scale: those bits
+cleared), in the rotated basis ``R = H_b diag(signs) / sqrt(b)`` (b = ``hadamard_block(D)``).
+Attention in the model's basis needs no per-key pass: ``q . k = (R q) . (R k)`` and
+``sum_n p_n v_n = R^T sum_n p_n (R v_n)``. So per program:
+
+- prologue (``rotate_q``): ``R q`` as its even-channel and odd-channel halves [BLOCK_G, D / 2]
+  (the nibbles' channels): ``q @ M`` with M = ``H_b diag(signs)``'s transpose, a +-1 matrix (exact
+  in any dot dtype, fp32 accumulate: the sums are exact), times fp32 ``b ** -0.5`` in fp32, then
+  rounded once to the dot dtype (the scale before the rounding, so the operand has q's range);
+- per page (``page_int4``): one TMA box [page, D / 2] of bytes each for K and V; a nibble is
+  centred exactly in fp16 by the exponent trick, ``((byte & 0xF) | 0x6400)`` as fp16 is
+  ``1024 + code``, minus ``1024 + zp`` (its token's): ``code - zp``, no zero-point correction
+  terms (``unpack``; compiled, eight codes per instance of ``_unpack_fp16``). Logits
+  ``q_even . k_lo + q_odd . k_hi`` times the token's k scale; ``p @ v`` into two accumulators
+  (even, odd channels), the weights times the v scales and ``PV_SCALE`` as the 8-bit caches do;
+- epilogue (``unrotate_store``): the normalised halves (``PV_SCALE`` divided out) scaled per row
+  by a power of two to a maximum in [1, 2), rounded once to fp16 (fp32 with fp32 products), and
+  ``R^T`` applied by +-1 products against ``U`` [D, D] (rows: the halves' columns, V's column
+  permutation and the even / odd interleave absorbed), fp32 accumulate, in column chunks of 16.
+  Each split's partial output is un-rotated before it is stored: the log-sum-exp merge is linear
+  in the outputs, so the merged output is the same.
+
+The +-1 matrices (``rotation_matrices``: [2, D, D] fp16, M's columns then U's rows) are built on
+the host once per (D, device) and read by each program from L2 (2 * D * D * 2 bytes).
+Imports Triton: import only where Triton is installed.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from torch_kvq.attention.quant import _walsh_hadamard, hadamard_block, hadamard_signs
+from torch_kvq.attention.triton.helpers import _INTERPRET, _LOG2E
+
+# output columns per chunk of the epilogue's un-rotation (and q rows per prologue chunk); a jit
+# function reads only constexpr globals (Triton 3.6)
+NC = tl.constexpr(16)
+
+
+def v_columns(d: int) -> torch.Tensor:
+    """Byte column of V held by each column of ``page_int4``'s permuted V tile [page, D / 2]:
+    column ``c`` holds byte ``(c % 8) * (D / 16) + c // 8`` (so each lane's mma B fragment, the
+    8-column blocks' column ``l // 4``, is one contiguous run of D / 16 bytes of a row)."""
+    w = d // 2
+    c = torch.arange(w)
+    return (c % 8) * (w // 8) + c // 8
+
+
+_MATRICES: dict[tuple[int, torch.device], torch.Tensor] = {}
+
+
+def rotation_matrices(d: int, device: torch.device) -> torch.Tensor:
+    """[2, D, D] fp16 +-1 (cached per (D, device)): ``[0]`` = M, ``R q * sqrt(b) = q @ M`` with
+    M's columns the even channels then the odd ones; ``[1]`` = U, ``R^T y * sqrt(b) = u @ U`` for
+    ``u`` = (y's even channels, odd channels), each half in ``v_columns`` order."""
+    key = (d, torch.device(device))
+    if key not in _MATRICES:
+        b = hadamard_block(d)
+        signs = hadamard_signs(d)
+        m = _walsh_hadamard(torch.diag(signs), b)  # row i: s_i H e_i, the coefficients of q_i
+        a = _walsh_hadamard(torch.eye(d), b) * signs  # row j: s * H e_j, those of y_j
+        perm = v_columns(d)
+        mats = torch.stack((torch.cat((m[:, 0::2], m[:, 1::2]), 1),
+                            torch.cat((a[2 * perm], a[2 * perm + 1]), 0)))  # fmt: skip
+        _MATRICES[key] = mats.to(torch.float16).to(device).contiguous()
+    return _MATRICES[key]
+
+
+@triton.jit
+def rotate_q(
+    q_ptr, b, heads, g_mask, stride_qb, stride_qh, rot_ptr,
+    BLOCK_G: tl.constexpr, D: tl.constexpr, DOT: tl.constexpr, RSQRT_B: tl.constexpr,
+):  # fmt: skip
+    """``R q`` of ``heads`` (masked by ``g_mask``) of sequence ``b`` as (even channels, odd
+    channels) [BLOCK_G, D / 2] in ``DOT`` (``_rotate_half`` each)."""
+    q_rows = q_ptr + b * stride_qb + heads[:, None] * stride_qh
+    q_lo = _rotate_half(q_rows, g_mask, rot_ptr, BLOCK_G, D, DOT, RSQRT_B)
+    q_hi = _rotate_half(q_rows, g_mask, rot_ptr + D // 2, BLOCK_G, D, DOT, RSQRT_B)
+    return q_lo, q_hi
+
+
+@triton.jit
+def _rotate_half(
+    q_rows, g_mask, m_ptr, BLOCK_G: tl.constexpr, D: tl.constexpr, DOT: tl.constexpr,
+    RSQRT_B: tl.constexpr,
+):  # fmt: skip
+    """``q @ M[:, half]`` (``m_ptr``: the half's first column of M, rows of D) 16 rows of M at a
+    time, fp32 accumulate (exact: +-1 times ``DOT`` values), times ``RSQRT_B`` in fp32, one
+    rounding to ``DOT``. One half at a time, in a loop that is not unrolled: only one fp32
+    accumulator and one chunk of M live at once (registers)."""
+    offs_k = tl.arange(0, NC)
+    offs_w = tl.arange(0, D // 2)
+    acc = tl.zeros([BLOCK_G, D // 2], tl.float32)
+    for c in tl.range(0, D // NC, num_stages=1):
+        rows = offs_k + c * NC  # (tensor first: constexpr + tensor is no tensor)
+        qc = tl.load(q_rows + rows[None, :], mask=g_mask[:, None], other=0.0)
+        m = tl.load(m_ptr + rows[:, None] * D + offs_w[None, :])
+        acc = tl.dot(qc.to(DOT), m.to(DOT), acc)
+    return (acc * RSQRT_B).to(DOT)
+
+
+@triton.jit
+def unpack(x, zp, DOT: tl.constexpr):
+    """Packed bytes ``x`` (uint8) with zero points ``zp`` (fp32, 0..15, broadcastable to x) ->
+    (low nibbles - zp, high nibbles - zp) in ``DOT``, exactly. fp16: the exponent trick (the
+    module docstring); compiled, ``_unpack_fp16`` (eight codes per instance); the interpreter,
+    which runs no PTX, takes the same steps value by value."""
+    if DOT == tl.float16:
+        z = tl.broadcast_to((zp + 1024.0).to(tl.float16), x.shape)
+        if _INTERPRET:
+            lo = ((x & 0xF).to(tl.uint16) | 0x6400).to(tl.float16, bitcast=True) - z
+            hi = ((x >> 4).to(tl.uint16) | 0x6400).to(tl.float16, bitcast=True) - z
+            return lo, hi
+        return _unpack_fp16(x, z)
+    return (x & 0xF).to(DOT) - zp.to(DOT), (x >> 4).to(DOT) - zp.to(DOT)
+
+
+@triton.jit
+def _unpack_fp16(x, z):
+    """Four bytes in, their eight codes out as fp16 ``code - zp`` (``z`` = fp16 ``1024 + zp``, two
+    per register): bytes 0, 1 and 2, 3 spread to 16-bit lanes (``prmt``), each lane's nibble
+    under fp16's exponent of 1024 (``lop3``: ``(t & 0x000F000F) | 0x64006400``; the high
+    nibbles after a shift by 4), minus z two at a time (``sub.f16x2``)."""
+    return tl.inline_asm_elementwise(
+        "{ .reg .b32 t0, t1, u; "
+        "prmt.b32 t0, $4, 0, 0x4140; prmt.b32 t1, $4, 0, 0x4342; "
+        "lop3.b32 u, t0, 0x000f000f, 0x64006400, 0xea; sub.rn.f16x2 $0, u, $5; "
+        "lop3.b32 u, t1, 0x000f000f, 0x64006400, 0xea; sub.rn.f16x2 $1, u, $6; "
+        "shr.b32 t0, t0, 4; shr.b32 t1, t1, 4; "
+        "lop3.b32 u, t0, 0x000f000f, 0x64006400, 0xea; sub.rn.f16x2 $2, u, $5; "
+        "lop3.b32 u, t1, 0x000f000f, 0x64006400, 0xea; sub.rn.f16x2 $3, u, $6; }",
+        "=r,=r,=r,=r,r,r,r", [x, z], dtype=(tl.float16, tl.float16), is_pure=True, pack=4,
+    )  # fmt: skip
+
+
+@triton.jit
+def _split_scale(stored):
+    """Stored int4 scales (fp32) -> (the scale, low 4 bits cleared; the zero point as fp32)."""
+    bits = stored.to(tl.int32, bitcast=True)
+    return (bits & -16).to(tl.float32, bitcast=True), (bits & 0xF).to(tl.float32)
+
+
+@triton.jit
+def page_int4(
+    q_lo, q_hi, kv_desc, table, p, p_end, col, lo, seq_len, qk_scale_log2, soft_cap, offs_t,
+    scale_ptr, kh, PAGE: tl.constexpr, W: tl.constexpr, DOT: tl.constexpr,
+    USE_SOFT_CAP: tl.constexpr, KH: tl.constexpr, PV_SCALE: tl.constexpr,
+):  # fmt: skip
+    """``helpers.page_logits`` for the int4 cache: page ``p`` of the run (past ``p_end``: logits
+    -inf, page 0 read), one box [PAGE, W = D / 2] of bytes each for K and V. Returns its base-2
+    logits [BLOCK_G, PAGE], its V bytes with the columns in ``v_columns`` order, their zero points
+    [PAGE] and v scales times ``PV_SCALE`` [PAGE] (0 where masked)."""
+    ok = p < p_end
+    page = tl.load(table + p, mask=ok, other=0)
+    row = page * (2 * PAGE)
+    k = kv_desc.load([row, col])  # [PAGE, W] uint8
+    v = kv_desc.load([row + PAGE, col])
+    v = tl.reshape(tl.permute(tl.reshape(v, [PAGE, 8, W // 8]), [0, 2, 1]), [PAGE, W])
+    scales = scale_ptr + (page.to(tl.int64) * (2 * KH) + kh) * PAGE + offs_t
+    k_scale, k_zp = _split_scale(tl.load(scales))
+    v_scale, v_zp = _split_scale(tl.load(scales + KH * PAGE))
+    k_lo, k_hi = unpack(k, k_zp[:, None], DOT)
+    s = tl.dot(q_hi, tl.trans(k_hi), tl.dot(q_lo, tl.trans(k_lo)))  # [BLOCK_G, PAGE] fp32
+    toks = p * PAGE + offs_t
+    live = (toks >= lo) & (toks < seq_len) & ok
+    s = s * (k_scale * qk_scale_log2)[None, :]
+    if USE_SOFT_CAP:  # cap * tanh(x / cap), tanh(y) = 1 - 2 / (exp(2y) + 1)
+        s = s / _LOG2E
+        s = soft_cap * (1.0 - 2.0 / (tl.exp(2.0 * s / soft_cap) + 1.0)) * _LOG2E
+    v_scales = tl.where(live, v_scale * PV_SCALE, 0.0)
+    return tl.where(live[None, :], s, float("-inf")), v, v_zp, v_scales
+
+
+@triton.jit
+def _pv(acc_lo, acc_hi, pr, v, v_zp, v_scales, DOT: tl.constexpr):
+    """``acc += (pr * v_scales) @ (v - zp)`` for both halves of V's bytes ``v``."""
+    w = (pr * v_scales[None, :]).to(DOT)
+    v_lo, v_hi = unpack(v, v_zp[:, None], DOT)
+    return tl.dot(w, v_lo, acc_lo), tl.dot(w, v_hi, acc_hi)
+
+
+@triton.jit
+def attend_int4(
+    q_lo, q_hi, kv_desc, table, p_begin, p_end, kh, lo, seq_len, qk_scale_log2, soft_cap,
+    scale_ptr, BLOCK_G: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr, STAGES: tl.constexpr,
+    PPI: tl.constexpr, USE_SOFT_CAP: tl.constexpr, DOT: tl.constexpr, LAZY: tl.constexpr,
+    KH: tl.constexpr, PV_SCALE: tl.constexpr,
+):  # fmt: skip
+    """``helpers.attend`` over the int4 cache (cache columns ``kh * D / 2``): (acc_lo, acc_hi)
+    [BLOCK_G, D / 2] fp32 unnormalised (the even and odd rotated channels, columns in
+    ``v_columns`` order, times ``PV_SCALE``), running max, running sum (base 2)."""
+    col = kh * (D // 2)
+    offs_t = tl.arange(0, PAGE)
+    m_i = tl.full([BLOCK_G], -1e30 if LAZY else float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_G], tl.float32)
+    acc_lo = tl.zeros([BLOCK_G, D // 2], tl.float32)
+    acc_hi = tl.zeros([BLOCK_G, D // 2], tl.float32)
+    n_iter = (p_end - p_begin + PPI - 1) // PPI
+    for it in tl.range(0, n_iter, num_stages=STAGES):
+        p = p_begin + it * PPI
+        s0, v0, z0, vs0 = page_int4(
+            q_lo, q_hi, kv_desc, table, p, p_end, col, lo, seq_len, qk_scale_log2, soft_cap,
+            offs_t, scale_ptr, kh, PAGE, D // 2, DOT, USE_SOFT_CAP, KH, PV_SCALE,
+        )  # fmt: skip
+        m_blk = tl.max(s0, axis=1)
+        if PPI >= 2:
+            s1, v1, z1, vs1 = page_int4(
+                q_lo, q_hi, kv_desc, table, p + 1, p_end, col, lo, seq_len, qk_scale_log2,
+                soft_cap, offs_t, scale_ptr, kh, PAGE, D // 2, DOT, USE_SOFT_CAP, KH, PV_SCALE,
+            )  # fmt: skip
+            m_blk = tl.maximum(m_blk, tl.max(s1, axis=1))
+        if PPI >= 4:
+            s2, v2, z2, vs2 = page_int4(
+                q_lo, q_hi, kv_desc, table, p + 2, p_end, col, lo, seq_len, qk_scale_log2,
+                soft_cap, offs_t, scale_ptr, kh, PAGE, D // 2, DOT, USE_SOFT_CAP, KH, PV_SCALE,
+            )  # fmt: skip
+            s3, v3, z3, vs3 = page_int4(
+                q_lo, q_hi, kv_desc, table, p + 3, p_end, col, lo, seq_len, qk_scale_log2,
+                soft_cap, offs_t, scale_ptr, kh, PAGE, D // 2, DOT, USE_SOFT_CAP, KH, PV_SCALE,
+            )  # fmt: skip
+            m_blk = tl.maximum(m_blk, tl.maximum(tl.max(s2, axis=1), tl.max(s3, axis=1)))
+        m_new = tl.maximum(m_i, m_blk)
+        if LAZY:  # as helpers.attend: the reference max moves only by more than 8 (base 2)
+            if tl.max(m_new - m_i, axis=0) > 8.0:
+                alpha = tl.exp2(m_i - m_new)
+                acc_lo = acc_lo * alpha[:, None]
+                acc_hi = acc_hi * alpha[:, None]
+                l_i = l_i * alpha
+                m_i = m_new
+            m_safe = m_i
+        else:
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+            alpha = tl.exp2(m_i - m_safe)
+            acc_lo = acc_lo * alpha[:, None]
+            acc_hi = acc_hi * alpha[:, None]
+            l_i = l_i * alpha
+            m_i = m_new
+        pr = tl.exp2(s0 - m_safe[:, None])
+        l_i += tl.sum(pr, axis=1)
+        acc_lo, acc_hi = _pv(acc_lo, acc_hi, pr, v0, z0, vs0, DOT)
+        if PPI >= 2:
+            pr = tl.exp2(s1 - m_safe[:, None])
+            l_i += tl.sum(pr, axis=1)
+            acc_lo, acc_hi = _pv(acc_lo, acc_hi, pr, v1, z1, vs1, DOT)
+        if PPI >= 4:
+            pr = tl.exp2(s2 - m_safe[:, None])
+            l_i += tl.sum(pr, axis=1)
+            acc_lo, acc_hi = _pv(acc_lo, acc_hi, pr, v2, z2, vs2, DOT)
+            pr = tl.exp2(s3 - m_safe[:, None])
+            l_i += tl.sum(pr, axis=1)
+            acc_lo, acc_hi = _pv(acc_lo, acc_hi, pr, v3, z3, vs3, DOT)
+    return acc_lo, acc_hi, m_i, l_i
+
+
+@triton.jit
+def unrotate_store(
+    acc_lo, acc_hi, l_i, out_scale, rot_ptr, dst0, mask0, dst1, mask1,
+    D: tl.constexpr, DOT: tl.constexpr, RSQRT_B: tl.constexpr, TWO: tl.constexpr,
+):  # fmt: skip
+    """The normalised output ``R^T (acc / l_i * out_scale)`` [BLOCK_G, D] (head dims in order) at
+    rows ``dst0`` [BLOCK_G] (pointers to each row's first element) where ``mask0``, and (``TWO``)
+    at ``dst1`` where ``mask1``. Rows with ``l_i == 0`` give 0. Each row is scaled by a power of
+    two to a maximum in [1, 2) before its one rounding to fp16 (fp32 where ``DOT`` is), so the
+    rounding is 2^-12 of the row's maximum at any magnitude; products against U fp32-accumulated."""
+    f = out_scale / tl.where(l_i == 0.0, 1.0, l_i)
+    y_lo = acc_lo * f[:, None]
+    y_hi = acc_hi * f[:, None]
+    top = tl.maximum(tl.max(tl.abs(y_lo), axis=1), tl.max(tl.abs(y_hi), axis=1))
+    e = tl.floor(tl.log2(tl.where(top > 0.0, top, 1.0)))
+    y_lo = y_lo * tl.exp2(-e)[:, None]
+    y_hi = y_hi * tl.exp2(-e)[:, None]
+    if DOT == tl.float32:
+        u_lo = y_lo
+        u_hi = y_hi
+    else:  # fp16 for bf16 products too: 2^-12, not bf16's 2^-9
+        u_lo = y_lo.to(tl.float16)
+        u_hi = y_hi.to(tl.float16)
+    back = (tl.exp2(e) * RSQRT_B)[:, None]
+    offs_w = tl.arange(0, D // 2)
+    offs_n = tl.arange(0, NC)
+    for c in tl.static_range(D // NC):
+        cols = (offs_n + c * NC)[None, :]  # (tensor first: constexpr + tensor is no tensor)
+        u = rot_ptr + D * D + offs_w[:, None] * D + cols
+        u_odd = tl.load(u + (D // 2) * D).to(u_hi.dtype)
+        o = tl.dot(u_hi, u_odd, tl.dot(u_lo, tl.load(u).to(u_lo.dtype))) * back
+        tl.store(dst0[:, None] + cols, o.to(dst0.dtype.element_ty), mask=mask0[:, None])
+        if TWO:
+            tl.store(dst1[:, None] + cols, o.to(dst1.dtype.element_ty), mask=mask1[:, None])
+
+
+@triton.jit
+def store_lse(m_i, l_i, ptrs, mask):
+    """A partial's log-sum-exp (base 2; -inf for an empty part) at ``ptrs`` where ``mask``."""
+    lse = tl.where(l_i == 0.0, float("-inf"), m_i + tl.log2(tl.where(l_i == 0.0, 1.0, l_i)))
+    tl.store(ptrs, lse, mask=mask)
+
+
+@triton.jit
+def store_split_int4(
+    acc_lo, acc_hi, m_i, l_i, b, split, heads, g_mask, out_ptr, part_o_ptr, part_lse_ptr,
+    out_scale, rot_ptr, stride_ob, stride_oh, QH: tl.constexpr, D: tl.constexpr,
+    NUM_SPLITS: tl.constexpr, DIRECT: tl.constexpr, DOT: tl.constexpr, RSQRT_B: tl.constexpr,
+):  # fmt: skip
+    """``helpers.store_split`` for the int4 accumulators: the output (``DIRECT``) or the split's
+    partial output, both un-rotated and with ``out_scale`` applied, and its log-sum-exp."""
+    if DIRECT:
+        dst = out_ptr + b * stride_ob + heads * stride_oh
+        unrotate_store(acc_lo, acc_hi, l_i, out_scale, rot_ptr, dst, g_mask, dst, g_mask,
+                       D, DOT, RSQRT_B, False)  # fmt: skip
+    else:
+        rows = (b.to(tl.int64) * QH + heads) * NUM_SPLITS + split  # [B, QH, S] row
+        store_lse(m_i, l_i, part_lse_ptr + rows, g_mask)
+        dst = part_o_ptr + rows * D
+        unrotate_store(acc_lo, acc_hi, l_i, out_scale, rot_ptr, dst, g_mask, dst, g_mask,
+                       D, DOT, RSQRT_B, False)  # fmt: skip
+
+
+def int4_pv_shift(dot_dtype: torch.dtype, lazy: bool) -> int:
+    """``decode_tma.pv_shift`` for int4 codes: ``v_scale = (hi - lo) / 15`` is between
+    absmax / 30 (MSE clip 0.5) and absmax / 7.5 of the head's rotated values, some 16 times the
+    int8 scale (absmax / 127), so the shift is the int8 one less 4: 0 lazy, 4 eager. Then
+    ``p * v_scale * 2^shift`` stays below 65504 for rotated |v| up to about 1900 lazy (weights up
+    to 2^8) and 30000 eager (weights up to 1), and normal in fp16 for a rotated absmax above
+    about 2e-3 lazy, 1.2e-4 eager. (The rotated values are bounded by the head's L2 norm.) A
+    larger |v| overflows to inf (the output NaN, never clipped); bf16 / fp32 products: none."""
+    if dot_dtype != torch.float16:
+        return 0
+    return 0 if lazy else 4
