@@ -158,9 +158,17 @@ INTERPRETER_CASES = [
 ]
 
 
+@pytest.fixture(params=["channels_first", "rows_first"])
+def variant(request, monkeypatch) -> str:
+    """Either tile of the program, whatever the batch size would pick (``ROWS_FIRST``)."""
+    below = 0 if request.param == "channels_first" else 1 << 30
+    monkeypatch.setattr(kv_write_int4, "INT4_ROWS_FIRST_BELOW", below)
+    return request.param
+
+
 @needs_interpreter
 @pytest.mark.parametrize("t,kh,d,page,dtype,layout", INTERPRETER_CASES)
-def test_interpreter_program_equals_aten(t, kh, d, page, dtype, layout) -> None:
+def test_interpreter_program_equals_aten(variant, t, kh, d, page, dtype, layout) -> None:
     _check(*_case(t, kh, d, page, dtype, seed=t * kh + d, layout=layout,
                   slot_dtype=torch.int32 if kh % 2 else torch.int64))  # fmt: skip
 
@@ -213,7 +221,7 @@ needs_gpu = pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU (Triton pr
 @pytest.mark.parametrize("kh,d,page", [(8, 128, 16), (8, 256, 16), (1, 64, 1), (3, 96, 32),
                                        (2, 10, 16)])  # fmt: skip
 @pytest.mark.parametrize("layout", ["fused", "transposed"])
-def test_gpu_write_equals_aten(dtype, kh, d, page, layout) -> None:
+def test_gpu_write_equals_aten(variant, dtype, kh, d, page, layout) -> None:
     """``write_kv_per_token_head`` on a CUDA cache (the Triton program) against the aten write
     on the same device, 300 tokens with the edge rows."""
     cache, scale, k, v, slots = _case(300, kh, d, page, dtype, seed=d + kh, device="cuda",
@@ -228,7 +236,7 @@ def test_gpu_write_equals_aten(dtype, kh, d, page, layout) -> None:
 @pytest.mark.gpu
 @needs_gpu
 @pytest.mark.parametrize("d", [128, 256])
-def test_gpu_many_rows_equal_aten(d: int) -> None:
+def test_gpu_many_rows_equal_aten(variant, d: int) -> None:
     """A prefill-sized batch (16k tokens x 8 heads of k and of v): rare ratio ties and roundings
     would show here."""
     cache, scale, k, v, slots = _case(16384, 8, d, 16, torch.bfloat16, seed=d, device="cuda")

@@ -25,12 +25,12 @@ from torch_kvq.attention.triton.int4 import rotation_matrices, unpack  # noqa: E
 
 
 @triton.jit
-def _unpack_all(x_ptr, zp_ptr, lo_ptr, hi_ptr, DOT: tl.constexpr):
-    """Every byte (rows) under every zero point (columns): [256, 16] codes - zp, both nibbles."""
+def _unpack_all(x_ptr, lo_ptr, hi_ptr, DOT: tl.constexpr):
+    """Every byte (rows, 16 copies each): [256, 16] low code + A, 16 * high code + A."""
     r = tl.arange(0, 256)
     c = tl.arange(0, 16)
     x = tl.load(x_ptr + r[:, None] * 16 + c[None, :])
-    lo, hi = unpack(x, tl.load(zp_ptr + c)[None, :], DOT)
+    lo, hi = unpack(x, DOT)
     tl.store(lo_ptr + r[:, None] * 16 + c[None, :], lo.to(tl.float32))
     tl.store(hi_ptr + r[:, None] * 16 + c[None, :], hi.to(tl.float32))
 
@@ -38,11 +38,11 @@ def _unpack_all(x_ptr, zp_ptr, lo_ptr, hi_ptr, DOT: tl.constexpr):
 def _unpacked(device: str, dot: tl.dtype) -> tuple[torch.Tensor, ...]:
     x = torch.arange(256, dtype=torch.int32, device=device).to(torch.uint8)
     x = x[:, None].expand(256, 16).contiguous()
-    zp = torch.arange(16, dtype=torch.float32, device=device)
     lo, hi = torch.empty(256, 16, device=device), torch.empty(256, 16, device=device)
-    _unpack_all[(1,)](x, zp, lo, hi, dot)
-    want_lo = (x & 0xF).float() - zp
-    want_hi = (x >> 4).float() - zp
+    _unpack_all[(1,)](x, lo, hi, dot)
+    a = 1024.0 if dot == tl.float16 else 0.0  # int4.offset
+    want_lo = (x & 0xF).float() + a
+    want_hi = (x >> 4).float() * 16 + a
     return lo, hi, want_lo, want_hi
 
 
@@ -70,8 +70,8 @@ def test_rotation_matrices_rotate_and_unrotate() -> None:
 
 
 def test_unpack_is_exact(interp) -> None:
-    """Every byte under every zero point through ``int4.unpack``: fp16 (the exponent trick) and
-    fp32 equal ``code - zp`` (bf16: GPU test; the interpreter has no bf16)."""
+    """Every byte through ``int4.unpack``: fp16 (the exponent trick) and fp32 equal ``code + A``
+    and ``16 * code + A`` exactly (bf16: GPU test; the interpreter has no bf16)."""
     for dot in (tl.float16, tl.float32):
         lo, hi, want_lo, want_hi = _unpacked("cpu", dot)
         assert torch.equal(lo, want_lo) and torch.equal(hi, want_hi), dot

@@ -18,6 +18,7 @@ add in another order than aten's; two ratios whose errors differ by less than su
 from __future__ import annotations
 
 import functools
+import importlib
 from typing import Any
 
 import torch
@@ -36,6 +37,9 @@ from torch_kvq.attention.quant import (
 # without shuffles, and the per-row scale math once per row)
 INT4_WARPS = 1
 INT4_ROWS = 32 * INT4_WARPS
+# fewer rows than this per SM: one row per program, its channels across one warp's lanes
+# (``ROWS_FIRST``), so that a decode step's few tokens spread over the SMs
+INT4_ROWS_FIRST_BELOW = 32
 
 
 def _f32(x: float) -> float:
@@ -96,13 +100,16 @@ def launch_int4_write(
     require_correct_reciprocal(kv_cache.device)
     b = hadamard_block(d)
     block_d = 1 << (d - 1).bit_length()
-    block_r = INT4_ROWS  # a power of two
     n_rows = t * kh
-    return program[(-(-n_rows // block_r),)](
+    sms = importlib.import_module("torch_kvq.attention.triton.helpers").sm_count(kv_cache.device)
+    rows_first = n_rows < INT4_ROWS_FIRST_BELOW * sms
+    block_r = 1 if rows_first else INT4_ROWS  # a power of two
+    return program[(-(-n_rows // block_r), 2)](
         k, v, kv_cache, kv_scale, slot_mapping, rotation_signs(d, kv_cache.device),
         clip_ratios(kv_cache.device), n_rows,
         *k.stride(), *v.stride(), *kv_cache.stride(), *kv_scale.stride(), kv_cache.shape[2],
         KH=kh, D=d, BLOCK_R=block_r, BLOCK_D=block_d, LOG2B=b.bit_length() - 1,
         RSQRT_B=_f32(b**-0.5), RCP15=_f32(1.0 / INT4_LEVELS), FLOOR=_f32(SCALE_FLOOR),
-        NUM_RATIOS=len(INT4_CLIP_RATIOS), num_warps=INT4_WARPS, enable_fp_fusion=False,
+        NUM_RATIOS=len(INT4_CLIP_RATIOS), ROWS_FIRST=rows_first, num_warps=INT4_WARPS,
+        enable_fp_fusion=False,
     )  # fmt: skip

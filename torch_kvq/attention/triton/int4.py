@@ -12,12 +12,17 @@ Attention in the model's basis needs no per-key pass: ``q . k = (R q) . (R k)`` 
   (the nibbles' channels): ``q @ M`` with M = ``H_b diag(signs)``'s transpose, a +-1 matrix (exact
   in any dot dtype, fp32 accumulate: the sums are exact), times fp32 ``b ** -0.5`` in fp32, then
   rounded once to the dot dtype (the scale before the rounding, so the operand has q's range);
-- per page (``page_int4``): one TMA box [page, D / 2] of bytes each for K and V; a nibble is
-  centred exactly in fp16 by the exponent trick, ``((byte & 0xF) | 0x6400)`` as fp16 is
-  ``1024 + code``, minus ``1024 + zp`` (its token's): ``code - zp``, no zero-point correction
-  terms (``unpack``; compiled, eight codes per instance of ``_unpack_fp16``). Logits
-  ``q_even . k_lo + q_odd . k_hi`` times the token's k scale; ``p @ v`` into two accumulators
-  (even, odd channels), the weights times the v scales and ``PV_SCALE`` as the 8-bit caches do;
+- per page (``page_int4``): one TMA box [page, D / 2] of bytes each for K and V; the nibbles go
+  to fp16 by the exponent trick with no arithmetic (``unpack``: ``(byte & 0xF) | 0x6400`` as fp16
+  is ``1024 + code``, ``(byte & 0xF0) | 0x6400`` is ``1024 + 16 * code``; compiled, two byte
+  permutes and four ``lop3`` per eight codes); the offsets and the zero points come out per row
+  and column instead of per element: logits ``q_even . k_lo + q_odd . k_hi / 16`` minus
+  ``1024 * (sum q_even + sum q_odd / 16)`` minus ``zp * (sum q_even + sum q_odd)`` (the sums of
+  the fp16 operands), times the token's k scale; ``p @ v`` into two accumulators (even, odd
+  channels; the odd one divided by 16 at the end), the weights times the v scales and
+  ``PV_SCALE`` as the 8-bit caches do, and each row's ``sum(w)`` and ``sum(w * zp)`` taken out at
+  the end. All offsets are exact in fp32 products of fp16 operands; they cost the fp32 sums some
+  10 bits of headroom (relative error ~1e-5, below the fp16 operands' 5e-4);
 - epilogue (``unrotate_store``): the normalised halves (``PV_SCALE`` divided out) scaled per row
   by a power of two to a maximum in [1, 2), rounded once to fp16 (fp32 with fp32 products), and
   ``R^T`` applied by +-1 products against ``U`` [D, D] (rows: the halves' columns, V's column
@@ -37,7 +42,7 @@ import triton
 import triton.language as tl
 
 from torch_kvq.attention.quant import _walsh_hadamard, hadamard_block, hadamard_signs
-from torch_kvq.attention.triton.helpers import _INTERPRET, _LOG2E
+from torch_kvq.attention.triton.helpers import _LOG2E, INTERPRET
 
 # output columns per chunk of the epilogue's un-rotation (and q rows per prologue chunk); a jit
 # function reads only constexpr globals (Triton 3.6)
@@ -107,36 +112,44 @@ def _rotate_half(
 
 
 @triton.jit
-def unpack(x, zp, DOT: tl.constexpr):
-    """Packed bytes ``x`` (uint8) with zero points ``zp`` (fp32, 0..15, broadcastable to x) ->
-    (low nibbles - zp, high nibbles - zp) in ``DOT``, exactly. fp16: the exponent trick (the
-    module docstring); compiled, ``_unpack_fp16`` (eight codes per instance); the interpreter,
-    which runs no PTX, takes the same steps value by value."""
+def unpack(x, DOT: tl.constexpr):
+    """Packed bytes ``x`` (uint8) -> (low nibble + A, 16 * high nibble + A) in ``DOT``, exactly,
+    with A = ``offset(DOT)``: fp16 by the exponent trick, ``(byte & 0xF) | 0x6400`` as fp16 is
+    ``1024 + code`` and ``(byte & 0xF0) | 0x6400`` is ``1024 + 16 * code`` (compiled: two byte
+    permutes and four ``lop3`` per eight codes, ``_unpack_fp16``; the interpreter, which runs no
+    PTX, takes the same steps value by value); other dot dtypes convert the integers (A = 0).
+    The offsets and the zero points are taken out per row afterwards (``page_int4``, ``_pv``)."""
     if DOT == tl.float16:
-        z = tl.broadcast_to((zp + 1024.0).to(tl.float16), x.shape)
-        if _INTERPRET:
-            lo = ((x & 0xF).to(tl.uint16) | 0x6400).to(tl.float16, bitcast=True) - z
-            hi = ((x >> 4).to(tl.uint16) | 0x6400).to(tl.float16, bitcast=True) - z
+        if INTERPRET:
+            lo = ((x & 0xF).to(tl.uint16) | 0x6400).to(tl.float16, bitcast=True)
+            hi = ((x & 0xF0).to(tl.uint16) | 0x6400).to(tl.float16, bitcast=True)
             return lo, hi
-        return _unpack_fp16(x, z)
-    return (x & 0xF).to(DOT) - zp.to(DOT), (x >> 4).to(DOT) - zp.to(DOT)
+        return _unpack_fp16(x)
+    return (x & 0xF).to(DOT), (x & 0xF0).to(DOT)
 
 
 @triton.jit
-def _unpack_fp16(x, z):
-    """Four bytes in, their eight codes out as fp16 ``code - zp`` (``z`` = fp16 ``1024 + zp``, two
-    per register): bytes 0, 1 and 2, 3 spread to 16-bit lanes (``prmt``), each lane's nibble
-    under fp16's exponent of 1024 (``lop3``: ``(t & 0x000F000F) | 0x64006400``; the high
-    nibbles after a shift by 4), minus z two at a time (``sub.f16x2``)."""
+def offset(DOT: tl.constexpr):
+    """What ``unpack`` adds to every code in ``DOT``: 1024 in fp16, else 0."""
+    if DOT == tl.float16:
+        return 1024.0
+    return 0.0
+
+
+@triton.jit
+def _unpack_fp16(x):
+    """Four bytes in, their eight codes out under fp16's exponent of 1024, two per register:
+    bytes 0, 1 and 2, 3 spread to 16-bit lanes (``prmt``), then ``(t & 0x000F000F) | 0x64006400``
+    (low nibbles: 1024 + code) and ``(t & 0x00F000F0) | 0x64006400`` (high: 1024 + 16 code), one
+    ``lop3`` each."""
     return tl.inline_asm_elementwise(
-        "{ .reg .b32 t0, t1, u; "
+        "{ .reg .b32 t0, t1; "
         "prmt.b32 t0, $4, 0, 0x4140; prmt.b32 t1, $4, 0, 0x4342; "
-        "lop3.b32 u, t0, 0x000f000f, 0x64006400, 0xea; sub.rn.f16x2 $0, u, $5; "
-        "lop3.b32 u, t1, 0x000f000f, 0x64006400, 0xea; sub.rn.f16x2 $1, u, $6; "
-        "shr.b32 t0, t0, 4; shr.b32 t1, t1, 4; "
-        "lop3.b32 u, t0, 0x000f000f, 0x64006400, 0xea; sub.rn.f16x2 $2, u, $5; "
-        "lop3.b32 u, t1, 0x000f000f, 0x64006400, 0xea; sub.rn.f16x2 $3, u, $6; }",
-        "=r,=r,=r,=r,r,r,r", [x, z], dtype=(tl.float16, tl.float16), is_pure=True, pack=4,
+        "lop3.b32 $0, t0, 0x000f000f, 0x64006400, 0xea; "
+        "lop3.b32 $1, t1, 0x000f000f, 0x64006400, 0xea; "
+        "lop3.b32 $2, t0, 0x00f000f0, 0x64006400, 0xea; "
+        "lop3.b32 $3, t1, 0x00f000f0, 0x64006400, 0xea; }",
+        "=r,=r,=r,=r,r", [x], dtype=(tl.float16, tl.float16), is_pure=True, pack=4,
     )  # fmt: skip
 
 
@@ -149,14 +162,16 @@ def _split_scale(stored):
 
 @triton.jit
 def page_int4(
-    q_lo, q_hi, kv_desc, table, p, p_end, col, lo, seq_len, qk_scale_log2, soft_cap, offs_t,
+    q_lo, q_hi, q_off, q_sum, kv_desc, table, p, p_end, col, lo, seq_len, qk_scale_log2, soft_cap, offs_t,
     scale_ptr, kh, PAGE: tl.constexpr, W: tl.constexpr, DOT: tl.constexpr,
     USE_SOFT_CAP: tl.constexpr, KH: tl.constexpr, PV_SCALE: tl.constexpr,
 ):  # fmt: skip
     """``helpers.page_logits`` for the int4 cache: page ``p`` of the run (past ``p_end``: logits
     -inf, page 0 read), one box [PAGE, W = D / 2] of bytes each for K and V. Returns its base-2
     logits [BLOCK_G, PAGE], its V bytes with the columns in ``v_columns`` order, their zero points
-    [PAGE] and v scales times ``PV_SCALE`` [PAGE] (0 where masked)."""
+    [PAGE] and v scales times ``PV_SCALE`` [PAGE] (0 where masked). ``unpack``'s offsets and the
+    zero points leave the logits per row and column: ``q_off`` [BLOCK_G] is ``A * (sum(q_lo) +
+    sum(q_hi) / 16)``, ``q_sum`` ``sum(q_lo) + sum(q_hi)`` (fp32 sums of the dot operands)."""
     ok = p < p_end
     page = tl.load(table + p, mask=ok, other=0)
     row = page * (2 * PAGE)
@@ -166,8 +181,9 @@ def page_int4(
     scales = scale_ptr + (page.to(tl.int64) * (2 * KH) + kh) * PAGE + offs_t
     k_scale, k_zp = _split_scale(tl.load(scales))
     v_scale, v_zp = _split_scale(tl.load(scales + KH * PAGE))
-    k_lo, k_hi = unpack(k, k_zp[:, None], DOT)
-    s = tl.dot(q_hi, tl.trans(k_hi), tl.dot(q_lo, tl.trans(k_lo)))  # [BLOCK_G, PAGE] fp32
+    k_lo, k_hi = unpack(k, DOT)  # codes + A, 16 * codes + A
+    s = tl.dot(q_lo, tl.trans(k_lo)) + tl.dot(q_hi, tl.trans(k_hi)) * 0.0625  # [BLOCK_G, PAGE]
+    s = s - q_off[:, None] - q_sum[:, None] * k_zp[None, :]  # sum_d q_d (code_d - zp)
     toks = p * PAGE + offs_t
     live = (toks >= lo) & (toks < seq_len) & ok
     s = s * (k_scale * qk_scale_log2)[None, :]
@@ -179,11 +195,16 @@ def page_int4(
 
 
 @triton.jit
-def _pv(acc_lo, acc_hi, pr, v, v_zp, v_scales, DOT: tl.constexpr):
-    """``acc += (pr * v_scales) @ (v - zp)`` for both halves of V's bytes ``v``."""
+def _pv(acc_lo, acc_hi, w_sum, wz_sum, pr, v, v_zp, v_scales, DOT: tl.constexpr):
+    """``acc += w @ (v + A)`` for both halves of V's bytes ``v`` (the high one 16 times the code),
+    ``w = pr * v_scales`` in ``DOT``; ``w_sum`` / ``wz_sum`` gain each row's ``sum(w)`` and
+    ``sum(w * zp)`` (of the rounded w) for ``attend_int4``'s closing correction."""
     w = (pr * v_scales[None, :]).to(DOT)
-    v_lo, v_hi = unpack(v, v_zp[:, None], DOT)
-    return tl.dot(w, v_lo, acc_lo), tl.dot(w, v_hi, acc_hi)
+    wf = w.to(tl.float32)
+    v_lo, v_hi = unpack(v, DOT)
+    w_sum += tl.sum(wf, axis=1)
+    wz_sum += tl.sum(wf * v_zp[None, :], axis=1)
+    return tl.dot(w, v_lo, acc_lo), tl.dot(w, v_hi, acc_hi), w_sum, wz_sum
 
 
 @triton.jit
@@ -202,27 +223,32 @@ def attend_int4(
     l_i = tl.zeros([BLOCK_G], tl.float32)
     acc_lo = tl.zeros([BLOCK_G, D // 2], tl.float32)
     acc_hi = tl.zeros([BLOCK_G, D // 2], tl.float32)
+    w_sum = tl.zeros([BLOCK_G], tl.float32)
+    wz_sum = tl.zeros([BLOCK_G], tl.float32)
+    a = offset(DOT)
+    q_sum = tl.sum(q_lo.to(tl.float32), axis=1) + tl.sum(q_hi.to(tl.float32), axis=1)
+    q_off = a * (tl.sum(q_lo.to(tl.float32), axis=1) + tl.sum(q_hi.to(tl.float32), axis=1) * 0.0625)
     n_iter = (p_end - p_begin + PPI - 1) // PPI
     for it in tl.range(0, n_iter, num_stages=STAGES):
         p = p_begin + it * PPI
         s0, v0, z0, vs0 = page_int4(
-            q_lo, q_hi, kv_desc, table, p, p_end, col, lo, seq_len, qk_scale_log2, soft_cap,
+            q_lo, q_hi, q_off, q_sum, kv_desc, table, p, p_end, col, lo, seq_len, qk_scale_log2, soft_cap,
             offs_t, scale_ptr, kh, PAGE, D // 2, DOT, USE_SOFT_CAP, KH, PV_SCALE,
         )  # fmt: skip
         m_blk = tl.max(s0, axis=1)
         if PPI >= 2:
             s1, v1, z1, vs1 = page_int4(
-                q_lo, q_hi, kv_desc, table, p + 1, p_end, col, lo, seq_len, qk_scale_log2,
+                q_lo, q_hi, q_off, q_sum, kv_desc, table, p + 1, p_end, col, lo, seq_len, qk_scale_log2,
                 soft_cap, offs_t, scale_ptr, kh, PAGE, D // 2, DOT, USE_SOFT_CAP, KH, PV_SCALE,
             )  # fmt: skip
             m_blk = tl.maximum(m_blk, tl.max(s1, axis=1))
         if PPI >= 4:
             s2, v2, z2, vs2 = page_int4(
-                q_lo, q_hi, kv_desc, table, p + 2, p_end, col, lo, seq_len, qk_scale_log2,
+                q_lo, q_hi, q_off, q_sum, kv_desc, table, p + 2, p_end, col, lo, seq_len, qk_scale_log2,
                 soft_cap, offs_t, scale_ptr, kh, PAGE, D // 2, DOT, USE_SOFT_CAP, KH, PV_SCALE,
             )  # fmt: skip
             s3, v3, z3, vs3 = page_int4(
-                q_lo, q_hi, kv_desc, table, p + 3, p_end, col, lo, seq_len, qk_scale_log2,
+                q_lo, q_hi, q_off, q_sum, kv_desc, table, p + 3, p_end, col, lo, seq_len, qk_scale_log2,
                 soft_cap, offs_t, scale_ptr, kh, PAGE, D // 2, DOT, USE_SOFT_CAP, KH, PV_SCALE,
             )  # fmt: skip
             m_blk = tl.maximum(m_blk, tl.maximum(tl.max(s2, axis=1), tl.max(s3, axis=1)))
@@ -232,6 +258,8 @@ def attend_int4(
                 alpha = tl.exp2(m_i - m_new)
                 acc_lo = acc_lo * alpha[:, None]
                 acc_hi = acc_hi * alpha[:, None]
+                w_sum = w_sum * alpha
+                wz_sum = wz_sum * alpha
                 l_i = l_i * alpha
                 m_i = m_new
             m_safe = m_i
@@ -240,22 +268,28 @@ def attend_int4(
             alpha = tl.exp2(m_i - m_safe)
             acc_lo = acc_lo * alpha[:, None]
             acc_hi = acc_hi * alpha[:, None]
+            w_sum = w_sum * alpha
+            wz_sum = wz_sum * alpha
             l_i = l_i * alpha
             m_i = m_new
         pr = tl.exp2(s0 - m_safe[:, None])
         l_i += tl.sum(pr, axis=1)
-        acc_lo, acc_hi = _pv(acc_lo, acc_hi, pr, v0, z0, vs0, DOT)
+        acc_lo, acc_hi, w_sum, wz_sum = _pv(acc_lo, acc_hi, w_sum, wz_sum, pr, v0, z0, vs0, DOT)
         if PPI >= 2:
             pr = tl.exp2(s1 - m_safe[:, None])
             l_i += tl.sum(pr, axis=1)
-            acc_lo, acc_hi = _pv(acc_lo, acc_hi, pr, v1, z1, vs1, DOT)
+            acc_lo, acc_hi, w_sum, wz_sum = _pv(acc_lo, acc_hi, w_sum, wz_sum, pr, v1, z1, vs1, DOT)
         if PPI >= 4:
             pr = tl.exp2(s2 - m_safe[:, None])
             l_i += tl.sum(pr, axis=1)
-            acc_lo, acc_hi = _pv(acc_lo, acc_hi, pr, v2, z2, vs2, DOT)
+            acc_lo, acc_hi, w_sum, wz_sum = _pv(acc_lo, acc_hi, w_sum, wz_sum, pr, v2, z2, vs2, DOT)
             pr = tl.exp2(s3 - m_safe[:, None])
             l_i += tl.sum(pr, axis=1)
-            acc_lo, acc_hi = _pv(acc_lo, acc_hi, pr, v3, z3, vs3, DOT)
+            acc_lo, acc_hi, w_sum, wz_sum = _pv(acc_lo, acc_hi, w_sum, wz_sum, pr, v3, z3, vs3, DOT)
+    # sum_n w_n (code_n - zp_n): take out the offsets (A, and A / 16 of the high half once it is
+    # divided by 16) and the zero points
+    acc_lo = acc_lo - (a * w_sum + wz_sum)[:, None]
+    acc_hi = acc_hi * 0.0625 - (a * 0.0625 * w_sum + wz_sum)[:, None]
     return acc_lo, acc_hi, m_i, l_i
 
 

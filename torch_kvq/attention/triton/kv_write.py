@@ -250,13 +250,13 @@ def kv_write_int4_kernel(
     c_sp, c_skv, c_ss, c_sh, c_sd, s_sp, s_skv, s_sh, s_ss, page_size,
     KH: tl.constexpr, D: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr,
     LOG2B: tl.constexpr, RSQRT_B: tl.constexpr, RCP15: tl.constexpr, FLOOR: tl.constexpr,
-    NUM_RATIOS: tl.constexpr,
+    NUM_RATIOS: tl.constexpr, ROWS_FIRST: tl.constexpr,
 ):  # fmt: skip
-    """Rows ``[BLOCK_R * program_id, ...)`` of the ``n_rows`` = T * KH (token, kv head) rows of k
-    and of v, each quantized by ``_int4_rows``: packed codes into ``cache[page, 0 / 1, offset,
-    head]`` (D / 2 bytes), stored scales into ``scale[page, 0 / 1, head, offset]``. ``sign_ptr``:
-    the rotation's signs [D] fp32; ``ratio_ptr``: the clip ratios [NUM_RATIOS] fp32. Any
-    strides (``*_s*``: token / page, k-or-v, slot, head, dim).
+    """Rows ``[BLOCK_R * program_id(0), ...)`` of the ``n_rows`` = T * KH (token, kv head) rows
+    of k (``program_id(1)`` 0) or of v (1), each quantized by ``_int4_rows``: packed codes into
+    ``cache[page, 0 / 1, offset, head]`` (D / 2 bytes), stored scales into ``scale[page, 0 / 1,
+    head, offset]``. ``sign_ptr``: the rotation's signs [D] fp32; ``ratio_ptr``: the clip ratios
+    [NUM_RATIOS] fp32. Any strides (``*_s*``: token / page, k-or-v, slot, head, dim).
 
     The tiles are channels first, [BLOCK_D, BLOCK_R], and k / v's channel strides are not
     specialized (so not known to be 1): Triton then lays a tile out with the rows across the
@@ -264,8 +264,13 @@ def kv_write_int4_kernel(
     error sums and the per-row scale math need no shuffles and run once per row (sm90 SASS,
     offline: about 170 instructions per value of k or v, 1 warp, D 64-256; a row-major tile
     spread each row over the lanes and repeated the per-row math in every thread, about 870).
-    D = 256 spills (a row is 256 fp32 registers)."""
+    D = 256 spills (a row is 256 fp32 registers). ``ROWS_FIRST`` (a batch too small to give
+    every SM a program that way, a decode step's): the tile is loaded rows first, one row's
+    channels across the lanes, and transposed: more instructions per value, many more programs
+    at once, so a few tokens are written in a few microseconds rather than one thread's whole
+    serial row of work."""
     row = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
+    kv = tl.program_id(1)
     row_ok = row < n_rows
     token = row // KH
     h = row - token * KH
@@ -273,24 +278,23 @@ def kv_write_int4_kernel(
     page = slot // page_size
     offset = slot - page * page_size
     d = tl.arange(0, BLOCK_D)
-    mask = (d[:, None] < D) & row_ok[None, :]
     signs = tl.load(sign_ptr + d, mask=d < D, other=0.0)
+    if kv == 0:
+        src = k_ptr + token * k_st + h * k_sh
+        sd = k_sd
+    else:
+        src = v_ptr + token * v_st + h * v_sh
+        sd = v_sd
+    if ROWS_FIRST:
+        x = tl.load(src[:, None] + d[None, :] * sd, mask=row_ok[:, None] & (d[None, :] < D),
+                    other=0.0)  # fmt: skip
+        x = tl.trans(x)
+    else:
+        x = tl.load(src[None, :] + d[:, None] * sd, mask=(d[:, None] < D) & row_ok[None, :],
+                    other=0.0)  # fmt: skip
+    codes, stored = _int4_rows(x, signs, ratio_ptr, BLOCK_R, BLOCK_D, LOG2B, RSQRT_B, RCP15,
+                               FLOOR, NUM_RATIOS)  # fmt: skip
     j = tl.arange(0, BLOCK_D // 2)
-    bmask = (j[:, None] < D // 2) & row_ok[None, :]
-    dst = cache_ptr + (page * c_sp + offset * c_ss + h * c_sh)[None, :] + j[:, None] * c_sd
-    sdst = scale_ptr + page * s_sp + offset * s_ss + h * s_sh
-    # k, then v: one row set live at a time
-    k = tl.load(
-        (k_ptr + token * k_st + h * k_sh)[None, :] + d[:, None] * k_sd, mask=mask, other=0.0
-    )
-    kc, ks = _int4_rows(k, signs, ratio_ptr, BLOCK_R, BLOCK_D, LOG2B, RSQRT_B, RCP15, FLOOR,
-                        NUM_RATIOS)  # fmt: skip
-    tl.store(dst, kc, mask=bmask)
-    tl.store(sdst, ks, mask=row_ok)
-    v = tl.load(
-        (v_ptr + token * v_st + h * v_sh)[None, :] + d[:, None] * v_sd, mask=mask, other=0.0
-    )
-    vc, vs = _int4_rows(v, signs, ratio_ptr, BLOCK_R, BLOCK_D, LOG2B, RSQRT_B, RCP15, FLOOR,
-                        NUM_RATIOS)  # fmt: skip
-    tl.store(dst + c_skv, vc, mask=bmask)
-    tl.store(sdst + s_skv, vs, mask=row_ok)
+    dst = cache_ptr + kv * c_skv + (page * c_sp + offset * c_ss + h * c_sh)[None, :]
+    tl.store(dst + j[:, None] * c_sd, codes, mask=(j[:, None] < D // 2) & row_ok[None, :])
+    tl.store(scale_ptr + kv * s_skv + page * s_sp + offset * s_ss + h * s_sh, stored, mask=row_ok)
