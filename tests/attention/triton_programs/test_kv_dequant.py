@@ -13,7 +13,9 @@ from torch_kvq.attention.kernels.kv_dequant import dequantize_pages, dequantize_
 from torch_kvq.spec import FP8_DTYPE
 
 DEVICE = "cuda" if HAS_CUDA else "cpu"
-on_interpreter = pytest.mark.skipif(not INTERPRETING, reason="the interpreter runs where no CUDA is")
+on_interpreter = pytest.mark.skipif(
+    not INTERPRETING, reason="the interpreter runs where no CUDA is"
+)
 CASES = [("int4", 2, 16, 128), ("int4", 3, 16, 64), ("int4", 1, 32, 256), ("int8", 8, 16, 128),
          ("fp8", 3, 32, 64), ("int4", 8, 64, 128)]  # fmt: skip
 
@@ -21,7 +23,11 @@ CASES = [("int4", 2, 16, 128), ("int4", 3, 16, 64), ("int4", 1, 32, 256), ("int8
 def cache_of(fmt: str, pages: int, page: int, kh: int, d: int, seed: int = 0):
     """A cache written from random k/v with outliers (so every code and many zero points occur)."""
     g = torch.Generator().manual_seed(seed)
-    x = torch.randn(pages, 2, page, kh, d, generator=g) * torch.rand(pages, 2, page, kh, 1, generator=g) * 4
+    x = (
+        torch.randn(pages, 2, page, kh, d, generator=g)
+        * torch.rand(pages, 2, page, kh, 1, generator=g)
+        * 4
+    )
     x[..., 3] += 20.0 * (torch.rand(pages, 2, page, kh, generator=g) > 0.9)
     codes, scales = quant.quantize_per_token_head(x.bfloat16(), fmt)
     return codes.to(DEVICE), scales.transpose(-1, -2).contiguous().to(DEVICE)

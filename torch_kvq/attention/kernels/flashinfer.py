@@ -87,8 +87,8 @@ from torch_kvq.attention.kernels.flashinfer_plan import (
     HostIndptrs,
     plan_wrapper,
 )
-from torch_kvq.attention.metadata import GraphShape
 from torch_kvq.attention.kernels.kv_dequant import dequantize_pages
+from torch_kvq.attention.metadata import GraphShape
 from torch_kvq.spec import FP8_DTYPE, LayerKVSpec
 
 if TYPE_CHECKING:

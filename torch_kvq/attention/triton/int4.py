@@ -18,11 +18,14 @@ Attention in the model's basis needs no per-key pass: ``q . k = (R q) . (R k)`` 
   permutes and four ``lop3`` per eight codes); the offsets and the zero points come out per row
   and column instead of per element: logits ``q_even . k_lo + q_odd . k_hi / 16`` minus
   ``1024 * (sum q_even + sum q_odd / 16)`` minus ``zp * (sum q_even + sum q_odd)`` (the sums of
-  the fp16 operands), times the token's k scale; ``p @ v`` into two accumulators (even, odd
-  channels; the odd one divided by 16 at the end), the weights times the v scales and
-  ``PV_SCALE`` as the 8-bit caches do, and each row's ``sum(w)`` and ``sum(w * zp)`` taken out at
-  the end. All offsets are exact in fp32 products of fp16 operands; they cost the fp32 sums some
-  10 bits of headroom (relative error ~1e-5, below the fp16 operands' 5e-4);
+  the fp16 operands), times the token's k scale (the offsets cost a logit's fp32 sum of D / 2
+  products some 10 bits, far below the fp16 operands' rounding); V's nibbles are centred per
+  element before ``p @ v`` (``unpack_centred``: minus ``1024 + zp``, ``1024 + 16 zp`` in fp16,
+  exact), not afterwards: taken out of the fp32 sum over thousands of tokens the offsets cancel
+  against an output that can be some 1e-4 of them (random v at 16k: 0.22 relative error on the
+  H200, where the products' fp32 accumulation is not exact); ``p @ v`` into two accumulators
+  (even, odd channels; the odd one divided by 16 at the end), the weights times the v scales and
+  ``PV_SCALE`` as the 8-bit caches do;
 - epilogue (``unrotate_store``): the normalised halves (``PV_SCALE`` divided out) scaled per row
   by a power of two to a maximum in [1, 2), rounded once to fp16 (fp32 with fp32 products), and
   ``R^T`` applied by +-1 products against ``U`` [D, D] (rows: the halves' columns, V's column
@@ -118,7 +121,7 @@ def unpack(x, DOT: tl.constexpr):
     ``1024 + code`` and ``(byte & 0xF0) | 0x6400`` is ``1024 + 16 * code`` (compiled: two byte
     permutes and four ``lop3`` per eight codes, ``_unpack_fp16``; the interpreter, which runs no
     PTX, takes the same steps value by value); other dot dtypes convert the integers (A = 0).
-    The offsets and the zero points are taken out per row afterwards (``page_int4``, ``_pv``)."""
+    K's offsets and zero points are taken out per logit afterwards (``page_int4``)."""
     if DOT == tl.float16:
         if INTERPRET:
             lo = ((x & 0xF).to(tl.uint16) | 0x6400).to(tl.float16, bitcast=True)
@@ -150,6 +153,38 @@ def _unpack_fp16(x):
         "lop3.b32 $2, t0, 0x00f000f0, 0x64006400, 0xea; "
         "lop3.b32 $3, t1, 0x00f000f0, 0x64006400, 0xea; }",
         "=r,=r,=r,=r,r", [x], dtype=(tl.float16, tl.float16), is_pure=True, pack=4,
+    )  # fmt: skip
+
+
+@triton.jit
+def unpack_centred(x, zp, DOT: tl.constexpr):
+    """Packed bytes ``x`` (uint8) with zero points ``zp`` (fp32, 0..15, broadcastable to x) ->
+    (low nibble - zp, 16 * (high nibble - zp)) in ``DOT``, exactly: ``unpack``'s fp16 forms minus
+    ``1024 + zp`` and ``1024 + 16 zp`` (``sub.f16x2``, exact: integers below 2048). For V: the
+    offset taken out per element, before the products, not from their fp32 sum (``_pv``)."""
+    if DOT == tl.float16:
+        z_lo = tl.broadcast_to((zp + 1024.0).to(tl.float16), x.shape)
+        z_hi = tl.broadcast_to((zp * 16.0 + 1024.0).to(tl.float16), x.shape)
+        if INTERPRET:
+            lo, hi = unpack(x, DOT)
+            return lo - z_lo, hi - z_hi
+        return _unpack_centred_fp16(x, z_lo, z_hi)
+    lo, hi = unpack(x, DOT)
+    return lo - zp.to(DOT), hi - (zp * 16.0).to(DOT)
+
+
+@triton.jit
+def _unpack_centred_fp16(x, z_lo, z_hi):
+    """``_unpack_fp16`` then minus ``z_lo`` (low nibbles) and ``z_hi`` (high), two at a time."""
+    return tl.inline_asm_elementwise(
+        "{ .reg .b32 t0, t1, u; "
+        "prmt.b32 t0, $4, 0, 0x4140; prmt.b32 t1, $4, 0, 0x4342; "
+        "lop3.b32 u, t0, 0x000f000f, 0x64006400, 0xea; sub.rn.f16x2 $0, u, $5; "
+        "lop3.b32 u, t1, 0x000f000f, 0x64006400, 0xea; sub.rn.f16x2 $1, u, $6; "
+        "lop3.b32 u, t0, 0x00f000f0, 0x64006400, 0xea; sub.rn.f16x2 $2, u, $7; "
+        "lop3.b32 u, t1, 0x00f000f0, 0x64006400, 0xea; sub.rn.f16x2 $3, u, $8; }",
+        "=r,=r,=r,=r,r,r,r,r,r", [x, z_lo, z_hi], dtype=(tl.float16, tl.float16), is_pure=True,
+        pack=4,
     )  # fmt: skip
 
 
@@ -195,16 +230,12 @@ def page_int4(
 
 
 @triton.jit
-def _pv(acc_lo, acc_hi, w_sum, wz_sum, pr, v, v_zp, v_scales, DOT: tl.constexpr):
-    """``acc += w @ (v + A)`` for both halves of V's bytes ``v`` (the high one 16 times the code),
-    ``w = pr * v_scales`` in ``DOT``; ``w_sum`` / ``wz_sum`` gain each row's ``sum(w)`` and
-    ``sum(w * zp)`` (of the rounded w) for ``attend_int4``'s closing correction."""
+def _pv(acc_lo, acc_hi, pr, v, v_zp, v_scales, DOT: tl.constexpr):
+    """``acc += w @ (v - zp)`` for both halves of V's bytes ``v`` (the high one 16 times the
+    code), ``w = pr * v_scales`` in ``DOT``."""
     w = (pr * v_scales[None, :]).to(DOT)
-    wf = w.to(tl.float32)
-    v_lo, v_hi = unpack(v, DOT)
-    w_sum += tl.sum(wf, axis=1)
-    wz_sum += tl.sum(wf * v_zp[None, :], axis=1)
-    return tl.dot(w, v_lo, acc_lo), tl.dot(w, v_hi, acc_hi), w_sum, wz_sum
+    v_lo, v_hi = unpack_centred(v, v_zp[:, None], DOT)
+    return tl.dot(w, v_lo, acc_lo), tl.dot(w, v_hi, acc_hi)
 
 
 @triton.jit
@@ -223,8 +254,6 @@ def attend_int4(
     l_i = tl.zeros([BLOCK_G], tl.float32)
     acc_lo = tl.zeros([BLOCK_G, D // 2], tl.float32)
     acc_hi = tl.zeros([BLOCK_G, D // 2], tl.float32)
-    w_sum = tl.zeros([BLOCK_G], tl.float32)
-    wz_sum = tl.zeros([BLOCK_G], tl.float32)
     a = offset(DOT)
     q_sum = tl.sum(q_lo.to(tl.float32), axis=1) + tl.sum(q_hi.to(tl.float32), axis=1)
     q_off = a * (tl.sum(q_lo.to(tl.float32), axis=1) + tl.sum(q_hi.to(tl.float32), axis=1) * 0.0625)
@@ -258,8 +287,6 @@ def attend_int4(
                 alpha = tl.exp2(m_i - m_new)
                 acc_lo = acc_lo * alpha[:, None]
                 acc_hi = acc_hi * alpha[:, None]
-                w_sum = w_sum * alpha
-                wz_sum = wz_sum * alpha
                 l_i = l_i * alpha
                 m_i = m_new
             m_safe = m_i
@@ -268,29 +295,23 @@ def attend_int4(
             alpha = tl.exp2(m_i - m_safe)
             acc_lo = acc_lo * alpha[:, None]
             acc_hi = acc_hi * alpha[:, None]
-            w_sum = w_sum * alpha
-            wz_sum = wz_sum * alpha
             l_i = l_i * alpha
             m_i = m_new
         pr = tl.exp2(s0 - m_safe[:, None])
         l_i += tl.sum(pr, axis=1)
-        acc_lo, acc_hi, w_sum, wz_sum = _pv(acc_lo, acc_hi, w_sum, wz_sum, pr, v0, z0, vs0, DOT)
+        acc_lo, acc_hi = _pv(acc_lo, acc_hi, pr, v0, z0, vs0, DOT)
         if PPI >= 2:
             pr = tl.exp2(s1 - m_safe[:, None])
             l_i += tl.sum(pr, axis=1)
-            acc_lo, acc_hi, w_sum, wz_sum = _pv(acc_lo, acc_hi, w_sum, wz_sum, pr, v1, z1, vs1, DOT)
+            acc_lo, acc_hi = _pv(acc_lo, acc_hi, pr, v1, z1, vs1, DOT)
         if PPI >= 4:
             pr = tl.exp2(s2 - m_safe[:, None])
             l_i += tl.sum(pr, axis=1)
-            acc_lo, acc_hi, w_sum, wz_sum = _pv(acc_lo, acc_hi, w_sum, wz_sum, pr, v2, z2, vs2, DOT)
+            acc_lo, acc_hi = _pv(acc_lo, acc_hi, pr, v2, z2, vs2, DOT)
             pr = tl.exp2(s3 - m_safe[:, None])
             l_i += tl.sum(pr, axis=1)
-            acc_lo, acc_hi, w_sum, wz_sum = _pv(acc_lo, acc_hi, w_sum, wz_sum, pr, v3, z3, vs3, DOT)
-    # sum_n w_n (code_n - zp_n): take out the offsets (A, and A / 16 of the high half once it is
-    # divided by 16) and the zero points
-    acc_lo = acc_lo - (a * w_sum + wz_sum)[:, None]
-    acc_hi = acc_hi * 0.0625 - (a * 0.0625 * w_sum + wz_sum)[:, None]
-    return acc_lo, acc_hi, m_i, l_i
+            acc_lo, acc_hi = _pv(acc_lo, acc_hi, pr, v3, z3, vs3, DOT)
+    return acc_lo, acc_hi * 0.0625, m_i, l_i
 
 
 @triton.jit
