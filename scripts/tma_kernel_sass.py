@@ -28,16 +28,25 @@ LOOP_OPS = ("LDS.U8", "LDS.64", "LDS.128", "LDSM.16.M88.4", "LDSM.16.MT88.4", "S
             "F2FP.F16.E4M3.UNPACK_B", "HMMA.16816.F32", "FMUL", "IMAD.MOV.U32", "UTMALDG.2D")  # fmt: skip
 
 
-CACHES = ("fp8", "int8_per_token_head", "fp8_per_token_head")  # FP8 per tensor; per (token, head)
+# FP8 per tensor; codes per (token, head): int8, e4m3, int4 (two per byte, rotated: int4.py)
+CACHES = ("fp8", "int8_per_token_head", "fp8_per_token_head", "int4_per_token_head")
+# the arguments the JIT specializes as divisible by 16 at a launch on torch tensors (16-byte
+# aligned allocations, strides and the table's row a multiple of 16, window 0)
+ALIGNED = ("q_ptr", "block_table_ptr", "seq_lens_ptr", "part_o_ptr", "part_lse_ptr", "out_ptr",
+           "kv_scale_ptr", "rot_ptr", "stride_qb", "stride_qh", "stride_ob", "stride_oh",
+           "stride_bt", "window")  # fmt: skip
 
 
 def compile_kernel(
     head: int, group: int, ppi: int, stages: int, warps: int, lazy: bool,
     balanced: bool = False, max_registers: int | None = None, cache: str = "fp8", page: int = 16,
+    align: bool = True,
 ):  # fmt: skip
     """The compiled ``_decode_pages`` for pages of ``page`` tokens, fp16 products, split-K
     (``balanced``: ``_decode_balanced``, the balanced schedule, for up to 128 sequences); ``cache``
-    one of ``CACHES``: FP8 per tensor, or int8 / e4m3 codes with per-(token, head) scales."""
+    one of ``CACHES``: FP8 per tensor, or codes with per-(token, head) scales. ``align``: the
+    pointers and ints of ``ALIGNED`` divisible by 16, as a launch specializes them (without:
+    other registers and loop lengths than what runs)."""
     import triton
     import triton.language as tl
     from triton.backends.compiler import GPUTarget
@@ -51,33 +60,48 @@ def compile_kernel(
         from torch_kvq.attention.triton import decode_balanced
 
     fn = decode_balanced._decode_balanced if balanced else tma._decode_pages
-    scales = cache != "fp8"
-    code = "i8" if cache.startswith("int8") else "fp8e4nv"
+    from torch_kvq.attention.quant import hadamard_block
+
+    scales, int4 = cache != "fp8", cache.startswith("int4")
+    code = {"int8": "i8", "int4": "u8"}.get(cache[:4], "fp8e4nv")
+    width = head // 2 if int4 else head
     sig = {
-        "q_ptr": "*fp16", "kv_desc": f"tensordesc<{code}[{page}, {head}]>", "block_table_ptr": "*i32",
+        "q_ptr": "*fp16", "kv_desc": f"tensordesc<{code}[{page}, {width}]>", "block_table_ptr": "*i32",
         "seq_lens_ptr": "*i32", "part_o_ptr": "*fp32", "part_lse_ptr": "*fp32", "out_ptr": "*fp16",
         "kv_scale_ptr": "*fp32" if scales else "constexpr",
+        "rot_ptr": "*fp16" if int4 else "constexpr",
         "qk_scale_log2": "fp32", "soft_cap": "fp32", "out_scale": "fp32", "window": "i32",
         "stride_qb": "i32", "stride_qh": "i32", "stride_ob": "i32", "stride_oh": "i32",
         "stride_bt": "i32",
     }  # fmt: skip
     import torch
 
-    code_dtype = torch.int8 if code == "i8" else torch.float8_e4m3fn
+    code_dtype = {"i8": torch.int8, "u8": torch.uint8}.get(code, torch.float8_e4m3fn)
     pv = 2.0 ** tma.pv_shift(code_dtype, torch.float16, lazy)
     const = dict(QH=group * 8, G=group, BLOCK_G=max(16, triton.next_power_of_2(group)), D=head,
                  PAGE=page, NUM_SPLITS=8, STAGES=stages, PPI=ppi, USE_WINDOW=False,
                  USE_SOFT_CAP=False, DOT=tl.float16, DIRECT=False, LAZY=lazy, SCALES=scales,
-                 PV_SCALE=pv if scales else 1.0)  # fmt: skip
+                 PV_SCALE=pv if scales else 1.0, INT4=int4,
+                 RSQRT_B=hadamard_block(head) ** -0.5 if int4 else 1.0)  # fmt: skip
     if not scales:
         const["kv_scale_ptr"] = None  # a None argument is a constexpr: no kernel parameter
+    if not int4:
+        const["rot_ptr"] = None
     if balanced:
         sig = {**{k: v for k, v in sig.items() if k != "stride_qb"}, "B": "i32", "stride_qb": "i32"}
         del const["QH"], const["NUM_SPLITS"], const["DIRECT"]
         const.update(KH=8, BLOCK_B=128)
     sig.update(dict.fromkeys(const, "constexpr"))
+    attrs = {
+        (fn.arg_names.index(n),): [["tt.divisibility", 16]]
+        for n in ALIGNED
+        if align and n in sig and sig[n] != "constexpr"
+    }
     src = ASTSource(
-        fn=fn, signature=sig, constexprs={(fn.arg_names.index(k),): v for k, v in const.items()}
+        fn=fn,
+        signature=sig,
+        constexprs={(fn.arg_names.index(k),): v for k, v in const.items()},
+        attrs=attrs,
     )
     opts = dict(num_warps=warps, num_stages=stages)
     if max_registers:
@@ -98,10 +122,12 @@ def sass_stats(kernel) -> tuple[dict[str, int], list[str], str]:
             [tool, "--dump-resource-usage", cubin], capture_output=True, text=True
         ).stdout
     ins = [(int(a, 16), t) for a, t in re.findall(r"/\*([0-9a-f]{4,})\*/\s+(.*?);", sass)]
-    loop, most = (0, 0), -1  # the backward branch whose span holds the most tensor-core ops
+    # the backward branch whose span holds the most tensor-core ops; a loop's back edge is
+    # predicated (the unpredicated backward jumps are mbarrier-wait retries, out of line)
+    loop, most = (0, 0), -1
     for addr, text in ins:
         m = re.search(r"BRA\s+(0x[0-9a-f]+)", text)
-        if m and int(m.group(1), 16) < addr:
+        if m and int(m.group(1), 16) < addr and text.startswith("@"):
             lo = int(m.group(1), 16)
             n = sum("HMMA" in t for a, t in ins if lo <= a <= addr)
             if n > most or (n == most and addr - lo < loop[1] - loop[0]):
@@ -136,6 +162,8 @@ def main() -> None:
     ap.add_argument("--cache", choices=CACHES, default="fp8",
                     help="FP8 per tensor (default), or codes with per-(token, head) scales")  # fmt: skip
     ap.add_argument("--page", type=int, default=16, help="tokens per cache page")
+    ap.add_argument("--align", action=argparse.BooleanOptionalAction, default=True,
+                    help="16-divisible pointers and strides, as a launch specializes them")  # fmt: skip
     args = ap.parse_args()
     from torch_kvq.attention.triton.decode_tma import BALANCED, TUNED
 
@@ -145,9 +173,10 @@ def main() -> None:
             head=head, group=args.group or (2 if head == 256 else 4), ppi=args.ppi or ppi, stages=args.stages or stages,
             warps=args.warps or warps, lazy=lazy if args.lazy is None else args.lazy,
             balanced=args.balanced, max_registers=args.max_registers, cache=args.cache,
-            page=args.page,
+            page=args.page, align=args.align,
         )  # fmt: skip
-        if args.balanced and args.max_registers is None and head in BALANCED:
+        int4 = args.cache.startswith("int4")  # as paged_decode_tma: no cap for int4 (it spills)
+        if args.balanced and args.max_registers is None and head in BALANCED and not int4:
             cfg["max_registers"] = BALANCED[head][1]
         stats, _, sass = sass_stats(compile_kernel(**cfg))
         print(json.dumps({**cfg, **stats}) if args.json else f"{cfg} {stats}")
