@@ -43,7 +43,7 @@ the two reciprocal forms agree), ``x.float() / scale`` (a tensor divisor) correc
 ``kernels/kv_write_int4.py`` (rotation, MSE-clipped asymmetric int4, two codes per byte).
 ``k8v4_per_token_head`` (layer format "k8v4": k int8, v int4, codes [pages, 3, page, KH, D / 2]
 uint8) is written by the aten form on the CPU; on CUDA it has no Triton program and the write
-raises ``KernelUnsupportedError`` (FlashInfer, the only CUDA kernel, refuses such a layer first).
+raises ``KernelUnsupportedError`` (FlashInfer refuses such a layer earlier, when it checks it).
 """
 
 from __future__ import annotations
