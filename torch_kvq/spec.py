@@ -39,6 +39,10 @@ class KVQuantMode(enum.Enum):
     # two rotated, asymmetric 4-bit codes per uint8 byte, one fp32 scale per (token, kv head) with
     # the zero point in its low mantissa bits (attention/quant.py); head size must be even
     INT4_PER_TOKEN_HEAD = "int4_per_token_head"
+    # k as INT8_PER_TOKEN_HEAD, v as INT4_PER_TOKEN_HEAD in one uint8 cache [pages, 3, page, KH,
+    # D / 2] (slots 0 / 1: k's int8 codes, channels 0..D/2-1 / D/2..D-1; slot 2: v's packed int4);
+    # head size must be even
+    K8V4_PER_TOKEN_HEAD = "k8v4_per_token_head"
 
     @property
     def is_quantized(self) -> bool:
@@ -51,13 +55,22 @@ class KVQuantMode(enum.Enum):
             KVQuantMode.INT8_PER_TOKEN_HEAD,
             KVQuantMode.FP8_PER_TOKEN_HEAD,
             KVQuantMode.INT4_PER_TOKEN_HEAD,
+            KVQuantMode.K8V4_PER_TOKEN_HEAD,
         )
 
     @property
     def codes_per_byte(self) -> int:
-        """Channels one cache element holds: 2 for ``INT4_PER_TOKEN_HEAD`` (two codes per uint8),
+        """2 for the modes with 4-bit codes (``INT4_PER_TOKEN_HEAD``; ``K8V4_PER_TOKEN_HEAD``'s v),
         1 for every other mode; a cache's last dim is ``head_size // codes_per_byte``."""
-        return 2 if self is KVQuantMode.INT4_PER_TOKEN_HEAD else 1
+        return (
+            2 if self in (KVQuantMode.INT4_PER_TOKEN_HEAD, KVQuantMode.K8V4_PER_TOKEN_HEAD) else 1
+        )
+
+    @property
+    def cache_slots(self) -> int:
+        """The cache's dim 1: 2 (k, v) for every mode but ``K8V4_PER_TOKEN_HEAD``, 3 (k's int8
+        codes in two halves of ``head_size // 2`` bytes, v's packed int4 codes)."""
+        return 3 if self is KVQuantMode.K8V4_PER_TOKEN_HEAD else 2
 
     @property
     def code_dtype(self) -> torch.dtype | None:
@@ -66,17 +79,33 @@ class KVQuantMode(enum.Enum):
 
     @property
     def qmax(self) -> float | None:
-        """The largest code magnitude a scale maps absmax to (127 / 448); None for ``NONE``."""
+        """The largest code magnitude a scale maps absmax to (127 / 448); None for ``NONE`` and
+        ``K8V4_PER_TOKEN_HEAD`` (k's and v's differ: ``k_format`` / ``v_format``)."""
         return _QMAX.get(self)
 
     @property
     def per_token_head_format(self) -> str:
-        """``"int8"`` / ``"fp8"`` / ``"int4"``: the ``mode`` argument of the per-(token, head)
-        math and ops (``attention/quant.py``); ValueError for a mode that is not per-(token,
-        head)."""
+        """``"int8"`` / ``"fp8"`` / ``"int4"`` / ``"k8v4"``: the ``mode`` argument of the
+        per-(token, head) math and ops (``attention/quant.py``; ``"k8v4"`` is the layer's: its k
+        and v are quantized to ``k_format`` / ``v_format``); ValueError for a mode that is not
+        per-(token, head)."""
         if not self.per_token_head:
             raise ValueError(f"mode {self.value!r} has no per-(token, head) format")
         return self.value.split("_", 1)[0]
+
+    @property
+    def k_format(self) -> str:
+        """The per-(token, head) format k is quantized to: ``per_token_head_format``, or ``"int8"``
+        for ``K8V4_PER_TOKEN_HEAD``; ValueError for a mode that is not per-(token, head)."""
+        pair = _KV_FORMATS.get(self)
+        return pair[0] if pair else self.per_token_head_format
+
+    @property
+    def v_format(self) -> str:
+        """The per-(token, head) format v is quantized to: ``per_token_head_format``, or ``"int4"``
+        for ``K8V4_PER_TOKEN_HEAD``; ValueError for a mode that is not per-(token, head)."""
+        pair = _KV_FORMATS.get(self)
+        return pair[1] if pair else self.per_token_head_format
 
 
 _CODE_DTYPES = {
@@ -84,7 +113,10 @@ _CODE_DTYPES = {
     KVQuantMode.INT8_PER_TOKEN_HEAD: torch.int8,
     KVQuantMode.FP8_PER_TOKEN_HEAD: FP8_DTYPE,
     KVQuantMode.INT4_PER_TOKEN_HEAD: torch.uint8,
+    KVQuantMode.K8V4_PER_TOKEN_HEAD: torch.uint8,  # k's int8 codes stored as their bit patterns
 }
+# modes whose k and v have different formats (attention/quant.py's KV_FORMATS agrees; a test)
+_KV_FORMATS = {KVQuantMode.K8V4_PER_TOKEN_HEAD: ("int8", "int4")}
 _QMAX = {  # attention/quant.py's FP8_MAX / INT8_MAX (spec sits below it; a test checks they agree)
     KVQuantMode.FP8_PER_TENSOR: 448.0,
     KVQuantMode.INT8_PER_TOKEN_HEAD: 127.0,
@@ -108,6 +140,7 @@ _DTYPE_ALIASES: dict[str, tuple[KVQuantMode, torch.dtype | None]] = {
     "int8_per_token_head": (KVQuantMode.INT8_PER_TOKEN_HEAD, torch.int8),
     "fp8_per_token_head": (KVQuantMode.FP8_PER_TOKEN_HEAD, FP8_DTYPE),
     "int4_per_token_head": (KVQuantMode.INT4_PER_TOKEN_HEAD, torch.uint8),
+    "k8v4_per_token_head": (KVQuantMode.K8V4_PER_TOKEN_HEAD, torch.uint8),
 }
 
 
@@ -152,7 +185,8 @@ class KVCacheConfig:
     Args:
         kv_cache_dtype: the mode of every layer no rule selects: ``auto`` | ``bfloat16`` |
             ``float16`` | ``float32`` | ``fp8`` | ``fp8_e4m3`` | ``int8_per_token_head`` |
-            ``fp8_per_token_head`` | ``int4_per_token_head`` (even head sizes only).
+            ``fp8_per_token_head`` | ``int4_per_token_head`` | ``k8v4_per_token_head`` (k int8, v
+            int4; even head sizes only, as int4).
         layer_modes: ``((rule, kv_cache_dtype string), ...)`` (or a mapping): a per-layer mode
             map. A rule is an int index (negative from the end), ``"sliding_window"``,
             ``"full_attention"``, a name glob, or an exact layer name. Precedence: a layer takes
@@ -316,13 +350,16 @@ class LayerKVSpec:
     @property
     def code_dim(self) -> int:
         """The cache's last dim: ``head_size``, or ``head_size // 2`` for ``int4_per_token_head``
-        (two codes per byte)."""
+        (two codes per byte) and ``k8v4_per_token_head`` (k's D int8 codes in two slots)."""
         return self.head_size // self.mode.codes_per_byte
 
     @property
     def cache_bytes_per_token(self) -> int:
-        """K plus V bytes one token takes in this layer's cache: codes plus scales."""
-        codes = 2 * self.num_kv_heads * self.code_dim * self.storage_dtype.itemsize
+        """K plus V bytes one token takes in this layer's cache: codes plus scales (per kv head
+        ``k8v4_per_token_head``: D + D / 2 + 8)."""
+        codes = (
+            self.mode.cache_slots * self.num_kv_heads * self.code_dim * self.storage_dtype.itemsize
+        )
         return codes + self.scale_bytes_per_token
 
     def as_dict(self) -> dict[str, object]:
@@ -418,7 +455,7 @@ def resolve_layer_specs(
     for idx, (info, ((mode, storage), reason)) in enumerate(zip(layers, modes)):
         if info.head_size % mode.codes_per_byte:
             raise ValueError(
-                f"layer {idx} ({info.name!r}): mode {mode.value!r} packs two 4-bit codes per "
+                f"layer {idx} ({info.name!r}): mode {mode.value!r} packs two 4-bit codes per "  # (v's)
                 f"byte, so its head size must be even, got {info.head_size}; give this layer an "
                 "8-bit or unquantized mode in layer_modes"
             )

@@ -92,6 +92,58 @@ def test_hf_model_with_an_int4_layer_compiles_to_eager():
     lm.detach()
 
 
+def test_hf_model_with_a_k8v4_layer_compiles_to_eager():
+    """k8v4_per_token_head (k int8, v int4) next to int4 and int8 layers on a Hugging Face model:
+    its cache uint8 [pages, 3, page, KH, D / 2]; compiled with the passes equals eager bit for bit
+    and every quantized layer's write and read are fused (reference kernel)."""
+    lm = KVQCausalLM.from_hf(
+        hf_model("llama", torch.bfloat16),
+        KVCacheConfig(
+            "auto",
+            layer_modes=(
+                (0, "k8v4_per_token_head"),
+                (1, "int4_per_token_head"),
+                (2, "int8_per_token_head"),
+            ),
+            page_size=PAGE_SIZE,
+        ),
+        num_pages=NUM_PAGES,
+    )
+    caches = [
+        (a.kv_cache.dtype, tuple(a.kv_cache.shape[1:2]) + a.kv_cache.shape[-1:])
+        for a in lm.attention_layers
+    ]
+    d = lm.kv_specs[0].head_size
+    assert caches == [
+        (torch.uint8, (3, d // 2)),
+        (torch.uint8, (2, d // 2)),
+        (torch.int8, (2, d)),
+        (torch.bfloat16, (2, d)),
+    ]
+    prompts = make_prompts()
+    eager = generate(lm, prompts, 3, prefill_logits=True)
+    backend = make_kvq_backend(inner="eager")
+    with no_compile_caches():
+        comp = generate(
+            lm,
+            prompts,
+            3,
+            forward=lm.compiled_forward(backend),
+            force_tokens=eager.tokens,
+            prefill_logits=True,
+        )
+    torch._dynamo.reset()
+    assert torch.equal(comp.logits, eager.logits)
+    for c, e in zip(comp.prefill_logits, eager.prefill_logits):
+        assert torch.equal(c, e)
+    rep = backend.managers[-1].last
+    quantized = {s.name for s in lm.kv_specs[:3]}
+    assert (
+        set(rep.layers_fused("quant+write")) == set(rep.layers_fused("dequant+attn")) == quantized
+    )
+    lm.detach()
+
+
 def test_checkpoint_scales_load_for_the_per_tensor_layers_only():
     scales = {f"model.layers.{i}.self_attn.kv_scale": torch.tensor(0.5) for i in range(4)}
     lm = KVQCausalLM.from_hf(

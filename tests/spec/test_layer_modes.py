@@ -36,6 +36,7 @@ def modes(cfg: KVCacheConfig) -> list[str]:
         (KVQuantMode.INT8_PER_TOKEN_HEAD, torch.int8, 127.0, "int8"),
         (KVQuantMode.FP8_PER_TOKEN_HEAD, FP8_DTYPE, 448.0, "fp8"),
         (KVQuantMode.INT4_PER_TOKEN_HEAD, torch.uint8, 15.0, "int4"),
+        (KVQuantMode.K8V4_PER_TOKEN_HEAD, torch.uint8, None, "k8v4"),  # k and v differ
     ],
 )
 def test_per_token_head_mode_properties(mode, code, qmax, fmt) -> None:
@@ -45,11 +46,15 @@ def test_per_token_head_mode_properties(mode, code, qmax, fmt) -> None:
 
 
 def test_qmax_and_code_dtypes_agree_with_the_quant_math() -> None:
-    from torch_kvq.attention.quant import FP8_MAX, PER_TOKEN_HEAD_FORMATS
+    from torch_kvq.attention.quant import FP8_MAX, PER_TOKEN_HEAD_FORMATS, cache_layout, kv_formats
 
     assert KVQuantMode.FP8_PER_TENSOR.qmax == FP8_MAX
     for mode in (m for m in KVQuantMode if m.per_token_head):
-        assert PER_TOKEN_HEAD_FORMATS[mode.per_token_head_format] == (mode.code_dtype, mode.qmax)
+        fmt = mode.per_token_head_format
+        assert kv_formats(fmt) == (mode.k_format, mode.v_format)
+        assert cache_layout(fmt) == (mode.code_dtype, mode.cache_slots, mode.codes_per_byte)
+        if mode.k_format == mode.v_format:
+            assert PER_TOKEN_HEAD_FORMATS[fmt] == (mode.code_dtype, mode.qmax)
 
 
 def test_older_modes_have_no_per_token_head_format() -> None:

@@ -43,6 +43,12 @@ class Attention(nn.Module):
     That equals rotating q and k (scores unchanged, the rotation is orthogonal) and un-rotating
     the output (attention is linear in v) in exact arithmetic; the fused kernels will do that
     instead, to skip the per-key un-rotation. Such a layer takes ``quant_form="op"`` only.
+
+    ``k8v4_per_token_head``: k quantized as ``int8_per_token_head`` (``mode.k_format``), v as
+    ``int4_per_token_head`` (``mode.v_format``); ``kv_cache`` is uint8 [pages, 3, page, KH, D / 2]
+    (slots 0 / 1: k's int8 codes, first and second half of the channels; slot 2: v's packed
+    codes), ``kv_scale`` as above (k's int8 scale, v's int4 scale with its zero point).
+    ``quant_form="op"`` only, as int4.
     """
 
     def __init__(
@@ -66,7 +72,8 @@ class Attention(nn.Module):
         self.layer_name = spec.name
         self.quant_form = quant_form
         self.range_reported = False  # one FP8RangeWarning per layer
-        shape = (num_pages, 2, spec.page_size, spec.num_kv_heads, spec.code_dim)  # D / 2: int4
+        # D / 2: int4, k8v4 (whose dim 1 is 3: k's int8 codes in two halves, v's packed codes)
+        shape = (num_pages, spec.mode.cache_slots, spec.page_size, spec.num_kv_heads, spec.code_dim)
         self.register_buffer(
             "kv_cache",
             torch.zeros(shape, dtype=spec.storage_dtype, device=device),
@@ -97,8 +104,9 @@ class Attention(nn.Module):
             return torch.ops.kvq.quantize_fp8(x, scale)
         return quantize_fp8(x, scale)  # the torch-native expression, traced
 
-    def _quantize_per_token_head(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        fmt = self.spec.mode.per_token_head_format
+    def _quantize_per_token_head(
+        self, x: torch.Tensor, fmt: str
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         if self.quant_form == "op":
             return torch.ops.kvq.quantize_per_token_head(x, fmt)
         return quantize_per_token_head(x, fmt, "half_even")  # the torch-native form (.round())
@@ -128,8 +136,8 @@ class Attention(nn.Module):
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         spec = self.spec
         if spec.mode.per_token_head:
-            kc, ks = self._quantize_per_token_head(k)
-            vc, vs = self._quantize_per_token_head(v)
+            kc, ks = self._quantize_per_token_head(k, spec.mode.k_format)
+            vc, vs = self._quantize_per_token_head(v, spec.mode.v_format)
             torch.ops.kvq.cache_write_per_token_head(
                 kc, vc, ks, vs, self.kv_cache, self.kv_scale, spec.name
             )

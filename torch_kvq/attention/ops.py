@@ -38,7 +38,7 @@ from torch_kvq.attention import quant
 from torch_kvq.attention.context import get_forward_context
 from torch_kvq.attention.kernels.kv_write import write_kv
 from torch_kvq.attention.metadata import BatchMetadata
-from torch_kvq.spec import FP8_DTYPE, LayerKVSpec, check_scale
+from torch_kvq.spec import FP8_DTYPE, KVQuantMode, LayerKVSpec, check_scale
 
 
 def _new_output(like: Tensor, dtype: torch.dtype) -> Tensor:
@@ -55,22 +55,32 @@ def _check(cond: bool, msg: str) -> None:
 def _check_kv_args(
     spec: LayerKVSpec, k: Tensor, v: Tensor, kv_cache: Tensor, dtype: torch.dtype, n: int
 ) -> None:
-    # codes (the cache dtype) are ``code_dim`` wide: D / 2 for int4_per_token_head
-    width = spec.code_dim if dtype == spec.storage_dtype else spec.head_size
-    want = (n, spec.num_kv_heads, width)
+    # codes (the cache dtype) are ``code_dim`` wide: D / 2 for int4_per_token_head;
+    # k8v4_per_token_head's k codes are int8 [n, KH, D], its v codes uint8 [n, KH, D / 2]
+    codes = dtype == spec.storage_dtype
+    width = spec.code_dim if codes else spec.head_size
     for nm, t in (("k", k), ("v", v)):
+        want_dtype = dtype
+        want = (n, spec.num_kv_heads, width)
+        if codes and nm == "k" and spec.mode is KVQuantMode.K8V4_PER_TOKEN_HEAD:
+            want_dtype, want = torch.int8, (n, spec.num_kv_heads, spec.head_size)
         _check(
             tuple(t.shape) == want,
             f"layer {spec.name!r}: {nm} has shape {tuple(t.shape)}, expected {want}",
         )
-        _check(t.dtype == dtype, f"layer {spec.name!r}: {nm} has dtype {t.dtype}, expected {dtype}")
+        _check(
+            t.dtype == want_dtype,
+            f"layer {spec.name!r}: {nm} has dtype {t.dtype}, expected {want_dtype}",
+        )
     _check_cache(spec, kv_cache)
 
 
 def _check_cache(spec: LayerKVSpec, kv_cache: Tensor) -> None:
-    # codes are ``code_dim`` wide (int4: D / 2); a dequantized or model-dtype cache D wide
-    width = spec.code_dim if kv_cache.dtype == spec.storage_dtype else spec.head_size
-    want = (2, spec.page_size, spec.num_kv_heads, width)
+    # codes are ``code_dim`` wide (int4, k8v4: D / 2) in ``cache_slots`` slots (k8v4: 3); a
+    # dequantized or model-dtype cache D wide in 2
+    codes = kv_cache.dtype == spec.storage_dtype
+    width = spec.code_dim if codes else spec.head_size
+    want = (spec.mode.cache_slots if codes else 2, spec.page_size, spec.num_kv_heads, width)
     _check(
         kv_cache.dim() == 5 and tuple(kv_cache.shape[1:]) == want,
         f"layer {spec.name!r}: kv_cache has shape {tuple(kv_cache.shape)}, expected (pages, *{want})",

@@ -1,5 +1,6 @@
 """The ``kvq::*`` custom ops of the per-(token, head) modes (``INT8_PER_TOKEN_HEAD`` /
-``FP8_PER_TOKEN_HEAD``), each traceable under torch.compile. Math: ``attention/quant.py``.
+``FP8_PER_TOKEN_HEAD`` / ``INT4_PER_TOKEN_HEAD`` / ``K8V4_PER_TOKEN_HEAD``), each traceable under
+torch.compile. Math: ``attention/quant.py``.
 
 A layer's codes live in ``kv_cache`` [pages, 2, page, KH, D] (int8 / float8_e4m3fn) and its
 scales in ``kv_scale`` [pages, 2, KH, page] float32. ``mode`` is the format, ``"int8"`` or
@@ -9,6 +10,9 @@ scales in ``kv_scale`` [pages, 2, KH, page] float32. ``mode`` is the format, ``"
     kvq.cache_write_per_token_head(kc, vc, ks, vs, kv_cache, kv_scale, layer)  # mutates both
     kv = kvq.dequantize_kv_cache_per_token_head(kv_cache, kv_scale, layer, float32)
     out = kvq.paged_attention(q, kv, layer)
+
+(``k8v4_per_token_head``: k quantized with ``mode`` "int8", v with "int4"; the cache is uint8
+[pages, 3, page, KH, D / 2], the dequantized one [pages, 2, page, KH, D] as for every mode.)
 
 Fused (what the passes produce)::
 
@@ -47,8 +51,8 @@ from torch_kvq.spec import LayerKVSpec
 
 
 def _check_pth_layer(spec: LayerKVSpec, op: str) -> str:
-    """The layer's format ("int8" / "fp8" / "int4"); ValueError unless its mode is per-(token,
-    head)."""
+    """The layer's format ("int8" / "fp8" / "int4" / "k8v4"); ValueError unless its mode is
+    per-(token, head)."""
     _check(
         spec.mode.per_token_head,
         f"layer {spec.name!r} has mode {spec.mode.value}, not a per-(token, head) mode; {op} "
@@ -67,7 +71,7 @@ def _check_pth_cache(
         f"layer {spec.name!r}: cache dtype {kv_cache.dtype}, expected {spec.storage_dtype} "
         f"(mode {spec.mode.value})",
     )
-    _check_cache(spec, kv_cache)  # [pages, 2, page, KH, D] (D / 2 for int4's packed codes)
+    _check_cache(spec, kv_cache)  # [pages, 2, page, KH, D] (int4: D / 2; k8v4: 3 slots of D / 2)
     want = (kv_cache.shape[0], 2, spec.num_kv_heads, spec.page_size)
     _check(
         kv_scale.dtype == torch.float32 and tuple(kv_scale.shape) == want,
@@ -108,7 +112,7 @@ def cache_write_per_token_head(
     layer_name: str,
 ) -> None:
     """Write this batch's codes [T, KH, D] into ``kv_cache`` and their scales [T, KH] into
-    ``kv_scale`` at the batch's slots."""
+    ``kv_scale`` at the batch's slots (k8v4: k's int8 codes [T, KH, D], v's packed [T, KH, D / 2])."""
     ctx = get_forward_context()
     spec = ctx.spec(layer_name)
     _check_pth_layer(spec, "cache_write_per_token_head")
@@ -150,9 +154,11 @@ def _(kv_cache: Tensor, kv_scale: Tensor, layer_name: str, out_dtype: torch.dtyp
 
 def _dequantized_output(kv_cache: Tensor, out_dtype: torch.dtype) -> Tensor:
     """A new [pages, 2, page, KH, D] tensor of ``out_dtype``: the cache's shape, its last dim
-    doubled for a uint8 (``int4_per_token_head``: two codes per byte) cache."""
-    d = kv_cache.shape[-1] * (2 if kv_cache.dtype == torch.uint8 else 1)
-    return torch.empty((*kv_cache.shape[:-1], d), dtype=out_dtype, device=kv_cache.device)
+    doubled for a uint8 (``int4_per_token_head``: two codes per byte; ``k8v4_per_token_head``:
+    3 slots of D / 2) cache, its dim 1 k and v."""
+    pages, _, page, kh, dc = kv_cache.shape
+    d = dc * (2 if kv_cache.dtype == torch.uint8 else 1)
+    return torch.empty((pages, 2, page, kh, d), dtype=out_dtype, device=kv_cache.device)
 
 
 @torch.library.custom_op(

@@ -24,6 +24,11 @@ except ``absmax / QMAX``, which aten computes per device (``kernels/kv_write.py`
 MSE-clipped int4, two codes per byte (``quantize_int4_rotated`` / ``dequantize_int4_rotated``;
 the sections at the end of this module); codes [pages, 2, page, KH, D / 2] uint8, the same
 ``kv_scale`` layout with each scale's zero point in its low mantissa bits.
+
+k int8, v int4 (``K8V4_PER_TOKEN_HEAD``, layer format "k8v4"): k quantized as "int8", v as
+"int4", each by its own math above; one uint8 cache [pages, 3, page, KH, D / 2] (slots 0 / 1: k's
+int8 codes as bit patterns, channels 0..D/2-1 / D/2..D-1; slot 2: v's packed codes), the same
+``kv_scale`` (k's int8 scale, v's int4 scale with its zero point). Section at the end.
 """
 
 from __future__ import annotations
@@ -129,9 +134,12 @@ def dequantize_pages_per_token_head(
     [pages, 2, KH, page]) dequantized into a compact [n, 2, page, KH, D] tensor of ``out_dtype``
     (fp32 values rounded once to it): page i of the result is cache page ``page_ids[i]``, so a page
     table over it counts 0..n-1. A uint8 cache is ``int4_per_token_head``'s (codes [pages, 2,
-    page, KH, D / 2]): ``dequantize_int4_rotated``, back in the model's basis."""
+    page, KH, D / 2]): ``dequantize_int4_rotated``, back in the model's basis; or, with 3 slots,
+    ``k8v4_per_token_head``'s (``dequantize_k8v4_pages``)."""
     ids = page_ids.long()
     scales = kv_scale[ids].transpose(-1, -2)  # [n, 2, page, KH]
+    if kv_cache.shape[1] == 3:  # k8v4_per_token_head: k int8 in slots 0 / 1, v int4 in slot 2
+        return dequantize_k8v4_pages(kv_cache[ids], scales).to(out_dtype)
     if kv_cache.dtype == torch.uint8:
         return dequantize_int4_rotated(kv_cache[ids], scales).to(out_dtype)
     return dequantize_per_token_head(kv_cache[ids], scales).to(out_dtype)
@@ -330,3 +338,46 @@ def dequantize_int4_rotated(packed: torch.Tensor, stored: torch.Tensor) -> torch
     """``INT4_PER_TOKEN_HEAD``'s read: packed codes [..., D / 2] with stored scales [...] back to
     [..., D] fp32 in the model's basis (dequantized, then ``unrotate``)."""
     return unrotate(dequantize_int4_per_token_head(packed, stored))
+
+
+# -- K8V4_PER_TOKEN_HEAD ("k8v4"): k as "int8", v as "int4", in one uint8 cache -------------------
+#
+# The two formats' math is the functions above, unchanged; what is new is only where the codes
+# sit: k's int8 codes [..., D] as uint8 bit patterns split over slots 0 and 1 ([..., D / 2] each),
+# v's packed int4 codes in slot 2, so one uint8 tensor [pages, 3, page, KH, D / 2] holds both.
+
+KV_FORMATS = {"k8v4": ("int8", "int4")}  # layer format -> (k's format, v's format)
+
+
+def kv_formats(fmt: str) -> tuple[str, str]:
+    """(k's format, v's format) of a per-(token, head) layer format: ``KV_FORMATS``'s pair, else
+    ``fmt`` twice."""
+    return KV_FORMATS.get(fmt, (fmt, fmt))
+
+
+def cache_layout(fmt: str) -> tuple[torch.dtype, int, int]:
+    """(code dtype, slots (the cache's dim 1), channels per element of its last dim) of a
+    per-(token, head) layer format; ValueError for an unknown one."""
+    if fmt in KV_FORMATS:
+        return torch.uint8, 3, 2
+    code_dtype, _ = per_token_head_format(fmt)
+    return code_dtype, 2, 2 if fmt == "int4" else 1
+
+
+def k8v4_k_slots(k_codes: torch.Tensor) -> torch.Tensor:
+    """k's int8 codes [T, KH, D] as the uint8 contents of slots 0 and 1: [T, 2, KH, D / 2]."""
+    return k_codes.view(torch.uint8).unflatten(-1, (2, -1)).movedim(-2, 1)
+
+
+def k8v4_k_codes(slots: torch.Tensor) -> torch.Tensor:
+    """Slots 0 and 1 of cache pages, uint8 [n, 2, page, KH, D / 2], back to k's int8 codes
+    [n, page, KH, D] (``k8v4_k_slots``'s inverse)."""
+    return slots.movedim(1, -2).flatten(-2).view(torch.int8)
+
+
+def dequantize_k8v4_pages(codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """k8v4 cache pages, codes uint8 [n, 3, page, KH, D / 2] with scales [n, 2, page, KH], to fp32
+    [n, 2, page, KH, D]: k ``dequantize_per_token_head``, v ``dequantize_int4_rotated``."""
+    k = dequantize_per_token_head(k8v4_k_codes(codes[:, :2]), scales[:, 0])
+    v = dequantize_int4_rotated(codes[:, 2], scales[:, 1])
+    return torch.stack((k, v), 1)

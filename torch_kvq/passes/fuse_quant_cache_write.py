@@ -28,7 +28,8 @@ A per-(token, head) layer's write (``kvq.cache_write_per_token_head`` of codes a
 ``kvq.quantize_per_token_head`` or the torch-native form, ``passes/quant_match_pth.py``) becomes
 ``kvq.quant_cache_write_per_token_head(k, v, kv_cache, kv_scale, layer, rounding)``, with
 ``rounding="half_even"`` where the matched form rounds with ``torch.round``: the same codes and
-scales, bit for bit. The format must be the layer's own mode's.
+scales, bit for bit. The format must be the layer's own mode's (k's and v's: ``k_format`` /
+``v_format``, which differ for ``k8v4_per_token_head``).
 """
 
 from __future__ import annotations
@@ -116,9 +117,10 @@ class FuseQuantCacheWritePass(KVQPass):
         self, graph: fx.Graph, node: fx.Node, stamp: KVQStamp, ctx: PassContext
     ) -> int:
         """Rewrite one per-(token, head) write (module doc); 1 if fused, else 0 (decided why)."""
-        fmt = stamp.spec.mode.per_token_head_format
+        mode = stamp.spec.mode
         found: dict[str, tuple[TokenHeadQuant, fx.Node, list[fx.Node]]] = {}
         for arg in ("k", "v"):
+            fmt = mode.k_format if arg == "k" else mode.v_format  # k8v4: int8 / int4
             quant = match_per_token_head_quant(
                 node.kwargs[f"{arg}_codes"], node.kwargs[f"{arg}_scales"]
             )
@@ -129,7 +131,7 @@ class FuseQuantCacheWritePass(KVQPass):
                 ctx.decide(
                     stamp.layer,
                     f"not fused: {arg} is quantized to {quant.fmt}, and the layer's mode "
-                    f"{stamp.spec.mode.value} stores {fmt}",
+                    f"{mode.value} stores {fmt}",
                 )
                 return 0
             source = _model_dtype_source(quant.value, stamp.spec.model_dtype)

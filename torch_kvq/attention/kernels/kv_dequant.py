@@ -3,7 +3,8 @@ dtype, the cache FlashInfer's prefill reads for such a layer (``kernels/flashinf
 
 ``dequantize_pages``: on a CUDA cache one Triton pass (``attention/triton/kv_dequant.py``: codes
 and scales in, model-dtype rows out, int4 un-rotated on the way); elsewhere the aten form,
-``quant.dequantize_pages_per_token_head``, which the Triton pass equals bit for bit.
+``quant.dequantize_pages_per_token_head``, which the Triton pass equals bit for bit. A
+``k8v4_per_token_head`` cache (3 slots) has no Triton pass: ``KernelUnsupportedError``.
 """
 
 from __future__ import annotations
@@ -42,6 +43,11 @@ def dequantize_pages_triton(
     int4 = kv_cache.dtype == torch.uint8
     d = dc * 2 if int4 else dc
     fn = "dequantize_pages"
+    if two == 3 and kv_cache.dtype == torch.uint8:
+        raise KernelUnsupportedError(
+            f"{fn}: the Triton pass has no k8v4_per_token_head program (a uint8 cache [P, 3, page, "
+            "KH, D / 2]: k int8, v int4); quant.dequantize_pages_per_token_head is its aten form"
+        )
     if two != 2 or tuple(kv_scale.shape) != (pages, 2, kh, page) or kv_scale.dtype != torch.float32:
         raise ValueError(
             f"{fn}: kv_cache {tuple(kv_cache.shape)} / kv_scale {kv_scale.dtype} "

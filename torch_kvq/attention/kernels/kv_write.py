@@ -41,6 +41,9 @@ the two reciprocal forms agree), ``x.float() / scale`` (a tensor divisor) correc
 ``aten_scalar_division(device, "tensor")`` must confirm, else the write is refused.
 ``int4_per_token_head`` (codes [pages, 2, page, KH, D / 2] uint8) is its own program, launched by
 ``kernels/kv_write_int4.py`` (rotation, MSE-clipped asymmetric int4, two codes per byte).
+``k8v4_per_token_head`` (layer format "k8v4": k int8, v int4, codes [pages, 3, page, KH, D / 2]
+uint8) is written by the aten form on the CPU; on CUDA it has no Triton program and the write
+raises ``KernelUnsupportedError`` (FlashInfer refuses such a layer earlier, when it checks it).
 """
 
 from __future__ import annotations
@@ -55,8 +58,12 @@ from torch_kvq.attention.kernels.base import KernelUnsupportedError
 from torch_kvq.attention.kernels.kv_write_int4 import launch_int4_write
 from torch_kvq.attention.quant import (
     FP8_MAX,
+    KV_FORMATS,
     SCALE_FLOOR,
     Rounding,
+    cache_layout,
+    k8v4_k_slots,
+    kv_formats,
     per_token_head_format,
     quantize_fp8,
     quantize_per_token_head,
@@ -308,7 +315,9 @@ def write_kv_per_token_head(
     "half_away" | "half_even") and write the codes into ``kv_cache`` [pages, 2, page, KH, D] and
     the scales into ``kv_scale`` [pages, 2, KH, page] fp32 at ``slot_mapping`` [T] slots. CUDA:
     ``write_kv_per_token_head_triton``; elsewhere ``write_kv_per_token_head_torch``. ``mode="int4"``
-    (``int4_per_token_head``): codes [pages, 2, page, KH, D / 2] uint8, the same way."""
+    (``int4_per_token_head``): codes [pages, 2, page, KH, D / 2] uint8, the same way.
+    ``mode="k8v4"`` (``k8v4_per_token_head``: k "int8", v "int4", codes [pages, 3, page, KH, D /
+    2] uint8): the aten form; a CUDA cache raises ``KernelUnsupportedError`` (no Triton program)."""
     check_per_token_head_write(kv_cache, kv_scale, k, v, slot_mapping, mode, rounding)
     if kv_cache.is_cuda:
         write_kv_per_token_head_triton(kv_cache, kv_scale, k, v, slot_mapping, mode, rounding)
@@ -326,15 +335,17 @@ def check_per_token_head_write(
     rounding: str,
 ) -> None:
     """ValueError naming the first bad argument of ``write_kv_per_token_head``."""
-    code_dtype, _ = per_token_head_format(mode, rounding)
+    code_dtype, slots, per_element = cache_layout(mode)
+    per_token_head_format(kv_formats(mode)[0], rounding)  # ValueError for a bad rounding
     fn = "write_kv_per_token_head"
-    if kv_cache.dim() != 5 or kv_cache.shape[1] != 2 or kv_cache.dtype != code_dtype:
+    if kv_cache.dim() != 5 or kv_cache.shape[1] != slots or kv_cache.dtype != code_dtype:
+        dims = "D" if per_element == 1 else "D / 2"
         raise ValueError(
             f"{fn}: kv_cache is {kv_cache.dtype} {tuple(kv_cache.shape)}; mode {mode!r} needs "
-            f"{code_dtype} [pages, 2, page, KH, D]"
+            f"{code_dtype} [pages, {slots}, page, KH, {dims}]"
         )
     pages, _, page, kh, d = kv_cache.shape
-    d *= 2 if mode == "int4" else 1  # two codes per byte
+    d *= per_element  # int4 / k8v4: two codes (or half of k's int8 codes) per element
     want = (pages, 2, kh, page)
     if tuple(kv_scale.shape) != want or kv_scale.dtype != torch.float32:
         raise ValueError(
@@ -365,9 +376,11 @@ def write_kv_per_token_head_torch(
     mode: str,
     rounding: Rounding = "half_away",
 ) -> None:
-    """``write_kv_per_token_head`` in aten ops (any device): the oracle for the Triton program."""
-    kc, ks = quantize_per_token_head(k, mode, rounding)
-    vc, vs = quantize_per_token_head(v, mode, rounding)
+    """``write_kv_per_token_head`` in aten ops (any device): the oracle for the Triton program.
+    k and v each in their format (``quant.kv_formats``: "k8v4" is k "int8", v "int4")."""
+    k_fmt, v_fmt = kv_formats(mode)
+    kc, ks = quantize_per_token_head(k, k_fmt, rounding)
+    vc, vs = quantize_per_token_head(v, v_fmt, rounding)
     put_per_token_head(kv_cache, kv_scale, kc, vc, ks, vs, slot_mapping)
 
 
@@ -382,10 +395,15 @@ def put_per_token_head(
 ) -> None:
     """Put codes [T, KH, D] into ``kv_cache`` and their scales [T, KH] into ``kv_scale`` at
     ``slot_mapping`` [T] slots (no checks; ``kvq::cache_write_per_token_head`` and the aten
-    write)."""
+    write). A 3-slot cache is ``k8v4_per_token_head``'s: k's int8 codes into slots 0 and 1
+    (``quant.k8v4_k_slots``), v's packed codes into slot 2."""
     pages, offsets = pages_and_offsets(slot_mapping, kv_cache.shape[2])
-    kv_cache[pages, 0, offsets] = k_codes
-    kv_cache[pages, 1, offsets] = v_codes
+    if kv_cache.shape[1] == 3:
+        kv_cache[pages, :2, offsets] = k8v4_k_slots(k_codes)
+        kv_cache[pages, 2, offsets] = v_codes
+    else:
+        kv_cache[pages, 0, offsets] = k_codes
+        kv_cache[pages, 1, offsets] = v_codes
     kv_scale[pages, 0, :, offsets] = k_scales  # [T, KH]
     kv_scale[pages, 1, :, offsets] = v_scales
 
@@ -402,7 +420,14 @@ def write_kv_per_token_head_triton(
     """``write_kv_per_token_head`` as one Triton program per ``WRITE_ROW_ELEMENTS`` values of k
     (several tokens when heads are small; any strides, the page size a compile-time constant);
     the divisions follow aten on the cache's device (module docstring). int4:
-    ``launch_int4_write``."""
+    ``launch_int4_write``. k8v4: ``KernelUnsupportedError`` (no program)."""
+    if mode in KV_FORMATS:
+        raise KernelUnsupportedError(
+            f"the Triton per-(token, head) cache write has no {mode}_per_token_head program (k "
+            "int8 and v int4 in one uint8 cache [pages, 3, page, KH, D / 2]); no CUDA kernel "
+            "serves such a layer yet (the aten form, write_kv_per_token_head_torch, is the CPU "
+            "reference path's write)"
+        )
     code_dtype, qmax = per_token_head_format(mode, rounding)
     kernel = _triton_kernel("kv_write_int4_kernel" if mode == "int4" else
                             "kv_write_per_token_head_kernel")  # fmt: skip
