@@ -13,11 +13,10 @@ import torch
 from tests.support.attention import make_layers, opcheck
 from tests.support.passes import (
     AttnQuantModel,
-    attn_layers,
     capture_graph,
+    check_compiled_equals_eager,
     make_batch,
     make_specs,
-    no_compile_caches,
     pages_for,
     qkv,
     run_passes,
@@ -28,7 +27,6 @@ from torch_kvq.attention.kernels import capabilities as caps
 from torch_kvq.attention.kernels.kv_write import write_kv_per_token_head
 from torch_kvq.attention.memory import page_bytes
 from torch_kvq.models import build_model, generate
-from torch_kvq.passes import make_kvq_backend
 from torch_kvq.passes.stamp import make_stamp
 from torch_kvq.spec import AttentionLayerInfo, KVCacheConfig, KVQuantMode, resolve_layer_specs
 
@@ -182,26 +180,7 @@ def test_compiled_fuses_and_equals_eager_bit_for_bit() -> None:
     passes = ("annotate", "fuse_quant_cache_write", "fuse_dequant_attention", "cleanup")
     rep = run_passes(capture_graph(model, inputs, md), specs, passes).last
     assert rep.fused(specs[0].name) == ("quant+write", "dequant+attn")
-    layers = attn_layers(model)
-    with torch.no_grad(), forward_context(md, specs, ReferenceKernel()):
-        eager = model(*inputs)
-    want = [(a.kv_cache.clone(), a.kv_scale) for a in layers]
-    want = [(c, None if s is None else s.clone()) for c, s in want]
-    for a in layers:
-        a.kv_cache.zero_()
-        if a.kv_scale is not None:
-            a.kv_scale.zero_()
-    backend = make_kvq_backend(inner="eager")
-    torch._dynamo.reset()
-    with torch.no_grad(), no_compile_caches(), forward_context(md, specs, ReferenceKernel()):
-        compiled = torch.compile(model, backend=backend, fullgraph=True)(*inputs)
-    torch._dynamo.reset()
-    assert backend.managers[-1].last.fused(specs[0].name) == ("quant+write", "dequant+attn")
-    for c, e in zip(compiled, eager):
-        assert torch.equal(c, e)
-    for a, (cache, scale) in zip(layers, want):
-        assert torch.equal(a.kv_cache, cache)
-        assert scale is None or (torch.equal(a.kv_scale, scale) and scale.any())
+    check_compiled_equals_eager(specs, model, md, inputs)
 
 
 def test_a_map_mixing_int4_int8_and_bf16_runs_eagerly() -> None:

@@ -11,8 +11,8 @@ import torch
 from tests.support.passes import (
     AttnQuantModel,
     RecordingKernel,
-    attn_layers,
     capture_graph,
+    check_compiled_equals_eager,
     make_batch,
     make_specs,
     no_compile_caches,
@@ -20,7 +20,7 @@ from tests.support.passes import (
     qkv,
     run_passes,
 )
-from torch_kvq.attention import ReferenceKernel, forward_context
+from torch_kvq.attention import ReferenceKernel
 from torch_kvq.models import build_model, generate
 from torch_kvq.passes import make_kvq_backend
 from torch_kvq.spec import FP8_DTYPE, KVCacheConfig
@@ -64,27 +64,7 @@ def test_write_and_attention_fuse_per_layer(mode: str, form: str) -> None:
 def test_compiled_equals_eager_bit_for_bit(mode: str, form: str) -> None:
     """Fused write == unfused write (codes and scales), fused attention == unfused attention."""
     specs, model, md, inputs = small(mode, form)
-    layers = attn_layers(model)
-    with torch.no_grad(), forward_context(md, specs, ReferenceKernel()):
-        eager = model(*inputs)
-    want = [
-        (a.kv_cache.clone(), None if a.kv_scale is None else a.kv_scale.clone()) for a in layers
-    ]
-    for a in layers:
-        a.kv_cache.zero_()
-        if a.kv_scale is not None:
-            a.kv_scale.zero_()
-    backend = make_kvq_backend(inner="eager")
-    torch._dynamo.reset()
-    with torch.no_grad(), no_compile_caches(), forward_context(md, specs, ReferenceKernel()):
-        compiled = torch.compile(model, backend=backend, fullgraph=True)(*inputs)
-    torch._dynamo.reset()
-    assert backend.managers[-1].last.fused(specs[0].name) == ("quant+write", "dequant+attn")
-    for c, e in zip(compiled, eager):
-        assert torch.equal(c.view(torch.uint8), e.view(torch.uint8))
-    for a, (cache, scale) in zip(layers, want):
-        assert torch.equal(a.kv_cache.view(torch.uint8), cache.view(torch.uint8))
-        assert scale is None or (torch.equal(a.kv_scale, scale) and scale.any())
+    check_compiled_equals_eager(specs, model, md, inputs)
 
 
 def test_a_write_of_another_format_is_not_fused() -> None:

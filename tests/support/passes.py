@@ -171,6 +171,33 @@ def attn_layers(model: nn.Module) -> list[Attention]:
     return [m for m in model.modules() if isinstance(m, Attention)]
 
 
+def check_compiled_equals_eager(specs, model: nn.Module, md, inputs) -> None:
+    """``model`` run eagerly, then (caches zeroed) compiled with the kvq passes, both on the
+    reference kernel: layer 0 fused both ways (quant+write, dequant+attn), and the outputs and
+    every layer's cache and scales equal bit for bit (as bytes; the scales written, not zero)."""
+    layers = attn_layers(model)
+    with torch.no_grad(), forward_context(md, specs, ReferenceKernel()):
+        eager = model(*inputs)
+    want = [
+        (a.kv_cache.clone(), None if a.kv_scale is None else a.kv_scale.clone()) for a in layers
+    ]
+    for a in layers:
+        a.kv_cache.zero_()
+        if a.kv_scale is not None:
+            a.kv_scale.zero_()
+    backend = make_kvq_backend(inner="eager")
+    torch._dynamo.reset()
+    with torch.no_grad(), no_compile_caches(), forward_context(md, specs, ReferenceKernel()):
+        compiled = torch.compile(model, backend=backend, fullgraph=True)(*inputs)
+    torch._dynamo.reset()
+    assert backend.managers[-1].last.fused(specs[0].name) == ("quant+write", "dequant+attn")
+    for c, e in zip(compiled, eager):
+        assert torch.equal(c.view(torch.uint8), e.view(torch.uint8))
+    for a, (cache, scale) in zip(layers, want):
+        assert torch.equal(a.kv_cache.view(torch.uint8), cache.view(torch.uint8))
+        assert scale is None or (torch.equal(a.kv_scale, scale) and scale.any())
+
+
 def run_passes(
     gm: fx.GraphModule, specs: Sequence[LayerKVSpec], passes: Sequence[str], **kw
 ) -> KVQPassManager:
