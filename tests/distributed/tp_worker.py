@@ -140,9 +140,14 @@ class QuantTrace:
             if i not in self.y:
                 self.y[i] = torch.full((slots_total, 2, *k.shape[1:]), float("nan"))
                 self.row[i] = torch.full((slots_total,), -1, dtype=torch.long)
-            for j, x, scale in ((0, k, spec.k_scale), (1, v, spec.v_scale)):
-                if spec.mode.per_token_head:
-                    scale = mod._quantize_per_token_head(x)[1][..., None]
+            fmts = (
+                (spec.mode.k_format, spec.mode.v_format)
+                if spec.mode.per_token_head
+                else (None,) * 2
+            )
+            for j, x, scale, fmt in ((0, k, spec.k_scale, fmts[0]), (1, v, spec.v_scale, fmts[1])):
+                if fmt is not None:
+                    scale = mod._quantize_per_token_head(x, fmt)[1][..., None]
                 self.y[i][slots, j] = x.float() / scale
             self.row[i][slots] = len(self.calls) - 1
 
