@@ -10,7 +10,7 @@ from unittest import mock
 import pytest
 import torch
 
-from tests.support.attention import make_layers, opcheck
+from tests.support.attention import opcheck, per_token_head_case
 from tests.support.passes import (
     AttnQuantModel,
     capture_graph,
@@ -21,7 +21,7 @@ from tests.support.passes import (
     qkv,
     run_passes,
 )
-from torch_kvq.attention import Attention, PageAllocator, ReferenceKernel, forward_context, quant
+from torch_kvq.attention import Attention, quant
 from torch_kvq.attention.kernels import FlashInferKernel, KernelUnsupportedError
 from torch_kvq.attention.kernels import capabilities as caps
 from torch_kvq.attention.kernels.kv_write import write_kv_per_token_head
@@ -45,16 +45,8 @@ def fake_quant(x: torch.Tensor) -> torch.Tensor:
 
 @pytest.fixture
 def setup():
-    cfg = KVCacheConfig(MODE, skip_layers=(0,), page_size=4)
-    specs, attns = make_layers(cfg, num_pages=8)
-    md = PageAllocator(8, 4).build_batch([("a", 5), ("b", 1), ("c", 3)])
-    g = torch.Generator().manual_seed(0)
-    T = md.num_tokens
-    q = torch.randn(T, 8, 32, generator=g).bfloat16()
-    k = (torch.randn(T, 2, 32, generator=g) * torch.rand(T, 2, 1, generator=g) * 4).bfloat16()
-    v = torch.randn(T, 2, 32, generator=g).bfloat16()
-    with forward_context(md, specs, ReferenceKernel()):
-        yield specs, attns, q, k, v, md
+    with per_token_head_case(MODE) as case:
+        yield case
 
 
 def test_mode_spec_and_bytes() -> None:

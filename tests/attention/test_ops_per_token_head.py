@@ -5,10 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.support.attention import make_layers, opcheck
-from torch_kvq.attention import PageAllocator, ReferenceKernel, forward_context
+from tests.support.attention import opcheck, per_token_head_case
 from torch_kvq.attention.quant import dequantize_per_token_head, quantize_per_token_head
-from torch_kvq.spec import FP8_DTYPE, KVCacheConfig
+from torch_kvq.spec import FP8_DTYPE
 
 ops = torch.ops.kvq
 MODES = ("int8_per_token_head", "fp8_per_token_head")
@@ -16,16 +15,8 @@ MODES = ("int8_per_token_head", "fp8_per_token_head")
 
 @pytest.fixture(params=MODES)
 def setup(request):
-    cfg = KVCacheConfig(request.param, skip_layers=(0,), page_size=4)
-    specs, attns = make_layers(cfg, num_pages=8)
-    md = PageAllocator(8, 4).build_batch([("a", 5), ("b", 1), ("c", 3)])
-    g = torch.Generator().manual_seed(0)
-    T = md.num_tokens
-    q = torch.randn(T, 8, 32, generator=g).bfloat16()
-    k = (torch.randn(T, 2, 32, generator=g) * torch.rand(T, 2, 1, generator=g) * 4).bfloat16()
-    v = torch.randn(T, 2, 32, generator=g).bfloat16()
-    with forward_context(md, specs, ReferenceKernel()):
-        yield specs, attns, q, k, v, md
+    with per_token_head_case(request.param) as case:
+        yield case
 
 
 def test_layer_allocates_codes_and_scales(setup) -> None:

@@ -17,16 +17,9 @@ from torch_kvq.passes import make_kvq_backend
 MAP = ((0, "fp8"), (1, "int8_per_token_head"), (-1, "fp8_per_token_head"))
 
 
-def test_hf_model_with_three_modes_compiles_to_eager():
-    lm = KVQCausalLM.from_hf(
-        hf_model("llama", torch.bfloat16),
-        KVCacheConfig("auto", layer_modes=MAP, page_size=PAGE_SIZE),
-        num_pages=NUM_PAGES,
-    )
-    assert [s.mode.value for s in lm.kv_specs] == [
-        "fp8_per_tensor", "int8_per_token_head", "none", "fp8_per_token_head"
-    ]  # fmt: skip
-    assert [a.kv_scale is not None for a in lm.attention_layers] == [False, True, False, True]
+def _compiled_equals_eager(lm):
+    """Greedy generation eagerly, then compiled with the kvq passes (the eager tokens forced): the
+    logits and prefill logits equal bit for bit. Returns the passes' last report."""
     prompts = make_prompts()
     eager = generate(lm, prompts, 3, prefill_logits=True)
     backend = make_kvq_backend(inner="eager")
@@ -43,7 +36,20 @@ def test_hf_model_with_three_modes_compiles_to_eager():
     assert torch.equal(comp.logits, eager.logits)
     for c, e in zip(comp.prefill_logits, eager.prefill_logits):
         assert torch.equal(c, e)
-    rep = backend.managers[-1].last
+    return backend.managers[-1].last
+
+
+def test_hf_model_with_three_modes_compiles_to_eager():
+    lm = KVQCausalLM.from_hf(
+        hf_model("llama", torch.bfloat16),
+        KVCacheConfig("auto", layer_modes=MAP, page_size=PAGE_SIZE),
+        num_pages=NUM_PAGES,
+    )
+    assert [s.mode.value for s in lm.kv_specs] == [
+        "fp8_per_tensor", "int8_per_token_head", "none", "fp8_per_token_head"
+    ]  # fmt: skip
+    assert [a.kv_scale is not None for a in lm.attention_layers] == [False, True, False, True]
+    rep = _compiled_equals_eager(lm)
     quantized = {s.name for s in lm.kv_specs if s.is_quantized}
     assert (
         set(rep.layers_fused("quant+write")) == set(rep.layers_fused("dequant+attn")) == quantized
@@ -120,23 +126,7 @@ def test_hf_model_with_a_k8v4_layer_compiles_to_eager():
         (torch.int8, (2, d)),
         (torch.bfloat16, (2, d)),
     ]
-    prompts = make_prompts()
-    eager = generate(lm, prompts, 3, prefill_logits=True)
-    backend = make_kvq_backend(inner="eager")
-    with no_compile_caches():
-        comp = generate(
-            lm,
-            prompts,
-            3,
-            forward=lm.compiled_forward(backend),
-            force_tokens=eager.tokens,
-            prefill_logits=True,
-        )
-    torch._dynamo.reset()
-    assert torch.equal(comp.logits, eager.logits)
-    for c, e in zip(comp.prefill_logits, eager.prefill_logits):
-        assert torch.equal(c, e)
-    rep = backend.managers[-1].last
+    rep = _compiled_equals_eager(lm)
     quantized = {s.name for s in lm.kv_specs[:3]}
     assert (
         set(rep.layers_fused("quant+write")) == set(rep.layers_fused("dequant+attn")) == quantized

@@ -3,11 +3,13 @@ the kvq ops on them."""
 
 from __future__ import annotations
 
+import contextlib
 import itertools
+from collections.abc import Iterator
 
 import torch
 
-from torch_kvq.attention import Attention
+from torch_kvq.attention import Attention, PageAllocator, ReferenceKernel, forward_context
 from torch_kvq.attention.context import get_forward_context
 from torch_kvq.spec import AttentionLayerInfo, KVCacheConfig, resolve_layer_specs
 
@@ -44,6 +46,23 @@ def make_layers(
 
 # q / k / v layouts a model hands over: each a non-contiguous view holding the same values
 VIEW_LAYOUTS = ("hf_transposed", "fused_qkv", "strided_inner")
+
+
+@contextlib.contextmanager
+def per_token_head_case(mode: str) -> Iterator[tuple]:
+    """Two layers of ``mode`` (layer 0 skipped), pages of 4, a batch of 5 + 1 + 3 tokens and its
+    q [T, 8, 32] / k / v [T, 2, 32] bf16 (k rows of varied range), inside a forward context on the
+    reference kernel: (specs, layers, q, k, v, metadata)."""
+    cfg = KVCacheConfig(mode, skip_layers=(0,), page_size=4)
+    specs, attns = make_layers(cfg, num_pages=8)
+    md = PageAllocator(8, 4).build_batch([("a", 5), ("b", 1), ("c", 3)])
+    g = torch.Generator().manual_seed(0)
+    T = md.num_tokens
+    q = torch.randn(T, 8, 32, generator=g).bfloat16()
+    k = (torch.randn(T, 2, 32, generator=g) * torch.rand(T, 2, 1, generator=g) * 4).bfloat16()
+    v = torch.randn(T, 2, 32, generator=g).bfloat16()
+    with forward_context(md, specs, ReferenceKernel()):
+        yield specs, attns, q, k, v, md
 
 
 def as_view(x: torch.Tensor, layout: str) -> torch.Tensor:

@@ -255,8 +255,10 @@ def attend_int4(
     acc_lo = tl.zeros([BLOCK_G, D // 2], tl.float32)
     acc_hi = tl.zeros([BLOCK_G, D // 2], tl.float32)
     a = offset(DOT)
-    q_sum = tl.sum(q_lo.to(tl.float32), axis=1) + tl.sum(q_hi.to(tl.float32), axis=1)
-    q_off = a * (tl.sum(q_lo.to(tl.float32), axis=1) + tl.sum(q_hi.to(tl.float32), axis=1) * 0.0625)
+    sum_lo = tl.sum(q_lo.to(tl.float32), axis=1)
+    sum_hi = tl.sum(q_hi.to(tl.float32), axis=1)
+    q_sum = sum_lo + sum_hi
+    q_off = a * (sum_lo + sum_hi * 0.0625)
     n_iter = (p_end - p_begin + PPI - 1) // PPI
     for it in tl.range(0, n_iter, num_stages=STAGES):
         p = p_begin + it * PPI
