@@ -9,9 +9,9 @@ Attention in the model's basis needs no per-key pass: ``q . k = (R q) . (R k)`` 
 ``sum_n p_n v_n = R^T sum_n p_n (R v_n)``. So per program:
 
 - prologue (``rotate_q``): ``R q`` as its even-channel and odd-channel halves [BLOCK_G, D / 2]
-  (the nibbles' channels): ``q @ M`` with M = ``H_b diag(signs)``'s transpose, a +-1 matrix (exact
-  in any dot dtype, fp32 accumulate: the sums are exact), times fp32 ``b ** -0.5`` in fp32, then
-  rounded once to the dot dtype (the scale before the rounding, so the operand has q's range);
+  (the nibbles' channels): the signs and the Walsh-Hadamard butterfly in fp32 on a loaded tile,
+  times fp32 ``b ** -0.5``, rounded once to the dot dtype; and ``sum(q)`` of each half as
+  [BLOCK_G, PAGE] products with ones, so that they sit in the logits' layout;
 - per page (``page_int4``): one TMA box [page, D / 2] of bytes each for K and V; the nibbles go
   to fp16 by the exponent trick with no arithmetic (``unpack``: ``(byte & 0xF) | 0x6400`` as fp16
   is ``1024 + code``, ``(byte & 0xF0) | 0x6400`` is ``1024 + 16 * code``; compiled, two byte
@@ -33,8 +33,8 @@ Attention in the model's basis needs no per-key pass: ``q . k = (R q) . (R k)`` 
   Each split's partial output is un-rotated before it is stored: the log-sum-exp merge is linear
   in the outputs, so the merged output is the same.
 
-The +-1 matrices (``rotation_matrices``: [2, D, D] fp16, M's columns then U's rows) are built on
-the host once per (D, device) and read by each program from L2 (2 * D * D * 2 bytes).
+The epilogue's +-1 matrix and the signs (``rotation_matrices``: [D * D + D] fp16) are built on
+the host once per (D, device) and read by each program from L2.
 Imports Triton: import only where Triton is installed.
 """
 
@@ -45,6 +45,7 @@ import triton
 import triton.language as tl
 
 from torch_kvq.attention.quant import _walsh_hadamard, hadamard_block, hadamard_signs
+from torch_kvq.attention.triton.hadamard import hadamard_stage
 from torch_kvq.attention.triton.helpers import _LOG2E, INTERPRET
 
 # output columns per chunk of the epilogue's un-rotation (and q rows per prologue chunk); a jit
@@ -61,24 +62,22 @@ def v_columns(d: int) -> torch.Tensor:
     return (c % 8) * (w // 8) + c // 8
 
 
-_MATRICES: dict[tuple[int, torch.device], torch.Tensor] = {}
+_OPERANDS: dict[tuple[int, torch.device], torch.Tensor] = {}
 
 
 def rotation_matrices(d: int, device: torch.device) -> torch.Tensor:
-    """[2, D, D] fp16 +-1 (cached per (D, device)): ``[0]`` = M, ``R q * sqrt(b) = q @ M`` with
-    M's columns the even channels then the odd ones; ``[1]`` = U, ``R^T y * sqrt(b) = u @ U`` for
-    ``u`` = (y's even channels, odd channels), each half in ``v_columns`` order."""
+    """[D * D + D] fp16 (cached per (D, device)): U [D, D] +-1, ``R^T y * sqrt(b) = u @ U`` for
+    ``u`` = (y's even channels, odd channels), each half in ``v_columns`` order; then the
+    rotation's signs [D] (``rotate_q``'s)."""
     key = (d, torch.device(device))
-    if key not in _MATRICES:
+    if key not in _OPERANDS:
         b = hadamard_block(d)
         signs = hadamard_signs(d)
-        m = _walsh_hadamard(torch.diag(signs), b)  # row i: s_i H e_i, the coefficients of q_i
-        a = _walsh_hadamard(torch.eye(d), b) * signs  # row j: s * H e_j, those of y_j
+        a = _walsh_hadamard(torch.eye(d), b) * signs  # row j: s * H e_j, the coefficients of y_j
         perm = v_columns(d)
-        mats = torch.stack((torch.cat((m[:, 0::2], m[:, 1::2]), 1),
-                            torch.cat((a[2 * perm], a[2 * perm + 1]), 0)))  # fmt: skip
-        _MATRICES[key] = mats.to(torch.float16).to(device).contiguous()
-    return _MATRICES[key]
+        u = torch.cat((a[2 * perm], a[2 * perm + 1]), 0)
+        _OPERANDS[key] = torch.cat((u.flatten(), signs)).to(torch.float16).to(device).contiguous()
+    return _OPERANDS[key]
 
 
 @triton.jit
@@ -87,31 +86,22 @@ def rotate_q(
     BLOCK_G: tl.constexpr, D: tl.constexpr, DOT: tl.constexpr, RSQRT_B: tl.constexpr,
 ):  # fmt: skip
     """``R q`` of ``heads`` (masked by ``g_mask``) of sequence ``b`` as (even channels, odd
-    channels) [BLOCK_G, D / 2] in ``DOT`` (``_rotate_half`` each)."""
-    q_rows = q_ptr + b * stride_qb + heads[:, None] * stride_qh
-    q_lo = _rotate_half(q_rows, g_mask, rot_ptr, BLOCK_G, D, DOT, RSQRT_B)
-    q_hi = _rotate_half(q_rows, g_mask, rot_ptr + D // 2, BLOCK_G, D, DOT, RSQRT_B)
-    return q_lo, q_hi
-
-
-@triton.jit
-def _rotate_half(
-    q_rows, g_mask, m_ptr, BLOCK_G: tl.constexpr, D: tl.constexpr, DOT: tl.constexpr,
-    RSQRT_B: tl.constexpr,
-):  # fmt: skip
-    """``q @ M[:, half]`` (``m_ptr``: the half's first column of M, rows of D) 16 rows of M at a
-    time, fp32 accumulate (exact: +-1 times ``DOT`` values), times ``RSQRT_B`` in fp32, one
-    rounding to ``DOT``. One half at a time, in a loop that is not unrolled: only one fp32
-    accumulator and one chunk of M live at once (registers)."""
-    offs_k = tl.arange(0, NC)
-    offs_w = tl.arange(0, D // 2)
-    acc = tl.zeros([BLOCK_G, D // 2], tl.float32)
-    for c in tl.range(0, D // NC, num_stages=1):
-        rows = offs_k + c * NC  # (tensor first: constexpr + tensor is no tensor)
-        qc = tl.load(q_rows + rows[None, :], mask=g_mask[:, None], other=0.0)
-        m = tl.load(m_ptr + rows[:, None] * D + offs_w[None, :])
-        acc = tl.dot(qc.to(DOT), m.to(DOT), acc)
-    return (acc * RSQRT_B).to(DOT)
+    channels) [BLOCK_G, D / 2] in ``DOT``: the signs (``rot_ptr``'s last D) and the butterfly
+    (``hadamard.walsh_hadamard``, fp32, D a power of two: one block) on a channels-first tile,
+    times ``RSQRT_B`` in fp32, one rounding to ``DOT``. The tile comes from a load, not from an
+    MMA: the page loop then reads q as a dot operand from shared memory (as the 8-bit caches'
+    loop does) instead of converting an MMA result's layout on every page."""
+    d = tl.arange(0, D)
+    q = tl.load(q_ptr + b * stride_qb + heads[None, :] * stride_qh + d[:, None],
+                mask=g_mask[None, :], other=0.0)  # fmt: skip
+    signs = tl.load(rot_ptr + D * D + d).to(tl.float32)
+    y = q.to(tl.float32) * signs[:, None]
+    for s in tl.static_range(12):  # stages H = 1, 2, .., D / 2 (D <= 4096)
+        if (1 << s) < D:
+            y = hadamard_stage(y, D, BLOCK_G, 1 << s)
+    y = tl.permute(tl.reshape(y * RSQRT_B, [D // 2, 2, BLOCK_G]), [2, 0, 1])
+    q_lo, q_hi = tl.split(y)  # [BLOCK_G, D / 2] each
+    return q_lo.to(DOT), q_hi.to(DOT)
 
 
 @triton.jit
@@ -218,7 +208,7 @@ def page_int4(
     v_scale, v_zp = _split_scale(tl.load(scales + KH * PAGE))
     k_lo, k_hi = unpack(k, DOT)  # codes + A, 16 * codes + A
     s = tl.dot(q_lo, tl.trans(k_lo)) + tl.dot(q_hi, tl.trans(k_hi)) * 0.0625  # [BLOCK_G, PAGE]
-    s = s - q_off[:, None] - q_sum[:, None] * k_zp[None, :]  # sum_d q_d (code_d - zp)
+    s = s - q_off - q_sum * k_zp[None, :]  # sum_d q_d (code_d - zp)
     toks = p * PAGE + offs_t
     live = (toks >= lo) & (toks < seq_len) & ok
     s = s * (k_scale * qk_scale_log2)[None, :]
@@ -255,8 +245,9 @@ def attend_int4(
     acc_lo = tl.zeros([BLOCK_G, D // 2], tl.float32)
     acc_hi = tl.zeros([BLOCK_G, D // 2], tl.float32)
     a = offset(DOT)
-    sum_lo = tl.sum(q_lo.to(tl.float32), axis=1)
-    sum_hi = tl.sum(q_hi.to(tl.float32), axis=1)
+    ones = tl.full([D // 2, PAGE], 1.0, DOT)
+    sum_lo = tl.dot(q_lo, ones)  # [BLOCK_G, PAGE], every column the row's sum: the logits' layout
+    sum_hi = tl.dot(q_hi, ones)
     q_sum = sum_lo + sum_hi
     q_off = a * (sum_lo + sum_hi * 0.0625)
     n_iter = (p_end - p_begin + PPI - 1) // PPI
@@ -344,7 +335,7 @@ def unrotate_store(
     offs_n = tl.arange(0, NC)
     for c in tl.static_range(D // NC):
         cols = (offs_n + c * NC)[None, :]  # (tensor first: constexpr + tensor is no tensor)
-        u = rot_ptr + D * D + offs_w[:, None] * D + cols
+        u = rot_ptr + offs_w[:, None] * D + cols
         u_odd = tl.load(u + (D // 2) * D).to(u_hi.dtype)
         o = tl.dot(u_hi, u_odd, tl.dot(u_lo, tl.load(u).to(u_lo.dtype))) * back
         tl.store(dst0[:, None] + cols, o.to(dst0.dtype.element_ty), mask=mask0[:, None])
