@@ -1,13 +1,16 @@
 """The TMA decode's loop configuration per cache kind on one GPU: (warps, stages, pages per
 iteration, lazy rescale) at 32 x 16k, FP8 per tensor beside the per-(token, head) modes, each a
 CUDA graph of 20 calls, rounds interleaved over every configuration, median. Checks whether the
-per-(token, head) caches want another ``decode_tma.TUNED`` entry than FP8 per tensor's.
+per-(token, head) caches want another ``decode_tma.TUNED`` entry than FP8 per tensor's, and
+(``--max-registers``) whether a register cap that holds more programs per SM pays.
 
     python benchmarks/sweep_decode_tma_config.py [llama] [gemma_global]   # a line per (cache, config)
+    python benchmarks/sweep_decode_tma_config.py llama --caches int4_per_token_head --max-registers 0 168
 """
 
 from __future__ import annotations
 
+import argparse
 import itertools
 import statistics
 import sys
@@ -20,25 +23,38 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 CONFIGS = [(1, s, p, lazy) for s, p, lazy in itertools.product((4, 6, 8), (1, 2), (True, False))]
-KEYS = ("num_warps", "num_stages", "pages_per_iter", "lazy_rescale")
+KEYS = ("num_warps", "num_stages", "pages_per_iter", "lazy_rescale", "max_registers", "num_splits")
+CACHES = ("fp8_per_tensor", "int8_per_token_head", "fp8_per_token_head", "int4_per_token_head")
 
 
-def sweep_shape(shape: str, copy_gbps: float) -> None:
-    """Every (cache, config) of ``shape`` at 32 x 16k: one printed line each."""
+def sweep_shape(
+    shape: str,
+    copy_gbps: float,
+    names: list[str],
+    caps: list[int],
+    configs: list[tuple],
+    splits: list[int],
+) -> None:
+    """Every (cache, config, register cap, split count) of ``shape`` at 32 x 16k: a line each."""
     from bench_fp8_decode_paths import K_SCALE, V_SCALE, Case
     from bench_kv_write import graph_ms
 
     from torch_kvq.attention.triton.decode_tma import paged_decode_tma, tuned
 
     c = Case(shape, 32, 16384)
-    caches = {"fp8_per_tensor": (c.cache8, None, K_SCALE, V_SCALE, c.kv_bytes)}
-    for mode in ("int8", "fp8"):
-        codes, scales = c.per_token_head(mode)
-        caches[f"{mode}_per_token_head"] = (codes, scales, 1.0, 1.0, getattr(c, f"bytes_{mode}"))
+    caches = {}
+    if "fp8_per_tensor" in names:
+        caches["fp8_per_tensor"] = (c.cache8, None, K_SCALE, V_SCALE, c.kv_bytes)
+    for mode in ("int8", "fp8", "int4"):
+        if f"{mode}_per_token_head" in names:
+            codes, scales = c.per_token_head(mode)
+            nbytes = getattr(c, f"bytes_{mode}")
+            caches[f"{mode}_per_token_head"] = (codes, scales, 1.0, 1.0, nbytes)
     out = torch.empty_like(c.q)
     calls: dict[tuple, Callable[[], None]] = {}
-    for name, cfg in itertools.product(caches, CONFIGS):
+    for name, cfg, cap, n in itertools.product(caches, configs, caps, splits):
         cache, sc, ks, vs, _ = caches[name]
+        cfg = (*cfg, cap or None, n or None)
         kw = dict(zip(KEYS, cfg))
         calls[(name, cfg)] = lambda cache=cache, sc=sc, ks=ks, vs=vs, kw=kw: paged_decode_tma(
             c.q, cache, c.table, c.seq_lens, ks, vs, c.sm_scale, max_seq_len=c.ctx, out=out,
@@ -55,7 +71,8 @@ def sweep_shape(shape: str, copy_gbps: float) -> None:
     for (name, cfg), ts in times.items():
         ms = statistics.median(ts)
         pct = 100 * caches[name][4] / (ms * 1e-3) / 1e9 / copy_gbps
-        mark = " (tuned)" if dict(zip(KEYS, cfg)) == tuned(c.d) else ""
+        default = {**tuned(c.d), "max_registers": None, "num_splits": None}
+        mark = " (tuned)" if dict(zip(KEYS, cfg)) == default else ""
         print(
             f"{shape} {name} {dict(zip(KEYS, cfg))}: {ms:.4f} ms {pct:.1f}% copy{mark}", flush=True
         )
@@ -64,9 +81,22 @@ def sweep_shape(shape: str, copy_gbps: float) -> None:
 def main() -> None:
     from gpu_common import copy_bandwidth
 
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("shapes", nargs="*", default=["llama", "gemma_global"])
+    ap.add_argument("--caches", nargs="+", choices=CACHES, default=list(CACHES))
+    ap.add_argument("--max-registers", nargs="+", type=int, default=[0],
+                    help="Triton's maxnreg per config (0: none)")  # fmt: skip
+    ap.add_argument("--splits", nargs="+", type=int, default=[0],
+                    help="splits per (sequence, kv head) (0: the default schedule)")  # fmt: skip
+    ap.add_argument("--configs", nargs="+", help="WARPS,STAGES,PPI,LAZY(0/1) (default: CONFIGS)")
+    args = ap.parse_args()
+    configs = CONFIGS
+    if args.configs:
+        configs = [tuple(int(x) for x in c.split(",")) for c in args.configs]
+        configs = [(w, s, p, bool(lazy)) for w, s, p, lazy in configs]
     copy = copy_bandwidth()["GBps"]
-    for shape in sys.argv[1:] or ("llama", "gemma_global"):
-        sweep_shape(shape, copy)
+    for shape in args.shapes:
+        sweep_shape(shape, copy, args.caches, args.max_registers, configs, args.splits)
         torch.cuda.empty_cache()
 
 

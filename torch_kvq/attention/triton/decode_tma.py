@@ -278,7 +278,7 @@ def paged_decode_tma(
     if kv_scale is not None:
         pv_scale = float(2 ** pv_shift(kv_cache.dtype, dot_dtype, lazy_rescale))
     common = dict(
-        G=g, BLOCK_G=max(16, triton.next_power_of_2(g)), D=d, PAGE=page, STAGES=num_stages,
+        G=g, BLOCK_G=max(8 if int4 else 16, triton.next_power_of_2(g)), D=d, PAGE=page, STAGES=num_stages,
         PPI=pages_per_iter, USE_WINDOW=window is not None, USE_SOFT_CAP=bool(soft_cap),
         DOT=DOT_DTYPES[dot_dtype], LAZY=lazy_rescale, SCALES=kv_scale is not None,
         PV_SCALE=pv_scale, INT4=int4, RSQRT_B=hadamard_block(d) ** -0.5 if int4 else 1.0,

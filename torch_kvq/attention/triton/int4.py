@@ -193,10 +193,12 @@ def page_int4(
 ):  # fmt: skip
     """``helpers.page_logits`` for the int4 cache: page ``p`` of the run (past ``p_end``: logits
     -inf, page 0 read), one box [PAGE, W = D / 2] of bytes each for K and V. Returns its base-2
-    logits [BLOCK_G, PAGE], its V bytes with the columns in ``v_columns`` order, their zero points
-    [PAGE] and v scales times ``PV_SCALE`` [PAGE] (0 where masked). ``unpack``'s offsets and the
-    zero points leave the logits per row and column: ``q_off`` [BLOCK_G] is ``A * (sum(q_lo) +
-    sum(q_hi) / 16)``, ``q_sum`` ``sum(q_lo) + sum(q_hi)`` (fp32 sums of the dot operands)."""
+    logits transposed, [PAGE, BLOCK_G] (the tokens on the MMA's M dimension, the heads on its N:
+    a GQA group of up to 8 heads fills the N of 8 rather than padding an M of 16), its V bytes
+    with the columns in ``v_columns`` order, their zero points [PAGE] and v scales times
+    ``PV_SCALE`` [PAGE] (0 where masked). ``unpack``'s offsets and the zero points leave the
+    logits per row and column: ``q_off`` [PAGE, BLOCK_G] is ``A * (sum(q_lo) + sum(q_hi) / 16)``,
+    ``q_sum`` ``sum(q_lo) + sum(q_hi)`` (per head, in the logits' layout)."""
     ok = p < p_end
     page = tl.load(table + p, mask=ok, other=0)
     row = page * (2 * PAGE)
@@ -207,25 +209,25 @@ def page_int4(
     k_scale, k_zp = _split_scale(tl.load(scales))
     v_scale, v_zp = _split_scale(tl.load(scales + KH * PAGE))
     k_lo, k_hi = unpack(k, DOT)  # codes + A, 16 * codes + A
-    s = tl.dot(q_lo, tl.trans(k_lo)) + tl.dot(q_hi, tl.trans(k_hi)) * 0.0625  # [BLOCK_G, PAGE]
-    s = s - q_off - q_sum * k_zp[None, :]  # sum_d q_d (code_d - zp)
+    s = tl.dot(k_lo, tl.trans(q_lo)) + tl.dot(k_hi, tl.trans(q_hi)) * 0.0625  # [PAGE, BLOCK_G]
+    s = s - q_off - q_sum * k_zp[:, None]  # sum_d q_d (code_d - zp)
     toks = p * PAGE + offs_t
     live = (toks >= lo) & (toks < seq_len) & ok
-    s = s * (k_scale * qk_scale_log2)[None, :]
+    s = s * (k_scale * qk_scale_log2)[:, None]
     if USE_SOFT_CAP:  # cap * tanh(x / cap), tanh(y) = 1 - 2 / (exp(2y) + 1)
         s = s / _LOG2E
         s = soft_cap * (1.0 - 2.0 / (tl.exp(2.0 * s / soft_cap) + 1.0)) * _LOG2E
     v_scales = tl.where(live, v_scale * PV_SCALE, 0.0)
-    return tl.where(live[None, :], s, float("-inf")), v, v_zp, v_scales
+    return tl.where(live[:, None], s, float("-inf")), v, v_zp, v_scales
 
 
 @triton.jit
 def _pv(acc_lo, acc_hi, pr, v, v_zp, v_scales, DOT: tl.constexpr):
-    """``acc += w @ (v - zp)`` for both halves of V's bytes ``v`` (the high one 16 times the
-    code), ``w = pr * v_scales`` in ``DOT``."""
-    w = (pr * v_scales[None, :]).to(DOT)
+    """``acc += (v - zp)^T @ w`` for both halves of V's bytes ``v`` (the high one 16 times the
+    code), ``w = pr * v_scales`` [PAGE, BLOCK_G] in ``DOT``; acc [D / 2, BLOCK_G]."""
+    w = (pr * v_scales[:, None]).to(DOT)
     v_lo, v_hi = unpack_centred(v, v_zp[:, None], DOT)
-    return tl.dot(w, v_lo, acc_lo), tl.dot(w, v_hi, acc_hi)
+    return tl.dot(tl.trans(v_lo), w, acc_lo), tl.dot(tl.trans(v_hi), w, acc_hi)
 
 
 @triton.jit
@@ -242,12 +244,12 @@ def attend_int4(
     offs_t = tl.arange(0, PAGE)
     m_i = tl.full([BLOCK_G], -1e30 if LAZY else float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_G], tl.float32)
-    acc_lo = tl.zeros([BLOCK_G, D // 2], tl.float32)
-    acc_hi = tl.zeros([BLOCK_G, D // 2], tl.float32)
+    acc_lo = tl.zeros([D // 2, BLOCK_G], tl.float32)  # transposed, as the logits
+    acc_hi = tl.zeros([D // 2, BLOCK_G], tl.float32)
     a = offset(DOT)
-    ones = tl.full([D // 2, PAGE], 1.0, DOT)
-    sum_lo = tl.dot(q_lo, ones)  # [BLOCK_G, PAGE], every column the row's sum: the logits' layout
-    sum_hi = tl.dot(q_hi, ones)
+    ones = tl.full([PAGE, D // 2], 1.0, DOT)
+    sum_lo = tl.dot(ones, tl.trans(q_lo))  # [PAGE, BLOCK_G], each column a head's sum
+    sum_hi = tl.dot(ones, tl.trans(q_hi))
     q_sum = sum_lo + sum_hi
     q_off = a * (sum_lo + sum_hi * 0.0625)
     n_iter = (p_end - p_begin + PPI - 1) // PPI
@@ -257,13 +259,13 @@ def attend_int4(
             q_lo, q_hi, q_off, q_sum, kv_desc, table, p, p_end, col, lo, seq_len, qk_scale_log2, soft_cap,
             offs_t, scale_ptr, kh, PAGE, D // 2, DOT, USE_SOFT_CAP, KH, PV_SCALE,
         )  # fmt: skip
-        m_blk = tl.max(s0, axis=1)
+        m_blk = tl.max(s0, axis=0)
         if PPI >= 2:
             s1, v1, z1, vs1 = page_int4(
                 q_lo, q_hi, q_off, q_sum, kv_desc, table, p + 1, p_end, col, lo, seq_len, qk_scale_log2,
                 soft_cap, offs_t, scale_ptr, kh, PAGE, D // 2, DOT, USE_SOFT_CAP, KH, PV_SCALE,
             )  # fmt: skip
-            m_blk = tl.maximum(m_blk, tl.max(s1, axis=1))
+            m_blk = tl.maximum(m_blk, tl.max(s1, axis=0))
         if PPI >= 4:
             s2, v2, z2, vs2 = page_int4(
                 q_lo, q_hi, q_off, q_sum, kv_desc, table, p + 2, p_end, col, lo, seq_len, qk_scale_log2,
@@ -273,38 +275,38 @@ def attend_int4(
                 q_lo, q_hi, q_off, q_sum, kv_desc, table, p + 3, p_end, col, lo, seq_len, qk_scale_log2,
                 soft_cap, offs_t, scale_ptr, kh, PAGE, D // 2, DOT, USE_SOFT_CAP, KH, PV_SCALE,
             )  # fmt: skip
-            m_blk = tl.maximum(m_blk, tl.maximum(tl.max(s2, axis=1), tl.max(s3, axis=1)))
+            m_blk = tl.maximum(m_blk, tl.maximum(tl.max(s2, axis=0), tl.max(s3, axis=0)))
         m_new = tl.maximum(m_i, m_blk)
         if LAZY:  # as helpers.attend: the reference max moves only by more than 8 (base 2)
             if tl.max(m_new - m_i, axis=0) > 8.0:
                 alpha = tl.exp2(m_i - m_new)
-                acc_lo = acc_lo * alpha[:, None]
-                acc_hi = acc_hi * alpha[:, None]
+                acc_lo = acc_lo * alpha[None, :]
+                acc_hi = acc_hi * alpha[None, :]
                 l_i = l_i * alpha
                 m_i = m_new
             m_safe = m_i
         else:
             m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
             alpha = tl.exp2(m_i - m_safe)
-            acc_lo = acc_lo * alpha[:, None]
-            acc_hi = acc_hi * alpha[:, None]
+            acc_lo = acc_lo * alpha[None, :]
+            acc_hi = acc_hi * alpha[None, :]
             l_i = l_i * alpha
             m_i = m_new
-        pr = tl.exp2(s0 - m_safe[:, None])
-        l_i += tl.sum(pr, axis=1)
+        pr = tl.exp2(s0 - m_safe[None, :])
+        l_i += tl.sum(pr, axis=0)
         acc_lo, acc_hi = _pv(acc_lo, acc_hi, pr, v0, z0, vs0, DOT)
         if PPI >= 2:
-            pr = tl.exp2(s1 - m_safe[:, None])
-            l_i += tl.sum(pr, axis=1)
+            pr = tl.exp2(s1 - m_safe[None, :])
+            l_i += tl.sum(pr, axis=0)
             acc_lo, acc_hi = _pv(acc_lo, acc_hi, pr, v1, z1, vs1, DOT)
         if PPI >= 4:
-            pr = tl.exp2(s2 - m_safe[:, None])
-            l_i += tl.sum(pr, axis=1)
+            pr = tl.exp2(s2 - m_safe[None, :])
+            l_i += tl.sum(pr, axis=0)
             acc_lo, acc_hi = _pv(acc_lo, acc_hi, pr, v2, z2, vs2, DOT)
-            pr = tl.exp2(s3 - m_safe[:, None])
-            l_i += tl.sum(pr, axis=1)
+            pr = tl.exp2(s3 - m_safe[None, :])
+            l_i += tl.sum(pr, axis=0)
             acc_lo, acc_hi = _pv(acc_lo, acc_hi, pr, v3, z3, vs3, DOT)
-    return acc_lo, acc_hi * 0.0625, m_i, l_i
+    return tl.trans(acc_lo), tl.trans(acc_hi) * 0.0625, m_i, l_i
 
 
 @triton.jit
