@@ -175,8 +175,7 @@ def main() -> None:
             balanced=args.balanced, max_registers=args.max_registers, cache=args.cache,
             page=args.page, align=args.align,
         )  # fmt: skip
-        int4 = args.cache.startswith("int4")  # as paged_decode_tma: no cap for int4 (it spills)
-        if args.balanced and args.max_registers is None and head in BALANCED and not int4:
+        if args.balanced and args.max_registers is None and head in BALANCED:
             cfg["max_registers"] = BALANCED[head][1]
         stats, _, sass = sass_stats(compile_kernel(**cfg))
         print(json.dumps({**cfg, **stats}) if args.json else f"{cfg} {stats}")

@@ -75,12 +75,15 @@ def test_per_token_head_kernels_compile_without_spills(cache: str, head: int, ba
         assert "F2FP.F16.E4M3.UNPACK_B" not in stats
 
 
-def test_int4_kernel_reads_packed_bytes_without_spills() -> None:
-    """int4 at head 128 as launched (the JIT's 16-divisible pointers and strides), split grid:
-    one K and one V box of D / 2 bytes and 16 + 16 mma per page (each nibble half a k-width of
-    64), no byte gathers from shared memory, no spills."""
-    stats = sass_json("--head", "128", "--cache", "int4_per_token_head")
-    assert stats["align"] and stats["max_registers"] is None
-    assert stats["stack_bytes"] == 0 and stats["registers"] <= 255
-    assert stats["UTMALDG.2D"] == 2 and stats["HMMA.16816.F32"] == 32
+@pytest.mark.parametrize("balanced", [False, True], ids=["split", "balanced"])
+def test_int4_kernel_reads_packed_bytes_without_spills(balanced: bool) -> None:
+    """int4 at head 128 as launched (the JIT's 16-divisible pointers and strides), split grid and
+    balanced schedule (at ``BALANCED``'s cap): one K and one V box of D / 2 bytes and 8 + 8 mma
+    per page (the 4 heads on the MMA's N of 8, each nibble half a k-width of 64), no byte gathers
+    from shared memory, no spills, within 128 registers (16 programs per SM)."""
+    stats = sass_json("--head", "128", "--cache", "int4_per_token_head",
+                      *(["--balanced"] if balanced else []))  # fmt: skip
+    assert stats["align"] and stats["max_registers"] == (128 if balanced else None)
+    assert stats["stack_bytes"] == 0 and stats["registers"] <= 128
+    assert stats["UTMALDG.2D"] == 2 and stats["HMMA.16816.F32"] == 16
     assert "LDS.U8" not in stats

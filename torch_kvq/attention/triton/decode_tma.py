@@ -292,9 +292,7 @@ def paged_decode_tma(
         splits, balanced = default_schedule(b, kh, max_seq_len, page, d, sm_count(q.device))
         if balanced is not None and workspace is None:
             programs_per_sm, cap = balanced
-            # int4: no cap (measured for the 8-bit caches; its prologue and two accumulators
-            # need more registers: scripts' ptxas counts ~233 at head 128, uncapped)
-            regs = None if int4 else balanced_registers(d, cfg, cap)
+            regs = balanced_registers(d, cfg, cap)  # int4 too: spill-free under it (sm90)
             if regs is not None:
                 common.setdefault("maxnreg", regs)
         else:
