@@ -1821,6 +1821,27 @@ def _() -> object:
         return FlashInferKernel(prefill="fa2").check_supported(spec)
 
 
+@case("modes.preset-unknown")
+def _() -> object:
+    from torch_kvq.kv_presets import kv_preset
+
+    return kv_preset("int3-recommended")
+
+
+@case("modes.preset-unmeasured-model")
+def _() -> object:
+    from torch_kvq.kv_presets import kv_preset
+
+    return kv_preset("int4-recommended", model="llama-3.1-8b")
+
+
+@case("modes.preset-options")
+def _() -> object:
+    from torch_kvq.evaluation.kv_arg import parse_kv
+
+    return parse_kv("int4-recommended:skip=0")
+
+
 @case("modes.int4-odd-head-size")
 def _() -> object:
     layer = AttentionLayerInfo(f"i4{next(_uid)}.attn", HEADS, KV_HEADS, 15)

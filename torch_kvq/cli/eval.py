@@ -135,7 +135,9 @@ def run(args: argparse.Namespace) -> int:
             )
             data[str(source)] = eval_data(tok, settings, texts)
             paths = list(lm.layer_paths.values())
-            configs = [(kv.name, kv.spec, kv.config(args.page_size, paths)) for kv in kvs]
+            configs = [
+                (kv.name, kv.spec, kv.config(args.page_size, paths, str(source))) for kv in kvs
+            ]
             served = {name: make_kernel(name, args.prefill) for name in kernels}
             check_configs(lm, source, [kv.spec for kv in kvs], [c for _, _, c in configs], served)
             for name in kernels:

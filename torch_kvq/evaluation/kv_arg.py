@@ -11,6 +11,9 @@
 - ``map=RULE:MODE[,RULE:MODE...]``: a per-layer mode map (``parse_kv_map``; the last option: it
   takes the rest of ``SPEC``), e.g. ``auto:map=0:fp8,full_attention:int8_per_token_head``.
 
+A ``DTYPE`` may instead be a named preset of ``torch_kvq.kv_presets`` (``int4-recommended``), with
+no options: it is resolved per model when the model is known (``KVArg.config``'s ``model``).
+
 ``NAME=`` is optional (the row's label; default: ``SPEC`` itself). Examples: ``fp8``,
 ``fp8-sliding-bf16=fp8:skip=sliding_window``, ``cal=fp8:scales=/tmp/kv_scales.safetensors``.
 No torch import.
@@ -37,11 +40,23 @@ class KVArg:
     scales: Path | None = None
     default_k_scale: float = 1.0
     default_v_scale: float = 1.0
+    preset: str | None = None  # a kv_presets name (then the fields above are unused)
 
-    def config(self, page_size: int, layer_paths: list[str] | None = None):  # -> KVCacheConfig
+    def config(
+        self, page_size: int, layer_paths: list[str] | None = None, model: str | None = None
+    ):  # -> KVCacheConfig
         """The ``KVCacheConfig`` (``layer_paths``: the model's HF attention paths, which the
-        scales file is keyed by; needed when ``scales=`` was given)."""
+        scales file is keyed by; needed when ``scales=`` was given; ``model``: the model's name,
+        which a preset's measured layers are keyed by)."""
         from torch_kvq.spec import KVCacheConfig
+
+        if self.preset is not None:
+            from torch_kvq.kv_presets import kv_preset
+
+            try:
+                return kv_preset(self.preset, model=model, page_size=page_size)
+            except ValueError as e:
+                raise ValueError(f"--kv {self.spec!r}: {e}") from None
 
         kv_scales: dict[str | int, tuple[float, float]] = {}
         if self.scales is not None:
@@ -116,6 +131,17 @@ def parse_kv(text: str) -> KVArg:
     dtype, *opts = head.split(":")
     if layer_map:
         opts.append(f"map={layer_map}")
+    from torch_kvq.kv_presets import PRESETS
+
+    if dtype in PRESETS:
+        if opts:
+            raise ValueError(
+                f"--kv {text!r}: the preset {dtype!r} takes no options (got {':'.join(opts)!r}); "
+                "write its map out with map= to change it"
+            )
+        preset = PRESETS[dtype]
+        return KVArg(name=name or spec, spec=spec, kv_cache_dtype=preset.kv_cache_dtype,
+                     preset=dtype)  # fmt: skip
     import torch
 
     try:

@@ -1,0 +1,75 @@
+"""Named KV-cache configurations, each chosen from measurements on the shipped trained models.
+
+``int4-recommended`` is the recommended 4-bit map (docs/accuracy.md, "The recommended 4-bit
+map"): ``int4_per_token_head`` on every full-attention layer but the ones where 4-bit keys cost
+the model most, which get ``k8v4_per_token_head`` (k int8, v int4: the cost is in k); sliding-
+window layers keep the model dtype (small at long context, and their keys cost as much). Which
+layers cost most is a measurement per model, not a position: on SmolLM2-135M they are spread
+through the stack and the first and last layers are among the cheapest. The rule: a layer whose
+perplexity delta with only that layer in ``int4_per_token_head`` exceeds 0.3%, which ``kvq
+accuracy --mode int4_per_token_head --threshold-pct 0.3`` lists (the layers it would keep).
+``MEASURED`` holds them for the shipped models; another model passes its own
+(``sensitive_layers``), and without them the preset raises rather than guess.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+from torch_kvq.spec import KVCacheConfig
+
+
+@dataclass(frozen=True)
+class KVPreset:
+    """A named map: ``kv_cache_dtype`` everywhere no rule selects, ``rules`` on every model,
+    ``sensitive_mode`` on each model's ``measured`` layers (indices)."""
+
+    name: str
+    kv_cache_dtype: str
+    rules: tuple[tuple[int | str, str], ...]
+    sensitive_mode: str
+    measured: Mapping[str, tuple[int, ...]]
+    how_to_measure: str
+
+
+PRESETS: dict[str, KVPreset] = {
+    "int4-recommended": KVPreset(
+        name="int4-recommended",
+        kv_cache_dtype="int4_per_token_head",
+        rules=(("sliding_window", "auto"),),
+        sensitive_mode="k8v4_per_token_head",
+        # layers whose int4 delta alone exceeds 0.3% (docs/design/int4-branch.md, "Per layer")
+        measured={"smollm2-135m": (1, 3, 4, 6, 12, 13, 16, 22), "gemma3-270m": (5, 11, 17)},
+        how_to_measure="kvq accuracy --model M --mode int4_per_token_head --threshold-pct 0.3",
+    ),
+}
+
+
+def kv_preset(
+    name: str,
+    *,
+    model: str | None = None,
+    sensitive_layers: Sequence[int] | None = None,
+    page_size: int = 16,
+) -> KVCacheConfig:
+    """The ``KVCacheConfig`` of preset ``name`` for ``model`` (a shipped model's name, e.g.
+    ``smollm2-135m``), or for any model given its ``sensitive_layers``. ValueError naming the bad
+    value: an unknown preset, or a model with no measurement and no layers given."""
+    if name not in PRESETS:
+        raise ValueError(f"unknown KV preset {name!r}; expected one of {sorted(PRESETS)}")
+    preset = PRESETS[name]
+    if sensitive_layers is None:
+        if model not in preset.measured:
+            raise ValueError(
+                f"KV preset {name!r} has no measured layers for model {model!r} (measured: "
+                f"{sorted(preset.measured)}); measure them with `{preset.how_to_measure}` and "
+                "pass sensitive_layers= (the layers it keeps in the model dtype)"
+            )
+        sensitive_layers = preset.measured[model]
+    sensitive = tuple((int(i), preset.sensitive_mode) for i in sensitive_layers)
+    return KVCacheConfig(
+        kv_cache_dtype=preset.kv_cache_dtype,
+        layer_modes=preset.rules + sensitive,
+        page_size=page_size,
+    )
