@@ -59,6 +59,7 @@ import torch_kvq  # noqa: E402
 from torch_kvq.attention.graph_runner import DecodeGraphRunner  # noqa: E402
 from torch_kvq.attention.kernels import FlashInferKernel, ReferenceKernel  # noqa: E402
 from torch_kvq.attention.memory import max_seqs_for_budget, page_bytes, plan_kv_memory  # noqa: E402
+from torch_kvq.kv_presets import kv_preset  # noqa: E402
 from torch_kvq.models.gemma3 import Gemma3Model  # noqa: E402
 from torch_kvq.models.llama import LlamaModel  # noqa: E402
 from torch_kvq.models.presets import tiny_gemma3_config, tiny_llama_config  # noqa: E402
@@ -126,9 +127,16 @@ MIXED = {
     "llama-3.1-8b": ("int8_per_token_head", ((0, "auto"), (-1, "fp8"))),
     "gemma-3-12b": ("auto", (("full_attention", "int8_per_token_head"), (0, "fp8"))),
 }
+# the int4-recommended preset (torch_kvq.kv_presets) on shapes with no trained weights: Llama
+# takes SmolLM2-135M's measured layers (8 of its 32 layers k8v4, as 8 of SmolLM2's 30), Gemma
+# every full-attention layer k8v4 (as Gemma-3-270M's measurement: all 3 of its full layers)
+RECOMMENDED_LAYERS = {
+    "llama-3.1-8b": (1, 3, 4, 6, 12, 13, 16, 22),
+    "gemma-3-12b": tuple(range(5, 48, 6)),
+}
 KV_CONFIGS = ("bf16", "fp8", "int8_per_token_head", "fp8_per_token_head", "int4_per_token_head",
               "mixed", "int8_per_token_head-all", "fp8_per_token_head-all",
-              "int4_per_token_head-all")  # fmt: skip
+              "int4_per_token_head-all", "int4-recommended")  # fmt: skip
 
 
 def kv_configs(skip) -> dict[str, KVCacheConfig]:
@@ -149,6 +157,9 @@ def kv_config(name: str, model_name: str) -> KVCacheConfig:
     if name == "mixed":
         default, rules = MIXED[model_name]
         return KVCacheConfig(default, layer_modes=rules, page_size=PAGE)
+    if name == "int4-recommended":
+        layers = RECOMMENDED_LAYERS[model_name]
+        return kv_preset(name, sensitive_layers=layers, page_size=PAGE)
     if name not in KV_CONFIGS:
         raise ValueError(f"unknown kv config {name!r}; expected one of {list(KV_CONFIGS)}")
     if name.endswith("-all"):

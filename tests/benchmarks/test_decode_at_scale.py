@@ -162,3 +162,24 @@ def test_kv_config_names_and_refusal():
     assert set(MIXED) == set(MODELS) and KV_CONFIGS[:2] == ("bf16", "fp8")
     with pytest.raises(ValueError, match=r"unknown kv config 'int2'; expected one of \['bf16'"):
         kv_config("int2", "llama-3.1-8b")
+
+
+def test_int4_recommended_config_resolves_on_both_shapes():
+    """The preset on the at-scale shapes: Llama 8 of 32 layers k8v4 (SmolLM2's measured layers),
+    the rest int4; Gemma-3-12B every full-attention layer k8v4, its sliding layers bf16."""
+    from bench_decode_at_scale import RECOMMENDED_LAYERS, kv_config
+
+    from torch_kvq.spec import AttentionLayerInfo, resolve_layer_specs
+
+    assert set(RECOMMENDED_LAYERS) == set(MODELS)
+    llama = [AttentionLayerInfo(f"l{i}", 32, 8, 128) for i in range(32)]
+    modes = [
+        s.mode.value
+        for s in resolve_layer_specs(kv_config("int4-recommended", "llama-3.1-8b"), llama)
+    ]
+    assert modes.count("k8v4_per_token_head") == 8 and modes.count("int4_per_token_head") == 24
+    gemma = [AttentionLayerInfo(f"l{i}", 16, 8, 256, sliding_window=None if i % 6 == 5 else 1024)
+             for i in range(48)]  # fmt: skip
+    specs = resolve_layer_specs(kv_config("int4-recommended", "gemma-3-12b"), gemma)
+    assert [s.index for s in specs if s.is_quantized] == list(range(5, 48, 6))
+    assert {s.mode.value for s in specs if s.is_quantized} == {"k8v4_per_token_head"}
