@@ -13,6 +13,8 @@ layers). Per model one build; per variant ``configure_kv`` and a ``FlashInferKer
   int8_per_token_head / fa2, fa3 (``--kv``)    per-(token, head) layers: the prompt's pages
   fp8_per_token_head / fa2, fa3                dequantized into a bf16 scratch, then fa2 / fa3
   mixed / fa2                                  the model's per-layer mode map (``MIXED``)
+  int4_per_token_head / fa3, int4-recommended / fa3   the 4-bit layers the same way (scratch
+                                               dequantized and un-rotated, then fa3)
 
 Each prompt is one forward of ``--len`` tokens (engines cap the tokens per step), logits of the
 last token only (``logits_indices``), through ``torch.compile(model, backend=kvq_backend)``
@@ -49,6 +51,7 @@ VARIANTS = [("bf16", "fa2"), ("bf16", "fa3"), ("fp8", "fa2"), ("fp8", "fa3"), ("
 PER_TOKEN_HEAD_VARIANTS = [
     ("int8_per_token_head", "fa2"), ("int8_per_token_head", "fa3"),
     ("fp8_per_token_head", "fa2"), ("fp8_per_token_head", "fa3"), ("mixed", "fa2"),
+    ("int4_per_token_head", "fa3"), ("int4-recommended", "fa3"),
 ]  # fmt: skip
 PREFILLS = list(dict.fromkeys(p for _, p in VARIANTS))  # the FlashInferKernel prefill options
 
