@@ -6,9 +6,10 @@ the model most, which get ``k8v4_per_token_head`` (k int8, v int4: the cost is i
 window layers keep the model dtype (small at long context, and their keys cost as much). Which
 layers cost most is a measurement per model, not a position: on SmolLM2-135M they are spread
 through the stack and the first and last layers are among the cheapest. The rule: a layer whose
-perplexity delta with only that layer in ``int4_per_token_head`` exceeds 0.3%, which ``kvq
-accuracy --mode int4_per_token_head --threshold-pct 0.3`` lists (the layers it would keep).
-``MEASURED`` holds them for the shipped models; another model passes its own
+perplexity delta with only that layer in rotated int4 exceeds 0.3% (for the shipped models
+measured by ``benchmarks/int4_study.py``'s per-layer sweep; for another model ``kvq accuracy
+--mode int4_per_token_head --threshold-pct 0.3`` measures the same thing: the layers it would
+keep). ``KVPreset.measured`` holds them for the shipped models; another model passes its own
 (``sensitive_layers``), and without them the preset raises rather than guess.
 """
 
