@@ -164,6 +164,10 @@ def test_map_dump_reports_fuse_the_quantized_layers_of_each_mode(map_dump_dir) -
     assert len(graphs) == 2  # prefill and decode
     for g in graphs:
         report = json.loads((g / "report.json").read_text())
+        summary = (g / "report.txt").read_text().splitlines()[0]  # the passes' report, per mode
+        assert ("4 attention layers (1 int4_per_token_head, 1 int8_per_token_head, 1 "
+                "k8v4_per_token_head, 1 kept unquantized); fused quant+write 3, dequant+attn 3, "
+                "output quant 0") in summary, summary  # fmt: skip
         layers = sorted(report["layers"].items(), key=lambda kv: kv[1]["index"])
         assert [info["mode"] for _, info in layers] == MAP_MODES
         names = [name for name, _ in layers]
