@@ -39,11 +39,12 @@ def _twins(cfg=MIXED, num_pages=64, **kw):
     return direct, graphed
 
 
-def _prefill(model, prompts: dict[int, int], gen: torch.Generator) -> None:
+def _prefill(model, prompts: dict[int, int], gen: torch.Generator, fn=None) -> None:
+    """One prefill batch of ``prompts`` (sequence -> length) through ``fn`` (default: eager)."""
     ids = torch.randint(0, model.config.vocab_size, (sum(prompts.values()),), generator=gen)
     md = model.allocator.build_batch(list(prompts.items()), device=model.device)
     with torch.no_grad(), model.forward_context(md):
-        model(ids.to(model.device), md.positions)
+        (model if fn is None else fn)(ids.to(model.device), md.positions)
 
 
 def _direct_step(model, fn, ids: torch.Tensor, seqs) -> torch.Tensor:
@@ -82,6 +83,7 @@ def _assert_caches_match(direct, graphed, scratch: int, atol: float, rtol: float
         )
         assert scratch not in free
         assert not b.kv_cache[free].float().abs().any(), "padding wrote outside its scratch page"
+        assert b.kv_scale is None or not b.kv_scale[free].any(), "padding wrote stray scales"
 
 
 def test_padded_steps_match_direct_calls():
@@ -105,6 +107,51 @@ def test_compiled_model_through_the_runner():
     errs = _run_schedule(direct, graphed, runner)
     assert max(errs) < CPU_LOGIT_TOL, errs
     _assert_caches_match(direct, graphed, runner.scratch_page, **CPU_CACHE_TOL)
+
+
+# a per-layer map with issue 33's 4-bit modes: int4 (layers 0, 3), int8 per (token, head) (1),
+# k8v4 on the global layers (2, 5), layer 4 in the model dtype
+FOUR_BIT_MAP = KVCacheConfig(
+    "int4_per_token_head",
+    layer_modes=(
+        ("full_attention", "k8v4_per_token_head"),
+        (1, "int8_per_token_head"),
+        (4, "auto"),
+    ),
+    page_size=4,
+)
+
+
+def test_a_map_with_four_bit_layers_through_the_runner():
+    """Compiled (the fused per-(token, head) write and read) through the fixed-buffer path: the
+    same logits as direct calls; every sequence's codes and scales those of the direct model, in
+    the real units a code step allows (a padded GEMM may move k / v by an fp32 bit, and a value
+    on a rounding boundary then takes the neighbouring code: within one step of its row's scale;
+    measured on torch 2.13 CPU: every code equal); padding writes codes and scales only to the
+    scratch page (int4's packed codes, k8v4's 3 slots)."""
+    from torch_kvq import make_kvq_backend
+    from torch_kvq.attention.quant import dequantize_pages_per_token_head
+
+    direct, graphed = _twins(FOUR_BIT_MAP)
+    assert [s.mode.value for s in graphed.kv_specs] == [
+        "int4_per_token_head", "int8_per_token_head", "k8v4_per_token_head",
+        "int4_per_token_head", "none", "k8v4_per_token_head",
+    ]  # fmt: skip
+    compiled = torch.compile(graphed, backend=make_kvq_backend(inner="eager"))
+    runner = DecodeGraphRunner(graphed, compiled, batch_sizes=(2, 4), max_context=32, capture=False)
+    errs = _run_schedule(direct, graphed, runner)
+    assert max(errs) < CPU_LOGIT_TOL, errs
+    pages = torch.tensor(sorted({p for s in PROMPTS for p in direct.allocator.pages(s)}))
+    for a, b in zip(direct.attention_layers, graphed.attention_layers):
+        if a.kv_scale is None:
+            continue
+        want, got = (dequantize_pages_per_token_head(x.kv_cache, x.kv_scale, pages, torch.float32)
+                     for x in (a, b))  # fmt: skip
+        step = a.kv_scale[pages].amax().item()  # the coarsest row's code step (int4: zp bits)
+        torch.testing.assert_close(got, want, atol=step * 1.001, rtol=0.0)
+        torch.testing.assert_close(b.kv_scale[pages], a.kv_scale[pages], atol=0.0, rtol=1e-5)
+    _assert_caches_match(direct, graphed, runner.scratch_page, atol=float("inf"))
+    assert graphed.attention_layers[2].kv_cache[runner.scratch_page].any()  # padding: scratch
 
 
 def test_a_refused_batch_changes_nothing_and_the_next_step_runs():
@@ -186,3 +233,66 @@ def test_captured_graphs_match_uncaptured_steps_on_flashinfer(fp8_decode):
     assert max(errs) <= 0.05, errs
     # a k/v that differs in its last bf16 bit may round to the neighbouring e4m3 value (1/8)
     _assert_caches_match(direct, graphed, runner.scratch_page, atol=0.05, rtol=0.125)
+
+
+# per-(token, head) maps on the GPU (sm90, FlashInfer): the global layers in ``mode``, layer 0
+# int8 per (token, head), the other sliding layers bf16. int4: the Triton decode reading the
+# packed codes, prefill on the dequantized scratch. k8v4_per_token_head belongs here too once its
+# GPU write, decode and scratch exist (today no FlashInfer row lists it and the Triton write
+# refuses it: tests/attention/test_k8v4_per_token_head.py); add it to the list then.
+GPU_MAP_MODES = ["int4_per_token_head"]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("mode", GPU_MAP_MODES)
+def test_captured_graphs_of_a_per_token_head_map_replay_the_uncaptured_steps(mode):
+    """Two identical models, compiled with kvq_backend on ``FlashInferKernel()``, prefilled through
+    the compiled graph (the fused write; prefill on the scratch), then the same decode schedule
+    through a capturing runner and through a ``capture=False`` one: the same padded batches,
+    buffers, plans and kernels, so the captured replays must give the uncaptured steps' logits
+    and caches bit for bit (every code and scale, the scratch page's included). The compiled
+    graphs fuse exactly the quantized layers (the Triton decode reads the cache in place), and
+    padding writes only the scratch page."""
+    import torch_kvq
+    from torch_kvq.attention.kernels.flashinfer_jit import prebuild
+
+    kv = KVCacheConfig(
+        "auto",
+        layer_modes=(("full_attention", mode), (0, "int8_per_token_head")),
+        page_size=16,
+    )
+    backend = torch_kvq.make_kvq_backend()
+    models, runners = [], []
+    for capture in (False, True):
+        kernel = FlashInferKernel()  # per-(token, head) layers: Triton decode, scratch prefill
+        m = build_model("gemma3-tiny", kv, num_pages=64, device="cuda", kernel=kernel, **HEAD)
+        prebuild(kernel, m.kv_specs)
+        fn = torch.compile(m, backend=backend)
+        runners.append(DecodeGraphRunner(m, fn, batch_sizes=(2, 4), max_context=64,
+                                         capture=capture))  # fmt: skip
+        _prefill(m, PROMPTS, torch.Generator().manual_seed(0), fn)
+        models.append(m)
+    uncaptured, graphed = models
+    assert [s.mode.value for s in graphed.kv_specs] == [
+        "int8_per_token_head", "none", mode, "none", "none", mode,
+    ]  # fmt: skip
+    gen = torch.Generator().manual_seed(1)
+    for seqs in SCHEDULE:
+        ids = torch.randint(0, graphed.config.vocab_size, (len(seqs),), generator=gen).cuda()
+        want, got = (r(ids, m.allocator.build_batch([(s, 1) for s in seqs], device="cpu"))
+                     for r, m in zip(runners, models))  # fmt: skip
+        assert torch.equal(got, want), (seqs, (got.float() - want.float()).abs().max().item())
+    assert runners[1].captured_sizes == (2, 4) and runners[0].captured_sizes == ()
+    for a, b in zip(uncaptured.attention_layers, graphed.attention_layers):
+        assert torch.equal(b.kv_cache.view(torch.uint8), a.kv_cache.view(torch.uint8)), b.spec.name
+        assert a.kv_scale is None or torch.equal(b.kv_scale, a.kv_scale), b.spec.name
+    _assert_caches_match(uncaptured, graphed, runners[1].scratch_page, atol=0.0)
+    quantized = {s.name for m in models for s in m.kv_specs if s.is_quantized}
+    assert len(backend.managers) >= 4  # each model's prefill and decode graphs
+    for manager in backend.managers:
+        rep = manager.last
+        want = set(rep.layers) & quantized  # this model's layers 0, 2, 5
+        assert len(want) == 3, (rep.summary(), want)
+        assert set(rep.layers_fused("quant+write")) == want, rep.summary()
+        assert set(rep.layers_fused("dequant+attn")) == want, rep.summary()

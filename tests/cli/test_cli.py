@@ -363,3 +363,55 @@ def test_inspect_with_a_kv_map_shows_every_mode(capsys):
     assert "layer_modes=((0, 'fp8'), ('full_attention', 'int8_per_token_head')" in out
     code, _, err = run_main(capsys, "inspect", "--kv-map", "0-3")
     assert code == 2 and "argument --kv-map: map entry '0-3' is not RULE:MODE" in err
+
+
+FOUR_BIT_MAP = "0:int4_per_token_head,1:k8v4_per_token_head,2:int8_per_token_head"
+
+
+def test_inspect_a_map_with_four_bit_layers_counts_their_bytes(capsys):
+    """llama-tiny at head 128 (2 kv heads): per token, int4 2 x 2 x (64 + 4) = 272 bytes, k8v4
+    2 x (128 + 64 + 8) = 400, int8 2 x 2 x (128 + 4) = 528, bf16 2 x 2 x 256 = 1024; the table,
+    the total and --json agree, and the reference kernel fuses every quantized layer."""
+    argv = ("inspect", "--preset", "llama-tiny", "--head-dim", "128", "--kv-cache-dtype", "auto",
+            "--kv-map", FOUR_BIT_MAP)  # fmt: skip
+    code, out, err = run_main(capsys, *argv, "--wide")
+    assert code == 0, err
+    rows = [line.split() for line in out.splitlines() if re.match(r"\d+\s+\S+\.layers\.", line)]
+    # idx layer type mode cache-dtype bytes/token scale-bytes/token ...
+    assert [r[3:7] for r in rows] == [
+        ["int4_per_token_head", "uint8", "272", "16"],
+        ["k8v4_per_token_head", "uint8", "400", "16"],
+        ["int8_per_token_head", "int8", "528", "16"],
+        ["none", "bfloat16", "1024", "0"],
+    ]
+    assert [line.endswith("quant+write, dequant+attention") for line in out.splitlines()
+            if re.match(r"\d+\s+\S+\.layers\.", line)] == [True, True, True, False]  # fmt: skip
+    assert (
+        "3 of 4 layers quantized; KV bytes per token (all layers): 2224 (all-bfloat16: 4096)" in out
+    )
+    code, out, err = run_main(capsys, *argv, "--json")
+    assert code == 0, err
+    plan = json.loads(out)
+    assert [(r["mode"], r["storage_dtype"], r["cache_bytes_per_token"]) for r in plan] == [
+        ("int4_per_token_head", "torch.uint8", 272), ("k8v4_per_token_head", "torch.uint8", 400),
+        ("int8_per_token_head", "torch.int8", 528), ("none", "torch.bfloat16", 1024),
+    ]  # fmt: skip
+
+
+def test_inspect_plans_int4_layers_on_flashinfer_sm90(capsys):
+    """int4's sm90 rows: FlashInfer serves the layer (Triton decode, prefill on the scratch) and
+    the passes fuse its write and read; elsewhere it is refused, naming the mode."""
+    argv = ("inspect", "--preset", "llama-tiny", "--head-dim", "128", "--kv-cache-dtype", "auto",
+            "--kv-map", "0-1:int4_per_token_head,2:int8_per_token_head", "--kernel", "flashinfer",
+            "--json")  # fmt: skip
+    code, out, err = run_main(capsys, *argv, "--arch", "sm90")
+    assert code == 0, err
+    plan = json.loads(out)
+    assert [(r["mode"], r["not_served"], r["fuses"]) for r in plan[:3]] == [
+        ("int4_per_token_head", None, "quant+write, dequant+attention")] * 2 + [
+        ("int8_per_token_head", None, "quant+write, dequant+attention")]  # fmt: skip
+    code, out, err = run_main(capsys, *argv, "--arch", "sm80")
+    assert code == 2
+    assert re.search(
+        r"layer '\S+\.layers\.0\.self_attn\.attn': quant mode 'int4_per_token_head' is not", err
+    )

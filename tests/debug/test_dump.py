@@ -121,3 +121,80 @@ def test_phase_labels_count_by_graph_id_when_the_report_list_is_full() -> None:
     phases: dict[str, str] = {}
     assert [r.dump_dir for r in _label(seen, "decode", phases)] == ["/x/passes/graph_900"]
     assert phases == {"graph_900": "decode"}
+
+
+# -- a per-layer map with issue 33's 4-bit modes ------------------------------------------------
+
+MAP_MODES = ["int4_per_token_head", "k8v4_per_token_head", "int8_per_token_head", "none"]
+
+
+@pytest.fixture(scope="module")
+def map_dump_dir(tmp_path_factory):
+    """``kvq dump`` of llama-tiny (bf16, 2 kv heads of 32, 64 pages of 16) with layer 0 int4,
+    1 k8v4, 2 int8 per (token, head), 3 kept in bf16."""
+    out = tmp_path_factory.mktemp("dump_map")
+    kv_map = "0:int4_per_token_head,1:k8v4_per_token_head,2:int8_per_token_head"
+    argv = ["dump", "--out", str(out), "--inner", "eager", "--no-depyf", "--preset", "llama-tiny",
+            "--kv-cache-dtype", "auto", "--kv-map", kv_map]  # fmt: skip
+    assert main(argv) == 0
+    return out
+
+
+def test_map_dump_plan_names_each_layers_mode_cache_shape_and_bytes(map_dump_dir) -> None:
+    plan = (map_dump_dir / "plan.txt").read_text()
+    table, caches = plan.split("caches of this model:\n")
+    rows = {int(line.split()[0]): line.split() for line in table.splitlines() if line[:1].isdigit()}
+    # per token, 2 kv heads of 32: int4 2 x 2 x (16 + 4), k8v4 2 x (32 + 16 + 2 x 4), int8
+    # 2 x 2 x (32 + 4), bf16 2 x 2 x 64; each row: idx, layer, type, mode, cache dtype, bytes, ...
+    got = [(r[3], r[4], int(r[5])) for _, r in sorted(rows.items())]
+    assert got == [(MAP_MODES[0], "uint8", 80), (MAP_MODES[1], "uint8", 112),
+                   (MAP_MODES[2], "int8", 144), ("none", "bfloat16", 256)]  # fmt: skip
+    lines = [line for line in caches.splitlines() if ".layers." in line.split(" ", 1)[0]]
+    assert [line.split()[1] for line in lines] == MAP_MODES
+    # codes [pages, slots, page, KH, code_dim]: k8v4 3 slots, the 4-bit modes D / 2 per byte
+    assert "uint8 [64, 2, 16, 2, 16]" in lines[0] and "uint8 [64, 3, 16, 2, 16]" in lines[1]
+    assert "int8 [64, 2, 16, 2, 32]" in lines[2] and "bfloat16 [64, 2, 16, 2, 32]" in lines[3]
+    assert all("float32 [64, 2, 2, 16]" in line for line in lines[:3]) and " - " in lines[3]
+    # a layer's bytes: its bytes per token times 64 pages of 16 tokens
+    assert [int(line.split()[-1]) for line in lines] == [b * 64 * 16 for _, _, b in got]
+
+
+def test_map_dump_reports_fuse_the_quantized_layers_of_each_mode(map_dump_dir) -> None:
+    graphs = sorted((map_dump_dir / "passes").glob("graph_*"))
+    assert len(graphs) == 2  # prefill and decode
+    for g in graphs:
+        report = json.loads((g / "report.json").read_text())
+        summary = (g / "report.txt").read_text().splitlines()[0]  # the passes' report, per mode
+        assert ("4 attention layers (1 int4_per_token_head, 1 int8_per_token_head, 1 "
+                "k8v4_per_token_head, 1 kept unquantized); fused quant+write 3, dequant+attn 3, "
+                "output quant 0") in summary, summary  # fmt: skip
+        layers = sorted(report["layers"].items(), key=lambda kv: kv[1]["index"])
+        assert [info["mode"] for _, info in layers] == MAP_MODES
+        names = [name for name, _ in layers]
+        for pass_name, fused in (("fuse_quant_cache_write", "fused quant+write"),
+                                 ("fuse_dequant_attention", "fused dequant+attn")):  # fmt: skip
+            decisions = report["per_pass"][pass_name]["decisions"]
+            assert [decisions[n] for n in names[:3]] == [fused] * 3, (g.name, pass_name)
+            assert decisions[names[3]].startswith("kept bf16"), (g.name, pass_name)
+        code = (g / "cleanup.after.py").read_text()
+        assert code.count("torch.ops.kvq.quant_cache_write_per_token_head.default") == 3
+        assert code.count("torch.ops.kvq.paged_attention_per_token_head.default") == 3
+        for unfused in ("quantize_per_token_head", "cache_write_per_token_head",
+                        "dequantize_kv_cache_per_token_head"):  # fmt: skip
+            assert f"torch.ops.kvq.{unfused}.default" not in code, (g.name, unfused)
+        before = (g / "annotate.after.py").read_text()  # the same graph before the fusions
+        assert before.count("torch.ops.kvq.quantize_per_token_head.default") == 6
+        # the caches flow through the graph with their shapes: int4's and k8v4's uint8 codes
+        assert '"u8[64, 2, 16, 2, 16]"' in code and '"u8[64, 3, 16, 2, 16]"' in code
+        svg = (g / "cleanup.after.svg").read_text()
+        assert svg.count('class="fused"') == 6  # 3 layers x (quant_cache_write, attention)
+        assert svg.count('class="skipped"') == 2 and 'class="unfused"' not in svg
+
+
+def test_map_dump_index_names_the_map_and_each_layers_mode(map_dump_dir) -> None:
+    index = (map_dump_dir / "index.html").read_text()
+    title = "layer_modes ((0, &#x27;int4_per_token_head&#x27;), (1, &#x27;k8v4_per_token_head"
+    assert title in index
+    assert "fused quant+write 3, dequant+attn 3, output quant 0" in index
+    for mode in MAP_MODES[:3]:
+        assert f"<td>{mode}</td><td>reference@cpu</td>" in index, mode

@@ -5,7 +5,10 @@ seed, in fp32 with an FP8 KV cache and a skip rule: the shard's logits equal the
 (<= 1e-5) for our Llama- and Gemma-3-style decoders (also with fused projections) and for
 ``KVQCausalLM`` on tiny transformers Llama / Gemma 3; compiled with the kvq passes equals eager;
 every rank's pass report fuses the same layers, exactly the quantized ones. Ranks with another
-config or a refused batch raise on every rank (no hang). ``tp_worker.py`` is the rank's side.
+config or a refused batch raise on every rank (no hang). Per-layer mode maps (fp8 per tensor,
+int8 / fp8 per (token, head), issue 33's int4 and k8v4) shard their per-(token, head) scales and
+codes with their kv heads. ``tp_worker.py`` is the rank's side (``code_flips.py``: its cache
+reading).
 """
 
 from __future__ import annotations
@@ -88,6 +91,44 @@ def check_code_flips(name: str, ranks: list[dict], pair: str) -> tuple[int | Non
     return first, sum(f["step"] for f in flips)
 
 
+def check_modes(ranks: list[dict]) -> None:
+    """The per-layer mode maps of ``tp_worker.py modes`` / ``modes4`` on both ranks: the shard
+    equals the whole model up to fp32 rounding, with one allowance, a code flip at a rounding
+    boundary (``test_tp2_three_modes_at_once`` says why and how it is bounded); the scales shard
+    with their kv heads; both ranks' pass reports fuse exactly the quantized layers."""
+    r0, r1 = ranks
+    for name, row in r0.items():
+        if name == "ok":
+            continue
+        first, steps = check_code_flips(name, ranks, "single/shard")
+        first_c, steps_c = check_code_flips(name, ranks, "shard/compiled")
+        for r in ranks:
+            res = r[name]
+            assert res["max_diff"] <= TOL + steps, (name, res["max_diff"], steps)
+            assert res["compiled_diff"] <= TOL + steps_c, (name, res["compiled_diff"], steps_c)
+            for i, lay in enumerate(res["rows"]):
+                before = first is None or i < first
+                assert lay["in_diff"] <= (TOL if first is None or i <= first else TOL + steps), (
+                    name, i, lay,
+                )  # fmt: skip
+                assert lay["out_diff"] <= (TOL if before else TOL + steps), (name, i, lay)
+                if first is None or i <= first:
+                    assert lay.get("scale_rel", 0.0) <= TOL, (name, i, lay)
+                    assert lay.get("zp_diffs", 0) == 0, (name, i, lay)  # int4's zero points
+        assert row["modes"] == r1[name]["modes"], name
+        kh = row["global_kv_heads"] // 2
+        for mode, shape in zip(row["modes"], row["scale_shapes"]):
+            assert (shape is None) == (not mode.endswith("per_token_head")), (name, mode)
+            assert shape is None or shape[2] == kh, (name, shape)  # [pages, 2, KH / 2, page]
+        assert row["scales_written"] and r1[name]["scales_written"], name
+        rep = row["report"]
+        assert rep == r1[name]["report"], name
+        quantized = sorted(
+            lay for lay, m in zip(sorted(rep["layers"]), row["modes"]) if m != "none"
+        )
+        assert rep["quant+write"] == rep["dequant+attn"] == quantized, name
+
+
 @pytest.mark.distributed
 def test_tp2_three_modes_at_once(tmp_path):
     """Per-layer modes under tensor parallelism: the per-(token, head) scales shard with their kv
@@ -121,36 +162,51 @@ def test_tp2_three_modes_at_once(tmp_path):
     old 1e-5. The compiled shard is held to the same against the eager shard (codes compared slot
     by slot, the eager values at the boundary)."""
     ranks = launch("modes", tmp_path, timeout=300)
-    r0, r1 = ranks
-    for name, row in r0.items():
-        if name == "ok":
-            continue
-        first, steps = check_code_flips(name, ranks, "single/shard")
-        first_c, steps_c = check_code_flips(name, ranks, "shard/compiled")
-        for r in ranks:
-            res = r[name]
-            assert res["max_diff"] <= TOL + steps, (name, res["max_diff"], steps)
-            assert res["compiled_diff"] <= TOL + steps_c, (name, res["compiled_diff"], steps_c)
-            for i, lay in enumerate(res["rows"]):
-                before = first is None or i < first
-                assert lay["in_diff"] <= (TOL if first is None or i <= first else TOL + steps), (
-                    name, i, lay,
+    check_modes(ranks)
+    for name, row in ranks[0].items():
+        assert name == "ok" or len(set(row["modes"])) >= 3, (name, row["modes"])
+
+
+# each 4-bit case's modes, layer by layer (tp_worker.MAPS_4BIT); "none": the model dtype (fp32)
+INT4, K8V4, INT8 = "int4_per_token_head", "k8v4_per_token_head", "int8_per_token_head"
+MODES_4BIT = {
+    "llama-tiny:int4": [INT4] * 4,
+    "llama-tiny:k8v4": [K8V4] * 4,
+    "llama-tiny:mixed": [INT4, K8V4, INT8, "none"],
+    "gemma3-tiny:mixed": [INT8, "none", K8V4, INT4, INT4, K8V4],  # layers 2, 5: full attention
+}
+# per mode: (cache dtype, dim 1 (slots), last dim at head size 32)
+CACHE_4BIT = {INT4: ("torch.uint8", 2, 16), K8V4: ("torch.uint8", 3, 16),
+              INT8: ("torch.int8", 2, 32), "none": ("torch.float32", 2, 32)}  # fmt: skip
+
+
+@pytest.mark.distributed
+def test_tp2_four_bit_modes(tmp_path):
+    """Issue 33's modes under tensor parallelism: ``int4_per_token_head`` alone,
+    ``k8v4_per_token_head`` alone, and maps mixing them with int8 per (token, head) and
+    unquantized layers (Llama- and Gemma-3-style, 2 kv heads of 32). The same comparison as the
+    8-bit modes' (``check_modes``): every cache code of the shard (int4's unpacked nibbles, k8v4's
+    k from its two slots) equal to the whole model's on the rank's kv heads but for
+    rounding-boundary flips, every scale within 1e-5 and every int4 zero point equal before the
+    first flip, logits within 1e-5 plus the flips' steps, compiled == eager the same way. A row
+    whose MSE clip ratio differed between the two runs would show as non-adjacent codes and a
+    scale off by more than 1e-5: it fails. Measured (torch 2.13 CPU): no code flipped in any
+    case, logits within 3e-6. Each rank's cache holds its one kv head: int4 uint8 [pages, 2,
+    page, 1, D / 2], k8v4 uint8 [pages, 3, page, 1, D / 2]."""
+    ranks = launch("modes4", tmp_path, timeout=300)
+    check_modes(ranks)
+    assert set(ranks[0]) - {"ok"} == set(MODES_4BIT)
+    for r in ranks:
+        for name, modes in MODES_4BIT.items():
+            row = r[name]
+            assert row["modes"] == modes, (name, row["modes"])
+            assert row["global_kv_heads"] == 2, name
+            for mode, shape, dtype in zip(modes, row["cache_shapes"], row["cache_dtypes"]):
+                want_dtype, slots, code_dim = CACHE_4BIT[mode]
+                assert (dtype, shape[1], shape[3], shape[4]) == (want_dtype, slots, 1, code_dim), (
+                    name, mode, shape, dtype,
                 )  # fmt: skip
-                assert lay["out_diff"] <= (TOL if before else TOL + steps), (name, i, lay)
-                if first is None or i <= first:
-                    assert lay.get("scale_rel", 0.0) <= TOL, (name, i, lay)
-        assert row["modes"] == r1[name]["modes"] and len(set(row["modes"])) >= 3, row["modes"]
-        kh = row["global_kv_heads"] // 2
-        for mode, shape in zip(row["modes"], row["scale_shapes"]):
-            assert (shape is None) == (not mode.endswith("per_token_head")), (name, mode)
-            assert shape is None or shape[2] == kh, (name, shape)  # [pages, 2, KH / 2, page]
-        assert row["scales_written"] and r1[name]["scales_written"], name
-        rep = row["report"]
-        assert rep == r1[name]["report"], name
-        quantized = sorted(
-            lay for lay, m in zip(sorted(rep["layers"]), row["modes"]) if m != "none"
-        )
-        assert rep["quant+write"] == rep["dequant+attn"] == quantized, name
+            assert row["values"] > 0, name  # k / v values written by its quantized layers
 
 
 @pytest.mark.distributed

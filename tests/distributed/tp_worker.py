@@ -18,6 +18,7 @@ from pathlib import Path
 
 import torch
 
+from tests.distributed.code_flips import QuantTrace, code_flips, slot_view
 from torch_kvq.distributed import RankRefusedError, init_tensor_parallel
 from torch_kvq.models import build_model, generate
 from torch_kvq.spec import KVCacheConfig
@@ -110,118 +111,46 @@ def parity(tp) -> dict:
     return out
 
 
-E4M3_VALUES = torch.unique(
-    torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).float().nan_to_num(0.0)
-)  # every finite e4m3 value, sorted
+# per-layer mode maps (label -> preset, default mode, layer_modes): issue 32's three modes at once;
+# issue 33's 4-bit modes, each alone and mixed with int8 and unquantized (fp32 here) layers
+MAPS_8BIT = {
+    "llama-tiny": ("llama-tiny", "auto",
+                   ((0, "fp8"), (1, "int8_per_token_head"), (-1, "fp8_per_token_head"))),
+    "gemma3-tiny": ("gemma3-tiny", "auto", (("full_attention", "int8_per_token_head"), (0, "fp8"))),
+}  # fmt: skip
+INT4, K8V4, INT8 = "int4_per_token_head", "k8v4_per_token_head", "int8_per_token_head"
+MAPS_4BIT = {
+    "llama-tiny:int4": ("llama-tiny", INT4, ()),
+    "llama-tiny:k8v4": ("llama-tiny", K8V4, ()),
+    "llama-tiny:mixed": ("llama-tiny", "auto", ((0, INT4), (1, K8V4), (2, INT8))),
+    "gemma3-tiny:mixed": ("gemma3-tiny", INT4, (("full_attention", K8V4), (0, INT8), (1, "auto"))),
+}
 
 
-class QuantTrace:
-    """Forward hooks (eager) on every attention layer of ``model``: per call, in execution order
-    (the prefill's layers, then each decode step's), the layer's inputs q / k / v and its output,
-    and for a quantized layer the pre-quantization values ``y = x / scale`` (code units: what is
-    rounded to the stored code; the layer's own per-(token, head) or static scale) of every k / v
-    value it writes, by cache slot."""
+def modes(tp, maps: dict) -> dict:
+    """Per-layer mode maps under TP (issues 32, 33): ``maps`` (``MAPS_8BIT`` / ``MAPS_4BIT``),
+    each rank's per-(token, head) scales covering its own kv heads.
 
-    def __init__(self, model) -> None:
-        from torch_kvq.attention.context import get_forward_context
-
-        self.calls: list[dict] = []
-        slots_total = model.attention_layers[0].kv_cache.shape[0] * model.kv_specs[0].page_size
-        self.y: dict[int, torch.Tensor] = {}  # layer -> [slots, 2, KH, D] (nan: not written)
-        self.row: dict[int, torch.Tensor] = {}  # layer -> [slots]: the call that wrote the slot
-
-        def hook(i, mod, args, out):
-            q, k, v = args
-            spec = mod.spec
-            slots = get_forward_context().metadata_for(spec).slot_mapping.long()
-            self.calls.append(dict(layer=i, q=q, k=k, v=v, out=out, slots=slots.clone()))
-            if not spec.is_quantized:
-                return
-            if i not in self.y:
-                self.y[i] = torch.full((slots_total, 2, *k.shape[1:]), float("nan"))
-                self.row[i] = torch.full((slots_total,), -1, dtype=torch.long)
-            fmts = (
-                (spec.mode.k_format, spec.mode.v_format)
-                if spec.mode.per_token_head
-                else (None,) * 2
-            )
-            for j, x, scale, fmt in ((0, k, spec.k_scale, fmts[0]), (1, v, spec.v_scale, fmts[1])):
-                if fmt is not None:
-                    scale = mod._quantize_per_token_head(x, fmt)[1][..., None]
-                self.y[i][slots, j] = x.float() / scale
-            self.row[i][slots] = len(self.calls) - 1
-
-        for i, a in enumerate(model.attention_layers):
-            a.register_forward_hook(lambda mod, args, out, i=i: hook(i, mod, args, out))
-
-
-def slot_view(attn, heads: slice | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """A layer's cache codes as [slots, 2, KH, D] fp32 and its per-(token, head) scales as
-    [slots, 2, KH] (None for the other modes), kv heads ``heads`` only."""
-    heads = heads or slice(None)
-    c = attn.kv_cache
-    codes = c.float().transpose(1, 2).reshape(-1, 2, *c.shape[3:])[:, :, heads]
-    s = attn.kv_scale
-    scales = None if s is None else s.permute(0, 3, 1, 2).reshape(-1, 2, s.shape[2])[:, :, heads]
-    return codes, scales
-
-
-def code_flips(spec, a, b, ya, yb, row) -> list[dict]:
-    """Every code that differs between two caches of one layer (a / b: ``slot_view``s; ya / yb:
-    the pre-quantization values by slot, yb None where unknown; row: the writing call by slot):
-    the two codes, whether they are adjacent representable values, the rounding boundary between
-    them (their midpoint), the y values and one step's size in real units (the dequantized
-    values' difference)."""
-    (ca, sa), (cb, sb) = a, b
-    out = []
-    for slot, j, h, d in (ca != cb).nonzero().tolist():
-        x, z = ca[slot, j, h, d].item(), cb[slot, j, h, d].item()
-        if spec.storage_dtype == torch.int8:
-            adjacent = abs(x - z) == 1
-        else:
-            ix, iz = (int((E4M3_VALUES == t).nonzero()) for t in (x, z))
-            adjacent = abs(ix - iz) == 1
-        if sa is None:
-            scale = spec.k_scale if j == 0 else spec.v_scale
-            step = abs(x - z) * scale
-        else:
-            step = abs(x * sa[slot, j, h].item() - z * sb[slot, j, h].item())
-        out.append({
-            "layer": spec.name, "mode": spec.mode.value, "row": int(row[slot]),
-            "kv": "kv"[j], "head": h, "dim": d, "codes": [x, z], "adjacent": adjacent,
-            "boundary": (x + z) / 2, "step": step, "qmax": 127.0 if spec.storage_dtype == torch.int8 else 448.0,
-            "y": [ya[slot, j, h, d].item(), None if yb is None else yb[slot, j, h, d].item()],
-        })  # fmt: skip
-    return out
-
-
-def modes(tp) -> dict:
-    """Three modes at once (issue 32): fp8 per tensor, int8 / fp8 per (token, head) and bf16-kept
-    layers; each rank's per-(token, head) scales cover its own kv heads.
-
-    Besides the logits, the layer-by-layer comparison ``test_tp2_three_modes_at_once`` asserts on:
+    Besides the logits, the layer-by-layer comparison ``test_tp.check_modes`` asserts on:
     ``rows`` (per attention call of the eager runs, in execution order: the largest difference of
     the inputs q / k / v and of the output between the whole model, on this rank's heads, and the
-    shard; the per-(token, head) scales' relative difference), ``flips`` (every cache code that
-    differs, whole model vs shard and eager shard vs compiled shard, with its pre-quantization
-    values) and ``values`` (how many k / v values the quantized layers wrote on this rank).
+    shard; the per-(token, head) scales' relative difference, int4's zero points' differences),
+    ``flips`` (every cache code that differs, whole model vs shard and eager shard vs compiled
+    shard, with its pre-quantization values) and ``values`` (how many k / v values the quantized
+    layers wrote on this rank).
     """
     from torch_kvq.passes import make_kvq_backend
 
     out: dict = {}
-    maps = {
-        "llama-tiny": ((0, "fp8"), (1, "int8_per_token_head"), (-1, "fp8_per_token_head")),
-        "gemma3-tiny": (("full_attention", "int8_per_token_head"), (0, "fp8")),
-    }
-    for name, layer_modes in maps.items():
-        kv = KVCacheConfig(
-            "auto", layer_modes=layer_modes, page_size=4, kv_scales={0: (0.05, 0.05)}
-        )
+    for label, (name, default, layer_modes) in maps.items():
+        scales = {0: (0.05, 0.05)} if maps is MAPS_8BIT else {}  # layer 0's fp8 per tensor
+        kv = KVCacheConfig(default, layer_modes=layer_modes, page_size=4, kv_scales=scales)
         own = dict(num_pages=32, dtype=torch.float32)
-        single = build_model(name, kv, prefix=f"msingle_{name}", **own)
-        shard = build_model(name, kv, prefix=f"mtp_{name}", tp=tp, **own)
+        tag = label.replace(":", "_")  # layer names are unique per process
+        single = build_model(name, kv, prefix=f"msingle_{tag}", **own)
+        shard = build_model(name, kv, prefix=f"mtp_{tag}", tp=tp, **own)
         # the compiled run on a fresh shard: its cache slots are the eager shard's, code for code
-        comp_shard = build_model(name, kv, prefix=f"mtpc_{name}", tp=tp, **own)
+        comp_shard = build_model(name, kv, prefix=f"mtpc_{tag}", tp=tp, **own)
         t_single, t_shard = QuantTrace(single), QuantTrace(shard)
         ref = generate(single, PROMPTS, NEW, prefill_logits=True)
         eager = generate(shard, PROMPTS, NEW, force_tokens=ref.tokens, prefill_logits=True)
@@ -249,9 +178,11 @@ def modes(tp) -> dict:
             values += int((row >= 0).sum()) * 2 * kh * spec.head_size
             if e_view[1] is not None:  # per-(token, head) scales, each row's written slots
                 rel = ((s_view[1] - e_view[1]).abs() / e_view[1].clamp(min=1e-30)).amax((1, 2))
+                zp = (s_view[2] != e_view[2]).sum((1, 2))  # int4's zero points (0 elsewhere)
                 for r in row.unique().tolist():
                     if r >= 0:
                         rows[r]["scale_rel"] = rel[row == r].max().item()
+                        rows[r]["zp_diffs"] = int(zp[row == r].sum())
             flips += [
                 f | {"pair": "single/shard"} for f in code_flips(spec, s_view, e_view, ys, ye, row)
             ]
@@ -259,7 +190,7 @@ def modes(tp) -> dict:
                 f | {"pair": "shard/compiled"}
                 for f in code_flips(spec, e_view, c_view, ye, None, row)
             ]
-        out[name] = {
+        out[label] = {
             "max_diff": max_diff(ref, eager),
             "compiled_diff": max_diff(eager, comp),
             "rows": rows,
@@ -271,6 +202,8 @@ def modes(tp) -> dict:
                 None if a.kv_scale is None else list(a.kv_scale.shape)
                 for a in shard.attention_layers
             ],
+            "cache_shapes": [list(a.kv_cache.shape) for a in shard.attention_layers],
+            "cache_dtypes": [str(a.kv_cache.dtype) for a in shard.attention_layers],
             "scales_written": all(
                 a.kv_scale is None or bool(a.kv_scale.any()) for a in shard.attention_layers
             ),
@@ -371,7 +304,8 @@ def main() -> None:
         scenarios = {
             "parity": lambda: parity(tp),
             "agreement": lambda: agreement(tp),
-            "modes": lambda: modes(tp),
+            "modes": lambda: modes(tp, MAPS_8BIT),
+            "modes4": lambda: modes(tp, MAPS_4BIT),
             "gpu": lambda: gpu(tp),
         }
         result = {"ok": True, **scenarios[scenario]()}

@@ -53,9 +53,10 @@ def test_dump_on_a_tiny_hf_model(capsys, tmp_path):
     code, out, err = run_main(capsys, *argv)
     assert code == 0, err
     assert (out_dir / "index.html").is_file() and (out_dir / "plan.txt").is_file()
-    plan = (out_dir / "plan.txt").read_text()
+    plan, caches = (out_dir / "plan.txt").read_text().split("caches of this model:\n")
     fp8 = plan.count("fp8_per_tensor")
     assert "model.layers.0.self_attn" in plan and fp8 >= 1
+    assert caches.count("fp8_per_tensor") == fp8  # the caches the model holds, one line a layer
     after = [line for line in out.splitlines() if line.startswith("ops after:")]
     assert after and all(f"'kvq.quant_cache_write': {fp8}" in a for a in after), out
     assert all("dequantize_kv_cache" not in a for a in after), out

@@ -7,6 +7,10 @@ compiled model the fused FP8 read, and Inductor changes the rest of the model's 
 the compiled run is teacher-forced with eager's tokens and its argmax must equal eager's token
 wherever eager's top-2 logit margin exceeds 2 x the tolerance of tests/passes/test_mixed_model.py
 (0.04 of the largest logit); the prompts (1100, 300, 40 tokens) cross the window.
+
+With per-(token, head) layers (int4 on the global layer, int8 on a sliding one), the same model
+compiled decodes through captured CUDA graphs (``DecodeGraphRunner``) exactly as through the
+runner's uncaptured path.
 """
 
 from __future__ import annotations
@@ -73,3 +77,61 @@ def test_gemma3_shaped_on_flashinfer_compiled_equals_eager() -> None:
         assert set(rep.layers_fused("quant+write")) == fp8
         assert set(rep.layers_fused("dequant+attn")) == fp8
         assert rep.ops_after["kvq.paged_attention"] == 5
+
+
+# per-(token, head) modes on the global layer (sm90, FlashInfer: int4's Triton decode reading the
+# packed codes, prefill on the dequantized scratch); k8v4_per_token_head joins once its GPU write,
+# decode and scratch exist (today no FlashInfer row lists it: test_k8v4_per_token_head.py).
+GPU_MAP_MODES = ["int4_per_token_head"]
+
+
+@pytest.mark.parametrize("mode", GPU_MAP_MODES)
+def test_gemma3_shaped_per_token_head_map_replays_in_cuda_graphs(mode: str) -> None:
+    """The Gemma-3-shaped model (head 256, window 1024) with its global layer in ``mode`` and
+    layer 0 (sliding) int8 per (token, head), compiled with the kvq passes (fullgraph, Inductor):
+    generated through a capturing ``DecodeGraphRunner`` and through a ``capture=False`` one (the
+    same padded batch of 4, buffers, plans and kernels, prefill on the compiled graph), two copies
+    of one model give the same tokens, logits and caches bit for bit; every compiled graph fuses
+    exactly the quantized layers."""
+    import copy
+
+    from torch_kvq.attention.graph_runner import DecodeGraphRunner
+    from torch_kvq.attention.kernels import FlashInferKernel
+    from torch_kvq.attention.kernels.flashinfer_jit import prebuild
+
+    kv = KVCacheConfig(
+        "auto", layer_modes=(("full_attention", mode), (0, "int8_per_token_head")), page_size=16
+    )
+    hf = gemma3_shaped()
+    g = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(3, 512, (n,), generator=g).tolist() for n in PROMPT_LENS]
+    backend = make_kvq_backend()
+    runs, lms = [], []
+    for capture in (False, True):
+        kernel = FlashInferKernel()
+        lm = KVQCausalLM.from_hf(copy.deepcopy(hf), kv, num_pages=160, kernel=kernel,
+                                 prefix=f"capture_{capture}")  # fmt: skip
+        assert [s.mode.value for s in lm.kv_specs] == ["int8_per_token_head"] + ["none"] * 4 + [
+            mode
+        ]
+        prebuild(kernel, lm.kv_specs)
+        compiled = torch.compile(lm, backend=backend, fullgraph=True)
+        with DecodeGraphRunner(lm, compiled, batch_sizes=(4,), max_context=1200,
+                               capture=capture) as runner:  # fmt: skip
+            runs.append(generate(lm, prompts, 6, compiled, decode=runner, prefill_logits=True))
+            assert runner.captured_sizes == ((4,) if capture else ())
+        lms.append(lm)
+    uncaptured, graphed = runs
+    assert graphed.tokens == uncaptured.tokens
+    assert torch.equal(graphed.logits, uncaptured.logits)
+    assert all(map(torch.equal, graphed.prefill_logits, uncaptured.prefill_logits))
+    for a, b in zip(*(lm.attention_layers for lm in lms)):
+        assert torch.equal(b.kv_cache.view(torch.uint8), a.kv_cache.view(torch.uint8)), b.spec.name
+        assert a.kv_scale is None or torch.equal(b.kv_scale, a.kv_scale), b.spec.name
+    quantized = {s.name for lm in lms for s in lm.kv_specs if s.is_quantized}
+    assert backend.managers
+    for manager in backend.managers:
+        rep = manager.last
+        want = set(rep.layers) & quantized  # this copy's layers 0 and 5
+        assert len(want) == 2, (rep.summary(), want)
+        assert set(rep.layers_fused("quant+write")) == set(rep.layers_fused("dequant+attn")) == want

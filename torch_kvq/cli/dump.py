@@ -7,7 +7,8 @@ Layout of DIR::
     passes/graph_NNN/           one folder per compiled graph (written by the pass manager)
         <pass>.before.py / .after.py / .diff / .after.svg, report.txt, report.json
     depyf/                      depyf's dumps of the Dynamo / AOT / Inductor stages
-    plan.txt                    the per-layer plan (``kvq inspect``)
+    plan.txt                    the per-layer plan (``kvq inspect``), then the caches the model
+                                holds (``debug.plan.format_caches``: dtype, shape, bytes per layer)
 
 The pass manager writes ``passes/`` whenever a dump folder is set, from ``kvq dump``, from
 ``make_kvq_backend(dump_dir=...)``, or from the ``TORCH_KVQ_DUMP_DIR`` environment variable.
@@ -89,7 +90,7 @@ def run(args: argparse.Namespace) -> int:
 
     from torch_kvq.cli.sources import kv_config_from_args, model_from_args
     from torch_kvq.debug.dump_index import write_index
-    from torch_kvq.debug.plan import format_plan, layer_plan
+    from torch_kvq.debug.plan import format_caches, format_plan, layer_plan
     from torch_kvq.models import generate
     from torch_kvq.passes import make_kvq_backend
     from torch_kvq.progress import Progress
@@ -99,7 +100,8 @@ def run(args: argparse.Namespace) -> int:
     kv = kv_config_from_args(args)
     model = model_from_args(args, kv)
     plan = format_plan(model.kv_specs, layer_plan(model.kv_specs), kv.skip_layers)
-    (out / "plan.txt").write_text(plan + "\n")
+    caches = format_caches(model.attention_layers)
+    (out / "plan.txt").write_text(f"{plan}\n\ncaches of this model:\n{caches}\n")
     backend = make_kvq_backend(
         inner=args.inner, dump_dir=out / "passes", config_patches={"fx_graph_cache": False}
     )
@@ -125,8 +127,9 @@ def run(args: argparse.Namespace) -> int:
         reports += _label(seen, "decode", phases)
         bar.update(2, status="writing index.html")
         title = (
-            f"{model_label(args)}, kv_cache_dtype {kv.kv_cache_dtype!r}, skip_layers "
-            f"{kv.skip_layers or 'none'}, inner compiler {args.inner}; prompts of "
+            f"{model_label(args)}, kv_cache_dtype {kv.kv_cache_dtype!r}, "
+            + (f"layer_modes {kv.layer_modes}, " if kv.layer_modes else "")
+            + f"skip_layers {kv.skip_layers or 'none'}, inner compiler {args.inner}; prompts of "
             f"{', '.join(str(len(p)) for p in prompts)} tokens"
         )
         index = write_index(out, phases, title)

@@ -85,3 +85,32 @@ def format_plan(
 
     table = format_spec_table(specs, plan_columns(rows), skip_layers=skip_layers)
     return table + "\n\n" + OUTPUT_QUANT_NOTE
+
+
+def format_caches(layers: Sequence[Any]) -> str:
+    """The caches a built model holds (``kvq dump``'s plan.txt): per ``Attention`` layer its mode,
+    ``kv_cache`` and ``kv_scale`` (dtype and shape: ``[pages, slots, page, KH, code_dim]``, slots 3
+    for ``k8v4_per_token_head``, code_dim D / 2 for the 4-bit modes; ``[pages, 2, KH, page]``) and
+    their bytes, which equal the spec's ``cache_bytes_per_token`` times pages times page size."""
+
+    def cell(t: Any) -> str:
+        return "-" if t is None else f"{str(t.dtype).replace('torch.', '')} {list(t.shape)}"
+
+    header = ["layer", "mode", "kv_cache", "kv_scale", "bytes"]
+    rows = [
+        [
+            a.spec.name,
+            a.spec.mode.value,
+            cell(a.kv_cache),
+            cell(a.kv_scale),
+            str(a.kv_cache.nbytes + (0 if a.kv_scale is None else a.kv_scale.nbytes)),
+        ]
+        for a in layers
+    ]
+    widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(header)]
+    line = lambda cells: "  ".join(c.ljust(w) for c, w in zip(cells, widths)).rstrip()  # noqa: E731
+    total = sum(int(r[-1]) for r in rows)
+    return "\n".join(
+        [line(header), line(["-" * w for w in widths]), *(line(r) for r in rows),
+         f"total {total} bytes"]
+    )  # fmt: skip
