@@ -1853,19 +1853,6 @@ def _() -> object:
         return FlashInferKernel().check_supported(k8v4_spec())
 
 
-@case("modes.k8v4-triton-write")
-def _() -> object:
-    from torch_kvq.attention.kernels.kv_write import write_kv_per_token_head
-
-    cache, scale = (
-        torch.zeros(2, 3, 4, KV_HEADS, 8, dtype=torch.uint8),
-        torch.zeros(2, 2, KV_HEADS, 4),
-    )
-    k = torch.randn(3, KV_HEADS, 16)
-    with cuda_tensors():
-        return write_kv_per_token_head(cache, scale, k, k, torch.arange(3), "k8v4")
-
-
 @case("modes.k8v4-triton-dequantize")
 def _() -> object:
     from torch_kvq.attention.kernels.kv_dequant import dequantize_pages
