@@ -2,7 +2,9 @@
 ``int4_per_token_head`` in one uint8 cache [pages, 3, page, KH, D / 2]. The mode, its cache and
 bytes, the write and read of the reference path (eager and fused, bit for bit), a per-layer map
 mixing it with int4, int8 and bf16 layers on a small model, and the refusals (odd head size, the
-torch-native quant form, FlashInfer, the Triton dequantization)."""
+torch-native quant form, FlashInfer). The GPU programs' tests: tests/attention/test_kv_write_int4.py
+(write), triton_programs/test_kv_dequant.py (scratch), triton_programs/test_triton_decode_k8v4.py
+(decode)."""
 
 from __future__ import annotations
 
@@ -25,7 +27,6 @@ from tests.support.passes import (
 from torch_kvq.attention import Attention, quant
 from torch_kvq.attention.kernels import FlashInferKernel, KernelUnsupportedError
 from torch_kvq.attention.kernels import capabilities as caps
-from torch_kvq.attention.kernels.kv_dequant import dequantize_pages_triton
 from torch_kvq.attention.kernels.kv_write import write_kv_per_token_head
 from torch_kvq.attention.memory import page_bytes
 from torch_kvq.models import build_model, generate
@@ -278,15 +279,6 @@ def test_flashinfer_kernel_refuses_k8v4_on_sm90() -> None:
             r"supported",
         ):
             FlashInferKernel().check_supported(spec)
-
-
-def test_triton_dequantization_refuses_k8v4() -> None:
-    """The Triton scratch dequantization has no k8v4 program: it raises, never reads otherwise.
-    (The CUDA cache write has one: tests/attention/test_kv_write_int4.py.)"""
-    cache = torch.zeros(2, 3, 4, 2, 16, dtype=torch.uint8)
-    scale = torch.zeros(2, 2, 2, 4)
-    with pytest.raises(KernelUnsupportedError, match=r"no k8v4_per_token_head program"):
-        dequantize_pages_triton(cache, scale, torch.tensor([0]), torch.bfloat16)
 
 
 def test_cpu_write_of_k8v4_is_the_aten_form() -> None:
