@@ -26,7 +26,7 @@ INTERPRETING = os.environ.get("TRITON_INTERPRET") == "1"
 from torch_kvq.attention.kernels.reference import ref_attention  # noqa: E402
 from torch_kvq.attention.quant import (  # noqa: E402
     dequantize_pages_per_token_head,
-    k8v4_k_slots,
+    quantize_k8v4_pages,
     quantize_per_token_head,
 )
 from torch_kvq.spec import FP8_DTYPE  # noqa: E402
@@ -86,13 +86,9 @@ class Case:
 def quantize_pages(x: torch.Tensor, fmt: str) -> tuple[torch.Tensor, torch.Tensor]:
     """Pages of k and v [P, 2, page, KH, D] quantized per (token, head) in the layer format
     ``fmt`` ("int8" | "fp8" | "int4" | "k8v4"): (codes [P, slots, page, KH, D or D / 2], scales
-    [P, 2, page, KH]); "k8v4": k's int8 codes as bytes in slots 0 / 1, v's int4 ones in slot 2,
-    as the aten write lays them (``kernels/kv_write.put_per_token_head``)."""
-    if fmt != "k8v4":
-        return quantize_per_token_head(x, fmt)
-    kc, ks = quantize_per_token_head(x[:, 0], "int8")
-    vc, vs = quantize_per_token_head(x[:, 1], "int4")
-    return torch.cat((k8v4_k_slots(kc), vc.unsqueeze(1)), 1), torch.stack((ks, vs), 1)
+    [P, 2, page, KH]); "k8v4": k's int8 codes as bytes in slots 0 / 1, v's int4 ones in slot 2
+    (``quant.quantize_k8v4_pages``: as the aten write lays them)."""
+    return quantize_k8v4_pages(x) if fmt == "k8v4" else quantize_per_token_head(x, fmt)
 
 
 class ScaledCase(Case):
