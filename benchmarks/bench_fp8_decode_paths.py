@@ -18,19 +18,24 @@ sequences, ``bench_decode_at_scale.py``). Paths, as ``FlashInferKernel`` runs th
   triton_int4_per_token_head ... on an ``int4_per_token_head`` cache (two rotated codes per byte,
                              fp32 scales holding the zero point), read in place (the kernel
                              rotates q and un-rotates its output)
+  triton_k8v4_per_token_head ... on a ``k8v4_per_token_head`` cache (k int8 in two slots, v int4
+                             rotated in a third), read in place (the output un-rotated)
 Each path: a CUDA graph of ``--calls`` calls, replayed once per round, rounds interleaved across
 paths; median, min, max over rounds, plus per-call times (one event pair per call) to expose two
 modes. "% copy" is bytes of K+V read (codes and scales: the per-(token, head) caches' fp32 scales
-count; int4: D / 2 code bytes + 4 scale bytes per (token, kv head) for k and for v) / time over
+count; int4: D / 2 code bytes + 4 scale bytes per (token, kv head) for k and for v; k8v4: D + D / 2
++ 8) / time over
 the measured device-to-device copy bandwidth (read + write). rel err: Frobenius, against fp32
 dense attention on the dequantized cache the path read (the per-(token, head) caches hold the
-bf16 cache's values quantized; int4's dequantized and un-rotated). A path that cannot run gets a
+bf16 cache's values quantized; int4's and k8v4's v dequantized and un-rotated). A path that
+cannot run gets a
 row with its error, never a substitute.
 
     python benchmarks/bench_fp8_decode_paths.py           # every shape (bash scripts/gpu_run.sh paths)
     python benchmarks/bench_fp8_decode_paths.py --quick   # batch 32 only
     python benchmarks/bench_fp8_decode_paths.py --quick --paths fi_tc_bf16,triton_tma,triton_int8_per_token_head,triton_fp8_per_token_head
     python benchmarks/bench_fp8_decode_paths.py --quick --paths triton_int8_per_token_head,triton_int4_per_token_head
+    python benchmarks/bench_fp8_decode_paths.py --quick --paths triton_int8_per_token_head,triton_int4_per_token_head,triton_k8v4_per_token_head
 """
 
 from __future__ import annotations
@@ -86,25 +91,29 @@ class Case:
         return self.cache16
 
     def per_token_head(self, mode: str) -> tuple[torch.Tensor, torch.Tensor]:
-        """The bf16 cache quantized per (token, head) (``mode`` "int8" | "fp8" | "int4"): codes
-        and scales [pages, 2, KH, page]; its fp32 reference and bytes (codes + scales) set as
-        attributes. int4: packed codes [pages, 2, page, KH, D / 2] uint8 (rotated, MSE-clipped:
-        ``quant.quantize_int4_rotated``), D / 2 code bytes per (token, kv head)."""
-        from torch_kvq.attention.quant import quantize_per_token_head
+        """The bf16 cache quantized per (token, head) (``mode`` "int8" | "fp8" | "int4" |
+        "k8v4"): codes and scales [pages, 2, KH, page]; its fp32 reference and bytes (codes +
+        scales) set as attributes. int4: packed codes [pages, 2, page, KH, D / 2] uint8 (rotated,
+        MSE-clipped: ``quant.quantize_int4_rotated``), D / 2 code bytes per (token, kv head);
+        k8v4: [pages, 3, page, KH, D / 2] uint8 (``quant.quantize_k8v4_pages``), D + D / 2."""
+        from torch_kvq.attention.quant import quantize_k8v4_pages, quantize_per_token_head
 
         cache16 = self.bf16_cache()
         pages = cache16.shape[0]
-        dtype = {"int8": torch.int8, "fp8": FP8, "int4": torch.uint8}[mode]
-        width = self.d // 2 if mode == "int4" else self.d
-        codes = torch.empty((*cache16.shape[:-1], width), dtype=dtype, device="cuda")
+        dtype = {"int8": torch.int8, "fp8": FP8}.get(mode, torch.uint8)
+        packed = mode in ("int4", "k8v4")
+        width = self.d // 2 if packed else self.d
+        slots = 3 if mode == "k8v4" else 2
+        codes = torch.empty((pages, slots, *cache16.shape[2:-1], width), dtype=dtype, device="cuda")
         scales = torch.empty(pages, 2, self.kh, PAGE, device="cuda")
-        step = 1024 if mode == "int4" else 4096  # int4 tries 11 clip ratios: more temporaries
+        step = 1024 if packed else 4096  # int4 tries 11 clip ratios: more temporaries
         for i in range(0, pages, step):
-            c, s = quantize_per_token_head(cache16[i : i + step], mode)  # s [n, 2, page, KH]
-            codes[i : i + step], scales[i : i + step] = c, s.transpose(-1, -2)
+            x = cache16[i : i + step]
+            c, s = quantize_k8v4_pages(x) if mode == "k8v4" else quantize_per_token_head(x, mode)
+            codes[i : i + step], scales[i : i + step] = c, s.transpose(-1, -2)  # s [n, 2, page, KH]
         ref = self.reference(codes, 1.0, 1.0, scales)
         setattr(self, f"ref_{mode}", ref)
-        code_bytes = self.kv_bytes * width // self.d
+        code_bytes = self.kv_bytes * width * slots // (2 * self.d)
         setattr(self, f"bytes_{mode}", code_bytes + self.batch * self.ctx * self.kh * 2 * 4)
         return codes, scales
 
@@ -113,14 +122,18 @@ class Case:
     ) -> torch.Tensor:
         """fp32 dense attention, 4 sequences at a time (bounded memory); ``scales``: the
         per-(token, head) ones [pages, 2, KH, page] (a uint8 cache: int4, dequantized and
-        un-rotated)."""
-        from torch_kvq.attention.quant import dequantize_int4_rotated
+        un-rotated; with 3 slots k8v4, its v so)."""
+        from torch_kvq.attention.quant import dequantize_int4_rotated, dequantize_k8v4_pages
 
         out = torch.empty(self.batch, self.qh, self.d, device="cuda")
         g = self.qh // self.kh
         for s in range(0, self.batch, 4):
             ids = self.table[s : s + 4].long()
-            if cache.dtype == torch.uint8 and scales is not None:
+            if cache.dtype == torch.uint8 and cache.shape[1] == 3 and scales is not None:
+                flat = ids.flatten()
+                pages = dequantize_k8v4_pages(cache[flat], scales[flat].transpose(-1, -2))
+                pages = pages.unflatten(0, ids.shape)
+            elif cache.dtype == torch.uint8 and scales is not None:
                 pages = dequantize_int4_rotated(cache[ids], scales[ids].transpose(-1, -2))
             else:
                 pages = cache[ids].float()  # [b, n, 2, page, KH, D]
@@ -222,6 +235,7 @@ PATHS: dict[str, Callable[[Case], Callable]] = {
     "triton_int8_per_token_head": lambda c: tma_per_token_head_path(c, "int8"),
     "triton_fp8_per_token_head": lambda c: tma_per_token_head_path(c, "fp8"),
     "triton_int4_per_token_head": lambda c: tma_per_token_head_path(c, "int4"),
+    "triton_k8v4_per_token_head": lambda c: tma_per_token_head_path(c, "k8v4"),
 }
 # (shape, batch) at 16k: 32 sequences, and the largest batch each model fits with FP8 KV
 CASES = [("llama", 32), ("gemma_global", 32), ("llama", 110), ("gemma_global", 131)]

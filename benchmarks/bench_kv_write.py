@@ -11,6 +11,8 @@ the package writes:
   fp8_per_token_head   the same with e4m3 codes
   int4_per_token_head  the same, rotated, MSE-clipped asymmetric int4 (two codes per byte: D / 2
                        bytes per (token, head), plus the 4-byte scale holding the zero point)
+  k8v4_per_token_head  k as int8_per_token_head (its bytes over two cache slots), v as
+                       int4_per_token_head (a third slot): two launches
 Shapes: Llama-3.1-8B (KH 8, D 128) and Gemma-3-12B's global layer (KH 8, D 256); T: decode batches
 of 32 and 131 tokens, one 16k prompt, and 8 prompts of 16k (a prefill step). Each case: a CUDA
 graph of ``--calls`` writes, replayed per round; median over rounds. "% copy" is (k / v bytes
@@ -42,11 +44,11 @@ PAGE = 16
 SHAPES = {"llama": (8, 128), "gemma_global": (8, 256)}  # KH, D
 TOKENS = (32, 131, 16384, 8 * 16384)
 MODES = ("bf16", "fp8_per_tensor", "int8_per_token_head", "fp8_per_token_head",
-         "int4_per_token_head")  # fmt: skip
+         "int4_per_token_head", "k8v4_per_token_head")  # fmt: skip
 SLOTS = ("tokens", "pages")  # new tokens at shuffled slots; in shuffled whole pages
 CODE = {"bf16": torch.bfloat16, "fp8_per_tensor": torch.float8_e4m3fn,
         "int8_per_token_head": torch.int8, "fp8_per_token_head": torch.float8_e4m3fn,
-        "int4_per_token_head": torch.uint8}  # fmt: skip
+        "int4_per_token_head": torch.uint8, "k8v4_per_token_head": torch.uint8}  # fmt: skip
 
 
 @dataclass
@@ -75,14 +77,16 @@ def make_write(
         order = torch.randperm(pages, generator=gen)[:, None] * PAGE + torch.arange(PAGE)
         slot_ids = order.reshape(-1)[:tokens].to(device)
     k, v = (torch.randn(tokens, kh, d, generator=gen).bfloat16().to(device) for _ in "kv")
-    packed = 2 if mode == "int4_per_token_head" else 1  # codes per cache element
-    cache = torch.zeros(pages, 2, PAGE, kh, d // packed, dtype=CODE[mode], device=device)
-    # k / v read in bf16, codes written (D / 2 bytes a row for int4), slots read
-    nbytes = 2 * tokens * kh * (d * 2 + d // packed * cache.element_size()) + tokens * 8
+    fmt = mode.split("_")[0]
+    # (cache slots, elements a head): int4 two codes per byte; k8v4 k's D bytes in two slots
+    dims, width = (3 if fmt == "k8v4" else 2), (d // 2 if fmt in ("int4", "k8v4") else d)
+    cache = torch.zeros(pages, dims, PAGE, kh, width, dtype=CODE[mode], device=device)
+    # k / v read in bf16, codes written (a row: int4 D / 2 bytes, k8v4 D + D / 2), slots read
+    nbytes = 2 * tokens * kh * d * 2 + dims * tokens * kh * width * cache.element_size()
+    nbytes += tokens * 8
     if mode.endswith("per_token_head"):
         kv_scale = torch.zeros(pages, 2, kh, PAGE, device=device)
         nbytes += 2 * tokens * kh * 4
-        fmt = mode.split("_")[0]
         call = lambda: write_kv_per_token_head(cache, kv_scale, k, v, slot_ids, fmt)  # noqa: E731
         return Write(call, nbytes, cache, kv_scale)
     scales = (1 / 16, 1 / 8) if mode == "fp8_per_tensor" else None
@@ -130,10 +134,11 @@ def smoke() -> None:
     for mode, slots in ((m, p) for m in MODES for p in SLOTS):
         w = make_write(mode, 2, 64, 40, "cpu", slots)
         w.call()
-        written = w.cache.float().abs().amax(dim=(3, 4)).gt(0).sum()  # [pages, 2, page] slots
-        if int(written) != 2 * 40:
+        written = w.cache.float().abs().amax(dim=(3, 4)).gt(0).sum()  # [pages, 2 / 3, page]
+        if int(written) != w.cache.shape[1] * 40:
             raise SystemExit(
-                f"smoke: {mode} ({slots}) wrote {int(written)} k / v token slots, not 80"
+                f"smoke: {mode} ({slots}) wrote {int(written)} token slots of its "
+                f"{w.cache.shape[1]} cache slots, not {w.cache.shape[1] * 40}"
             )
     print("smoke ok:", ", ".join(MODES))
 

@@ -28,8 +28,10 @@ LOOP_OPS = ("LDS.U8", "LDS.64", "LDS.128", "LDSM.16.M88.4", "LDSM.16.MT88.4", "S
             "F2FP.F16.E4M3.UNPACK_B", "HMMA.16816.F32", "FMUL", "IMAD.MOV.U32", "UTMALDG.2D")  # fmt: skip
 
 
-# FP8 per tensor; codes per (token, head): int8, e4m3, int4 (two per byte, rotated: int4.py)
-CACHES = ("fp8", "int8_per_token_head", "fp8_per_token_head", "int4_per_token_head")
+# FP8 per tensor; codes per (token, head): int8, e4m3, int4 (two per byte, rotated: int4.py),
+# k int8 / v int4 (k8v4.py)
+CACHES = ("fp8", "int8_per_token_head", "fp8_per_token_head", "int4_per_token_head",
+          "k8v4_per_token_head")  # fmt: skip
 # the arguments the JIT specializes as divisible by 16 at a launch on torch tensors (16-byte
 # aligned allocations, strides and the table's row a multiple of 16, window 0)
 ALIGNED = ("q_ptr", "block_table_ptr", "seq_lens_ptr", "part_o_ptr", "part_lse_ptr", "out_ptr",
@@ -62,14 +64,15 @@ def compile_kernel(
     fn = decode_balanced._decode_balanced if balanced else tma._decode_pages
     from torch_kvq.attention.quant import hadamard_block
 
-    scales, int4 = cache != "fp8", cache.startswith("int4")
-    code = {"int8": "i8", "int4": "u8"}.get(cache[:4], "fp8e4nv")
-    width = head // 2 if int4 else head
+    scales, int4, k8v4 = cache != "fp8", cache.startswith("int4"), cache.startswith("k8v4")
+    packed = int4 or k8v4  # uint8, D / 2 bytes a head (k8v4: 3 slots)
+    code = {"int8": "i8", "int4": "u8", "k8v4": "u8"}.get(cache[:4], "fp8e4nv")
+    width = head // 2 if packed else head
     sig = {
         "q_ptr": "*fp16", "kv_desc": f"tensordesc<{code}[{page}, {width}]>", "block_table_ptr": "*i32",
         "seq_lens_ptr": "*i32", "part_o_ptr": "*fp32", "part_lse_ptr": "*fp32", "out_ptr": "*fp16",
         "kv_scale_ptr": "*fp32" if scales else "constexpr",
-        "rot_ptr": "*fp16" if int4 else "constexpr",
+        "rot_ptr": "*fp16" if packed else "constexpr",
         "qk_scale_log2": "fp32", "soft_cap": "fp32", "out_scale": "fp32", "window": "i32",
         "stride_qb": "i32", "stride_qh": "i32", "stride_ob": "i32", "stride_oh": "i32",
         "stride_bt": "i32",
@@ -81,11 +84,11 @@ def compile_kernel(
     const = dict(QH=group * 8, G=group, BLOCK_G=max(8 if int4 else 16, triton.next_power_of_2(group)), D=head,
                  PAGE=page, NUM_SPLITS=8, STAGES=stages, PPI=ppi, USE_WINDOW=False,
                  USE_SOFT_CAP=False, DOT=tl.float16, DIRECT=False, LAZY=lazy, SCALES=scales,
-                 PV_SCALE=pv if scales else 1.0, INT4=int4,
-                 RSQRT_B=hadamard_block(head) ** -0.5 if int4 else 1.0)  # fmt: skip
+                 PV_SCALE=pv if scales else 1.0, INT4=int4, K8V4=k8v4,
+                 RSQRT_B=hadamard_block(head) ** -0.5 if packed else 1.0)  # fmt: skip
     if not scales:
         const["kv_scale_ptr"] = None  # a None argument is a constexpr: no kernel parameter
-    if not int4:
+    if not packed:
         const["rot_ptr"] = None
     if balanced:
         sig = {**{k: v for k, v in sig.items() if k != "stride_qb"}, "B": "i32", "stride_qb": "i32"}
@@ -175,7 +178,8 @@ def main() -> None:
             balanced=args.balanced, max_registers=args.max_registers, cache=args.cache,
             page=args.page, align=args.align,
         )  # fmt: skip
-        if args.balanced and args.max_registers is None and head in BALANCED:
+        k8v4 = args.cache.startswith("k8v4")  # as paged_decode_tma: no cap for k8v4
+        if args.balanced and args.max_registers is None and head in BALANCED and not k8v4:
             cfg["max_registers"] = BALANCED[head][1]
         stats, _, sass = sass_stats(compile_kernel(**cfg))
         print(json.dumps({**cfg, **stats}) if args.json else f"{cfg} {stats}")

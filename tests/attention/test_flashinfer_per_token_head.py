@@ -1,5 +1,5 @@
-"""FlashInferKernel on per-(token, head) layers (int8 / e4m3 codes, or int4 ones two per byte,
-with fp32 scales, ``kv_scale``).
+"""FlashInferKernel on per-(token, head) layers (int8 / e4m3 codes, or int4 ones two per byte, or
+k int8 and v int4 (k8v4), with fp32 scales, ``kv_scale``).
 
 CPU: the capability rows (sm90 only, every configuration; page sizes), which variant serves each
 phase, the argument checks, the fp32 -> model-dtype copy of the unfused form's pages. GPU (``-m
@@ -23,8 +23,9 @@ from torch_kvq.spec import FP8_DTYPE, KVQuantMode, LayerKVSpec
 HAS_CUDA = torch.cuda.is_available()
 needs_gpu = pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU (and FlashInfer)")
 INT8, FP8 = KVQuantMode.INT8_PER_TOKEN_HEAD, KVQuantMode.FP8_PER_TOKEN_HEAD
-INT4 = KVQuantMode.INT4_PER_TOKEN_HEAD
-CODE = {INT8: torch.int8, FP8: FP8_DTYPE, INT4: torch.uint8, KVQuantMode.NONE: torch.bfloat16}
+INT4, K8V4 = KVQuantMode.INT4_PER_TOKEN_HEAD, KVQuantMode.K8V4_PER_TOKEN_HEAD
+CODE = {INT8: torch.int8, FP8: FP8_DTYPE, INT4: torch.uint8, K8V4: torch.uint8,
+        KVQuantMode.NONE: torch.bfloat16}  # fmt: skip
 PAGE, D, WINDOW, SOFT_CAP, PAGES = 16, 128, 64, 5.0, 64
 FI_NAMES = ("flashinfer", "flashinfer-xqa", "flashinfer-decode", "flashinfer-xqa-decode",
             "flashinfer-triton", "flashinfer-triton-decode")  # fmt: skip
@@ -47,7 +48,7 @@ def _kernel(name: str) -> FlashInferKernel:
 
 
 @pytest.mark.parametrize("arch", ["sm80", "sm89", "sm90", "sm100", "sm120"])
-@pytest.mark.parametrize("mode", [INT8, FP8, INT4])
+@pytest.mark.parametrize("mode", [INT8, FP8, INT4, K8V4])
 def test_rows_claim_sm90_only(arch: str, mode: KVQuantMode) -> None:
     layers = [spec("t.g", mode), spec("t.cap", mode, sliding_window=WINDOW, logits_soft_cap=5.0)]
     for name in FI_NAMES:
@@ -107,7 +108,7 @@ def test_variants_and_group_keys(prefill: str, want: str, fp8_decode: str) -> No
     """Codes decode on the Triton kernel whatever ``fp8_decode`` says (fp16 math by default),
     prefill on the compact model-dtype scratch; the unfused form (model-dtype cache) on the
     model-dtype kernels, never the Triton one."""
-    for mode in (INT8, FP8, INT4):
+    for mode in (INT8, FP8, INT4, K8V4):
         s = spec("t", mode)
         kernel = FlashInferKernel(fp8_decode, prefill=prefill)
         assert kernel.variant(s, "decode") == "triton-decode"
@@ -165,10 +166,13 @@ LAYERS = [
     spec("p.g_bf16", KVQuantMode.NONE, 4),
     spec("p.g_int4", INT4, 5),
     spec("p.s_int4", INT4, 6, sliding_window=WINDOW),
+    spec("p.g_k8v4", K8V4, 7),
+    spec("p.s_k8v4", K8V4, 8, sliding_window=WINDOW),
 ]
 CAPPED = [spec("c.s_int8_cap", INT8, 0, sliding_window=WINDOW, logits_soft_cap=SOFT_CAP),
           spec("c.g_fp8_cap", FP8, 1, logits_soft_cap=SOFT_CAP),
-          spec("c.g_int4_cap", INT4, 2, logits_soft_cap=SOFT_CAP)]  # fmt: skip
+          spec("c.g_int4_cap", INT4, 2, logits_soft_cap=SOFT_CAP),
+          spec("c.s_k8v4_cap", K8V4, 3, sliding_window=WINDOW, logits_soft_cap=SOFT_CAP)]  # fmt: skip
 
 
 def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
@@ -185,8 +189,8 @@ class Scenario:
         g = torch.Generator(device="cuda").manual_seed(seed)
         self.specs, self.caches, self.scales = specs, {}, {}
         for s in specs:
-            shape = (PAGES, 2, PAGE, s.num_kv_heads, s.code_dim)
-            if s.storage_dtype == torch.uint8:  # int4: any byte is two valid codes
+            shape = (PAGES, s.mode.cache_slots, PAGE, s.num_kv_heads, s.code_dim)
+            if s.storage_dtype == torch.uint8:  # int4: any byte is two valid codes (k8v4 too)
                 poison = torch.randint(0, 256, shape, device="cuda", generator=g)
             else:
                 poison = torch.randn(shape, device="cuda", generator=g) * 4

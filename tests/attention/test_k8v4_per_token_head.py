@@ -1,8 +1,11 @@
 """``k8v4_per_token_head`` (issue 33) on the CPU: k as ``int8_per_token_head``, v as
 ``int4_per_token_head`` in one uint8 cache [pages, 3, page, KH, D / 2]. The mode, its cache and
 bytes, the write and read of the reference path (eager and fused, bit for bit), a per-layer map
-mixing it with int4, int8 and bf16 layers on a small model, and the refusals (odd head size, the
-torch-native quant form, FlashInfer, the Triton write and dequantization)."""
+mixing it with int4, int8 and bf16 layers on a small model, FlashInfer's capability rows (sm90
+only), and the refusals (odd head size, the torch-native quant form, FlashInfer off sm90). The
+GPU programs' tests: tests/attention/test_kv_write_int4.py (write),
+triton_programs/test_kv_dequant.py (scratch), triton_programs/test_triton_decode_k8v4.py
+(decode)."""
 
 from __future__ import annotations
 
@@ -22,14 +25,10 @@ from tests.support.passes import (
     qkv,
     run_passes,
 )
-from torch_kvq.attention import Attention, quant
+from torch_kvq.attention import Attention, ReferenceKernel, forward_context, quant
 from torch_kvq.attention.kernels import FlashInferKernel, KernelUnsupportedError
 from torch_kvq.attention.kernels import capabilities as caps
-from torch_kvq.attention.kernels.kv_dequant import dequantize_pages_triton
-from torch_kvq.attention.kernels.kv_write import (
-    write_kv_per_token_head,
-    write_kv_per_token_head_triton,
-)
+from torch_kvq.attention.kernels.kv_write import write_kv_per_token_head
 from torch_kvq.attention.memory import page_bytes
 from torch_kvq.models import build_model, generate
 from torch_kvq.passes.stamp import make_stamp
@@ -110,6 +109,17 @@ def test_k_slots_round_trip() -> None:
     assert slots.shape == (5, 2, 3, 32) and slots.dtype == torch.uint8
     # as pages [n, 2, page, KH, D / 2]: one page of 5 tokens
     assert torch.equal(quant.k8v4_k_codes(slots.movedim(0, 1).unsqueeze(0))[0], codes)
+
+
+def test_quantize_k8v4_pages_is_the_writes_layout() -> None:
+    """``quant.quantize_k8v4_pages`` (the GPU tests' and benchmarks' caches) holds what the aten
+    write puts in a k8v4 cache, token for token."""
+    x = torch.randn(2, 2, 4, 2, 32).bfloat16()
+    codes, scales = quant.quantize_k8v4_pages(x)
+    cache, scale = torch.zeros(2, 3, 4, 2, 16, dtype=torch.uint8), torch.zeros(2, 2, 2, 4)
+    k, v = x[:, 0].reshape(8, 2, 32), x[:, 1].reshape(8, 2, 32)
+    write_kv_per_token_head(cache, scale, k, v, torch.arange(8), "k8v4")
+    assert torch.equal(codes, cache) and torch.equal(scales, scale.transpose(-1, -2))
 
 
 @pytest.mark.parametrize("rounding", ["half_away", "half_even"])
@@ -253,13 +263,16 @@ def test_torch_quant_form_is_refused() -> None:
 
 
 @pytest.mark.parametrize("name", [n for n in caps.known_kernels() if n.startswith("flashinfer")])
-def test_no_flashinfer_row_lists_k8v4(name: str) -> None:
-    """No FlashInfer configuration serves the mode on any arch, so nothing is fused there; the
-    reference kernel serves it everywhere."""
+def test_flashinfer_rows_list_k8v4_on_sm90_only(name: str) -> None:
+    """Every FlashInfer configuration serves the mode on sm90 (decode on the Triton program,
+    prefill on the scratch), so the passes fuse its write and read there; elsewhere no row lists
+    it and nothing is fused. The reference kernel serves it everywhere."""
     (spec,) = resolve_layer_specs(
         KVCacheConfig(MODE, page_size=16), [AttentionLayerInfo("fi.attn", 8, 2, 128)]
     )
-    for arch in ("sm80", "sm90"):
+    assert caps.unsupported_reason(name, "sm90", spec) is None
+    assert make_stamp(spec, name, "sm90").kv_in_place
+    for arch in ("sm80", "sm89", "sm100"):
         why = caps.unsupported_reason(name, arch, spec)
         assert why is not None and why.startswith("quant mode 'k8v4_per_token_head' is not")
         assert not make_stamp(spec, name, arch).kv_in_place
@@ -267,39 +280,45 @@ def test_no_flashinfer_row_lists_k8v4(name: str) -> None:
     assert make_stamp(spec, "reference", "cpu").kv_in_place
 
 
-def test_flashinfer_kernel_refuses_k8v4_on_sm90() -> None:
+def test_compiles_with_flashinfer_on_sm90_fusing_both(monkeypatch) -> None:
+    """k8v4 layers compile with ``kernel="flashinfer"`` on sm90 (pretended; the graph runs on
+    the CPU with the reference kernel): the write and the read are fused, as for int4."""
+    from torch_kvq import make_kvq_backend
+
+    monkeypatch.setattr(caps, "device_arch", lambda device: "sm90")
+    plan = [(0, 5), (3, 1)]
+    specs = make_specs(2, MODE, skip=(1,), head_size=64)
+    n = pages_for(plan)
+    model = AttnQuantModel(specs, n)
+    md, inputs = make_batch(plan, n), qkv(6, (8, 2), 64, torch.bfloat16)
+    backend = make_kvq_backend(inner="eager", kernel="flashinfer")
+    torch._dynamo.reset()
+    with torch.no_grad(), forward_context(md, specs, ReferenceKernel()):
+        torch.compile(model, backend=backend)(*inputs)
+    rep = backend.managers[-1].last
+    assert {info["kernel"] for info in rep.layers.values()} == {"flashinfer"}
+    assert rep.fused(specs[0].name) == ("quant+write", "dequant+attn")
+
+
+@pytest.mark.parametrize("cc", [(9, 0), (8, 9)])
+def test_flashinfer_kernel_checks_k8v4_by_arch(cc: tuple[int, int]) -> None:
+    """sm90: served (where Triton is installed: the decode and the scratch are its programs);
+    sm89: refused, naming the layer and the mode."""
+    import importlib.util
+
     (spec,) = resolve_layer_specs(
         KVCacheConfig(MODE, page_size=16), [AttentionLayerInfo("fi.attn", 8, 2, 128)]
     )
     with (
         mock.patch.object(torch.cuda, "is_available", return_value=True),
-        mock.patch.object(torch.cuda, "get_device_capability", return_value=(9, 0)),
+        mock.patch.object(torch.cuda, "get_device_capability", return_value=cc),
     ):
-        with pytest.raises(
-            KernelUnsupportedError,
-            match=r"layer 'fi.attn': .* cannot serve it: quant mode 'k8v4_per_token_head' is not "
-            r"supported",
-        ):
+        if cc == (9, 0) and importlib.util.find_spec("triton") is not None:
             FlashInferKernel().check_supported(spec)
-
-
-def test_triton_write_and_dequantization_refuse_k8v4() -> None:
-    """The CUDA cache write (``write_kv_per_token_head`` sends a CUDA cache to the Triton one) and
-    the Triton scratch dequantization have no k8v4 program: they raise, never write otherwise."""
-    cache = torch.zeros(2, 3, 4, 2, 16, dtype=torch.uint8)
-    scale = torch.zeros(2, 2, 2, 4)
-    k = torch.randn(3, 2, 32)
-    slots = torch.tensor([0, 1, 2])
-    with pytest.raises(KernelUnsupportedError, match=r"no k8v4_per_token_head program"):
-        write_kv_per_token_head_triton(cache, scale, k, k, slots, "k8v4")
-    with (
-        mock.patch.object(torch.Tensor, "is_cuda", new=property(lambda t: True)),
-        pytest.raises(KernelUnsupportedError, match=r"no k8v4_per_token_head program"),
-    ):
-        write_kv_per_token_head(cache, scale, k, k, slots, "k8v4")
-    with pytest.raises(KernelUnsupportedError, match=r"no k8v4_per_token_head program"):
-        dequantize_pages_triton(cache, scale, torch.tensor([0]), torch.bfloat16)
-    assert not cache.any() and not scale.any()
+            return
+        want = "needs Triton" if cc == (9, 0) else "quant mode 'k8v4_per_token_head' is not"
+        with pytest.raises(KernelUnsupportedError, match=rf"layer 'fi.attn': .* {want}"):
+            FlashInferKernel().check_supported(spec)
 
 
 def test_cpu_write_of_k8v4_is_the_aten_form() -> None:

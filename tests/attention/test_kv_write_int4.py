@@ -7,7 +7,9 @@ CPU: the rounding the program uses (``clamp(floor(y) + (y - floor(y) >= 0.5), 0,
 against the aten write, bit for bit (codes and scales viewed as int32), over head sizes (powers of
 two, 96 with rotation blocks of 32, small even sizes), kv heads, page sizes, batch sizes, input
 dtypes, shuffled slots, strided k / v and rows that hit the edges (zeros, equal values, an
-outlier, huge and tiny magnitudes). GPU: the compiled program against aten on the device.
+outlier, huge and tiny magnitudes). ``k8v4_per_token_head`` (k int8 as bytes in slots 0 / 1, v
+int4 in slot 2): the int8 program for k and this one for v, bit for bit against its aten write.
+GPU: the compiled programs against aten on the device.
 """
 
 from __future__ import annotations
@@ -122,10 +124,13 @@ def _edge_rows(k: torch.Tensor, v: torch.Tensor, g: torch.Generator) -> None:
     k[rows[6]] = (torch.arange(d, dtype=torch.float32) % 7 - 3).to(dt)  # small integers
 
 
-def _case(t, kh, d, page, dtype, seed, device="cpu", layout="fused", slot_dtype=torch.int64):
+def _case(t, kh, d, page, dtype, seed, device="cpu", layout="fused", slot_dtype=torch.int64,
+          mode="int4"):  # fmt: skip
     g = torch.Generator().manual_seed(seed)
     pages = max(2, -(-2 * t // page))  # room to shuffle the slots
-    cache = torch.randint(0, 256, (pages, 2, page, kh, d // 2), generator=g, dtype=torch.uint8)
+    slots_dim = quant.cache_layout(mode)[1]  # k8v4: 3 (k's int8 bytes in two slots, v's codes)
+    cache = torch.randint(0, 256, (pages, slots_dim, page, kh, d // 2), generator=g,
+                          dtype=torch.uint8)  # fmt: skip
     scale = torch.rand(pages, 2, kh, page, generator=g) + 0.5
     k, v = _kv(t, kh, d, dtype, g, layout=layout)
     _edge_rows(k, v, g)
@@ -133,10 +138,10 @@ def _case(t, kh, d, page, dtype, seed, device="cpu", layout="fused", slot_dtype=
     return cache.to(device), scale.to(device), k.to(device), v.to(device), slots.to(device)
 
 
-def _check(cache, scale, k, v, slots) -> None:
+def _check(cache, scale, k, v, slots, mode="int4", rounding="half_away") -> None:
     want_c, want_s = cache.clone(), scale.clone()
-    write_kv_per_token_head_torch(want_c, want_s, k, v, slots.long(), "int4")
-    kv_write.write_kv_per_token_head_triton(cache, scale, k, v, slots, "int4")
+    write_kv_per_token_head_torch(want_c, want_s, k, v, slots.long(), mode, rounding)
+    kv_write.write_kv_per_token_head_triton(cache, scale, k, v, slots, mode, rounding)
     assert torch.equal(scale.view(torch.int32), want_s.view(torch.int32))
     assert torch.equal(cache, want_c)
 
@@ -171,6 +176,24 @@ def variant(request, monkeypatch) -> str:
 def test_interpreter_program_equals_aten(variant, t, kh, d, page, dtype, layout) -> None:
     _check(*_case(t, kh, d, page, dtype, seed=t * kh + d, layout=layout,
                   slot_dtype=torch.int32 if kh % 2 else torch.int64))  # fmt: skip
+
+
+# k8v4_per_token_head (k int8 as bytes in slots 0 / 1, v int4 in slot 2): its two launches
+K8V4_CASES = [
+    (33, 8, 128, 16, torch.bfloat16, "fused", "half_away"),
+    (5, 3, 96, 1, torch.float16, "transposed", "half_even"),
+    (1, 2, 256, 32, torch.float32, "fused", "half_even"),
+    (5, 8, 10, 16, torch.bfloat16, "transposed", "half_away"),
+]
+
+
+@needs_interpreter
+@pytest.mark.parametrize("t,kh,d,page,dtype,layout,rounding", K8V4_CASES)
+def test_interpreter_k8v4_programs_equal_aten(variant, t, kh, d, page, dtype, layout, rounding):
+    """k's int8 codes and scale by the int8 program (``SPLIT_K``), v's int4 codes and scale by
+    the int4 one (``v_only``), every byte and scale as the aten write's, the rest untouched."""
+    _check(*_case(t, kh, d, page, dtype, seed=t + d, layout=layout, mode="k8v4"), "k8v4",
+           rounding)  # fmt: skip
 
 
 @needs_interpreter
@@ -235,6 +258,24 @@ def test_gpu_write_equals_aten(variant, dtype, kh, d, page, layout) -> None:
 
 @pytest.mark.gpu
 @needs_gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("kh,d,page", [(8, 128, 16), (8, 256, 16), (1, 64, 1), (3, 96, 32),
+                                       (2, 10, 16)])  # fmt: skip
+@pytest.mark.parametrize("rounding", ["half_away", "half_even"])
+def test_gpu_k8v4_write_equals_aten(variant, dtype, kh, d, page, rounding) -> None:
+    """A k8v4 cache on the GPU: k by the int8 program, v by the int4 one, against aten on the
+    device (300 tokens with the edge rows)."""
+    cache, scale, k, v, slots = _case(300, kh, d, page, dtype, seed=d + kh, device="cuda",
+                                      mode="k8v4")  # fmt: skip
+    want_c, want_s = cache.clone(), scale.clone()
+    write_kv_per_token_head_torch(want_c, want_s, k, v, slots, "k8v4", rounding)
+    write_kv_per_token_head(cache, scale, k, v, slots.to(torch.int32), "k8v4", rounding)
+    assert torch.equal(scale.view(torch.int32), want_s.view(torch.int32))
+    assert torch.equal(cache, want_c)
+
+
+@pytest.mark.gpu
+@needs_gpu
 @pytest.mark.parametrize("d", [128, 256])
 def test_gpu_many_rows_equal_aten(variant, d: int) -> None:
     """A prefill-sized batch (16k tokens x 8 heads of k and of v): rare ratio ties and roundings
@@ -261,16 +302,19 @@ def test_gpu_program_has_no_fused_multiply_add() -> None:
 
 @pytest.mark.gpu
 @needs_gpu
-def test_gpu_int4_write_captures_in_a_cuda_graph() -> None:
-    cache, scale, k, v, slots = _case(32, 8, 128, 16, torch.bfloat16, seed=9, device="cuda")
-    write_kv_per_token_head(cache.clone(), scale.clone(), k, v, slots, "int4")  # probes, compile
+@pytest.mark.parametrize("mode", ["int4", "k8v4"])
+def test_gpu_int4_write_captures_in_a_cuda_graph(mode: str) -> None:
+    cache, scale, k, v, slots = _case(32, 8, 128, 16, torch.bfloat16, seed=9, device="cuda",
+                                      mode=mode)  # fmt: skip
+    write_kv_per_token_head(cache.clone(), scale.clone(), k, v, slots, mode)  # probes, compile
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        write_kv_per_token_head(cache, scale, k, v, slots, "int4")
+        write_kv_per_token_head(cache, scale, k, v, slots, mode)
     k.mul_(3)
+    v.mul_(0.5)
     slots.copy_(slots.flip(0))
     graph.replay()
     want_c, want_s = cache.clone(), scale.clone()
-    write_kv_per_token_head_torch(want_c, want_s, k, v, slots, "int4")
+    write_kv_per_token_head_torch(want_c, want_s, k, v, slots, mode)
     assert torch.equal(scale.view(torch.int32), want_s.view(torch.int32))
     assert torch.equal(cache, want_c)

@@ -28,6 +28,7 @@ def test_times_the_package_paths_at_both_models_shapes() -> None:
     assert list(paths.PATHS) == [
         "fi_tc_bf16", "fi_tc_fp8", "fi_tc_fp8[bf16 math]", "xqa_fp8", "triton_tma",
         "triton_int8_per_token_head", "triton_fp8_per_token_head", "triton_int4_per_token_head",
+        "triton_k8v4_per_token_head",
     ]  # fmt: skip
     assert {name for name, _ in paths.CASES} == set(paths.SHAPES)
     assert {batch for _, batch in paths.CASES} == {32, 110, 131}

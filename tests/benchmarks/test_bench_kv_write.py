@@ -20,7 +20,7 @@ def test_smoke_runs_every_mode_on_the_cpu() -> None:
                          check=True, timeout=300).stdout  # fmt: skip
     assert (
         "smoke ok: bf16, fp8_per_tensor, int8_per_token_head, fp8_per_token_head, "
-        "int4_per_token_head" in out
+        "int4_per_token_head, k8v4_per_token_head" in out
     )
 
 
@@ -33,6 +33,7 @@ def test_bytes_count_reads_codes_and_scales() -> None:
     scales = 2 * t * kh * 4
     assert got["int8_per_token_head"] == got["fp8_per_token_head"] == got["fp8_per_tensor"] + scales
     assert got["int4_per_token_head"] == kv_in + 2 * t * kh * (d // 2) + scales + slots
+    assert got["k8v4_per_token_head"] == kv_in + t * kh * (d + d // 2) + scales + slots
 
 
 def test_int4_write_lands_packed() -> None:
@@ -41,6 +42,14 @@ def test_int4_write_lands_packed() -> None:
     w.call()
     assert int(w.kv_scale.gt(0).sum()) == 2 * 40 * 2
     assert int(w.cache.ne(0).any(-1).sum()) == 2 * 40 * 2  # every (token, head) row written
+
+
+def test_k8v4_write_lands_in_three_slots() -> None:
+    w = bench.make_write("k8v4_per_token_head", 2, 64, 40, "cpu")
+    assert w.cache.dtype == torch.uint8 and w.cache.shape[1:] == (3, 16, 2, 32)
+    w.call()
+    assert int(w.kv_scale.gt(0).sum()) == 2 * 40 * 2
+    assert int(w.cache.ne(0).any(-1).sum()) == 3 * 40 * 2  # k's two halves and v, every row
 
 
 def test_the_write_lands_in_the_cache() -> None:

@@ -375,6 +375,15 @@ def k8v4_k_codes(slots: torch.Tensor) -> torch.Tensor:
     return slots.movedim(1, -2).flatten(-2).view(torch.int8)
 
 
+def quantize_k8v4_pages(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Pages of k and v [n, 2, page, KH, D] (D even) -> (codes uint8 [n, 3, page, KH, D / 2],
+    scales [n, 2, page, KH]) laid out as the k8v4 write lays them (``dequantize_k8v4_pages``'
+    inverse up to the quantization)."""
+    kc, ks = quantize_per_token_head(x[:, 0], "int8")
+    vc, vs = quantize_int4_rotated(x[:, 1])
+    return torch.cat((k8v4_k_slots(kc), vc.unsqueeze(1)), 1), torch.stack((ks, vs), 1)
+
+
 def dequantize_k8v4_pages(codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     """k8v4 cache pages, codes uint8 [n, 3, page, KH, D / 2] with scales [n, 2, page, KH], to fp32
     [n, 2, page, KH, D]: k ``dequantize_per_token_head``, v ``dequantize_int4_rotated``."""

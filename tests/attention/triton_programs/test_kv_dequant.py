@@ -1,13 +1,18 @@
 """The compact-scratch dequantization (``kernels/kv_dequant.py``): the Triton pass equals the aten
-form (``quant.dequantize_pages_per_token_head``) bit for bit, for int8 / e4m3 codes and for int4
-ones (unpacked, zero point, un-rotated), under the interpreter on CPU and on the GPU."""
+form (``quant.dequantize_pages_per_token_head``) bit for bit, for int8 / e4m3 codes, for int4
+ones (unpacked, zero point, un-rotated) and for k8v4 caches (k int8 in slots 0 / 1, v int4 in slot
+2), under the interpreter on CPU and on the GPU."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from tests.support.triton_case import HAS_CUDA, INTERPRETING  # sets the interpreter up first
+from tests.support.triton_case import (  # sets the interpreter up first
+    HAS_CUDA,
+    INTERPRETING,
+    quantize_pages,
+)
 from torch_kvq.attention import quant
 from torch_kvq.attention.kernels.kv_dequant import dequantize_pages, dequantize_pages_triton
 from torch_kvq.spec import FP8_DTYPE
@@ -17,7 +22,8 @@ on_interpreter = pytest.mark.skipif(
     not INTERPRETING, reason="the interpreter runs where no CUDA is"
 )
 CASES = [("int4", 2, 16, 128), ("int4", 3, 16, 64), ("int4", 1, 32, 256), ("int8", 8, 16, 128),
-         ("fp8", 3, 32, 64), ("int4", 8, 64, 128)]  # fmt: skip
+         ("fp8", 3, 32, 64), ("int4", 8, 64, 128), ("k8v4", 2, 16, 128), ("k8v4", 3, 32, 64),
+         ("k8v4", 1, 16, 256)]  # fmt: skip
 
 
 def cache_of(fmt: str, pages: int, page: int, kh: int, d: int, seed: int = 0):
@@ -29,13 +35,14 @@ def cache_of(fmt: str, pages: int, page: int, kh: int, d: int, seed: int = 0):
         * 4
     )
     x[..., 3] += 20.0 * (torch.rand(pages, 2, page, kh, generator=g) > 0.9)
-    codes, scales = quant.quantize_per_token_head(x.bfloat16(), fmt)
+    codes, scales = quantize_pages(x.bfloat16(), fmt)
     return codes.to(DEVICE), scales.transpose(-1, -2).contiguous().to(DEVICE)
 
 
 def _check_equal(fmt: str, kh: int, page: int, d: int, dtype: torch.dtype) -> None:
     cache, scales = cache_of(fmt, 6, page, kh, d)
-    assert cache.dtype == {"int4": torch.uint8, "int8": torch.int8, "fp8": FP8_DTYPE}[fmt]
+    code = {"int4": torch.uint8, "k8v4": torch.uint8, "int8": torch.int8, "fp8": FP8_DTYPE}
+    assert cache.dtype == code[fmt] and cache.shape[1] == (3 if fmt == "k8v4" else 2)
     ids = torch.tensor([4, 0, 5, 4], dtype=torch.int32, device=DEVICE)
     want = quant.dequantize_pages_per_token_head(cache, scales, ids, dtype)
     got = dequantize_pages_triton(cache, scales, ids, dtype)
@@ -65,8 +72,11 @@ def _check_empty_batch_and_refusals() -> None:
     with pytest.raises(ValueError, match="power-of-two head size, got head size 96"):
         odd = torch.zeros(2, 2, 16, 2, 48, dtype=torch.uint8, device=DEVICE)
         dequantize_pages_triton(odd, scales, ids, torch.bfloat16)
-    with pytest.raises(ValueError, match=r"need \[P, 2, page, KH, D'\] codes and float32"):
+    with pytest.raises(ValueError, match=r"need \[P, 2, page, KH, D'\] codes \(k8v4: uint8"):
         dequantize_pages_triton(cache, scales[:, :, :1], ids, torch.bfloat16)
+    with pytest.raises(ValueError, match=r"kv_cache \(2, 3, 16, 2, 32\)"):  # 3 slots: k8v4's, uint8
+        three = torch.zeros(2, 3, 16, 2, 32, dtype=torch.int8, device=DEVICE)
+        dequantize_pages_triton(three, scales, ids, torch.bfloat16)
 
 
 @on_interpreter

@@ -24,8 +24,9 @@ any arch). A row holds:
   kernel does; FlashInfer's XQA does not (its ``o_scale`` is a float).
 
 ``(INT8_PER_TOKEN_HEAD, bf16, False)`` / ``(FP8_PER_TOKEN_HEAD, bf16, False)`` /
-``(INT4_PER_TOKEN_HEAD, bf16, False)``: it reads int8 / e4m3 codes, or int4 ones two per byte,
-with their per-(token, head) scales (``kv_scale``) in place.
+``(INT4_PER_TOKEN_HEAD, bf16, False)`` / ``(K8V4_PER_TOKEN_HEAD, bf16, False)``: it reads int8 /
+e4m3 codes, or int4 ones two per byte, or k int8 and v int4, with their per-(token, head) scales
+(``kv_scale``) in place.
 A kernel serves a layer when its row has ``(layer mode, model dtype, False)`` and the layer is
 within the row's limits: ``unsupported_reason`` says why not. An arch with no row (and no ``"*"``
 row) is a ``ValueError`` naming the arch and the archs the kernel has rows for, in the kernel's
@@ -273,7 +274,8 @@ def default_kernel(arch: str) -> str:
 # The "-triton" configurations run FP8 caches through our Triton kernel
 # (attention/triton/decode_tma.py: bulk tensor copies, Hopper and later), claimed on sm90 only,
 # where it was run; elsewhere they serve model-dtype layers only. It takes any head size FlashInfer does, pages of 16 to 128, soft-caps.
-# Per-(token, head) layers (int8 / e4m3 codes with fp32 scales) run on sm90 in every configuration:
+# Per-(token, head) layers (int8 / e4m3 / int4 codes, or k int8 and v int4, with fp32 scales) run
+# on sm90 in every configuration:
 # decode on the same Triton kernel with the scales per logit / weight column, prefill and mixed
 # batches on FlashInfer's model-dtype prefill over the batch's pages dequantized into a compact
 # scratch (kernels/flashinfer.py); bf16 / fp16 q, no FP8 output, pages of 16 to 64 tokens (the
@@ -292,6 +294,7 @@ _PTH_MODES = (
     KVQuantMode.INT8_PER_TOKEN_HEAD,
     KVQuantMode.FP8_PER_TOKEN_HEAD,
     KVQuantMode.INT4_PER_TOKEN_HEAD,
+    KVQuantMode.K8V4_PER_TOKEN_HEAD,
 )
 _PTH_PAGE_SIZES = (16, 32, 64)
 for _arch in _FI_ARCHS:

@@ -35,15 +35,17 @@ docs/design/fp8_prefill.md, docs/design/fp8_decode_paths.md, benchmarks/RESULTS.
     accuracy. sm90.
 
 * per-(token, head) layers (``int8_per_token_head`` / ``fp8_per_token_head`` /
-  ``int4_per_token_head``: codes in the cache, one fp32 scale per token and kv head in
-  ``kv_scale``), sm90, every configuration:
+  ``int4_per_token_head`` / ``k8v4_per_token_head``: codes in the cache, one fp32 scale per
+  token and kv head in ``kv_scale``), sm90, every configuration:
 
   - decode-only batch: the Triton kernel above with the scales applied per logit column and per
     softmax-weight column (``fp8_decode_math`` as for FP8; int8 -> fp16 is exact; int4 codes
     minus their zero point are exact in fp16, q is rotated once per program and the output
-    un-rotated at its end), CUDA graphs included.
+    un-rotated at its end; k8v4: k as int8, v as int4, q not rotated, the output un-rotated),
+    CUDA graphs included.
   - prefill / mixed batch: the batch's pages dequantized into a compact model-dtype scratch
-    cache in one Triton pass (``kv_dequant``; int4 un-rotated there) (page i of the scratch is
+    cache in one Triton pass (``kv_dequant``; int4 un-rotated there; k8v4 in two launches, k
+    and v) (page i of the scratch is
     the page table's i-th page, so the table becomes 0..n-1),
     then the model-dtype prefill wrapper of the ``prefill`` option (fa2; fa3 with ``"fa3"`` or
     ``"fa3_fp8"``). The scratch is rounded to the model dtype once: within the bf16 path's error.
@@ -103,7 +105,8 @@ _KERNEL_OF = {"fa2-prefill": "prefill", "fa3-prefill": "prefill", "fa3-fp8-prefi
               "tc-decode": "decode", "xqa-decode": "xqa", "triton-decode": "triton",
               "fa2-compact-prefill": "compact-prefill",
               "fa3-compact-prefill": "compact-prefill"}  # fmt: skip
-# what a per-(token, head) cache stores (uint8: int4_per_token_head's two codes per byte)
+# what a per-(token, head) cache stores (uint8: int4_per_token_head's two codes per byte, or
+# k8v4_per_token_head's k int8 bytes and v int4 codes)
 CODE_DTYPES = (torch.int8, FP8_DTYPE, torch.uint8)
 DEFAULT_WORKSPACE_BYTES = 256 * 1024 * 1024
 _generation = itertools.count(1)

@@ -2,9 +2,9 @@
 dtype, the cache FlashInfer's prefill reads for such a layer (``kernels/flashinfer.py``).
 
 ``dequantize_pages``: on a CUDA cache one Triton pass (``attention/triton/kv_dequant.py``: codes
-and scales in, model-dtype rows out, int4 un-rotated on the way); elsewhere the aten form,
-``quant.dequantize_pages_per_token_head``, which the Triton pass equals bit for bit. A
-``k8v4_per_token_head`` cache (3 slots) has no Triton pass: ``KernelUnsupportedError``.
+and scales in, model-dtype rows out, int4 un-rotated on the way; a ``k8v4_per_token_head``
+cache, 3 slots, in two launches: k's int8 codes, v's int4 ones); elsewhere the aten form,
+``quant.dequantize_pages_per_token_head``, which the Triton pass equals bit for bit.
 """
 
 from __future__ import annotations
@@ -39,19 +39,20 @@ def dequantize_pages_triton(
     kv_cache: torch.Tensor, kv_scale: torch.Tensor, page_ids: torch.Tensor, out_dtype: torch.dtype
 ) -> torch.Tensor:
     """``dequantize_pages`` as one Triton program per block of rows (any device Triton runs on)."""
-    pages, two, page, kh, dc = kv_cache.shape
-    int4 = kv_cache.dtype == torch.uint8
+    pages, slots, page, kh, dc = kv_cache.shape
+    int4 = kv_cache.dtype == torch.uint8  # int4, or k8v4 (3 slots: k int8, v int4)
+    k8v4 = int4 and slots == 3
     d = dc * 2 if int4 else dc
     fn = "dequantize_pages"
-    if two == 3 and kv_cache.dtype == torch.uint8:
-        raise KernelUnsupportedError(
-            f"{fn}: the Triton pass has no k8v4_per_token_head program (a uint8 cache [P, 3, page, "
-            "KH, D / 2]: k int8, v int4); quant.dequantize_pages_per_token_head is its aten form"
-        )
-    if two != 2 or tuple(kv_scale.shape) != (pages, 2, kh, page) or kv_scale.dtype != torch.float32:
+    if (
+        slots != (3 if k8v4 else 2)
+        or tuple(kv_scale.shape) != (pages, 2, kh, page)
+        or kv_scale.dtype != torch.float32
+    ):
         raise ValueError(
             f"{fn}: kv_cache {tuple(kv_cache.shape)} / kv_scale {kv_scale.dtype} "
-            f"{tuple(kv_scale.shape)}: need [P, 2, page, KH, D'] codes and float32 [P, 2, KH, page]"
+            f"{tuple(kv_scale.shape)}: need [P, 2, page, KH, D'] codes (k8v4: uint8 [P, 3, page, "
+            "KH, D / 2]) and float32 [P, 2, KH, page]"
         )
     if not (kv_cache.is_contiguous() and kv_scale.is_contiguous()) or d & (d - 1):
         raise ValueError(
@@ -66,10 +67,14 @@ def dequantize_pages_triton(
     rows = max(1, min(triton_next_pow2(page * kh), ROW_ELEMENTS // d))
     signs = _signs(d, kv_cache.device) if int4 else kv_scale  # unused unless int4
     kernel = _kernel()
-    kernel[(ids.numel(), 2, -(-(page * kh) // rows))](
-        kv_cache, kv_scale, ids, out, signs, float(hadamard_block(d) ** -0.5),
-        PAGE=page, KH=kh, D=d, LOG2D=d.bit_length() - 1, ROWS=rows, INT4=int4, num_warps=4,
-    )  # fmt: skip
+    blocks = -(-(page * kh) // rows)
+    # k8v4: k (int8 codes over slots 0 / 1) and v (int4, slot 2) in a launch each
+    for kv0, sides, is_int4 in ((0, 1, False), (1, 1, True)) if k8v4 else ((0, 2, int4),):
+        kernel[(ids.numel(), sides, blocks)](
+            kv_cache, kv_scale, ids, out, signs, float(hadamard_block(d) ** -0.5),
+            PAGE=page, KH=kh, D=d, LOG2D=d.bit_length() - 1, ROWS=rows, INT4=is_int4,
+            SLOTS=slots, KV0=kv0, SPLIT_K=k8v4 and not is_int4, num_warps=4,
+        )  # fmt: skip
     return out
 
 

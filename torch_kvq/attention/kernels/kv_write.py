@@ -42,8 +42,8 @@ the two reciprocal forms agree), ``x.float() / scale`` (a tensor divisor) correc
 ``int4_per_token_head`` (codes [pages, 2, page, KH, D / 2] uint8) is its own program, launched by
 ``kernels/kv_write_int4.py`` (rotation, MSE-clipped asymmetric int4, two codes per byte).
 ``k8v4_per_token_head`` (layer format "k8v4": k int8, v int4, codes [pages, 3, page, KH, D / 2]
-uint8) is written by the aten form on the CPU; on CUDA it has no Triton program and the write
-raises ``KernelUnsupportedError`` (FlashInfer refuses such a layer earlier, when it checks it).
+uint8) takes both: the int8 program writes k's codes as bytes over slots 0 and 1, the int4 one
+v's into slot 2, each bit-equal to its side of the aten form.
 """
 
 from __future__ import annotations
@@ -58,7 +58,6 @@ from torch_kvq.attention.kernels.base import KernelUnsupportedError
 from torch_kvq.attention.kernels.kv_write_int4 import launch_int4_write
 from torch_kvq.attention.quant import (
     FP8_MAX,
-    KV_FORMATS,
     SCALE_FLOOR,
     Rounding,
     cache_layout,
@@ -317,7 +316,7 @@ def write_kv_per_token_head(
     ``write_kv_per_token_head_triton``; elsewhere ``write_kv_per_token_head_torch``. ``mode="int4"``
     (``int4_per_token_head``): codes [pages, 2, page, KH, D / 2] uint8, the same way.
     ``mode="k8v4"`` (``k8v4_per_token_head``: k "int8", v "int4", codes [pages, 3, page, KH, D /
-    2] uint8): the aten form; a CUDA cache raises ``KernelUnsupportedError`` (no Triton program)."""
+    2] uint8), the same way."""
     check_per_token_head_write(kv_cache, kv_scale, k, v, slot_mapping, mode, rounding)
     if kv_cache.is_cuda:
         write_kv_per_token_head_triton(kv_cache, kv_scale, k, v, slot_mapping, mode, rounding)
@@ -420,24 +419,21 @@ def write_kv_per_token_head_triton(
     """``write_kv_per_token_head`` as one Triton program per ``WRITE_ROW_ELEMENTS`` values of k
     (several tokens when heads are small; any strides, the page size a compile-time constant);
     the divisions follow aten on the cache's device (module docstring). int4:
-    ``launch_int4_write``. k8v4: ``KernelUnsupportedError`` (no program)."""
-    if mode in KV_FORMATS:
-        raise KernelUnsupportedError(
-            f"the Triton per-(token, head) cache write has no {mode}_per_token_head program (k "
-            "int8 and v int4 in one uint8 cache [pages, 3, page, KH, D / 2]); no CUDA kernel "
-            "serves such a layer yet (the aten form, write_kv_per_token_head_torch, is the CPU "
-            "reference path's write)"
-        )
-    code_dtype, qmax = per_token_head_format(mode, rounding)
-    kernel = _triton_kernel("kv_write_int4_kernel" if mode == "int4" else
+    ``launch_int4_write``. k8v4: two launches, k by the int8 program (``SPLIT_K``: its codes'
+    bytes over slots 0 and 1), v by the int4 one (``v_only``: slot 2)."""
+    k_fmt, v_fmt = kv_formats(mode)
+    code_dtype, qmax = per_token_head_format(k_fmt, rounding)
+    kernel = _triton_kernel("kv_write_int4_kernel" if k_fmt == "int4" else
                             "kv_write_per_token_head_kernel")  # fmt: skip
+    int4_kernel = _triton_kernel("kv_write_int4_kernel") if v_fmt == "int4" else None
     t, kh, d = k.shape
     if t == 0:
         return
     # x / scale (int4: -lo / scale): a tensor divisor
     require_correct_tensor_division(kv_cache.device, "the per-(token, head) cache write")
-    if mode == "int4":
-        launch_int4_write(kernel, kv_cache, kv_scale, k, v, slot_mapping)
+    if int4_kernel is not None:
+        launch_int4_write(int4_kernel, kv_cache, kv_scale, k, v, slot_mapping, k_fmt != "int4")
+    if k_fmt == "int4":
         return
     division = aten_scalar_division(kv_cache.device)  # absmax / QMAX: a Python-float divisor
     block_h, block_d = _next_pow2(kh), _next_pow2(d)
@@ -451,5 +447,5 @@ def write_kv_per_token_head_triton(
         *k.stride(), *v.stride(), *kv_cache.stride(), *kv_scale.stride(),
         PAGE=kv_cache.shape[2], KH=kh, D=d, BLOCK_T=block_t, BLOCK_H=block_h, BLOCK_D=block_d, QMAX=qmax,
         FLOOR=_f32(SCALE_FLOOR), DIVIDE=division == "div", INT8=code_dtype == torch.int8,
-        HALF_AWAY=rounding == "half_away", num_warps=WRITE_WARPS,
+        HALF_AWAY=rounding == "half_away", SPLIT_K=v_fmt != k_fmt, num_warps=WRITE_WARPS,
     )  # fmt: skip

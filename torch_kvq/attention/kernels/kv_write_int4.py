@@ -88,15 +88,22 @@ def launch_int4_write(
     k: torch.Tensor,
     v: torch.Tensor,
     slot_mapping: torch.Tensor,
+    v_only: bool = False,
 ) -> Any:
     """``kv_write_int4_kernel`` (``program``) over the T * KH (token, kv head) rows of k and v
     [T, KH, D] (any strides), into codes ``kv_cache`` [pages, 2, page, KH, D / 2] uint8 and
-    scales ``kv_scale`` [pages, 2, KH, page] fp32 at ``slot_mapping`` [T] slots. Arguments
-    already checked (``check_per_token_head_write``). Returns the launched program's handle
-    (its ``asm`` on a GPU), None for an empty batch."""
+    scales ``kv_scale`` [pages, 2, KH, page] fp32 at ``slot_mapping`` [T] slots. ``v_only``
+    (``k8v4_per_token_head``: ``kv_cache`` [pages, 3, page, KH, D / 2], v's codes in slot 2): v
+    alone, as the program's side 0 (its k side) over the views ``kv_cache[:, 2:]`` and
+    ``kv_scale[:, 1:]``, so the same bytes land in v's slots. Arguments already checked
+    (``check_per_token_head_write``). Returns the launched program's handle (its ``asm`` on a
+    GPU), None for an empty batch."""
     t, kh, d = k.shape
     if t == 0:
         return None
+    sides = 2
+    if v_only:
+        k, kv_cache, kv_scale, sides = v, kv_cache[:, 2:], kv_scale[:, 1:], 1
     require_correct_reciprocal(kv_cache.device)
     b = hadamard_block(d)
     block_d = 1 << (d - 1).bit_length()
@@ -104,7 +111,7 @@ def launch_int4_write(
     sms = importlib.import_module("torch_kvq.attention.triton.helpers").sm_count(kv_cache.device)
     rows_first = n_rows < INT4_ROWS_FIRST_BELOW * sms
     block_r = 1 if rows_first else INT4_ROWS  # a power of two
-    return program[(-(-n_rows // block_r), 2)](
+    return program[(-(-n_rows // block_r), sides)](
         k, v, kv_cache, kv_scale, slot_mapping, rotation_signs(d, kv_cache.device),
         clip_ratios(kv_cache.device), n_rows,
         *k.stride(), *v.stride(), *kv_cache.stride(), *kv_scale.stride(), kv_cache.shape[2],

@@ -39,6 +39,7 @@ from torch_kvq.attention.triton.int4 import (
     store_lse,
     unrotate_store,
 )
+from torch_kvq.attention.triton.k8v4 import attend_k8v4, q_halves
 
 
 @triton.jit
@@ -86,6 +87,7 @@ def _decode_balanced(
     D: tl.constexpr, PAGE: tl.constexpr, STAGES: tl.constexpr, PPI: tl.constexpr,
     USE_WINDOW: tl.constexpr, USE_SOFT_CAP: tl.constexpr, DOT: tl.constexpr, LAZY: tl.constexpr,
     SCALES: tl.constexpr, PV_SCALE: tl.constexpr, INT4: tl.constexpr, RSQRT_B: tl.constexpr,
+    K8V4: tl.constexpr,
 ):  # fmt: skip
     """The balanced schedule ("stream-K"): program i of P takes units ``[i * T // P,
     (i + 1) * T // P)`` of all T pages of all pairs, so every program reads the same number of
@@ -93,7 +95,7 @@ def _decode_balanced(
     pair wholly inside the range is written to the output; a pair cut by the range's start goes to
     partial slot 0 of the program, one cut by its end to slot 1 (``_combine_balanced``).
     ``INT4``: an int4 cache (``int4``; outputs and partials stored un-rotated, ``out_scale``
-    applied to both)."""
+    applied to both); ``K8V4``: a k8v4 cache (``k8v4``: q not rotated, stored as int4's)."""
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
     total = _seq_work(seq_lens_ptr, window, B, KH, BLOCK_B, PAGE, USE_WINDOW)[3]
@@ -115,15 +117,24 @@ def _decode_balanced(
         table = block_table_ptr + b.to(tl.int64) * stride_bt
         whole = (start == pair_start) & (seg_end == pair_start + nb)
         rows = (pid * 2 + tl.where(start == first, 0, 1)) * G + offs_g  # [P, 2, G] row
-        if INT4:
-            q_lo, q_hi = rotate_q(
-                q_ptr, b, heads, g_mask, stride_qb, stride_qh, rot_ptr, BLOCK_G, D, DOT, RSQRT_B
-            )  # fmt: skip
-            acc_lo, acc_hi, m_i, l_i = attend_int4(
-                q_lo, q_hi, kv_desc, table, p0, p0 + seg_end - start, kh, lo, seq_len,
-                qk_scale_log2, soft_cap, kv_scale_ptr, BLOCK_G, D, PAGE, STAGES, PPI,
-                USE_SOFT_CAP, DOT, LAZY, KH, PV_SCALE,
-            )  # fmt: skip
+        if INT4 or K8V4:
+            if K8V4:
+                q_lo, q_hi = q_halves(q_ptr, b, heads, g_mask, stride_qb, stride_qh, D, DOT)
+                acc_lo, acc_hi, m_i, l_i = attend_k8v4(
+                    q_lo, q_hi, kv_desc, table, p0, p0 + seg_end - start, kh, lo, seq_len,
+                    qk_scale_log2, soft_cap, kv_scale_ptr, BLOCK_G, D, PAGE, STAGES, PPI,
+                    USE_SOFT_CAP, DOT, LAZY, KH, PV_SCALE,
+                )  # fmt: skip
+            else:
+                q_lo, q_hi = rotate_q(
+                    q_ptr, b, heads, g_mask, stride_qb, stride_qh, rot_ptr, BLOCK_G, D, DOT,
+                    RSQRT_B,
+                )  # fmt: skip
+                acc_lo, acc_hi, m_i, l_i = attend_int4(
+                    q_lo, q_hi, kv_desc, table, p0, p0 + seg_end - start, kh, lo, seq_len,
+                    qk_scale_log2, soft_cap, kv_scale_ptr, BLOCK_G, D, PAGE, STAGES, PPI,
+                    USE_SOFT_CAP, DOT, LAZY, KH, PV_SCALE,
+                )  # fmt: skip
             store_lse(m_i, l_i, part_lse_ptr + rows, g_mask & ~whole)
             dst = out_ptr + b * stride_ob + heads * stride_oh
             unrotate_store(
@@ -190,7 +201,7 @@ def decode_balanced(
 ) -> torch.Tensor:  # fmt: skip
     """``paged_decode_tma`` on the balanced schedule (its arguments checked there): ``desc`` the
     cache's TMA descriptor, ``kv_scale`` its per-(token, head) scales or None, ``rot`` an int4
-    cache's rotation matrices (``int4.rotation_matrices``) or None, ``scales`` (logit scale, soft
+    or k8v4 cache's rotation matrices (``int4.rotation_matrices``) or None, ``scales`` (logit scale, soft
     cap, out scale, window), ``common`` the kernel's shared constexprs and launch options.
     Returns out [B, QH, D]."""
     b, qh, d = q.shape
@@ -205,7 +216,8 @@ def decode_balanced(
     nprog = balanced_programs(q, kv_heads, max_seq_len, page, per_sm)
     part_o, part_lse = args[4:6] = _balanced_workspace(q, nprog, g, workspace)
     _decode_balanced[(nprog,)](*args, **kw)
-    combine_scale = 1.0 if common["INT4"] else scales[2]  # int4 partials carry out_scale
+    # int4 / k8v4 partials carry out_scale
+    combine_scale = 1.0 if common["INT4"] or common["K8V4"] else scales[2]
     _combine_balanced[(qh, b)](
         part_o, part_lse, out, seq_lens, combine_scale, window, b, nprog, out.stride(0),
         out.stride(1),

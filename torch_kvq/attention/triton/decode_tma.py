@@ -22,7 +22,8 @@ applied per logit column and per softmax-weight column (``helpers``); in fp16 pr
 scales are pre-multiplied by a power of two (``pv_shift``) that the output divides back out.
 An ``int4_per_token_head`` cache (uint8: two rotated codes per byte, zero points in the scales'
 low bits) is read in place by ``int4``'s loop, q rotated once per program and the output
-un-rotated in the epilogue.
+un-rotated in the epilogue; a ``k8v4_per_token_head`` one (uint8, 3 slots: k int8, v int4) by
+``k8v4``'s, K as the int8 cache, V as the int4 one.
 CUDA-graph capturable: the descriptor holds the cache pointer (by value, in the launch), the
 host reads no device tensor (the scales are read on the device). Import only where Triton is.
 """
@@ -58,6 +59,7 @@ from torch_kvq.attention.triton.int4 import (
     rotation_matrices,
     store_split_int4,
 )
+from torch_kvq.attention.triton.k8v4 import attend_k8v4, q_halves, store_split_k8v4
 
 
 @triton.jit
@@ -70,11 +72,12 @@ def _decode_pages(
     NUM_SPLITS: tl.constexpr, STAGES: tl.constexpr, PPI: tl.constexpr,
     USE_WINDOW: tl.constexpr, USE_SOFT_CAP: tl.constexpr, DOT: tl.constexpr, DIRECT: tl.constexpr,
     LAZY: tl.constexpr, SCALES: tl.constexpr, PV_SCALE: tl.constexpr, INT4: tl.constexpr,
-    RSQRT_B: tl.constexpr,
+    RSQRT_B: tl.constexpr, K8V4: tl.constexpr,
 ):  # fmt: skip
     """The split grid: one program per (kv head, split, sequence). ``kv_scale_ptr``: the
     per-(token, head) scales when ``SCALES`` (else None); ``INT4``: the cache is
-    ``int4_per_token_head``'s, read by ``int4`` with the rotation matrices at ``rot_ptr``."""
+    ``int4_per_token_head``'s, read by ``int4`` with the rotation matrices at ``rot_ptr``;
+    ``K8V4``: ``k8v4_per_token_head``'s, read by ``k8v4`` (the same matrices, for V)."""
     kh = tl.program_id(0)
     split = tl.program_id(1)
     b = tl.program_id(2)
@@ -84,7 +87,19 @@ def _decode_pages(
     offs_g = tl.arange(0, BLOCK_G)
     g_mask = offs_g < G
     heads = kh * G + offs_g
-    if INT4:
+    if K8V4:
+        q_lo, q_hi = q_halves(q_ptr, b, heads, g_mask, stride_qb, stride_qh, D, DOT)
+        acc_lo, acc_hi, m_i, l_i = attend_k8v4(
+            q_lo, q_hi, kv_desc, table, p_begin, p_end, kh, lo, seq_len, qk_scale_log2,
+            soft_cap, kv_scale_ptr, BLOCK_G, D, PAGE, STAGES, PPI, USE_SOFT_CAP, DOT, LAZY,
+            QH // G, PV_SCALE,
+        )  # fmt: skip
+        store_split_k8v4(
+            acc_lo, acc_hi, m_i, l_i, b, split, heads, g_mask, out_ptr, part_o_ptr,
+            part_lse_ptr, out_scale, rot_ptr, stride_ob, stride_oh, QH, D, NUM_SPLITS, DIRECT,
+            DOT, RSQRT_B,
+        )  # fmt: skip
+    elif INT4:
         q_lo, q_hi = rotate_q(
             q_ptr, b, heads, g_mask, stride_qb, stride_qh, rot_ptr, BLOCK_G, D, DOT, RSQRT_B
         )  # fmt: skip
@@ -148,7 +163,7 @@ def pv_shift(cache_dtype: torch.dtype, dot_dtype: torch.dtype, lazy: bool) -> in
     ``p * v_scale * 2^shift`` below fp16's 65504 for |v| up to about 1800 with the lazy rescale
     (weights up to 2^8) and about 28000 without (weights up to 1). A larger |v| overflows to inf
     (the output NaN, never silently clipped); ``dot_dtype`` bf16 (fp32's range) has no shift.
-    int4 codes (uint8): ``int4.int4_pv_shift``."""
+    int4 codes (uint8; ``k8v4_per_token_head``'s V too): ``int4.int4_pv_shift``."""
     if cache_dtype == torch.uint8:
         return int4_pv_shift(dot_dtype, lazy)
     if dot_dtype != torch.float16:
@@ -203,7 +218,9 @@ def paged_decode_tma(
     """Decode attention, one query token per sequence, over a paged FP8 (or bf16 / fp16) cache, or
     a per-(token, head) one (int8 / e4m3 codes with ``kv_scale``), or an ``int4_per_token_head``
     one (uint8 kv_cache [P, 2, page, KH, D / 2], two rotated codes per byte, with ``kv_scale``
-    holding each scale's zero point in its low bits: ``quant``'s int4 section; D >= 32).
+    holding each scale's zero point in its low bits: ``quant``'s int4 section; D >= 32), or a
+    ``k8v4_per_token_head`` one, told apart by its 3 slots (uint8 [P, 3, page, KH, D / 2]: k's
+    int8 codes as bytes in slots 0 / 1, v's int4 codes in slot 2; ``k8v4``; D >= 32).
 
     q [B, QH, D] (bf16 / fp16, last dim contiguous); kv_cache [P, 2, page, KH, D] contiguous (K at
     ``[:, 0]``, V at ``[:, 1]``; dequantized = value * scale); block_table [B, W] int32: sequence
@@ -233,15 +250,17 @@ def paged_decode_tma(
         raise ValueError(
             f"paged_decode_tma: kv_cache {tuple(kv_cache.shape)} must be [P, 2, page, KH, D]"
         )
-    pages, two, page, kh, dk = kv_cache.shape
-    int4 = kv_cache.dtype == torch.uint8
-    if int4 and (dk * 2 != d or d < 32):
+    pages, slots, page, kh, dk = kv_cache.shape
+    packed = kv_cache.dtype == torch.uint8  # D / 2 bytes a head: int4's, or (3 slots) k8v4's
+    k8v4 = packed and slots == 3
+    int4 = packed and not k8v4
+    if packed and (dk * 2 != d or d < 32):
         raise ValueError(
-            f"paged_decode_tma: a uint8 kv_cache is int4_per_token_head's, two codes per byte: "
-            f"its last dim must be head_dim / 2 = {d // 2} with head_dim >= 32 (q {tuple(q.shape)}"
-            f"), got {dk}"
+            f"paged_decode_tma: a uint8 kv_cache is int4_per_token_head's (2 slots) or "
+            f"k8v4_per_token_head's (3), D / 2 bytes a head: its last dim must be head_dim / 2 = "
+            f"{d // 2} with head_dim >= 32 (q {tuple(q.shape)}), got {dk}"
         )
-    if (two != 2 or (dk != d and not int4) or qh % kh or d & (d - 1) or d < 16
+    if (slots != (3 if k8v4 else 2) or (dk != d and not packed) or qh % kh or d & (d - 1) or d < 16
             or page & (page - 1) or page < 16):  # fmt: skip
         raise ValueError(
             f"paged_decode_tma: q {tuple(q.shape)} / kv_cache {tuple(kv_cache.shape)}: need "
@@ -270,8 +289,8 @@ def paged_decode_tma(
         raise ValueError(
             f"paged_decode_tma: pages_per_iter must be 1, 2 or 4, got {pages_per_iter}"
         )
-    width = d // 2 if int4 else d  # bytes (elements) of a head in the cache
-    rows = kv_cache.view(pages * 2 * page, kh * width)
+    width = d // 2 if packed else d  # bytes (elements) of a head in the cache
+    rows = kv_cache.view(pages * slots * page, kh * width)
     desc = TensorDescriptor(rows, list(rows.shape), [kh * width, 1], [page, width])
     g = qh // kh
     pv_scale = 1.0
@@ -281,18 +300,21 @@ def paged_decode_tma(
         G=g, BLOCK_G=max(8 if int4 else 16, triton.next_power_of_2(g)), D=d, PAGE=page, STAGES=num_stages,
         PPI=pages_per_iter, USE_WINDOW=window is not None, USE_SOFT_CAP=bool(soft_cap),
         DOT=DOT_DTYPES[dot_dtype], LAZY=lazy_rescale, SCALES=kv_scale is not None,
-        PV_SCALE=pv_scale, INT4=int4, RSQRT_B=hadamard_block(d) ** -0.5 if int4 else 1.0,
+        PV_SCALE=pv_scale, INT4=int4, K8V4=k8v4,
+        RSQRT_B=hadamard_block(d) ** -0.5 if packed else 1.0,
         num_warps=num_warps,
         **({"maxnreg": max_registers} if max_registers else {}),
     )  # fmt: skip
     out_scale = float(v_scale) / pv_scale  # a power of two: exact
     scales = (sm_scale * k_scale * LOG2E, float(soft_cap or 1.0), out_scale, int(window or 0))
-    rot = rotation_matrices(d, q.device) if int4 else None
+    rot = rotation_matrices(d, q.device) if packed else None  # k8v4: U un-rotates its V
     if num_splits is None and programs_per_sm is None:
         splits, balanced = default_schedule(b, kh, max_seq_len, page, d, sm_count(q.device))
         if balanced is not None and workspace is None:
             programs_per_sm, cap = balanced
-            regs = balanced_registers(d, cfg, cap)  # int4 too: spill-free under it (sm90)
+            # k8v4: no cap (its K int8 boxes and V's two accumulators need more registers:
+            # scripts/tma_kernel_sass.py); int4 is spill-free under it (sm90)
+            regs = None if k8v4 else balanced_registers(d, cfg, cap)
             if regs is not None:
                 common.setdefault("maxnreg", regs)
         else:
@@ -315,8 +337,8 @@ def paged_decode_tma(
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), block_table.stride(0),
         QH=qh, NUM_SPLITS=num_splits, DIRECT=num_splits == 1, **common,
     )  # fmt: skip
-    # an int4 program stores its (partial) output with out_scale applied (before un-rotating)
-    return combine_splits(part_o, part_lse, out, 1.0 if int4 else out_scale, num_splits)
+    # an int4 / k8v4 program stores its (partial) output with out_scale applied (un-rotating)
+    return combine_splits(part_o, part_lse, out, 1.0 if packed else out_scale, num_splits)
 
 
 def check_scales(
@@ -330,9 +352,10 @@ def check_scales(
         if kv_cache.dtype == torch.int8:
             raise ValueError(f"{fn}: an int8 cache needs its per-(token, head) kv_scale")
         if kv_cache.dtype == torch.uint8:
+            mode = "k8v4" if kv_cache.shape[1] == 3 else "int4"
             raise ValueError(
-                f"{fn}: a uint8 (int4_per_token_head) cache needs its per-(token, head) kv_scale "
-                "[P, 2, KH, page] fp32 (scale and zero point)"
+                f"{fn}: a uint8 ({mode}_per_token_head) cache needs its per-(token, head) "
+                "kv_scale [P, 2, KH, page] fp32 (scale and zero point)"
             )
         return
     pages, _, page, kh, _ = kv_cache.shape

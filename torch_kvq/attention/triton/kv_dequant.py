@@ -6,7 +6,8 @@ scales, and writes the rows in the model dtype: int8 / e4m3 ``code * scale``; in
 (``int4_per_token_head``) unpacked, ``(code - zp) * scale`` and un-rotated by the Walsh-Hadamard
 butterfly (``triton/hadamard.py``), so the scratch is in the model's basis, as FlashInfer's prefill
 reads it. Every step is the fp32 operation ``quant.dequantize_pages_per_token_head`` performs, in
-the same order, so the scratch equals the aten one bit for bit. The host side is
+the same order, so the scratch equals the aten one bit for bit. ``k8v4_per_token_head`` (three
+slots) takes two launches: k as int8 codes from slots 0 and 1, v as int4 from slot 2. The host side is
 ``attention/kernels/kv_dequant.py``. Imports Triton.
 """
 
@@ -23,25 +24,29 @@ from torch_kvq.attention.triton.helpers import INTERPRET
 def kv_dequant_pages_kernel(
     cache_ptr, scale_ptr, ids_ptr, out_ptr, signs_ptr, inv_sqrt_b,
     PAGE: tl.constexpr, KH: tl.constexpr, D: tl.constexpr, LOG2D: tl.constexpr,
-    ROWS: tl.constexpr, INT4: tl.constexpr,
+    ROWS: tl.constexpr, INT4: tl.constexpr, SLOTS: tl.constexpr, KV0: tl.constexpr,
+    SPLIT_K: tl.constexpr,
 ):  # fmt: skip
     """Rows ``[ROWS * program_id(2), ..)`` (row r: token r // KH, head r % KH) of k or v
-    (``program_id(1)``) of scratch page ``program_id(0)``, which is cache page ``ids[pid0]``.
-    cache [P, 2, PAGE, KH, D / 2 or D] and scale [P, 2, KH, PAGE] contiguous; out [n, 2, PAGE,
-    KH, D] contiguous. ``INT4``: uint8 codes two per byte, the zero point in each scale's low
-    bits, ``signs_ptr`` [D] fp32 and ``inv_sqrt_b`` the rotation's sign vector and fp32(D ** -0.5)."""
+    (``program_id(1) + KV0``) of scratch page ``program_id(0)``, which is cache page
+    ``ids[pid0]``. cache [P, SLOTS, PAGE, KH, D / 2 or D] and scale [P, 2, KH, PAGE] contiguous;
+    out [n, 2, PAGE, KH, D] contiguous. ``INT4``: uint8 codes two per byte, the zero point in each
+    scale's low bits, ``signs_ptr`` [D] fp32 and ``inv_sqrt_b`` the rotation's sign vector and
+    fp32(D ** -0.5). ``SLOTS`` 3 (``k8v4_per_token_head``): k's int8 codes as bytes in slots 0
+    and 1 (``SPLIT_K``: channel d in slot d // (D / 2) at d % (D / 2)), v's int4 codes in slot 2."""
     i = tl.program_id(0).to(tl.int64)
-    kv = tl.program_id(1)
+    kv = tl.program_id(1) + KV0
     r = tl.program_id(2) * ROWS + tl.arange(0, ROWS)
     ok = r < PAGE * KH
     page = tl.load(ids_ptr + i).to(tl.int64)
+    slot = page * SLOTS + kv * (SLOTS - 1)  # k: slot 0 (and 1); v: slot 1, or 2 of 3
     t = r // KH
     h = r - t * KH
     stored = tl.load(scale_ptr + (page * 2 + kv) * (KH * PAGE) + h * PAGE + t, mask=ok, other=1.0)
     if INT4:  # channels first [D, ROWS]: the butterfly's layout (triton/hadamard.py)
         C: tl.constexpr = D // 2
         c = tl.arange(0, C)
-        src = cache_ptr + (page * 2 + kv) * (PAGE * KH * C) + r[None, :] * C + c[:, None]
+        src = cache_ptr + slot * (PAGE * KH * C) + r[None, :] * C + c[:, None]
         codes = tl.load(src, mask=ok[None, :])
         bits = stored.to(tl.int32, bitcast=True)
         scale = (bits & ~0xF).to(tl.float32, bitcast=True)
@@ -57,8 +62,14 @@ def kv_dequant_pages_kernel(
         mask = ok[None, :]
     else:
         d = tl.arange(0, D)
-        src = cache_ptr + (page * 2 + kv) * (PAGE * KH * D) + r[:, None] * D + d[None, :]
-        codes = tl.load(src, mask=ok[:, None])
+        if SPLIT_K:  # k8v4's k: int8 codes as bytes, channel d in slot d // (D / 2) at d % (D / 2)
+            H: tl.constexpr = D // 2
+            cols = d % H + d // H * (PAGE * KH * H)
+            src = cache_ptr + slot * (PAGE * KH * H) + r[:, None] * H + cols[None, :]
+            codes = tl.load(src, mask=ok[:, None]).to(tl.int8, bitcast=True)
+        else:
+            src = cache_ptr + slot * (PAGE * KH * D) + r[:, None] * D + d[None, :]
+            codes = tl.load(src, mask=ok[:, None])
         y = codes.to(tl.float32) * stored[:, None]
         dst = out_ptr + (i * 2 + kv) * (PAGE * KH * D) + r[:, None] * D + d[None, :]
         mask = ok[:, None]

@@ -1,7 +1,8 @@
 """The paged cache writes as Triton programs (slot -> page and offset, load k and v, quantize,
-store): ``kv_write_kernel`` (model-dtype or FP8-per-tensor caches; one program per token) and
+store): ``kv_write_kernel`` (model-dtype or FP8-per-tensor caches; one program per token),
 ``kv_write_per_token_head_kernel`` (int8 / e4m3 codes plus one fp32 scale per kv head; one
-program per few tokens).
+program per few tokens) and ``kv_write_int4_kernel`` (``int4_per_token_head``: rotated, MSE-clipped
+int4). ``k8v4_per_token_head`` takes the int8 program for k (``SPLIT_K``) and the int4 one for v.
 
 The host side (checks, which division aten uses, the launch) is ``attention/kernels/kv_write.py``
 (``write_kv_triton``, ``write_kv_per_token_head``), which imports this module on first use.
@@ -158,13 +159,15 @@ def kv_write_per_token_head_kernel(
     c_sp, c_skv, c_ss, c_sh, c_sd, s_sp, s_skv, s_sh, s_ss,
     PAGE: tl.constexpr, KH: tl.constexpr, D: tl.constexpr, BLOCK_T: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, QMAX: tl.constexpr, FLOOR: tl.constexpr,
-    DIVIDE: tl.constexpr, INT8: tl.constexpr, HALF_AWAY: tl.constexpr,
+    DIVIDE: tl.constexpr, INT8: tl.constexpr, HALF_AWAY: tl.constexpr, SPLIT_K: tl.constexpr,
 ):  # fmt: skip
     """Tokens ``[BLOCK_T * program_id, ...)`` (of ``n_tokens``): their k and v [KH, D], quantized
     per kv head (``_quantize_heads``; one row per (token, head), so that a program amortizes
     its scale math and reductions over several tokens): codes into ``cache[page, 0 / 1,
     offset]``, scales into ``scale[page, 0 / 1, :, offset]``. Any strides (``*_s*``: token /
-    page, k-or-v, slot, head, dim); ``PAGE`` slots per page."""
+    page, k-or-v, slot, head, dim); ``PAGE`` slots per page. ``SPLIT_K`` (``k8v4_per_token_head``'s
+    k, int8): k only (v is the int4 program's), its codes as bytes with channel d in cache slot
+    ``d // (D / 2)`` at ``d % (D / 2)`` (``quant.k8v4_k_slots``)."""
     rows = tl.arange(0, BLOCK_T * BLOCK_H)
     token = tl.program_id(0).to(tl.int64) * BLOCK_T + rows // BLOCK_H  # [rows]
     h = rows % BLOCK_H
@@ -177,17 +180,23 @@ def kv_write_per_token_head_kernel(
     k = tl.load(
         k_ptr + (token * k_st + h * k_sh)[:, None] + d[None, :] * k_sd, mask=mask, other=0.0
     )
-    v = tl.load(
-        v_ptr + (token * v_st + h * v_sh)[:, None] + d[None, :] * v_sd, mask=mask, other=0.0
-    )
-    kc, ks = _quantize_heads(k, qmax_op, QMAX, FLOOR, DIVIDE, INT8, HALF_AWAY)
-    vc, vs = _quantize_heads(v, qmax_op, QMAX, FLOOR, DIVIDE, INT8, HALF_AWAY)
-    dst = cache_ptr + (page * c_sp + offset * c_ss + h * c_sh)[:, None] + d[None, :] * c_sd
-    tl.store(dst, kc, mask=mask)
-    tl.store(dst + c_skv, vc, mask=mask)
     sdst = scale_ptr + page * s_sp + offset * s_ss + h * s_sh
-    tl.store(sdst, ks, mask=row_ok)
-    tl.store(sdst + s_skv, vs, mask=row_ok)
+    row = cache_ptr + (page * c_sp + offset * c_ss + h * c_sh)[:, None]
+    kc, ks = _quantize_heads(k, qmax_op, QMAX, FLOOR, DIVIDE, INT8, HALF_AWAY)
+    if SPLIT_K:
+        half = (d % (D // 2)) * c_sd + (d // (D // 2)) * c_skv
+        tl.store(row + half[None, :], kc.to(tl.uint8, bitcast=True), mask=mask)
+        tl.store(sdst, ks, mask=row_ok)
+    else:
+        v = tl.load(
+            v_ptr + (token * v_st + h * v_sh)[:, None] + d[None, :] * v_sd, mask=mask, other=0.0
+        )
+        vc, vs = _quantize_heads(v, qmax_op, QMAX, FLOOR, DIVIDE, INT8, HALF_AWAY)
+        dst = row + d[None, :] * c_sd
+        tl.store(dst, kc, mask=mask)
+        tl.store(dst + c_skv, vc, mask=mask)
+        tl.store(sdst, ks, mask=row_ok)
+        tl.store(sdst + s_skv, vs, mask=row_ok)
 
 
 # -- int4_per_token_head: rotate, MSE-clipped asymmetric int4, two codes per byte ---------------

@@ -1,0 +1,189 @@
+"""Device code of the TMA decode over a ``k8v4_per_token_head`` cache, read in place
+(``decode_tma`` and ``decode_balanced`` call it where ``K8V4``).
+
+The cache (``quant``'s k8v4 section): uint8 [P, 3, page, KH, D / 2], slots 0 and 1 k's int8
+codes as bytes (channels 0..D/2-1 and D/2..D-1), slot 2 v's packed int4 codes (rotated,
+asymmetric, two per byte); ``kv_scale`` [P, 2, KH, page] fp32: k's int8 scale, v's int4 scale
+with the zero point in its 4 low mantissa bits. K is read as the int8 cache is
+(``helpers.page_logits``), V as the int4 one (``int4.page_int4``). Per program:
+
+- prologue (``q_halves``): q is not rotated (k is not): its two halves [BLOCK_G, D / 2], the
+  channels of slots 0 and 1, in the dot dtype;
+- per page (``page_k8v4``): three TMA boxes [page, D / 2] of bytes (k's halves, v); the logits
+  ``q_lo . k0 + q_hi . k1`` (the bytes bitcast to int8 and widened exactly, ``helpers.widen``),
+  times the token's k scale and the logit scale; V's bytes in ``int4.v_columns`` order, centred
+  per element (``int4.unpack_centred``: ``code - zp`` exact in fp16, before the products; the
+  int4 module's docstring says why not after), ``p @ v`` into two accumulators (even and odd
+  rotated channels) with the weights times the v scales and ``PV_SCALE``
+  (``int4.int4_pv_shift``: V's codes are int4's);
+- epilogue (``int4.unrotate_store``): the output un-rotated by U (``int4.rotation_matrices``'
+  second matrix; the first, q's rotation, is not read).
+
+Imports Triton: import only where Triton is installed.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from torch_kvq.attention.triton.helpers import _LOG2E, load_q, widen
+from torch_kvq.attention.triton.int4 import (
+    _split_scale,
+    store_lse,
+    unpack_centred,
+    unrotate_store,
+)
+
+
+@triton.jit
+def q_halves(q_ptr, b, heads, g_mask, stride_qb, stride_qh, D: tl.constexpr, DOT: tl.constexpr):
+    """The query rows of ``heads`` (masked by ``g_mask``) of sequence ``b`` as their halves
+    (channels 0..D/2-1, D/2..D-1) [BLOCK_G, D / 2] in ``DOT``: k's slots 0 and 1."""
+    offs = tl.arange(0, D // 2)
+    q_lo = load_q(q_ptr, b, heads, g_mask, offs, stride_qb, stride_qh, DOT)
+    q_hi = load_q(q_ptr + D // 2, b, heads, g_mask, offs, stride_qb, stride_qh, DOT)
+    return q_lo, q_hi
+
+
+@triton.jit
+def page_k8v4(
+    q_lo, q_hi, kv_desc, table, p, p_end, col, lo, seq_len, qk_scale_log2, soft_cap, offs_t,
+    scale_ptr, kh, PAGE: tl.constexpr, W: tl.constexpr, DOT: tl.constexpr,
+    USE_SOFT_CAP: tl.constexpr, KH: tl.constexpr, PV_SCALE: tl.constexpr,
+):  # fmt: skip
+    """``helpers.page_logits`` for the k8v4 cache: page ``p`` of the run (past ``p_end``: logits
+    -inf, page 0 read), boxes [PAGE, W = D / 2] of bytes at rows ``3 * PAGE * page`` (k's slot
+    0), ``+ PAGE`` (slot 1), ``+ 2 * PAGE`` (v). Returns its base-2 logits [BLOCK_G, PAGE], its V
+    bytes with the columns in ``v_columns`` order, their zero points [PAGE] and v scales times
+    ``PV_SCALE`` [PAGE] (0 where masked)."""
+    ok = p < p_end
+    page = tl.load(table + p, mask=ok, other=0)
+    row = page * (3 * PAGE)
+    k0 = kv_desc.load([row, col]).to(tl.int8, bitcast=True)  # [PAGE, W]
+    k1 = kv_desc.load([row + PAGE, col]).to(tl.int8, bitcast=True)
+    v = kv_desc.load([row + 2 * PAGE, col])
+    v = tl.reshape(tl.permute(tl.reshape(v, [PAGE, 8, W // 8]), [0, 2, 1]), [PAGE, W])
+    scales = scale_ptr + (page.to(tl.int64) * (2 * KH) + kh) * PAGE + offs_t
+    k_scale = tl.load(scales)
+    v_scale, v_zp = _split_scale(tl.load(scales + KH * PAGE))
+    s = tl.dot(q_hi, tl.trans(widen(k1, DOT)), tl.dot(q_lo, tl.trans(widen(k0, DOT))))
+    toks = p * PAGE + offs_t
+    live = (toks >= lo) & (toks < seq_len) & ok
+    s = s * (k_scale * qk_scale_log2)[None, :]
+    if USE_SOFT_CAP:  # cap * tanh(x / cap), tanh(y) = 1 - 2 / (exp(2y) + 1)
+        s = s / _LOG2E
+        s = soft_cap * (1.0 - 2.0 / (tl.exp(2.0 * s / soft_cap) + 1.0)) * _LOG2E
+    v_scales = tl.where(live, v_scale * PV_SCALE, 0.0)
+    return tl.where(live[None, :], s, float("-inf")), v, v_zp, v_scales
+
+
+@triton.jit
+def _pv(acc_lo, acc_hi, pr, v, v_zp, v_scales, DOT: tl.constexpr):
+    """``acc += w @ (v - zp)`` for both halves of V's bytes ``v`` (the high one 16 times the
+    code), ``w = pr * v_scales`` in ``DOT``."""
+    w = (pr * v_scales[None, :]).to(DOT)
+    v_lo, v_hi = unpack_centred(v, v_zp[:, None], DOT)
+    return tl.dot(w, v_lo, acc_lo), tl.dot(w, v_hi, acc_hi)
+
+
+@triton.jit
+def _rescale(acc_lo, acc_hi, l_i, m_i, m_blk, LAZY: tl.constexpr):
+    """The online softmax's update for a block's max ``m_blk``: (acc_lo, acc_hi, l_i, m_i, the
+    max the block's weights are taken against). ``LAZY``: as ``helpers.attend``, the reference
+    max moves only when some row's max grew by more than 8 (base 2)."""
+    m_new = tl.maximum(m_i, m_blk)
+    if LAZY:
+        if tl.max(m_new - m_i, axis=0) > 8.0:
+            alpha = tl.exp2(m_i - m_new)
+            acc_lo = acc_lo * alpha[:, None]
+            acc_hi = acc_hi * alpha[:, None]
+            l_i = l_i * alpha
+            m_i = m_new
+        m_safe = m_i
+    else:
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m_i - m_safe)
+        acc_lo = acc_lo * alpha[:, None]
+        acc_hi = acc_hi * alpha[:, None]
+        l_i = l_i * alpha
+        m_i = m_new
+    return acc_lo, acc_hi, l_i, m_i, m_safe
+
+
+@triton.jit
+def attend_k8v4(
+    q_lo, q_hi, kv_desc, table, p_begin, p_end, kh, lo, seq_len, qk_scale_log2, soft_cap,
+    scale_ptr, BLOCK_G: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr, STAGES: tl.constexpr,
+    PPI: tl.constexpr, USE_SOFT_CAP: tl.constexpr, DOT: tl.constexpr, LAZY: tl.constexpr,
+    KH: tl.constexpr, PV_SCALE: tl.constexpr,
+):  # fmt: skip
+    """``helpers.attend`` over the k8v4 cache (cache columns ``kh * D / 2``), ``PPI`` (1, 2 or 4)
+    pages per iteration under one softmax update: (acc_lo, acc_hi) [BLOCK_G, D / 2] fp32
+    unnormalised (the even and odd rotated channels of v, columns in ``v_columns`` order, times
+    ``PV_SCALE``), running max, running sum (base 2): ``int4.attend_int4``'s form, so
+    ``int4.unrotate_store`` finishes it."""
+    col = kh * (D // 2)
+    offs_t = tl.arange(0, PAGE)
+    m_i = tl.full([BLOCK_G], -1e30 if LAZY else float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_G], tl.float32)
+    acc_lo = tl.zeros([BLOCK_G, D // 2], tl.float32)
+    acc_hi = tl.zeros([BLOCK_G, D // 2], tl.float32)
+    n_iter = (p_end - p_begin + PPI - 1) // PPI
+    for it in tl.range(0, n_iter, num_stages=STAGES):
+        p = p_begin + it * PPI
+        s0, v0, z0, vs0 = page_k8v4(
+            q_lo, q_hi, kv_desc, table, p, p_end, col, lo, seq_len, qk_scale_log2, soft_cap,
+            offs_t, scale_ptr, kh, PAGE, D // 2, DOT, USE_SOFT_CAP, KH, PV_SCALE,
+        )  # fmt: skip
+        m_blk = tl.max(s0, axis=1)
+        if PPI >= 2:
+            s1, v1, z1, vs1 = page_k8v4(
+                q_lo, q_hi, kv_desc, table, p + 1, p_end, col, lo, seq_len, qk_scale_log2,
+                soft_cap, offs_t, scale_ptr, kh, PAGE, D // 2, DOT, USE_SOFT_CAP, KH, PV_SCALE,
+            )  # fmt: skip
+            m_blk = tl.maximum(m_blk, tl.max(s1, axis=1))
+        if PPI >= 4:
+            s2, v2, z2, vs2 = page_k8v4(
+                q_lo, q_hi, kv_desc, table, p + 2, p_end, col, lo, seq_len, qk_scale_log2,
+                soft_cap, offs_t, scale_ptr, kh, PAGE, D // 2, DOT, USE_SOFT_CAP, KH, PV_SCALE,
+            )  # fmt: skip
+            s3, v3, z3, vs3 = page_k8v4(
+                q_lo, q_hi, kv_desc, table, p + 3, p_end, col, lo, seq_len, qk_scale_log2,
+                soft_cap, offs_t, scale_ptr, kh, PAGE, D // 2, DOT, USE_SOFT_CAP, KH, PV_SCALE,
+            )  # fmt: skip
+            m_blk = tl.maximum(m_blk, tl.maximum(tl.max(s2, axis=1), tl.max(s3, axis=1)))
+        acc_lo, acc_hi, l_i, m_i, m_safe = _rescale(acc_lo, acc_hi, l_i, m_i, m_blk, LAZY)
+        pr = tl.exp2(s0 - m_safe[:, None])
+        l_i += tl.sum(pr, axis=1)
+        acc_lo, acc_hi = _pv(acc_lo, acc_hi, pr, v0, z0, vs0, DOT)
+        if PPI >= 2:
+            pr = tl.exp2(s1 - m_safe[:, None])
+            l_i += tl.sum(pr, axis=1)
+            acc_lo, acc_hi = _pv(acc_lo, acc_hi, pr, v1, z1, vs1, DOT)
+        if PPI >= 4:
+            pr = tl.exp2(s2 - m_safe[:, None])
+            l_i += tl.sum(pr, axis=1)
+            acc_lo, acc_hi = _pv(acc_lo, acc_hi, pr, v2, z2, vs2, DOT)
+            pr = tl.exp2(s3 - m_safe[:, None])
+            l_i += tl.sum(pr, axis=1)
+            acc_lo, acc_hi = _pv(acc_lo, acc_hi, pr, v3, z3, vs3, DOT)
+    return acc_lo, acc_hi * 0.0625, m_i, l_i
+
+
+@triton.jit
+def store_split_k8v4(
+    acc_lo, acc_hi, m_i, l_i, b, split, heads, g_mask, out_ptr, part_o_ptr, part_lse_ptr,
+    out_scale, rot_ptr, stride_ob, stride_oh, QH: tl.constexpr, D: tl.constexpr,
+    NUM_SPLITS: tl.constexpr, DIRECT: tl.constexpr, DOT: tl.constexpr, RSQRT_B: tl.constexpr,
+):  # fmt: skip
+    """``helpers.store_split`` for ``attend_k8v4``'s accumulators: the output (``DIRECT``) or the
+    split's partial output and its log-sum-exp, un-rotated and with ``out_scale`` applied."""
+    if DIRECT:
+        dst = out_ptr + b * stride_ob + heads * stride_oh
+    else:
+        rows = (b.to(tl.int64) * QH + heads) * NUM_SPLITS + split  # [B, QH, S] row
+        store_lse(m_i, l_i, part_lse_ptr + rows, g_mask)
+        dst = part_o_ptr + rows * D
+    unrotate_store(acc_lo, acc_hi, l_i, out_scale, rot_ptr, dst, g_mask, dst, g_mask,
+                   D, DOT, RSQRT_B, False)  # fmt: skip
