@@ -236,11 +236,9 @@ def test_captured_graphs_match_uncaptured_steps_on_flashinfer(fp8_decode):
 
 
 # per-(token, head) maps on the GPU (sm90, FlashInfer): the global layers in ``mode``, layer 0
-# int8 per (token, head), the other sliding layers bf16. int4: the Triton decode reading the
-# packed codes, prefill on the dequantized scratch. k8v4_per_token_head belongs here too once its
-# GPU write, decode and scratch exist (today no FlashInfer row lists it and the Triton write
-# refuses it: tests/attention/test_k8v4_per_token_head.py); add it to the list then.
-GPU_MAP_MODES = ["int4_per_token_head"]
+# int8 per (token, head), the other sliding layers bf16. int4 / k8v4: the Triton decode reading
+# the packed codes, prefill on the dequantized scratch.
+GPU_MAP_MODES = ["int4_per_token_head", "k8v4_per_token_head"]
 
 
 @pytest.mark.gpu

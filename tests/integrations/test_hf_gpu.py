@@ -79,10 +79,9 @@ def test_gemma3_shaped_on_flashinfer_compiled_equals_eager() -> None:
         assert rep.ops_after["kvq.paged_attention"] == 5
 
 
-# per-(token, head) modes on the global layer (sm90, FlashInfer: int4's Triton decode reading the
-# packed codes, prefill on the dequantized scratch); k8v4_per_token_head joins once its GPU write,
-# decode and scratch exist (today no FlashInfer row lists it: test_k8v4_per_token_head.py).
-GPU_MAP_MODES = ["int4_per_token_head"]
+# per-(token, head) modes on the global layer (sm90, FlashInfer: the Triton decode reading the
+# packed codes, prefill on the dequantized scratch)
+GPU_MAP_MODES = ["int4_per_token_head", "k8v4_per_token_head"]
 
 
 @pytest.mark.parametrize("mode", GPU_MAP_MODES)
