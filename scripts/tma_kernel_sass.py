@@ -81,7 +81,7 @@ def compile_kernel(
 
     code_dtype = {"i8": torch.int8, "u8": torch.uint8}.get(code, torch.float8_e4m3fn)
     pv = 2.0 ** tma.pv_shift(code_dtype, torch.float16, lazy)
-    const = dict(QH=group * 8, G=group, BLOCK_G=max(8 if int4 else 16, triton.next_power_of_2(group)), D=head,
+    const = dict(QH=group * 8, G=group, BLOCK_G=max(8 if packed else 16, triton.next_power_of_2(group)), D=head,
                  PAGE=page, NUM_SPLITS=8, STAGES=stages, PPI=ppi, USE_WINDOW=False,
                  USE_SOFT_CAP=False, DOT=tl.float16, DIRECT=False, LAZY=lazy, SCALES=scales,
                  PV_SCALE=pv if scales else 1.0, INT4=int4, K8V4=k8v4,
@@ -178,8 +178,7 @@ def main() -> None:
             balanced=args.balanced, max_registers=args.max_registers, cache=args.cache,
             page=args.page, align=args.align,
         )  # fmt: skip
-        k8v4 = args.cache.startswith("k8v4")  # as paged_decode_tma: no cap for k8v4
-        if args.balanced and args.max_registers is None and head in BALANCED and not k8v4:
+        if args.balanced and args.max_registers is None and head in BALANCED:
             cfg["max_registers"] = BALANCED[head][1]
         stats, _, sass = sass_stats(compile_kernel(**cfg))
         print(json.dumps({**cfg, **stats}) if args.json else f"{cfg} {stats}")

@@ -297,7 +297,7 @@ def paged_decode_tma(
     if kv_scale is not None:
         pv_scale = float(2 ** pv_shift(kv_cache.dtype, dot_dtype, lazy_rescale))
     common = dict(
-        G=g, BLOCK_G=max(8 if int4 else 16, triton.next_power_of_2(g)), D=d, PAGE=page, STAGES=num_stages,
+        G=g, BLOCK_G=max(8 if packed else 16, triton.next_power_of_2(g)), D=d, PAGE=page, STAGES=num_stages,
         PPI=pages_per_iter, USE_WINDOW=window is not None, USE_SOFT_CAP=bool(soft_cap),
         DOT=DOT_DTYPES[dot_dtype], LAZY=lazy_rescale, SCALES=kv_scale is not None,
         PV_SCALE=pv_scale, INT4=int4, K8V4=k8v4,
@@ -312,9 +312,7 @@ def paged_decode_tma(
         splits, balanced = default_schedule(b, kh, max_seq_len, page, d, sm_count(q.device))
         if balanced is not None and workspace is None:
             programs_per_sm, cap = balanced
-            # k8v4: no cap (its K int8 boxes and V's two accumulators need more registers:
-            # scripts/tma_kernel_sass.py); int4 is spill-free under it (sm90)
-            regs = None if k8v4 else balanced_registers(d, cfg, cap)
+            regs = balanced_registers(d, cfg, cap)  # int4, k8v4 too: spill-free under it (sm90)
             if regs is not None:
                 common.setdefault("maxnreg", regs)
         else:

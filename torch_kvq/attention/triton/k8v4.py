@@ -54,7 +54,8 @@ def page_k8v4(
 ):  # fmt: skip
     """``helpers.page_logits`` for the k8v4 cache: page ``p`` of the run (past ``p_end``: logits
     -inf, page 0 read), boxes [PAGE, W = D / 2] of bytes at rows ``3 * PAGE * page`` (k's slot
-    0), ``+ PAGE`` (slot 1), ``+ 2 * PAGE`` (v). Returns its base-2 logits [BLOCK_G, PAGE], its V
+    0), ``+ PAGE`` (slot 1), ``+ 2 * PAGE`` (v). Returns its base-2 logits transposed, [PAGE,
+    BLOCK_G] (the heads on the MMA's N dimension, as ``int4.page_int4``), its V
     bytes with the columns in ``v_columns`` order, their zero points [PAGE] and v scales times
     ``PV_SCALE`` [PAGE] (0 where masked)."""
     ok = p < p_end
@@ -67,24 +68,24 @@ def page_k8v4(
     scales = scale_ptr + (page.to(tl.int64) * (2 * KH) + kh) * PAGE + offs_t
     k_scale = tl.load(scales)
     v_scale, v_zp = _split_scale(tl.load(scales + KH * PAGE))
-    s = tl.dot(q_hi, tl.trans(widen(k1, DOT)), tl.dot(q_lo, tl.trans(widen(k0, DOT))))
+    s = tl.dot(widen(k1, DOT), tl.trans(q_hi), tl.dot(widen(k0, DOT), tl.trans(q_lo)))
     toks = p * PAGE + offs_t
     live = (toks >= lo) & (toks < seq_len) & ok
-    s = s * (k_scale * qk_scale_log2)[None, :]
+    s = s * (k_scale * qk_scale_log2)[:, None]
     if USE_SOFT_CAP:  # cap * tanh(x / cap), tanh(y) = 1 - 2 / (exp(2y) + 1)
         s = s / _LOG2E
         s = soft_cap * (1.0 - 2.0 / (tl.exp(2.0 * s / soft_cap) + 1.0)) * _LOG2E
     v_scales = tl.where(live, v_scale * PV_SCALE, 0.0)
-    return tl.where(live[None, :], s, float("-inf")), v, v_zp, v_scales
+    return tl.where(live[:, None], s, float("-inf")), v, v_zp, v_scales
 
 
 @triton.jit
 def _pv(acc_lo, acc_hi, pr, v, v_zp, v_scales, DOT: tl.constexpr):
-    """``acc += w @ (v - zp)`` for both halves of V's bytes ``v`` (the high one 16 times the
-    code), ``w = pr * v_scales`` in ``DOT``."""
-    w = (pr * v_scales[None, :]).to(DOT)
+    """``acc += (v - zp)^T @ w`` for both halves of V's bytes ``v`` (the high one 16 times the
+    code), ``w = pr * v_scales`` [PAGE, BLOCK_G] in ``DOT``; acc [D / 2, BLOCK_G]."""
+    w = (pr * v_scales[:, None]).to(DOT)
     v_lo, v_hi = unpack_centred(v, v_zp[:, None], DOT)
-    return tl.dot(w, v_lo, acc_lo), tl.dot(w, v_hi, acc_hi)
+    return tl.dot(tl.trans(v_lo), w, acc_lo), tl.dot(tl.trans(v_hi), w, acc_hi)
 
 
 @triton.jit
@@ -96,16 +97,16 @@ def _rescale(acc_lo, acc_hi, l_i, m_i, m_blk, LAZY: tl.constexpr):
     if LAZY:
         if tl.max(m_new - m_i, axis=0) > 8.0:
             alpha = tl.exp2(m_i - m_new)
-            acc_lo = acc_lo * alpha[:, None]
-            acc_hi = acc_hi * alpha[:, None]
+            acc_lo = acc_lo * alpha[None, :]
+            acc_hi = acc_hi * alpha[None, :]
             l_i = l_i * alpha
             m_i = m_new
         m_safe = m_i
     else:
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
         alpha = tl.exp2(m_i - m_safe)
-        acc_lo = acc_lo * alpha[:, None]
-        acc_hi = acc_hi * alpha[:, None]
+        acc_lo = acc_lo * alpha[None, :]
+        acc_hi = acc_hi * alpha[None, :]
         l_i = l_i * alpha
         m_i = m_new
     return acc_lo, acc_hi, l_i, m_i, m_safe
@@ -127,8 +128,8 @@ def attend_k8v4(
     offs_t = tl.arange(0, PAGE)
     m_i = tl.full([BLOCK_G], -1e30 if LAZY else float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_G], tl.float32)
-    acc_lo = tl.zeros([BLOCK_G, D // 2], tl.float32)
-    acc_hi = tl.zeros([BLOCK_G, D // 2], tl.float32)
+    acc_lo = tl.zeros([D // 2, BLOCK_G], tl.float32)  # transposed, as the logits
+    acc_hi = tl.zeros([D // 2, BLOCK_G], tl.float32)
     n_iter = (p_end - p_begin + PPI - 1) // PPI
     for it in tl.range(0, n_iter, num_stages=STAGES):
         p = p_begin + it * PPI
@@ -136,13 +137,13 @@ def attend_k8v4(
             q_lo, q_hi, kv_desc, table, p, p_end, col, lo, seq_len, qk_scale_log2, soft_cap,
             offs_t, scale_ptr, kh, PAGE, D // 2, DOT, USE_SOFT_CAP, KH, PV_SCALE,
         )  # fmt: skip
-        m_blk = tl.max(s0, axis=1)
+        m_blk = tl.max(s0, axis=0)
         if PPI >= 2:
             s1, v1, z1, vs1 = page_k8v4(
                 q_lo, q_hi, kv_desc, table, p + 1, p_end, col, lo, seq_len, qk_scale_log2,
                 soft_cap, offs_t, scale_ptr, kh, PAGE, D // 2, DOT, USE_SOFT_CAP, KH, PV_SCALE,
             )  # fmt: skip
-            m_blk = tl.maximum(m_blk, tl.max(s1, axis=1))
+            m_blk = tl.maximum(m_blk, tl.max(s1, axis=0))
         if PPI >= 4:
             s2, v2, z2, vs2 = page_k8v4(
                 q_lo, q_hi, kv_desc, table, p + 2, p_end, col, lo, seq_len, qk_scale_log2,
@@ -152,23 +153,23 @@ def attend_k8v4(
                 q_lo, q_hi, kv_desc, table, p + 3, p_end, col, lo, seq_len, qk_scale_log2,
                 soft_cap, offs_t, scale_ptr, kh, PAGE, D // 2, DOT, USE_SOFT_CAP, KH, PV_SCALE,
             )  # fmt: skip
-            m_blk = tl.maximum(m_blk, tl.maximum(tl.max(s2, axis=1), tl.max(s3, axis=1)))
+            m_blk = tl.maximum(m_blk, tl.maximum(tl.max(s2, axis=0), tl.max(s3, axis=0)))
         acc_lo, acc_hi, l_i, m_i, m_safe = _rescale(acc_lo, acc_hi, l_i, m_i, m_blk, LAZY)
-        pr = tl.exp2(s0 - m_safe[:, None])
-        l_i += tl.sum(pr, axis=1)
+        pr = tl.exp2(s0 - m_safe[None, :])
+        l_i += tl.sum(pr, axis=0)
         acc_lo, acc_hi = _pv(acc_lo, acc_hi, pr, v0, z0, vs0, DOT)
         if PPI >= 2:
-            pr = tl.exp2(s1 - m_safe[:, None])
-            l_i += tl.sum(pr, axis=1)
+            pr = tl.exp2(s1 - m_safe[None, :])
+            l_i += tl.sum(pr, axis=0)
             acc_lo, acc_hi = _pv(acc_lo, acc_hi, pr, v1, z1, vs1, DOT)
         if PPI >= 4:
-            pr = tl.exp2(s2 - m_safe[:, None])
-            l_i += tl.sum(pr, axis=1)
+            pr = tl.exp2(s2 - m_safe[None, :])
+            l_i += tl.sum(pr, axis=0)
             acc_lo, acc_hi = _pv(acc_lo, acc_hi, pr, v2, z2, vs2, DOT)
-            pr = tl.exp2(s3 - m_safe[:, None])
-            l_i += tl.sum(pr, axis=1)
+            pr = tl.exp2(s3 - m_safe[None, :])
+            l_i += tl.sum(pr, axis=0)
             acc_lo, acc_hi = _pv(acc_lo, acc_hi, pr, v3, z3, vs3, DOT)
-    return acc_lo, acc_hi * 0.0625, m_i, l_i
+    return tl.trans(acc_lo), tl.trans(acc_hi) * 0.0625, m_i, l_i
 
 
 @triton.jit
