@@ -151,7 +151,7 @@ def unpack_centred(x, zp, DOT: tl.constexpr):
     """Packed bytes ``x`` (uint8) with zero points ``zp`` (fp32, 0..15, broadcastable to x) ->
     (low nibble - zp, 16 * (high nibble - zp)) in ``DOT``, exactly: ``unpack``'s fp16 forms minus
     ``1024 + zp`` and ``1024 + 16 zp`` (``sub.f16x2``, exact: integers below 2048). For V: the
-    offset taken out per element, before the products, not from their fp32 sum (``_pv``)."""
+    offset taken out per element, before the products, not from their fp32 sum (``pv``)."""
     if DOT == tl.float16:
         z_lo = tl.broadcast_to((zp + 1024.0).to(tl.float16), x.shape)
         z_hi = tl.broadcast_to((zp * 16.0 + 1024.0).to(tl.float16), x.shape)
@@ -222,12 +222,37 @@ def page_int4(
 
 
 @triton.jit
-def _pv(acc_lo, acc_hi, pr, v, v_zp, v_scales, DOT: tl.constexpr):
+def pv(acc_lo, acc_hi, pr, v, v_zp, v_scales, DOT: tl.constexpr):
     """``acc += (v - zp)^T @ w`` for both halves of V's bytes ``v`` (the high one 16 times the
     code), ``w = pr * v_scales`` [PAGE, BLOCK_G] in ``DOT``; acc [D / 2, BLOCK_G]."""
     w = (pr * v_scales[:, None]).to(DOT)
     v_lo, v_hi = unpack_centred(v, v_zp[:, None], DOT)
     return tl.dot(tl.trans(v_lo), w, acc_lo), tl.dot(tl.trans(v_hi), w, acc_hi)
+
+
+@triton.jit
+def rescale(acc_lo, acc_hi, l_i, m_i, m_blk, LAZY: tl.constexpr):
+    """The online softmax's update for a block's max ``m_blk`` [BLOCK_G] over the transposed
+    accumulators [D / 2, BLOCK_G]: (acc_lo, acc_hi, l_i, m_i, the max the block's weights are
+    taken against). ``LAZY``: as ``helpers.attend``, the reference max moves only when some
+    head's max grew by more than 8 (base 2)."""
+    m_new = tl.maximum(m_i, m_blk)
+    if LAZY:
+        if tl.max(m_new - m_i, axis=0) > 8.0:
+            alpha = tl.exp2(m_i - m_new)
+            acc_lo = acc_lo * alpha[None, :]
+            acc_hi = acc_hi * alpha[None, :]
+            l_i = l_i * alpha
+            m_i = m_new
+        m_safe = m_i
+    else:
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m_i - m_safe)
+        acc_lo = acc_lo * alpha[None, :]
+        acc_hi = acc_hi * alpha[None, :]
+        l_i = l_i * alpha
+        m_i = m_new
+    return acc_lo, acc_hi, l_i, m_i, m_safe
 
 
 @triton.jit
@@ -276,36 +301,21 @@ def attend_int4(
                 soft_cap, offs_t, scale_ptr, kh, PAGE, D // 2, DOT, USE_SOFT_CAP, KH, PV_SCALE,
             )  # fmt: skip
             m_blk = tl.maximum(m_blk, tl.maximum(tl.max(s2, axis=0), tl.max(s3, axis=0)))
-        m_new = tl.maximum(m_i, m_blk)
-        if LAZY:  # as helpers.attend: the reference max moves only by more than 8 (base 2)
-            if tl.max(m_new - m_i, axis=0) > 8.0:
-                alpha = tl.exp2(m_i - m_new)
-                acc_lo = acc_lo * alpha[None, :]
-                acc_hi = acc_hi * alpha[None, :]
-                l_i = l_i * alpha
-                m_i = m_new
-            m_safe = m_i
-        else:
-            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-            alpha = tl.exp2(m_i - m_safe)
-            acc_lo = acc_lo * alpha[None, :]
-            acc_hi = acc_hi * alpha[None, :]
-            l_i = l_i * alpha
-            m_i = m_new
+        acc_lo, acc_hi, l_i, m_i, m_safe = rescale(acc_lo, acc_hi, l_i, m_i, m_blk, LAZY)
         pr = tl.exp2(s0 - m_safe[None, :])
         l_i += tl.sum(pr, axis=0)
-        acc_lo, acc_hi = _pv(acc_lo, acc_hi, pr, v0, z0, vs0, DOT)
+        acc_lo, acc_hi = pv(acc_lo, acc_hi, pr, v0, z0, vs0, DOT)
         if PPI >= 2:
             pr = tl.exp2(s1 - m_safe[None, :])
             l_i += tl.sum(pr, axis=0)
-            acc_lo, acc_hi = _pv(acc_lo, acc_hi, pr, v1, z1, vs1, DOT)
+            acc_lo, acc_hi = pv(acc_lo, acc_hi, pr, v1, z1, vs1, DOT)
         if PPI >= 4:
             pr = tl.exp2(s2 - m_safe[None, :])
             l_i += tl.sum(pr, axis=0)
-            acc_lo, acc_hi = _pv(acc_lo, acc_hi, pr, v2, z2, vs2, DOT)
+            acc_lo, acc_hi = pv(acc_lo, acc_hi, pr, v2, z2, vs2, DOT)
             pr = tl.exp2(s3 - m_safe[None, :])
             l_i += tl.sum(pr, axis=0)
-            acc_lo, acc_hi = _pv(acc_lo, acc_hi, pr, v3, z3, vs3, DOT)
+            acc_lo, acc_hi = pv(acc_lo, acc_hi, pr, v3, z3, vs3, DOT)
     return tl.trans(acc_lo), tl.trans(acc_hi) * 0.0625, m_i, l_i
 
 

@@ -15,9 +15,10 @@ with the zero point in its 4 low mantissa bits. K is read as the int8 cache is
   per element (``int4.unpack_centred``: ``code - zp`` exact in fp16, before the products; the
   int4 module's docstring says why not after), ``p @ v`` into two accumulators (even and odd
   rotated channels) with the weights times the v scales and ``PV_SCALE``
-  (``int4.int4_pv_shift``: V's codes are int4's);
+  (``int4.int4_pv_shift``: V's codes are int4's); the heads on the MMA's N dimension, as int4's
+  loop (``int4.pv``, ``int4.rescale``: logits [page, heads], accumulators [D / 2, heads]);
 - epilogue (``int4.unrotate_store``): the output un-rotated by U (``int4.rotation_matrices``'
-  second matrix; the first, q's rotation, is not read).
+  matrix; its signs, q's rotation, are not read).
 
 Imports Triton: import only where Triton is installed.
 """
@@ -30,8 +31,9 @@ import triton.language as tl
 from torch_kvq.attention.triton.helpers import _LOG2E, load_q, widen
 from torch_kvq.attention.triton.int4 import (
     _split_scale,
+    pv,
+    rescale,
     store_lse,
-    unpack_centred,
     unrotate_store,
 )
 
@@ -80,39 +82,6 @@ def page_k8v4(
 
 
 @triton.jit
-def _pv(acc_lo, acc_hi, pr, v, v_zp, v_scales, DOT: tl.constexpr):
-    """``acc += (v - zp)^T @ w`` for both halves of V's bytes ``v`` (the high one 16 times the
-    code), ``w = pr * v_scales`` [PAGE, BLOCK_G] in ``DOT``; acc [D / 2, BLOCK_G]."""
-    w = (pr * v_scales[:, None]).to(DOT)
-    v_lo, v_hi = unpack_centred(v, v_zp[:, None], DOT)
-    return tl.dot(tl.trans(v_lo), w, acc_lo), tl.dot(tl.trans(v_hi), w, acc_hi)
-
-
-@triton.jit
-def _rescale(acc_lo, acc_hi, l_i, m_i, m_blk, LAZY: tl.constexpr):
-    """The online softmax's update for a block's max ``m_blk``: (acc_lo, acc_hi, l_i, m_i, the
-    max the block's weights are taken against). ``LAZY``: as ``helpers.attend``, the reference
-    max moves only when some row's max grew by more than 8 (base 2)."""
-    m_new = tl.maximum(m_i, m_blk)
-    if LAZY:
-        if tl.max(m_new - m_i, axis=0) > 8.0:
-            alpha = tl.exp2(m_i - m_new)
-            acc_lo = acc_lo * alpha[None, :]
-            acc_hi = acc_hi * alpha[None, :]
-            l_i = l_i * alpha
-            m_i = m_new
-        m_safe = m_i
-    else:
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp2(m_i - m_safe)
-        acc_lo = acc_lo * alpha[None, :]
-        acc_hi = acc_hi * alpha[None, :]
-        l_i = l_i * alpha
-        m_i = m_new
-    return acc_lo, acc_hi, l_i, m_i, m_safe
-
-
-@triton.jit
 def attend_k8v4(
     q_lo, q_hi, kv_desc, table, p_begin, p_end, kh, lo, seq_len, qk_scale_log2, soft_cap,
     scale_ptr, BLOCK_G: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr, STAGES: tl.constexpr,
@@ -154,21 +123,21 @@ def attend_k8v4(
                 soft_cap, offs_t, scale_ptr, kh, PAGE, D // 2, DOT, USE_SOFT_CAP, KH, PV_SCALE,
             )  # fmt: skip
             m_blk = tl.maximum(m_blk, tl.maximum(tl.max(s2, axis=0), tl.max(s3, axis=0)))
-        acc_lo, acc_hi, l_i, m_i, m_safe = _rescale(acc_lo, acc_hi, l_i, m_i, m_blk, LAZY)
+        acc_lo, acc_hi, l_i, m_i, m_safe = rescale(acc_lo, acc_hi, l_i, m_i, m_blk, LAZY)
         pr = tl.exp2(s0 - m_safe[None, :])
         l_i += tl.sum(pr, axis=0)
-        acc_lo, acc_hi = _pv(acc_lo, acc_hi, pr, v0, z0, vs0, DOT)
+        acc_lo, acc_hi = pv(acc_lo, acc_hi, pr, v0, z0, vs0, DOT)
         if PPI >= 2:
             pr = tl.exp2(s1 - m_safe[None, :])
             l_i += tl.sum(pr, axis=0)
-            acc_lo, acc_hi = _pv(acc_lo, acc_hi, pr, v1, z1, vs1, DOT)
+            acc_lo, acc_hi = pv(acc_lo, acc_hi, pr, v1, z1, vs1, DOT)
         if PPI >= 4:
             pr = tl.exp2(s2 - m_safe[None, :])
             l_i += tl.sum(pr, axis=0)
-            acc_lo, acc_hi = _pv(acc_lo, acc_hi, pr, v2, z2, vs2, DOT)
+            acc_lo, acc_hi = pv(acc_lo, acc_hi, pr, v2, z2, vs2, DOT)
             pr = tl.exp2(s3 - m_safe[None, :])
             l_i += tl.sum(pr, axis=0)
-            acc_lo, acc_hi = _pv(acc_lo, acc_hi, pr, v3, z3, vs3, DOT)
+            acc_lo, acc_hi = pv(acc_lo, acc_hi, pr, v3, z3, vs3, DOT)
     return tl.trans(acc_lo), tl.trans(acc_hi) * 0.0625, m_i, l_i
 
 
