@@ -25,11 +25,14 @@ import matplotlib.pyplot as plt  # noqa: E402
 HERE = Path(__file__).resolve().parent
 BOUND = {"bf16": "tab:blue", "fp8": "black", "int8_per_token_head": "tab:brown",
          "fp8_per_token_head": "tab:pink", "mixed": "tab:olive",
-         "int8_per_token_head-all": "tab:gray", "fp8_per_token_head-all": "tab:cyan"}  # fmt: skip
+         "int8_per_token_head-all": "tab:gray", "fp8_per_token_head-all": "tab:cyan",
+         "int4_per_token_head-all": "tab:green", "int4-recommended": "darkgreen"}  # fmt: skip
 BOUND_NAME = {"bf16": "bf16", "fp8": "FP8", "int8_per_token_head": "int8 per (token, head)",
               "fp8_per_token_head": "FP8 per (token, head)", "mixed": "mode map",
               "int8_per_token_head-all": "int8 per (token, head), every layer",
-              "fp8_per_token_head-all": "FP8 per (token, head), every layer"}  # fmt: skip
+              "fp8_per_token_head-all": "FP8 per (token, head), every layer",
+              "int4_per_token_head-all": "int4 per (token, head), every layer",
+              "int4-recommended": "int4-recommended"}  # fmt: skip
 LABELS = {
     ("bf16", "bf16"): ("all-bf16 KV", "tab:blue"),
     ("fp8", "tc-bf16"): ("FP8 KV, tensor cores, bf16 math (accurate, ~2e-3)", "tab:red"),
@@ -58,6 +61,14 @@ LABELS = {
     ("mixed", "triton"): (
         "per-layer mode map (MIXED in bench_decode_at_scale.py), Triton TMA",
         "tab:olive",
+    ),
+    ("int4_per_token_head-all", "triton"): (
+        "int4 per (token, head) KV on every layer, torch_kvq Triton TMA kernel",
+        "tab:green",
+    ),
+    ("int4-recommended", "triton"): (
+        "int4-recommended map (int4, 8 of 32 layers k8v4), torch_kvq Triton TMA kernel",
+        "darkgreen",
     ),
 }
 
@@ -137,7 +148,9 @@ def main() -> None:
     for ax in axes.flat:
         for h, lab in zip(*ax.get_legend_handles_labels()):
             legend.setdefault(lab, h)
-    fig.tight_layout(rect=(0, 1.4 / (5.2 * len(models) + 1.4), 1, 1))  # 1.4 in for the legend
+    leg_h = 0.3 + 0.17 * -(-len(legend) // 2)  # inches: two columns of 8-point entries
+    fig.set_size_inches(12, 5.2 * len(models) + leg_h)
+    fig.tight_layout(rect=(0, leg_h / (5.2 * len(models) + leg_h), 1, 1))
     fig.legend(list(legend.values()), list(legend), loc="lower center", ncol=2, fontsize=8)
     fig.savefig(dst, dpi=110)
     print(dst)
