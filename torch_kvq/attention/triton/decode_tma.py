@@ -59,7 +59,7 @@ from torch_kvq.attention.triton.int4 import (
     rotation_matrices,
     store_split_int4,
 )
-from torch_kvq.attention.triton.k8v4 import attend_k8v4, q_halves, store_split_k8v4
+from torch_kvq.attention.triton.k8v4 import attend_k8v4, q_halves
 
 
 @triton.jit
@@ -87,27 +87,23 @@ def _decode_pages(
     offs_g = tl.arange(0, BLOCK_G)
     g_mask = offs_g < G
     heads = kh * G + offs_g
-    if K8V4:
-        q_lo, q_hi = q_halves(q_ptr, b, heads, g_mask, stride_qb, stride_qh, D, DOT)
-        acc_lo, acc_hi, m_i, l_i = attend_k8v4(
-            q_lo, q_hi, kv_desc, table, p_begin, p_end, kh, lo, seq_len, qk_scale_log2,
-            soft_cap, kv_scale_ptr, BLOCK_G, D, PAGE, STAGES, PPI, USE_SOFT_CAP, DOT, LAZY,
-            QH // G, PV_SCALE,
-        )  # fmt: skip
-        store_split_k8v4(
-            acc_lo, acc_hi, m_i, l_i, b, split, heads, g_mask, out_ptr, part_o_ptr,
-            part_lse_ptr, out_scale, rot_ptr, stride_ob, stride_oh, QH, D, NUM_SPLITS, DIRECT,
-            DOT, RSQRT_B,
-        )  # fmt: skip
-    elif INT4:
-        q_lo, q_hi = rotate_q(
-            q_ptr, b, heads, g_mask, stride_qb, stride_qh, rot_ptr, BLOCK_G, D, DOT, RSQRT_B
-        )  # fmt: skip
-        acc_lo, acc_hi, m_i, l_i = attend_int4(
-            q_lo, q_hi, kv_desc, table, p_begin, p_end, kh, lo, seq_len, qk_scale_log2,
-            soft_cap, kv_scale_ptr, BLOCK_G, D, PAGE, STAGES, PPI, USE_SOFT_CAP, DOT, LAZY,
-            QH // G, PV_SCALE,
-        )  # fmt: skip
+    if K8V4 or INT4:  # V rotated int4 (k8v4: K int8, q not rotated), un-rotated at the store
+        if K8V4:
+            q_lo, q_hi = q_halves(q_ptr, b, heads, g_mask, stride_qb, stride_qh, D, DOT)
+            acc_lo, acc_hi, m_i, l_i = attend_k8v4(
+                q_lo, q_hi, kv_desc, table, p_begin, p_end, kh, lo, seq_len, qk_scale_log2,
+                soft_cap, kv_scale_ptr, BLOCK_G, D, PAGE, STAGES, PPI, USE_SOFT_CAP, DOT, LAZY,
+                QH // G, PV_SCALE,
+            )  # fmt: skip
+        else:
+            q_lo, q_hi = rotate_q(
+                q_ptr, b, heads, g_mask, stride_qb, stride_qh, rot_ptr, BLOCK_G, D, DOT, RSQRT_B
+            )  # fmt: skip
+            acc_lo, acc_hi, m_i, l_i = attend_int4(
+                q_lo, q_hi, kv_desc, table, p_begin, p_end, kh, lo, seq_len, qk_scale_log2,
+                soft_cap, kv_scale_ptr, BLOCK_G, D, PAGE, STAGES, PPI, USE_SOFT_CAP, DOT, LAZY,
+                QH // G, PV_SCALE,
+            )  # fmt: skip
         store_split_int4(
             acc_lo, acc_hi, m_i, l_i, b, split, heads, g_mask, out_ptr, part_o_ptr,
             part_lse_ptr, out_scale, rot_ptr, stride_ob, stride_oh, QH, D, NUM_SPLITS, DIRECT,

@@ -33,8 +33,6 @@ from torch_kvq.attention.triton.int4 import (
     _split_scale,
     pv,
     rescale,
-    store_lse,
-    unrotate_store,
 )
 
 
@@ -92,7 +90,7 @@ def attend_k8v4(
     pages per iteration under one softmax update: (acc_lo, acc_hi) [BLOCK_G, D / 2] fp32
     unnormalised (the even and odd rotated channels of v, columns in ``v_columns`` order, times
     ``PV_SCALE``), running max, running sum (base 2): ``int4.attend_int4``'s form, so
-    ``int4.unrotate_store`` finishes it."""
+    ``int4.store_split_int4`` (``unrotate_store``) finishes it."""
     col = kh * (D // 2)
     offs_t = tl.arange(0, PAGE)
     m_i = tl.full([BLOCK_G], -1e30 if LAZY else float("-inf"), tl.float32)
@@ -139,21 +137,3 @@ def attend_k8v4(
             l_i += tl.sum(pr, axis=0)
             acc_lo, acc_hi = pv(acc_lo, acc_hi, pr, v3, z3, vs3, DOT)
     return tl.trans(acc_lo), tl.trans(acc_hi) * 0.0625, m_i, l_i
-
-
-@triton.jit
-def store_split_k8v4(
-    acc_lo, acc_hi, m_i, l_i, b, split, heads, g_mask, out_ptr, part_o_ptr, part_lse_ptr,
-    out_scale, rot_ptr, stride_ob, stride_oh, QH: tl.constexpr, D: tl.constexpr,
-    NUM_SPLITS: tl.constexpr, DIRECT: tl.constexpr, DOT: tl.constexpr, RSQRT_B: tl.constexpr,
-):  # fmt: skip
-    """``helpers.store_split`` for ``attend_k8v4``'s accumulators: the output (``DIRECT``) or the
-    split's partial output and its log-sum-exp, un-rotated and with ``out_scale`` applied."""
-    if DIRECT:
-        dst = out_ptr + b * stride_ob + heads * stride_oh
-    else:
-        rows = (b.to(tl.int64) * QH + heads) * NUM_SPLITS + split  # [B, QH, S] row
-        store_lse(m_i, l_i, part_lse_ptr + rows, g_mask)
-        dst = part_o_ptr + rows * D
-    unrotate_store(acc_lo, acc_hi, l_i, out_scale, rot_ptr, dst, g_mask, dst, g_mask,
-                   D, DOT, RSQRT_B, False)  # fmt: skip
