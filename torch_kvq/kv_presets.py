@@ -7,10 +7,12 @@ window layers keep the model dtype (small at long context, and their keys cost a
 layers cost most is a measurement per model, not a position: on SmolLM2-135M they are spread
 through the stack and the first and last layers are among the cheapest. The rule: a layer whose
 perplexity delta with only that layer in rotated int4 exceeds 0.3% (for the shipped models
-measured by ``benchmarks/int4_study.py``'s per-layer sweep; for another model ``kvq accuracy
---mode int4_per_token_head --threshold-pct 0.3`` measures the same thing: the layers it would
-keep). ``KVPreset.measured`` holds them for the shipped models; another model passes its own
-(``sensitive_layers``), and without them the preset raises rather than guess.
+measured by ``benchmarks/int4_study.py``'s per-layer sweep, the resulting maps checked with
+``kvq eval``; for another model ``kvq accuracy --mode int4_per_token_head --threshold-pct 0.3``
+lists candidates, whose map wants the same check: single-layer deltas near the threshold are of
+the order of the noise between text slices). ``KVPreset.measured`` holds them for the shipped
+models; another model passes its own (``sensitive_layers``), and without them the preset raises
+rather than guess.
 """
 
 from __future__ import annotations
@@ -65,7 +67,8 @@ def kv_preset(
             raise ValueError(
                 f"KV preset {name!r} has no measured layers for model {model!r} (measured: "
                 f"{sorted(preset.measured)}); measure them with `{preset.how_to_measure}` and "
-                "pass sensitive_layers= (the layers it keeps in the model dtype)"
+                "pass sensitive_layers= (the layers it keeps in the model dtype; check the map "
+                "with kvq eval)"
             )
         sensitive_layers = preset.measured[model]
     sensitive = tuple((int(i), preset.sensitive_mode) for i in sensitive_layers)
