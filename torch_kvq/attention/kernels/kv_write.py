@@ -422,19 +422,18 @@ def write_kv_per_token_head_triton(
     ``launch_int4_write``. k8v4: two launches, k by the int8 program (``SPLIT_K``: its codes'
     bytes over slots 0 and 1), v by the int4 one (``v_only``: slot 2)."""
     k_fmt, v_fmt = kv_formats(mode)
-    code_dtype, qmax = per_token_head_format(k_fmt, rounding)
-    kernel = _triton_kernel("kv_write_int4_kernel" if k_fmt == "int4" else
-                            "kv_write_per_token_head_kernel")  # fmt: skip
     int4_kernel = _triton_kernel("kv_write_int4_kernel") if v_fmt == "int4" else None
+    kernel = None if k_fmt == "int4" else _triton_kernel("kv_write_per_token_head_kernel")
     t, kh, d = k.shape
     if t == 0:
         return
     # x / scale (int4: -lo / scale): a tensor divisor
     require_correct_tensor_division(kv_cache.device, "the per-(token, head) cache write")
-    if int4_kernel is not None:
+    if int4_kernel is not None:  # int4: k and v; k8v4: v alone, into slot 2
         launch_int4_write(int4_kernel, kv_cache, kv_scale, k, v, slot_mapping, k_fmt != "int4")
-    if k_fmt == "int4":
+    if kernel is None:
         return
+    code_dtype, qmax = per_token_head_format(k_fmt, rounding)
     division = aten_scalar_division(kv_cache.device)  # absmax / QMAX: a Python-float divisor
     block_h, block_d = _next_pow2(kh), _next_pow2(d)
     # a program quantizes WRITE_ROW_ELEMENTS values of k (and of v): several tokens when heads are

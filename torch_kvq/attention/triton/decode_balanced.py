@@ -34,12 +34,10 @@ from torch_kvq.attention.triton.helpers import (
     store_part,
 )
 from torch_kvq.attention.triton.int4 import (
-    attend_int4,
-    rotate_q,
     store_lse,
     unrotate_store,
 )
-from torch_kvq.attention.triton.k8v4 import attend_k8v4, q_halves
+from torch_kvq.attention.triton.k8v4 import attend_4bit
 
 
 @triton.jit
@@ -118,23 +116,12 @@ def _decode_balanced(
         whole = (start == pair_start) & (seg_end == pair_start + nb)
         rows = (pid * 2 + tl.where(start == first, 0, 1)) * G + offs_g  # [P, 2, G] row
         if INT4 or K8V4:
-            if K8V4:
-                q_lo, q_hi = q_halves(q_ptr, b, heads, g_mask, stride_qb, stride_qh, D, DOT)
-                acc_lo, acc_hi, m_i, l_i = attend_k8v4(
-                    q_lo, q_hi, kv_desc, table, p0, p0 + seg_end - start, kh, lo, seq_len,
-                    qk_scale_log2, soft_cap, kv_scale_ptr, BLOCK_G, D, PAGE, STAGES, PPI,
-                    USE_SOFT_CAP, DOT, LAZY, KH, PV_SCALE,
-                )  # fmt: skip
-            else:
-                q_lo, q_hi = rotate_q(
-                    q_ptr, b, heads, g_mask, stride_qb, stride_qh, rot_ptr, BLOCK_G, D, DOT,
-                    RSQRT_B,
-                )  # fmt: skip
-                acc_lo, acc_hi, m_i, l_i = attend_int4(
-                    q_lo, q_hi, kv_desc, table, p0, p0 + seg_end - start, kh, lo, seq_len,
-                    qk_scale_log2, soft_cap, kv_scale_ptr, BLOCK_G, D, PAGE, STAGES, PPI,
-                    USE_SOFT_CAP, DOT, LAZY, KH, PV_SCALE,
-                )  # fmt: skip
+            acc_lo, acc_hi, m_i, l_i = attend_4bit(
+                q_ptr, b, heads, g_mask, stride_qb, stride_qh, rot_ptr, kv_desc, table, p0,
+                p0 + seg_end - start, kh, lo, seq_len, qk_scale_log2, soft_cap, kv_scale_ptr,
+                BLOCK_G, D, PAGE, STAGES, PPI, USE_SOFT_CAP, DOT, LAZY, KH, PV_SCALE, RSQRT_B,
+                K8V4,
+            )  # fmt: skip
             store_lse(m_i, l_i, part_lse_ptr + rows, g_mask & ~whole)
             dst = out_ptr + b * stride_ob + heads * stride_oh
             unrotate_store(

@@ -53,13 +53,11 @@ from torch_kvq.attention.triton.helpers import (
     store_split,
 )
 from torch_kvq.attention.triton.int4 import (
-    attend_int4,
     int4_pv_shift,
-    rotate_q,
     rotation_matrices,
     store_split_int4,
 )
-from torch_kvq.attention.triton.k8v4 import attend_k8v4, q_halves
+from torch_kvq.attention.triton.k8v4 import attend_4bit
 
 
 @triton.jit
@@ -88,22 +86,11 @@ def _decode_pages(
     g_mask = offs_g < G
     heads = kh * G + offs_g
     if K8V4 or INT4:  # V rotated int4 (k8v4: K int8, q not rotated), un-rotated at the store
-        if K8V4:
-            q_lo, q_hi = q_halves(q_ptr, b, heads, g_mask, stride_qb, stride_qh, D, DOT)
-            acc_lo, acc_hi, m_i, l_i = attend_k8v4(
-                q_lo, q_hi, kv_desc, table, p_begin, p_end, kh, lo, seq_len, qk_scale_log2,
-                soft_cap, kv_scale_ptr, BLOCK_G, D, PAGE, STAGES, PPI, USE_SOFT_CAP, DOT, LAZY,
-                QH // G, PV_SCALE,
-            )  # fmt: skip
-        else:
-            q_lo, q_hi = rotate_q(
-                q_ptr, b, heads, g_mask, stride_qb, stride_qh, rot_ptr, BLOCK_G, D, DOT, RSQRT_B
-            )  # fmt: skip
-            acc_lo, acc_hi, m_i, l_i = attend_int4(
-                q_lo, q_hi, kv_desc, table, p_begin, p_end, kh, lo, seq_len, qk_scale_log2,
-                soft_cap, kv_scale_ptr, BLOCK_G, D, PAGE, STAGES, PPI, USE_SOFT_CAP, DOT, LAZY,
-                QH // G, PV_SCALE,
-            )  # fmt: skip
+        acc_lo, acc_hi, m_i, l_i = attend_4bit(
+            q_ptr, b, heads, g_mask, stride_qb, stride_qh, rot_ptr, kv_desc, table, p_begin,
+            p_end, kh, lo, seq_len, qk_scale_log2, soft_cap, kv_scale_ptr, BLOCK_G, D, PAGE,
+            STAGES, PPI, USE_SOFT_CAP, DOT, LAZY, QH // G, PV_SCALE, RSQRT_B, K8V4,
+        )  # fmt: skip
         store_split_int4(
             acc_lo, acc_hi, m_i, l_i, b, split, heads, g_mask, out_ptr, part_o_ptr,
             part_lse_ptr, out_scale, rot_ptr, stride_ob, stride_oh, QH, D, NUM_SPLITS, DIRECT,

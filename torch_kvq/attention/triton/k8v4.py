@@ -31,8 +31,10 @@ import triton.language as tl
 from torch_kvq.attention.triton.helpers import _LOG2E, load_q, widen
 from torch_kvq.attention.triton.int4 import (
     _split_scale,
+    attend_int4,
     pv,
     rescale,
+    rotate_q,
 )
 
 
@@ -137,3 +139,32 @@ def attend_k8v4(
             l_i += tl.sum(pr, axis=0)
             acc_lo, acc_hi = pv(acc_lo, acc_hi, pr, v3, z3, vs3, DOT)
     return tl.trans(acc_lo), tl.trans(acc_hi) * 0.0625, m_i, l_i
+
+
+@triton.jit
+def attend_4bit(
+    q_ptr, b, heads, g_mask, stride_qb, stride_qh, rot_ptr, kv_desc, table, p_begin, p_end, kh,
+    lo, seq_len, qk_scale_log2, soft_cap, scale_ptr, BLOCK_G: tl.constexpr, D: tl.constexpr,
+    PAGE: tl.constexpr, STAGES: tl.constexpr, PPI: tl.constexpr, USE_SOFT_CAP: tl.constexpr,
+    DOT: tl.constexpr, LAZY: tl.constexpr, KH: tl.constexpr, PV_SCALE: tl.constexpr,
+    RSQRT_B: tl.constexpr, K8V4: tl.constexpr,
+):  # fmt: skip
+    """q of ``heads`` of sequence ``b`` in the cache's basis, then the page loop, for either
+    4-bit cache (the split grid's and the balanced schedule's): ``K8V4`` q's halves and
+    ``attend_k8v4``, else q rotated (``int4.rotate_q``) and ``int4.attend_int4``. Returns their
+    (acc_lo, acc_hi, m_i, l_i), which ``int4.unrotate_store`` finishes."""
+    if K8V4:
+        q_lo, q_hi = q_halves(q_ptr, b, heads, g_mask, stride_qb, stride_qh, D, DOT)
+        acc_lo, acc_hi, m_i, l_i = attend_k8v4(
+            q_lo, q_hi, kv_desc, table, p_begin, p_end, kh, lo, seq_len, qk_scale_log2, soft_cap,
+            scale_ptr, BLOCK_G, D, PAGE, STAGES, PPI, USE_SOFT_CAP, DOT, LAZY, KH, PV_SCALE,
+        )  # fmt: skip
+    else:
+        q_lo, q_hi = rotate_q(
+            q_ptr, b, heads, g_mask, stride_qb, stride_qh, rot_ptr, BLOCK_G, D, DOT, RSQRT_B
+        )  # fmt: skip
+        acc_lo, acc_hi, m_i, l_i = attend_int4(
+            q_lo, q_hi, kv_desc, table, p_begin, p_end, kh, lo, seq_len, qk_scale_log2, soft_cap,
+            scale_ptr, BLOCK_G, D, PAGE, STAGES, PPI, USE_SOFT_CAP, DOT, LAZY, KH, PV_SCALE,
+        )  # fmt: skip
+    return acc_lo, acc_hi, m_i, l_i
