@@ -24,7 +24,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 CONFIGS = [(1, s, p, lazy) for s, p, lazy in itertools.product((4, 6, 8), (1, 2), (True, False))]
 KEYS = ("num_warps", "num_stages", "pages_per_iter", "lazy_rescale", "max_registers", "num_splits")
-CACHES = ("fp8_per_tensor", "int8_per_token_head", "fp8_per_token_head", "int4_per_token_head")
+CACHES = ("fp8_per_tensor", "int8_per_token_head", "fp8_per_token_head", "int4_per_token_head",
+          "k8v4_per_token_head")  # fmt: skip
 
 
 def sweep_shape(
@@ -45,7 +46,7 @@ def sweep_shape(
     caches = {}
     if "fp8_per_tensor" in names:
         caches["fp8_per_tensor"] = (c.cache8, None, K_SCALE, V_SCALE, c.kv_bytes)
-    for mode in ("int8", "fp8", "int4"):
+    for mode in ("int8", "fp8", "int4", "k8v4"):
         if f"{mode}_per_token_head" in names:
             codes, scales = c.per_token_head(mode)
             nbytes = getattr(c, f"bytes_{mode}")
