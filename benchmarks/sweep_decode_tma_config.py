@@ -72,7 +72,8 @@ def sweep_shape(
     for (name, cfg), ts in times.items():
         ms = statistics.median(ts)
         pct = 100 * caches[name][4] / (ms * 1e-3) / 1e9 / copy_gbps
-        default = {**tuned(c.d), "max_registers": None, "num_splits": None}
+        kind = {"int4_per_token_head": "int4", "k8v4_per_token_head": "k8v4"}.get(name, "codes")
+        default = {**tuned(c.d, kind), "max_registers": None, "num_splits": None}
         mark = " (tuned)" if dict(zip(KEYS, cfg)) == default else ""
         print(
             f"{shape} {name} {dict(zip(KEYS, cfg))}: {ms:.4f} ms {pct:.1f}% copy{mark}", flush=True

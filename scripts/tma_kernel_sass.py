@@ -149,7 +149,7 @@ def sass_stats(kernel) -> tuple[dict[str, int], list[str], str]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--head", type=int, help="head size (default: every TUNED one)")
+    ap.add_argument("--head", type=int, help="head size (default: every TUNED one of the cache)")
     ap.add_argument(
         "--group", type=int, help="query heads per kv head (Gemma's 2 at head 256, else 4)"
     )
@@ -170,8 +170,9 @@ def main() -> None:
     args = ap.parse_args()
     from torch_kvq.attention.triton.decode_tma import BALANCED, TUNED
 
-    for head in [args.head] if args.head else sorted(TUNED):
-        warps, stages, ppi, lazy = TUNED.get(head, TUNED[128])
+    kind = {"int4_per_token_head": "int4", "k8v4_per_token_head": "k8v4"}.get(args.cache, "codes")
+    for head in [args.head] if args.head else sorted(TUNED[kind]):
+        warps, stages, ppi, lazy = TUNED[kind].get(head, TUNED[kind][128])
         cfg = dict(
             head=head, group=args.group or (2 if head == 256 else 4), ppi=args.ppi or ppi, stages=args.stages or stages,
             warps=args.warps or warps, lazy=lazy if args.lazy is None else args.lazy,

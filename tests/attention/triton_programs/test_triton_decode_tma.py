@@ -79,6 +79,13 @@ def test_default_splits_and_tuned_configs() -> None:
     assert tma.default_num_splits(1, 1, 2**20, 16, sms=132) == 64  # capped
     assert tma.tuned(128) == dict(num_warps=1, num_stages=6, pages_per_iter=1, lazy_rescale=True)
     assert tma.tuned(256)["pages_per_iter"] == 1 and tma.tuned(64) == tma.tuned(128)
+    assert tma.tuned(128, "k8v4")["num_stages"] == 4
+    assert tma.tuned(64, "int4") == tma.tuned(128, "int4")
+    with pytest.raises(ValueError, match="cache kind 'int3'"):
+        tma.tuned(128, "int3")
+    kinds = [tma.cache_kind(torch.empty(1, slots, 16, 1, 64, dtype=dt))
+             for dt, slots in ((torch.uint8, 2), (torch.uint8, 3), (torch.int8, 2), (FP8_DTYPE, 2))]  # fmt: skip
+    assert kinds == ["int4", "k8v4", "codes", "codes"]
 
 
 def test_unset_config_takes_tuned_and_only_tuned_gets_the_register_cap() -> None:
@@ -93,6 +100,11 @@ def test_unset_config_takes_tuned_and_only_tuned_gets_the_register_cap() -> None
     cap = tma.BALANCED[128][1]
     assert tma.balanced_registers(128, tma.resolve_config(128), cap) == cap
     assert tma.balanced_registers(128, got, cap) is None
+    # per page loop: k8v4's tuned config is not the 8-bit caches', and the cap follows it
+    k8v4 = tma.resolve_config(128, "k8v4")
+    assert k8v4 == tma.tuned(128, "k8v4") != tma.tuned(128)
+    assert tma.balanced_registers(128, k8v4, cap, "k8v4") == cap
+    assert tma.balanced_registers(128, k8v4, cap) is None
 
 
 def test_interpreter_defaults_run_the_tuned_config(interp) -> None:

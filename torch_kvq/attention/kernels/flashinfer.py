@@ -458,7 +458,6 @@ class FlashInferKernel:
                 q, kv_cache, t.block_tables, t.seq_lens, k_scale, v_scale, spec.sm_scale,
                 max_seq_len=t.max_seq_len, window=spec.sliding_window,
                 soft_cap=spec.logits_soft_cap or None, dot_dtype=key.q_dtype, kv_scale=kv_scale,
-                **tma.tuned(spec.head_size),
             )  # fmt: skip
         out = torch.empty(q.shape, dtype=key.o_dtype, device=q.device)
         if key.kernel == "compact-prefill":  # the batch's pages, dequantized, in table order

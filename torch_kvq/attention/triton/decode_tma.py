@@ -127,10 +127,15 @@ def default_schedule(
     return splits, BALANCED.get(head_size) if splits <= 2 else None
 
 
-# (warps, stages, pages per iteration, lazy rescale) per head size: the fastest measured on an
-# H200 (docs/design/fp8_decode_paths.md). One warp per program beats two and four on both head sizes;
-# the lazy rescale helps at head 128 and not at head 256.
-TUNED = {128: (1, 6, 1, True), 256: (1, 6, 1, False)}
+# (warps, stages, pages per iteration, lazy rescale) per page loop (``cache_kind``) and head size:
+# the fastest measured on an H200 (docs/design/fp8_decode_paths.md; the 4-bit caches:
+# docs/design/int4-branch.md). One warp per program beats two and four on both head sizes; the
+# lazy rescale helps at head 128 and not at head 256. Head sizes not listed take head 128's.
+TUNED = {
+    "codes": {128: (1, 6, 1, True), 256: (1, 6, 1, False)},
+    "int4": {128: (1, 6, 1, True), 256: (1, 6, 1, False)},
+    "k8v4": {128: (1, 4, 1, True), 256: (1, 6, 1, False)},
+}
 # (programs per SM, max registers) of the balanced schedule (``decode_balanced``), taken
 # when ``num_splits`` and ``programs_per_sm`` are both None, no workspace is given and the split
 # grid would have 1 or 2 splits: there it measured faster at head 128 (Llama); with more splits,
@@ -154,24 +159,38 @@ def pv_shift(cache_dtype: torch.dtype, dot_dtype: torch.dtype, lazy: bool) -> in
     return (4 if lazy else 8) + (0 if cache_dtype == torch.int8 else 2)
 
 
-def tuned(head_size: int) -> dict[str, int | bool]:
-    """``paged_decode_tma`` keyword arguments measured best for ``head_size`` (head sizes not
-    measured take head 128's)."""
-    warps, stages, ppi, lazy = TUNED.get(head_size, TUNED[128])
+def cache_kind(kv_cache: torch.Tensor) -> str:
+    """The page loop that reads ``kv_cache``, ``TUNED``'s key: "int4" (uint8, 2 slots), "k8v4"
+    (uint8, 3 slots), else "codes" (one code or value per element: FP8, bf16 / fp16, int8)."""
+    if kv_cache.dtype != torch.uint8:
+        return "codes"
+    return "k8v4" if kv_cache.shape[1] == 3 else "int4"
+
+
+def tuned(head_size: int, kind: str = "codes") -> dict[str, int | bool]:
+    """``paged_decode_tma`` keyword arguments measured best for ``head_size`` on a cache of
+    ``kind`` (``cache_kind``)."""
+    if kind not in TUNED:
+        raise ValueError(f"tuned: cache kind {kind!r}; expected one of {sorted(TUNED)}")
+    warps, stages, ppi, lazy = TUNED[kind].get(head_size, TUNED[kind][128])
     return dict(num_warps=warps, num_stages=stages, pages_per_iter=ppi, lazy_rescale=lazy)
 
 
-def resolve_config(head_size: int, **given: int | bool | None) -> dict[str, int | bool]:
-    """``tuned(head_size)`` with each argument ``given`` as not None in its place."""
-    return {**tuned(head_size), **{k: v for k, v in given.items() if v is not None}}
+def resolve_config(
+    head_size: int, kind: str = "codes", **given: int | bool | None
+) -> dict[str, int | bool]:
+    """``tuned(head_size, kind)`` with each argument ``given`` as not None in its place."""
+    return {**tuned(head_size, kind), **{k: v for k, v in given.items() if v is not None}}
 
 
-def balanced_registers(head_size: int, cfg: dict[str, int | bool], cap: int | None) -> int | None:
+def balanced_registers(
+    head_size: int, cfg: dict[str, int | bool], cap: int | None, kind: str = "codes"
+) -> int | None:
     """The register cap for the balanced schedule chosen by ``BALANCED``: its ``cap`` only at
-    ``tuned(head_size)``, the configuration measured (and compiled spill-free) under it; None
-    (Triton's choice) for any other. Under the cap, other configurations can spill registers
-    (scripts/tma_kernel_sass.py) and run several times slower."""
-    return cap if cfg == tuned(head_size) else None
+    ``tuned(head_size, kind)``, the configuration measured (and compiled spill-free) under it;
+    None (Triton's choice) for any other. Under the cap, other configurations can spill
+    registers (scripts/tma_kernel_sass.py) and run several times slower."""
+    return cap if cfg == tuned(head_size, kind) else None
 
 
 def paged_decode_tma(
@@ -218,9 +237,9 @@ def paged_decode_tma(
     each (K and V), all under one online-softmax update. ``lazy_rescale``: move the softmax
     reference max only when some row's max logit grew by more than 8 in base 2, so the softmax
     weights stay <= 2^8 (FlashAttention-4's trick). ``num_warps``, ``num_stages``,
-    ``pages_per_iter``, ``lazy_rescale``: None takes ``tuned(D)``'s. ``programs_per_sm``: the
-    balanced schedule (``decode_balanced``) with that many programs per SM (at most as
-    many as fit) instead of the split grid; then ``num_splits`` must be None and ``workspace``
+    ``pages_per_iter``, ``lazy_rescale``: None takes ``tuned(D, cache_kind(kv_cache))``'s.
+    ``programs_per_sm``: the balanced schedule (``decode_balanced``) with that many programs per
+    SM (at most as many as fit) instead of the split grid; then ``num_splits`` must be None and ``workspace``
     is (partial out [P, 2, QH / KH, D], lse [P, 2, QH / KH]) fp32 for P =
     ``balanced_programs(...)``. With both None and no workspace the schedule is chosen by
     ``BALANCED``. ``max_registers``: Triton's ``maxnreg`` (per thread), to hold more programs
@@ -262,8 +281,9 @@ def paged_decode_tma(
             "a contiguous last dim"
         )
     check_scales(kv_cache, kv_scale, k_scale, v_scale)
+    kind = cache_kind(kv_cache)
     cfg = resolve_config(
-        d, num_warps=num_warps, num_stages=num_stages, pages_per_iter=pages_per_iter,
+        d, kind, num_warps=num_warps, num_stages=num_stages, pages_per_iter=pages_per_iter,
         lazy_rescale=lazy_rescale,
     )  # fmt: skip
     num_warps, num_stages = cfg["num_warps"], cfg["num_stages"]
@@ -295,7 +315,7 @@ def paged_decode_tma(
         splits, balanced = default_schedule(b, kh, max_seq_len, page, d, sm_count(q.device))
         if balanced is not None and workspace is None:
             programs_per_sm, cap = balanced
-            regs = balanced_registers(d, cfg, cap)  # int4, k8v4 too: spill-free under it (sm90)
+            regs = balanced_registers(d, cfg, cap, kind)  # 4-bit too: spill-free under it (sm90)
             if regs is not None:
                 common.setdefault("maxnreg", regs)
         else:
