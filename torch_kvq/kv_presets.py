@@ -2,8 +2,9 @@
 
 ``int4-recommended`` is the recommended 4-bit map (docs/accuracy.md, "The recommended 4-bit
 map"): ``int4_per_token_head`` on every full-attention layer but the ones where 4-bit keys cost
-the model most, which get ``k8v4_per_token_head`` (k int8, v int4: the cost is in k); sliding-
-window layers keep the model dtype (small at long context, and their keys cost as much). Which
+the model most, which get ``k8v4_per_token_head`` (k int8, v int4: the perplexity cost is in k;
+greedy agreement loses more to v's 4 bits, docs/accuracy.md); sliding-window layers keep the
+model dtype (small at long context, and their keys cost as much). Which
 layers cost most is a measurement per model, not a position: on SmolLM2-135M they are spread
 through the stack and the first and last layers are among the cheapest. The rule: a layer whose
 perplexity delta with only that layer in rotated int4 exceeds 0.3% (for the shipped models
