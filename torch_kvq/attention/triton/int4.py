@@ -12,7 +12,7 @@ Attention in the model's basis needs no per-key pass: ``q . k = (R q) . (R k)`` 
   (the nibbles' channels): the signs and the Walsh-Hadamard butterfly in fp32 on a loaded tile,
   times fp32 ``b ** -0.5``, rounded once to the dot dtype; and ``sum(q)`` of each half as
   [BLOCK_G, PAGE] products with ones, so that they sit in the logits' layout;
-- per page (``page_int4``): one TMA box [page, D / 2] of bytes each for K and V; the nibbles go
+- per page (``page_int4``, in ``k8v4.attend_packed``'s loop): one TMA box [page, D / 2] of bytes each for K and V; the nibbles go
   to fp16 by the exponent trick with no arithmetic (``unpack``: ``(byte & 0xF) | 0x6400`` as fp16
   is ``1024 + code``, ``(byte & 0xF0) | 0x6400`` is ``1024 + 16 * code``; compiled, two byte
   permutes and four ``lop3`` per eight codes); the offsets and the zero points come out per row
@@ -253,70 +253,6 @@ def rescale(acc_lo, acc_hi, l_i, m_i, m_blk, LAZY: tl.constexpr):
         l_i = l_i * alpha
         m_i = m_new
     return acc_lo, acc_hi, l_i, m_i, m_safe
-
-
-@triton.jit
-def attend_int4(
-    q_lo, q_hi, kv_desc, table, p_begin, p_end, kh, lo, seq_len, qk_scale_log2, soft_cap,
-    scale_ptr, BLOCK_G: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr, STAGES: tl.constexpr,
-    PPI: tl.constexpr, USE_SOFT_CAP: tl.constexpr, DOT: tl.constexpr, LAZY: tl.constexpr,
-    KH: tl.constexpr, PV_SCALE: tl.constexpr,
-):  # fmt: skip
-    """``helpers.attend`` over the int4 cache (cache columns ``kh * D / 2``): (acc_lo, acc_hi)
-    [BLOCK_G, D / 2] fp32 unnormalised (the even and odd rotated channels, columns in
-    ``v_columns`` order, times ``PV_SCALE``), running max, running sum (base 2)."""
-    col = kh * (D // 2)
-    offs_t = tl.arange(0, PAGE)
-    m_i = tl.full([BLOCK_G], -1e30 if LAZY else float("-inf"), tl.float32)
-    l_i = tl.zeros([BLOCK_G], tl.float32)
-    acc_lo = tl.zeros([D // 2, BLOCK_G], tl.float32)  # transposed, as the logits
-    acc_hi = tl.zeros([D // 2, BLOCK_G], tl.float32)
-    a = offset(DOT)
-    ones = tl.full([PAGE, D // 2], 1.0, DOT)
-    sum_lo = tl.dot(ones, tl.trans(q_lo))  # [PAGE, BLOCK_G], each column a head's sum
-    sum_hi = tl.dot(ones, tl.trans(q_hi))
-    q_sum = sum_lo + sum_hi
-    q_off = a * (sum_lo + sum_hi * 0.0625)
-    n_iter = (p_end - p_begin + PPI - 1) // PPI
-    for it in tl.range(0, n_iter, num_stages=STAGES):
-        p = p_begin + it * PPI
-        s0, v0, z0, vs0 = page_int4(
-            q_lo, q_hi, q_off, q_sum, kv_desc, table, p, p_end, col, lo, seq_len, qk_scale_log2, soft_cap,
-            offs_t, scale_ptr, kh, PAGE, D // 2, DOT, USE_SOFT_CAP, KH, PV_SCALE,
-        )  # fmt: skip
-        m_blk = tl.max(s0, axis=0)
-        if PPI >= 2:
-            s1, v1, z1, vs1 = page_int4(
-                q_lo, q_hi, q_off, q_sum, kv_desc, table, p + 1, p_end, col, lo, seq_len, qk_scale_log2,
-                soft_cap, offs_t, scale_ptr, kh, PAGE, D // 2, DOT, USE_SOFT_CAP, KH, PV_SCALE,
-            )  # fmt: skip
-            m_blk = tl.maximum(m_blk, tl.max(s1, axis=0))
-        if PPI >= 4:
-            s2, v2, z2, vs2 = page_int4(
-                q_lo, q_hi, q_off, q_sum, kv_desc, table, p + 2, p_end, col, lo, seq_len, qk_scale_log2,
-                soft_cap, offs_t, scale_ptr, kh, PAGE, D // 2, DOT, USE_SOFT_CAP, KH, PV_SCALE,
-            )  # fmt: skip
-            s3, v3, z3, vs3 = page_int4(
-                q_lo, q_hi, q_off, q_sum, kv_desc, table, p + 3, p_end, col, lo, seq_len, qk_scale_log2,
-                soft_cap, offs_t, scale_ptr, kh, PAGE, D // 2, DOT, USE_SOFT_CAP, KH, PV_SCALE,
-            )  # fmt: skip
-            m_blk = tl.maximum(m_blk, tl.maximum(tl.max(s2, axis=0), tl.max(s3, axis=0)))
-        acc_lo, acc_hi, l_i, m_i, m_safe = rescale(acc_lo, acc_hi, l_i, m_i, m_blk, LAZY)
-        pr = tl.exp2(s0 - m_safe[None, :])
-        l_i += tl.sum(pr, axis=0)
-        acc_lo, acc_hi = pv(acc_lo, acc_hi, pr, v0, z0, vs0, DOT)
-        if PPI >= 2:
-            pr = tl.exp2(s1 - m_safe[None, :])
-            l_i += tl.sum(pr, axis=0)
-            acc_lo, acc_hi = pv(acc_lo, acc_hi, pr, v1, z1, vs1, DOT)
-        if PPI >= 4:
-            pr = tl.exp2(s2 - m_safe[None, :])
-            l_i += tl.sum(pr, axis=0)
-            acc_lo, acc_hi = pv(acc_lo, acc_hi, pr, v2, z2, vs2, DOT)
-            pr = tl.exp2(s3 - m_safe[None, :])
-            l_i += tl.sum(pr, axis=0)
-            acc_lo, acc_hi = pv(acc_lo, acc_hi, pr, v3, z3, vs3, DOT)
-    return tl.trans(acc_lo), tl.trans(acc_hi) * 0.0625, m_i, l_i
 
 
 @triton.jit

@@ -1,5 +1,6 @@
 """Device code of the TMA decode over a ``k8v4_per_token_head`` cache, read in place
-(``decode_tma`` and ``decode_balanced`` call it where ``K8V4``).
+(``decode_tma`` and ``decode_balanced`` call it where ``K8V4``), and the page loop of both 4-bit
+caches (``attend_packed``: int4's pages or k8v4's, one loop).
 
 The cache (``quant``'s k8v4 section): uint8 [P, 3, page, KH, D / 2], slots 0 and 1 k's int8
 codes as bytes (channels 0..D/2-1 and D/2..D-1), slot 2 v's packed int4 codes (rotated,
@@ -31,7 +32,8 @@ import triton.language as tl
 from torch_kvq.attention.triton.helpers import _LOG2E, load_q, widen
 from torch_kvq.attention.triton.int4 import (
     _split_scale,
-    attend_int4,
+    offset,
+    page_int4,
     pv,
     rescale,
     rotate_q,
@@ -82,45 +84,78 @@ def page_k8v4(
 
 
 @triton.jit
-def attend_k8v4(
+def page_4bit(
+    q_lo, q_hi, q_off, q_sum, kv_desc, table, p, p_end, col, lo, seq_len, qk_scale_log2, soft_cap,
+    offs_t, scale_ptr, kh, PAGE: tl.constexpr, W: tl.constexpr, DOT: tl.constexpr,
+    USE_SOFT_CAP: tl.constexpr, KH: tl.constexpr, PV_SCALE: tl.constexpr, K8V4: tl.constexpr,
+):  # fmt: skip
+    """Page ``p``'s (logits [PAGE, BLOCK_G], V bytes, zero points, v scales): ``page_k8v4``
+    where ``K8V4``, else ``int4.page_int4`` (which alone takes q's offset terms)."""
+    if K8V4:
+        return page_k8v4(
+            q_lo, q_hi, kv_desc, table, p, p_end, col, lo, seq_len, qk_scale_log2, soft_cap,
+            offs_t, scale_ptr, kh, PAGE, W, DOT, USE_SOFT_CAP, KH, PV_SCALE,
+        )  # fmt: skip
+    return page_int4(
+        q_lo, q_hi, q_off, q_sum, kv_desc, table, p, p_end, col, lo, seq_len, qk_scale_log2,
+        soft_cap, offs_t, scale_ptr, kh, PAGE, W, DOT, USE_SOFT_CAP, KH, PV_SCALE,
+    )  # fmt: skip
+
+
+@triton.jit
+def attend_packed(
     q_lo, q_hi, kv_desc, table, p_begin, p_end, kh, lo, seq_len, qk_scale_log2, soft_cap,
     scale_ptr, BLOCK_G: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr, STAGES: tl.constexpr,
     PPI: tl.constexpr, USE_SOFT_CAP: tl.constexpr, DOT: tl.constexpr, LAZY: tl.constexpr,
-    KH: tl.constexpr, PV_SCALE: tl.constexpr,
+    KH: tl.constexpr, PV_SCALE: tl.constexpr, K8V4: tl.constexpr,
 ):  # fmt: skip
-    """``helpers.attend`` over the k8v4 cache (cache columns ``kh * D / 2``), ``PPI`` (1, 2 or 4)
-    pages per iteration under one softmax update: (acc_lo, acc_hi) [BLOCK_G, D / 2] fp32
-    unnormalised (the even and odd rotated channels of v, columns in ``v_columns`` order, times
-    ``PV_SCALE``), running max, running sum (base 2): ``int4.attend_int4``'s form, so
-    ``int4.store_split_int4`` (``unrotate_store``) finishes it."""
+    """``helpers.attend`` over either 4-bit cache (cache columns ``kh * D / 2``; ``page_4bit``
+    reads the pages), ``PPI`` (1, 2 or 4) pages per iteration under one softmax update:
+    (acc_lo, acc_hi) [BLOCK_G, D / 2] fp32 unnormalised (the even and odd rotated channels of v,
+    columns in ``v_columns`` order, times ``PV_SCALE``), running max, running sum (base 2),
+    which ``int4.store_split_int4`` (``unrotate_store``) finishes. int4 (q rotated): the
+    prologue takes q's half sums for ``int4.page_int4``'s offset terms, as [PAGE, BLOCK_G]
+    products with ones (in the logits' layout)."""
     col = kh * (D // 2)
     offs_t = tl.arange(0, PAGE)
     m_i = tl.full([BLOCK_G], -1e30 if LAZY else float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_G], tl.float32)
     acc_lo = tl.zeros([D // 2, BLOCK_G], tl.float32)  # transposed, as the logits
     acc_hi = tl.zeros([D // 2, BLOCK_G], tl.float32)
+    if K8V4:  # k int8: no offsets to take out
+        q_sum = 0.0
+        q_off = 0.0
+    else:
+        ones = tl.full([PAGE, D // 2], 1.0, DOT)
+        sum_lo = tl.dot(ones, tl.trans(q_lo))  # [PAGE, BLOCK_G], each column a head's sum
+        sum_hi = tl.dot(ones, tl.trans(q_hi))
+        q_sum = sum_lo + sum_hi
+        q_off = offset(DOT) * (sum_lo + sum_hi * 0.0625)
     n_iter = (p_end - p_begin + PPI - 1) // PPI
     for it in tl.range(0, n_iter, num_stages=STAGES):
         p = p_begin + it * PPI
-        s0, v0, z0, vs0 = page_k8v4(
-            q_lo, q_hi, kv_desc, table, p, p_end, col, lo, seq_len, qk_scale_log2, soft_cap,
-            offs_t, scale_ptr, kh, PAGE, D // 2, DOT, USE_SOFT_CAP, KH, PV_SCALE,
+        s0, v0, z0, vs0 = page_4bit(
+            q_lo, q_hi, q_off, q_sum, kv_desc, table, p, p_end, col, lo, seq_len, qk_scale_log2,
+            soft_cap, offs_t, scale_ptr, kh, PAGE, D // 2, DOT, USE_SOFT_CAP, KH, PV_SCALE, K8V4,
         )  # fmt: skip
         m_blk = tl.max(s0, axis=0)
         if PPI >= 2:
-            s1, v1, z1, vs1 = page_k8v4(
-                q_lo, q_hi, kv_desc, table, p + 1, p_end, col, lo, seq_len, qk_scale_log2,
-                soft_cap, offs_t, scale_ptr, kh, PAGE, D // 2, DOT, USE_SOFT_CAP, KH, PV_SCALE,
+            s1, v1, z1, vs1 = page_4bit(
+                q_lo, q_hi, q_off, q_sum, kv_desc, table, p + 1, p_end, col, lo, seq_len,
+                qk_scale_log2, soft_cap, offs_t, scale_ptr, kh, PAGE, D // 2, DOT, USE_SOFT_CAP,
+                KH, PV_SCALE, K8V4,
             )  # fmt: skip
             m_blk = tl.maximum(m_blk, tl.max(s1, axis=0))
         if PPI >= 4:
-            s2, v2, z2, vs2 = page_k8v4(
-                q_lo, q_hi, kv_desc, table, p + 2, p_end, col, lo, seq_len, qk_scale_log2,
-                soft_cap, offs_t, scale_ptr, kh, PAGE, D // 2, DOT, USE_SOFT_CAP, KH, PV_SCALE,
+            s2, v2, z2, vs2 = page_4bit(
+                q_lo, q_hi, q_off, q_sum, kv_desc, table, p + 2, p_end, col, lo, seq_len,
+                qk_scale_log2, soft_cap, offs_t, scale_ptr, kh, PAGE, D // 2, DOT, USE_SOFT_CAP,
+                KH, PV_SCALE, K8V4,
             )  # fmt: skip
-            s3, v3, z3, vs3 = page_k8v4(
-                q_lo, q_hi, kv_desc, table, p + 3, p_end, col, lo, seq_len, qk_scale_log2,
-                soft_cap, offs_t, scale_ptr, kh, PAGE, D // 2, DOT, USE_SOFT_CAP, KH, PV_SCALE,
+            s3, v3, z3, vs3 = page_4bit(
+                q_lo, q_hi, q_off, q_sum, kv_desc, table, p + 3, p_end, col, lo, seq_len,
+                qk_scale_log2, soft_cap, offs_t, scale_ptr, kh, PAGE, D // 2, DOT, USE_SOFT_CAP,
+                KH, PV_SCALE, K8V4,
             )  # fmt: skip
             m_blk = tl.maximum(m_blk, tl.maximum(tl.max(s2, axis=0), tl.max(s3, axis=0)))
         acc_lo, acc_hi, l_i, m_i, m_safe = rescale(acc_lo, acc_hi, l_i, m_i, m_blk, LAZY)
@@ -149,22 +184,17 @@ def attend_4bit(
     DOT: tl.constexpr, LAZY: tl.constexpr, KH: tl.constexpr, PV_SCALE: tl.constexpr,
     RSQRT_B: tl.constexpr, K8V4: tl.constexpr,
 ):  # fmt: skip
-    """q of ``heads`` of sequence ``b`` in the cache's basis, then the page loop, for either
-    4-bit cache (the split grid's and the balanced schedule's): ``K8V4`` q's halves and
-    ``attend_k8v4``, else q rotated (``int4.rotate_q``) and ``int4.attend_int4``. Returns their
-    (acc_lo, acc_hi, m_i, l_i), which ``int4.unrotate_store`` finishes."""
+    """q of ``heads`` of sequence ``b`` in the cache's basis, then the page loop
+    (``attend_packed``), for either 4-bit cache (the split grid's and the balanced schedule's):
+    ``K8V4`` q's halves, else q rotated (``int4.rotate_q``). Returns the loop's (acc_lo, acc_hi,
+    m_i, l_i), which ``int4.unrotate_store`` finishes."""
     if K8V4:
         q_lo, q_hi = q_halves(q_ptr, b, heads, g_mask, stride_qb, stride_qh, D, DOT)
-        acc_lo, acc_hi, m_i, l_i = attend_k8v4(
-            q_lo, q_hi, kv_desc, table, p_begin, p_end, kh, lo, seq_len, qk_scale_log2, soft_cap,
-            scale_ptr, BLOCK_G, D, PAGE, STAGES, PPI, USE_SOFT_CAP, DOT, LAZY, KH, PV_SCALE,
-        )  # fmt: skip
     else:
         q_lo, q_hi = rotate_q(
             q_ptr, b, heads, g_mask, stride_qb, stride_qh, rot_ptr, BLOCK_G, D, DOT, RSQRT_B
         )  # fmt: skip
-        acc_lo, acc_hi, m_i, l_i = attend_int4(
-            q_lo, q_hi, kv_desc, table, p_begin, p_end, kh, lo, seq_len, qk_scale_log2, soft_cap,
-            scale_ptr, BLOCK_G, D, PAGE, STAGES, PPI, USE_SOFT_CAP, DOT, LAZY, KH, PV_SCALE,
-        )  # fmt: skip
-    return acc_lo, acc_hi, m_i, l_i
+    return attend_packed(
+        q_lo, q_hi, kv_desc, table, p_begin, p_end, kh, lo, seq_len, qk_scale_log2, soft_cap,
+        scale_ptr, BLOCK_G, D, PAGE, STAGES, PPI, USE_SOFT_CAP, DOT, LAZY, KH, PV_SCALE, K8V4,
+    )  # fmt: skip
