@@ -12,12 +12,12 @@ Attention in the model's basis needs no per-key pass: ``q . k = (R q) . (R k)`` 
   (the nibbles' channels): the signs and the Walsh-Hadamard butterfly in fp32 on a loaded tile,
   times fp32 ``b ** -0.5``, rounded once to the dot dtype; and ``sum(q)`` of each half as
   [BLOCK_G, PAGE] products with ones, so that they sit in the logits' layout;
-- per page (``page_int4``, in ``k8v4.attend_packed``'s loop): one TMA box [page, D / 2] of bytes each for K and V; the nibbles go
-  to fp16 by the exponent trick with no arithmetic (``unpack``: ``(byte & 0xF) | 0x6400`` as fp16
-  is ``1024 + code``, ``(byte & 0xF0) | 0x6400`` is ``1024 + 16 * code``; compiled, two byte
-  permutes and four ``lop3`` per eight codes); the offsets and the zero points come out per row
-  and column instead of per element: logits ``q_even . k_lo + q_odd . k_hi / 16`` minus
-  ``1024 * (sum q_even + sum q_odd / 16)`` minus ``zp * (sum q_even + sum q_odd)`` (the sums of
+- per page (``page_int4``, in ``k8v4.attend_packed``'s loop): one TMA box [page, D / 2] of
+  bytes each for K and V; the nibbles go to fp16 by the exponent trick with no arithmetic
+  (``unpack``: ``(byte & 0xF) | 0x6400`` as fp16 is ``1024 + code``, ``(byte & 0xF0) | 0x6400``
+  is ``1024 + 16 * code``; compiled, two byte permutes and four ``lop3`` per eight codes); the
+  offsets and the zero points come out per row and column instead of per element: logits
+  ``q_even . k_lo + q_odd . k_hi / 16`` minus ``1024 * (sum q_even + sum q_odd / 16)`` minus ``zp * (sum q_even + sum q_odd)`` (the sums of
   the fp16 operands), times the token's k scale (the offsets cost a logit's fp32 sum of D / 2
   products some 10 bits, far below the fp16 operands' rounding); V's nibbles are centred per
   element before ``p @ v`` (``unpack_centred``: minus ``1024 + zp``, ``1024 + 16 zp`` in fp16,
@@ -187,8 +187,8 @@ def _split_scale(stored):
 
 @triton.jit
 def page_int4(
-    q_lo, q_hi, q_off, q_sum, kv_desc, table, p, p_end, col, lo, seq_len, qk_scale_log2, soft_cap, offs_t,
-    scale_ptr, kh, PAGE: tl.constexpr, W: tl.constexpr, DOT: tl.constexpr,
+    q_lo, q_hi, q_off, q_sum, kv_desc, table, p, p_end, col, lo, seq_len, qk_scale_log2, soft_cap,
+    offs_t, scale_ptr, kh, PAGE: tl.constexpr, W: tl.constexpr, DOT: tl.constexpr,
     USE_SOFT_CAP: tl.constexpr, KH: tl.constexpr, PV_SCALE: tl.constexpr,
 ):  # fmt: skip
     """``helpers.page_logits`` for the int4 cache: page ``p`` of the run (past ``p_end``: logits
