@@ -239,8 +239,8 @@ def paged_decode_tma(
     weights stay <= 2^8 (FlashAttention-4's trick). ``num_warps``, ``num_stages``,
     ``pages_per_iter``, ``lazy_rescale``: None takes ``tuned(D, cache_kind(kv_cache))``'s.
     ``programs_per_sm``: the balanced schedule (``decode_balanced``) with that many programs per
-    SM (at most as many as fit) instead of the split grid; then ``num_splits`` must be None and ``workspace``
-    is (partial out [P, 2, QH / KH, D], lse [P, 2, QH / KH]) fp32 for P =
+    SM (at most as many as fit) instead of the split grid; then ``num_splits`` must be None and
+    ``workspace`` is (partial out [P, 2, QH / KH, D], lse [P, 2, QH / KH]) fp32 for P =
     ``balanced_programs(...)``. With both None and no workspace the schedule is chosen by
     ``BALANCED``. ``max_registers``: Triton's ``maxnreg`` (per thread), to hold more programs
     per SM. ``kv_scale`` [P, 2, KH, page] fp32 contiguous: one scale per (token, kv head) for k
