@@ -40,7 +40,7 @@ def sweep_shape(
     from bench_fp8_decode_paths import K_SCALE, V_SCALE, Case
     from bench_kv_write import graph_ms
 
-    from torch_kvq.attention.triton.decode_tma import paged_decode_tma, tuned
+    from torch_kvq.attention.triton.decode_tma import mode_cache_kind, paged_decode_tma, tuned
 
     c = Case(shape, 32, 16384)
     caches = {}
@@ -72,8 +72,7 @@ def sweep_shape(
     for (name, cfg), ts in times.items():
         ms = statistics.median(ts)
         pct = 100 * caches[name][4] / (ms * 1e-3) / 1e9 / copy_gbps
-        kind = {"int4_per_token_head": "int4", "k8v4_per_token_head": "k8v4"}.get(name, "codes")
-        default = {**tuned(c.d, kind), "max_registers": None, "num_splits": None}
+        default = {**tuned(c.d, mode_cache_kind(name)), "max_registers": None, "num_splits": None}
         mark = " (tuned)" if dict(zip(KEYS, cfg)) == default else ""
         print(
             f"{shape} {name} {dict(zip(KEYS, cfg))}: {ms:.4f} ms {pct:.1f}% copy{mark}", flush=True

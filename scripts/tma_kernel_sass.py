@@ -168,9 +168,9 @@ def main() -> None:
     ap.add_argument("--align", action=argparse.BooleanOptionalAction, default=True,
                     help="16-divisible pointers and strides, as a launch specializes them")  # fmt: skip
     args = ap.parse_args()
-    from torch_kvq.attention.triton.decode_tma import BALANCED, TUNED
+    from torch_kvq.attention.triton.decode_tma import BALANCED, TUNED, mode_cache_kind
 
-    kind = {"int4_per_token_head": "int4", "k8v4_per_token_head": "k8v4"}.get(args.cache, "codes")
+    kind = mode_cache_kind(args.cache)
     for head in [args.head] if args.head else sorted(TUNED[kind]):
         warps, stages, ppi, lazy = TUNED[kind].get(head, TUNED[kind][128])
         cfg = dict(

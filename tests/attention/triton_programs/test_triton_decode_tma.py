@@ -86,6 +86,8 @@ def test_default_splits_and_tuned_configs() -> None:
     kinds = [tma.cache_kind(torch.empty(1, slots, 16, 1, 64, dtype=dt))
              for dt, slots in ((torch.uint8, 2), (torch.uint8, 3), (torch.int8, 2), (FP8_DTYPE, 2))]  # fmt: skip
     assert kinds == ["int4", "k8v4", "codes", "codes"]
+    modes = ("int4_per_token_head", "k8v4_per_token_head", "int8_per_token_head", "fp8_e4m3")
+    assert [tma.mode_cache_kind(m) for m in modes] == kinds
 
 
 def test_unset_config_takes_tuned_and_only_tuned_gets_the_register_cap() -> None:

@@ -167,6 +167,11 @@ def cache_kind(kv_cache: torch.Tensor) -> str:
     return "k8v4" if kv_cache.shape[1] == 3 else "int4"
 
 
+def mode_cache_kind(mode: str) -> str:
+    """``cache_kind`` of a KV mode's cache by the mode's name (e.g. ``"k8v4_per_token_head"``)."""
+    return {"int4_per_token_head": "int4", "k8v4_per_token_head": "k8v4"}.get(mode, "codes")
+
+
 def tuned(head_size: int, kind: str = "codes") -> dict[str, int | bool]:
     """``paged_decode_tma`` keyword arguments measured best for ``head_size`` on a cache of
     ``kind`` (``cache_kind``)."""
