@@ -63,20 +63,20 @@ SHAPES = {"llama": (32, 8, 128), "gemma_global": (16, 8, 256)}  # QH, KH, D
 class Case:
     """Caches (FP8 and bf16), page tables, queries and fp32 references for one shape."""
 
-    def __init__(self, name: str, batch: int, ctx: int) -> None:
-        self.name, self.batch, self.ctx = name, batch, ctx
+    def __init__(self, name: str, batch: int, ctx: int, page: int = PAGE) -> None:
+        self.name, self.batch, self.ctx, self.page = name, batch, ctx, page
         self.qh, self.kh, self.d = SHAPES[name]
-        self.per_seq = -(-ctx // PAGE)
+        self.per_seq = -(-ctx // page)
         pages = batch * self.per_seq
         gen = torch.Generator().manual_seed(0)
         perm = torch.randperm(pages, generator=gen)
         self.table = perm.view(batch, self.per_seq).to(torch.int32).cuda()
         self.kv_indices = self.table.flatten().contiguous()
         self.kv_indptr = (torch.arange(batch + 1, dtype=torch.int32) * self.per_seq).cuda()
-        last = ctx - (self.per_seq - 1) * PAGE
+        last = ctx - (self.per_seq - 1) * page
         self.last_page_len = torch.full((batch,), last, dtype=torch.int32, device="cuda")
         self.seq_lens = torch.full((batch,), ctx, dtype=torch.int32, device="cuda")
-        self.cache8 = random_cache(pages, PAGE, self.kh, self.d, FP8, 16.0)
+        self.cache8 = random_cache(pages, self.page, self.kh, self.d, FP8, 16.0)
         self.cache16: torch.Tensor | None = None
         self.q = torch.randn(batch, self.qh, self.d, device="cuda", dtype=BF16)
         self.sm_scale = self.d**-0.5
@@ -86,7 +86,7 @@ class Case:
     def bf16_cache(self) -> torch.Tensor:
         if self.cache16 is None:
             pages = self.batch * self.per_seq
-            self.cache16 = random_cache(pages, PAGE, self.kh, self.d, BF16, 1.0)
+            self.cache16 = random_cache(pages, self.page, self.kh, self.d, BF16, 1.0)
             self.ref16 = self.reference(self.cache16, 1.0, 1.0)
         return self.cache16
 
@@ -105,7 +105,7 @@ class Case:
         width = self.d // 2 if packed else self.d
         slots = 3 if mode == "k8v4" else 2
         codes = torch.empty((pages, slots, *cache16.shape[2:-1], width), dtype=dtype, device="cuda")
-        scales = torch.empty(pages, 2, self.kh, PAGE, device="cuda")
+        scales = torch.empty(pages, 2, self.kh, self.page, device="cuda")
         step = 1024 if packed else 4096  # int4 tries 11 clip ratios: more temporaries
         for i in range(0, pages, step):
             x = cache16[i : i + step]
@@ -169,7 +169,7 @@ def fi_wrapper(
         ws, "NHD", use_tensor_cores=True, backend="fa2"
     )
     w.plan(
-        c.kv_indptr, c.kv_indices, c.last_page_len, c.qh, c.kh, c.d, PAGE,
+        c.kv_indptr, c.kv_indices, c.last_page_len, c.qh, c.kh, c.d, c.page,
         q_data_type=q_dtype, kv_data_type=kv, o_data_type=o_dtype or q_dtype, sm_scale=c.sm_scale,
     )  # fmt: skip
     out = torch.empty(c.q.shape, dtype=o_dtype or q_dtype, device="cuda")
@@ -196,7 +196,7 @@ def xqa_path(c: Case) -> Callable:
 
     def call() -> torch.Tensor:
         fx.xqa(c.q.unsqueeze(1), k, v, c.table, seq, out, ws[8 * 2**20 :], ws[: 8 * 2**20], c.kh,
-               PAGE, **kw)  # fmt: skip
+               c.page, **kw)  # fmt: skip
         return out.squeeze(1)
 
     return call
@@ -306,7 +306,7 @@ def measure(
     """Interleaved rounds over every path that builds; a path that fails gets an error row."""
     timed: dict[str, Timed] = {}
     rows: list[dict[str, Any]] = []
-    base = {"shape": c.name, "batch": c.batch, "ctx": c.ctx}
+    base = {"shape": c.name, "batch": c.batch, "ctx": c.ctx, "page": c.page}
     for name, make in paths.items():
         try:
             timed[name] = Timed(make(), calls)
@@ -399,6 +399,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=7)
     ap.add_argument("--calls", type=int, default=20, help="calls per timed graph")
     ap.add_argument("--paths", help=f"comma-separated subset of {list(PATHS)} (default: all)")
+    ap.add_argument("--page", type=int, default=PAGE, help="tokens per cache page (XQA: 16 only)")
     args = ap.parse_args()
     chosen = list(PATHS) if not args.paths else args.paths.split(",")
     unknown = [p for p in chosen if p not in PATHS]
@@ -411,7 +412,7 @@ def main() -> None:
     for name, batch in CASES:
         if args.quick and batch != 32:
             continue
-        c = Case(name, batch, 16384)
+        c = Case(name, batch, 16384, args.page)
         paths = {p: (lambda make=PATHS[p], c=c: make(c)) for p in chosen}
         rows += measure(c, paths, copy["GBps"], args.rounds, args.calls, "ref8")
         # after every shape: a run cut short keeps what it measured

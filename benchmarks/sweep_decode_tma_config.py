@@ -35,6 +35,7 @@ def sweep_shape(
     caps: list[int],
     configs: list[tuple],
     splits: list[int],
+    page: int,
 ) -> None:
     """Every (cache, config, register cap, split count) of ``shape`` at 32 x 16k: a line each."""
     from bench_fp8_decode_paths import K_SCALE, V_SCALE, Case
@@ -42,7 +43,7 @@ def sweep_shape(
 
     from torch_kvq.attention.triton.decode_tma import mode_cache_kind, paged_decode_tma, tuned
 
-    c = Case(shape, 32, 16384)
+    c = Case(shape, 32, 16384, page)
     caches = {}
     if "fp8_per_tensor" in names:
         caches["fp8_per_tensor"] = (c.cache8, None, K_SCALE, V_SCALE, c.kv_bytes)
@@ -75,7 +76,7 @@ def sweep_shape(
         default = {**tuned(c.d, mode_cache_kind(name)), "max_registers": None, "num_splits": None}
         mark = " (tuned)" if dict(zip(KEYS, cfg)) == default else ""
         print(
-            f"{shape} {name} {dict(zip(KEYS, cfg))}: {ms:.4f} ms {pct:.1f}% copy{mark}", flush=True
+            f"{shape} page {page} {name} {dict(zip(KEYS, cfg))}: {ms:.4f} ms {pct:.1f}% copy{mark}", flush=True
         )
 
 
@@ -89,6 +90,7 @@ def main() -> None:
                     help="Triton's maxnreg per config (0: none)")  # fmt: skip
     ap.add_argument("--splits", nargs="+", type=int, default=[0],
                     help="splits per (sequence, kv head) (0: the default schedule)")  # fmt: skip
+    ap.add_argument("--pages", nargs="+", type=int, default=[16], help="tokens per cache page")
     ap.add_argument("--configs", nargs="+", help="WARPS,STAGES,PPI,LAZY(0/1) (default: CONFIGS)")
     args = ap.parse_args()
     configs = CONFIGS
@@ -96,8 +98,8 @@ def main() -> None:
         configs = [tuple(int(x) for x in c.split(",")) for c in args.configs]
         configs = [(w, s, p, bool(lazy)) for w, s, p, lazy in configs]
     copy = copy_bandwidth()["GBps"]
-    for shape in args.shapes:
-        sweep_shape(shape, copy, args.caches, args.max_registers, configs, args.splits)
+    for shape, page in itertools.product(args.shapes, args.pages):
+        sweep_shape(shape, copy, args.caches, args.max_registers, configs, args.splits, page)
         torch.cuda.empty_cache()
 
 
