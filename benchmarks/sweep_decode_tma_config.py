@@ -56,7 +56,7 @@ def sweep_shape(
     calls: dict[tuple, Callable[[], None]] = {}
     for name, cfg, cap, n in itertools.product(caches, configs, caps, splits):
         cache, sc, ks, vs, _ = caches[name]
-        cfg = (*cfg, cap or None, n or None)
+        cfg = (*cfg, cap, n or None)  # cap 0: no cap (None would take TUNED's)
         kw = dict(zip(KEYS, cfg))
         calls[(name, cfg)] = lambda cache=cache, sc=sc, ks=ks, vs=vs, kw=kw: paged_decode_tma(
             c.q, cache, c.table, c.seq_lens, ks, vs, c.sm_scale, max_seq_len=c.ctx, out=out,
@@ -73,11 +73,10 @@ def sweep_shape(
     for (name, cfg), ts in times.items():
         ms = statistics.median(ts)
         pct = 100 * caches[name][4] / (ms * 1e-3) / 1e9 / copy_gbps
-        default = {**tuned(c.d, mode_cache_kind(name)), "max_registers": None, "num_splits": None}
-        mark = " (tuned)" if dict(zip(KEYS, cfg)) == default else ""
-        print(
-            f"{shape} page {page} {name} {dict(zip(KEYS, cfg))}: {ms:.4f} ms {pct:.1f}% copy{mark}", flush=True
-        )
+        default = {**tuned(c.d, mode_cache_kind(name), page), "num_splits": None}
+        kw = dict(zip(KEYS, cfg))
+        mark = " (tuned)" if {**kw, "max_registers": kw["max_registers"] or None} == default else ""
+        print(f"{shape} page {page} {name} {kw}: {ms:.4f} ms {pct:.1f}% copy{mark}", flush=True)
 
 
 def main() -> None:

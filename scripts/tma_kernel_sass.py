@@ -161,23 +161,27 @@ def main() -> None:
     ap.add_argument("--json", action="store_true", help="one JSON object per config")
     ap.add_argument("--balanced", action="store_true",
                     help="the balanced schedule's kernel (at BALANCED's register cap)")  # fmt: skip
-    ap.add_argument("--max-registers", type=int, help="Triton's maxnreg (0: none)")  # fmt: skip
+    ap.add_argument("--max-registers", type=int,
+                    help="Triton's maxnreg (0: none; default: the TUNED config's)")  # fmt: skip
     ap.add_argument("--cache", choices=CACHES, default="fp8",
                     help="FP8 per tensor (default), or codes with per-(token, head) scales")  # fmt: skip
     ap.add_argument("--page", type=int, default=16, help="tokens per cache page")
     ap.add_argument("--align", action=argparse.BooleanOptionalAction, default=True,
                     help="16-divisible pointers and strides, as a launch specializes them")  # fmt: skip
     args = ap.parse_args()
-    from torch_kvq.attention.triton.decode_tma import BALANCED, TUNED, mode_cache_kind
+    from torch_kvq.attention.triton.decode_tma import BALANCED, TUNED, mode_cache_kind, tuned
 
     kind = mode_cache_kind(args.cache)
     for head in [args.head] if args.head else sorted(TUNED[kind]):
-        warps, stages, ppi, lazy = TUNED[kind].get(head, TUNED[kind][128])
+        t = tuned(head, kind, args.page)
+        regs = t["max_registers"] if args.max_registers is None else args.max_registers or None
         cfg = dict(
-            head=head, group=args.group or (2 if head == 256 else 4), ppi=args.ppi or ppi, stages=args.stages or stages,
-            warps=args.warps or warps, lazy=lazy if args.lazy is None else args.lazy,
-            balanced=args.balanced, max_registers=args.max_registers, cache=args.cache,
-            page=args.page, align=args.align,
+            head=head, group=args.group or (2 if head == 256 else 4),
+            ppi=args.ppi or t["pages_per_iter"], stages=args.stages or t["num_stages"],
+            warps=args.warps or t["num_warps"],
+            lazy=t["lazy_rescale"] if args.lazy is None else args.lazy,
+            balanced=args.balanced, max_registers=regs, cache=args.cache, page=args.page,
+            align=args.align,
         )  # fmt: skip
         if args.balanced and args.max_registers is None and head in BALANCED:
             cfg["max_registers"] = BALANCED[head][1]

@@ -77,10 +77,18 @@ def test_default_splits_and_tuned_configs() -> None:
     assert tma.default_num_splits(110, 8, 16384, 16, sms=132) == 2
     assert tma.default_num_splits(32, 8, 1000, 16, sms=132) == 1  # < 64 pages: one split
     assert tma.default_num_splits(1, 1, 2**20, 16, sms=132) == 64  # capped
-    assert tma.tuned(128) == dict(num_warps=1, num_stages=6, pages_per_iter=1, lazy_rescale=True)
+    assert tma.tuned(128) == dict(
+        num_warps=1, num_stages=6, pages_per_iter=1, lazy_rescale=True, max_registers=None
+    )
     assert tma.tuned(256)["pages_per_iter"] == 1 and tma.tuned(64) == tma.tuned(128)
     assert tma.tuned(128, "k8v4")["num_stages"] == 4
     assert tma.tuned(64, "int4") == tma.tuned(128, "int4")
+    # by page size where another config measured faster: k8v4 at head 256 takes 10 stages (and
+    # the cap it compiles spill-free under) at 16-token pages only
+    assert tma.tuned(256, "k8v4", 16) == {**tma.tuned(256, "k8v4"), "num_stages": 10,
+                                          "max_registers": 192}  # fmt: skip
+    assert tma.tuned(256, "k8v4", 32) == tma.tuned(256, "k8v4") == tma.tuned(256, "k8v4", None)
+    assert tma.tuned(128, "codes", 16) == tma.tuned(128)
     with pytest.raises(ValueError, match="cache kind 'int3'"):
         tma.tuned(128, "int3")
     kinds = [tma.cache_kind(torch.empty(1, slots, 16, 1, 64, dtype=dt))
@@ -107,6 +115,14 @@ def test_unset_config_takes_tuned_and_only_tuned_gets_the_register_cap() -> None
     assert k8v4 == tma.tuned(128, "k8v4") != tma.tuned(128)
     assert tma.balanced_registers(128, k8v4, cap, "k8v4") == cap
     assert tma.balanced_registers(128, k8v4, cap) is None
+    # a TUNED config's own cap comes with that config only, unless given
+    assert tma.resolve_config(256, "k8v4", 16)["max_registers"] == 192
+    assert tma.resolve_config(256, "k8v4", 16, num_stages=10)["max_registers"] == 192
+    assert tma.resolve_config(256, "k8v4", 16, num_stages=6)["max_registers"] is None
+    assert tma.resolve_config(256, "k8v4", 16, num_stages=6, max_registers=0)["max_registers"] == 0
+    p16 = tma.resolve_config(256, "k8v4", 16)
+    assert tma.balanced_registers(256, p16, 168, "k8v4", 16) == 168
+    assert tma.balanced_registers(256, p16, 168, "k8v4") is None
 
 
 def test_interpreter_defaults_run_the_tuned_config(interp) -> None:
