@@ -376,7 +376,7 @@ def run_variant(
     fn = torch.compile(model, backend=backend)
     base = {"model": model_name, "kv_config": kv_name, "kernel": kernel_name if kv_name != "bf16" else "bf16",
             "kv_gib": kv_bytes / 2**30, "kv_budget_gib": budget / 2**30, "max_batch_at_capacity_ctx": max_batch,
-            "capacity_ctx": cap_ctx, "weights_gib": weight_bytes / 2**30, "windowed_pools": args.windowed,
+            "capacity_ctx": cap_ctx, "page": PAGE, "weights_gib": weight_bytes / 2**30, "windowed_pools": args.windowed,
             "fused_projections": args.fuse_projections, "max_autotune_gemm": args.max_autotune_gemm,
             "pdl": args.pdl, "inductor_patches": args.inductor, "blas": args.blas,
             "weights_kn": args.weights_kn,
@@ -417,6 +417,7 @@ def run_variant(
 
 
 def main() -> None:
+    global PAGE
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
     ap.add_argument("--kv", nargs="+", default=["bf16", "fp8:tc", "fp8:xqa"],
@@ -459,12 +460,14 @@ def main() -> None:
     ap.add_argument("--sample-clocks", action="store_true",
                     help="NVML clocks, power and clock-event reasons every 5 ms of the timed steps "
                          "(clock_sampler.py; a thread: off by default)")  # fmt: skip
+    ap.add_argument("--page", type=int, default=PAGE, help="tokens per cache page, every config")
     ap.add_argument("--smoke", action="store_true", help="CPU, tiny shapes, reference kernel")
     ap.add_argument("--smoke-budget-mib", type=int, default=64)
     ap.add_argument("--commit", default=os.environ.get("KVQ_COMMIT") or _git_head(),
                     help="recorded in every row (default $KVQ_COMMIT, else git HEAD; on the device "
                     "machine .git is stale: pass KVQ_COMMIT)")  # fmt: skip
     args = ap.parse_args()
+    PAGE = args.page  # read by kv_configs / kv_config
     args.inductor = dict(kv for patch in args.inductor for kv in patch.items())
     if args.blas != "cublas":  # torch's default on CUDA
         if args.smoke:
