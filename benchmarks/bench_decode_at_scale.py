@@ -139,32 +139,33 @@ KV_CONFIGS = ("bf16", "fp8", "int8_per_token_head", "fp8_per_token_head", "int4_
               "int4_per_token_head-all", "int4-recommended")  # fmt: skip
 
 
-def kv_configs(skip) -> dict[str, KVCacheConfig]:
-    """The all-bf16 and FP8 configs (``skip``: the FP8 config's skip rule)."""
+def kv_configs(skip, page: int = PAGE) -> dict[str, KVCacheConfig]:
+    """The all-bf16 and FP8 configs (``skip``: the FP8 config's skip rule), ``page`` tokens a
+    page."""
     return {
-        "bf16": KVCacheConfig("auto", page_size=PAGE),
-        "fp8": KVCacheConfig("fp8", skip_layers=skip, page_size=PAGE),
+        "bf16": KVCacheConfig("auto", page_size=page),
+        "fp8": KVCacheConfig("fp8", skip_layers=skip, page_size=page),
     }
 
 
-def kv_config(name: str, model_name: str) -> KVCacheConfig:
+def kv_config(name: str, model_name: str, page: int = PAGE) -> KVCacheConfig:
     """The KV config ``name`` (``KV_CONFIGS``) for ``model_name``: the per-(token, head) modes
     with the FP8 config's skip rule (``-all``: on every layer), ``mixed`` with the model's
     ``MIXED`` map."""
     skip = MODELS[model_name][3]
     if name in ("bf16", "fp8"):
-        return kv_configs(skip)[name]
+        return kv_configs(skip, page)[name]
     if name == "mixed":
         default, rules = MIXED[model_name]
-        return KVCacheConfig(default, layer_modes=rules, page_size=PAGE)
+        return KVCacheConfig(default, layer_modes=rules, page_size=page)
     if name == "int4-recommended":
         layers = RECOMMENDED_LAYERS[model_name]
-        return kv_preset(name, sensitive_layers=layers, page_size=PAGE)
+        return kv_preset(name, sensitive_layers=layers, page_size=page)
     if name not in KV_CONFIGS:
         raise ValueError(f"unknown kv config {name!r}; expected one of {list(KV_CONFIGS)}")
     if name.endswith("-all"):
-        return KVCacheConfig(name.removesuffix("-all"), page_size=PAGE)
-    return KVCacheConfig(name, skip_layers=skip, page_size=PAGE)
+        return KVCacheConfig(name.removesuffix("-all"), page_size=page)
+    return KVCacheConfig(name, skip_layers=skip, page_size=page)
 
 
 def make_kernel(name: str, smoke: bool):
@@ -338,7 +339,7 @@ def replay_only(runner: DecodeGraphRunner, batch: int, steps: int) -> list[float
 def run_variant(
     model_name: str, kv_name: str, kernel_name: str, args, env, copy_gbps
 ) -> list[dict]:
-    kv = kv_config(kv_name, model_name)
+    kv = kv_config(kv_name, model_name, args.page)
     device = "cpu" if args.smoke else "cuda"
     kernel = make_kernel(kernel_name, args.smoke)
     cap_ctx = args.capacity_ctx
@@ -376,7 +377,7 @@ def run_variant(
     fn = torch.compile(model, backend=backend)
     base = {"model": model_name, "kv_config": kv_name, "kernel": kernel_name if kv_name != "bf16" else "bf16",
             "kv_gib": kv_bytes / 2**30, "kv_budget_gib": budget / 2**30, "max_batch_at_capacity_ctx": max_batch,
-            "capacity_ctx": cap_ctx, "page": PAGE, "weights_gib": weight_bytes / 2**30, "windowed_pools": args.windowed,
+            "capacity_ctx": cap_ctx, "page": kv.page_size, "weights_gib": weight_bytes / 2**30, "windowed_pools": args.windowed,
             "fused_projections": args.fuse_projections, "max_autotune_gemm": args.max_autotune_gemm,
             "pdl": args.pdl, "inductor_patches": args.inductor, "blas": args.blas,
             "weights_kn": args.weights_kn,
@@ -417,7 +418,6 @@ def run_variant(
 
 
 def main() -> None:
-    global PAGE
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
     ap.add_argument("--kv", nargs="+", default=["bf16", "fp8:tc", "fp8:xqa"],
@@ -467,7 +467,6 @@ def main() -> None:
                     help="recorded in every row (default $KVQ_COMMIT, else git HEAD; on the device "
                     "machine .git is stale: pass KVQ_COMMIT)")  # fmt: skip
     args = ap.parse_args()
-    PAGE = args.page  # read by kv_configs / kv_config
     args.inductor = dict(kv for patch in args.inductor for kv in patch.items())
     if args.blas != "cublas":  # torch's default on CUDA
         if args.smoke:
