@@ -71,7 +71,8 @@ def compile_kernel(
     sig = {
         "q_ptr": "*fp16", "kv_desc": f"tensordesc<{code}[{page}, {width}]>", "block_table_ptr": "*i32",
         "seq_lens_ptr": "*i32", "part_o_ptr": "*fp32", "part_lse_ptr": "*fp32", "out_ptr": "*fp16",
-        "kv_scale_ptr": "*fp32" if scales else "constexpr",
+        # the 4-bit caches' scales come as a TMA descriptor (int4.scale_descriptor)
+        "kv_scale_ptr": f"tensordesc<fp32[1, 2, {page}]>" if packed else "*fp32" if scales else "constexpr",
         "rot_ptr": "*fp16" if packed else "constexpr",
         "qk_scale_log2": "fp32", "soft_cap": "fp32", "out_scale": "fp32", "window": "i32",
         "stride_qb": "i32", "stride_qh": "i32", "stride_ob": "i32", "stride_oh": "i32",

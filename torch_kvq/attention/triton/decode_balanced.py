@@ -92,6 +92,7 @@ def _decode_balanced(
     pages (+-1) whatever the lengths, and all P programs are resident at once (no tail wave). A
     pair wholly inside the range is written to the output; a pair cut by the range's start goes to
     partial slot 0 of the program, one cut by its end to slot 1 (``_combine_balanced``).
+    ``kv_scale_ptr`` as ``decode_tma._decode_pages``'.
     ``INT4``: an int4 cache (``int4``; outputs and partials stored un-rotated, ``out_scale``
     applied to both); ``K8V4``: a k8v4 cache (``k8v4``: q not rotated, stored as int4's)."""
     pid = tl.program_id(0)

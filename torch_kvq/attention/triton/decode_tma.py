@@ -55,6 +55,7 @@ from torch_kvq.attention.triton.helpers import (
 from torch_kvq.attention.triton.int4 import (
     int4_pv_shift,
     rotation_matrices,
+    scale_descriptor,
     store_split_int4,
 )
 from torch_kvq.attention.triton.k8v4 import attend_4bit
@@ -73,7 +74,8 @@ def _decode_pages(
     RSQRT_B: tl.constexpr, K8V4: tl.constexpr,
 ):  # fmt: skip
     """The split grid: one program per (kv head, split, sequence). ``kv_scale_ptr``: the
-    per-(token, head) scales when ``SCALES`` (else None); ``INT4``: the cache is
+    per-(token, head) scales when ``SCALES`` (else None; the 4-bit caches': their TMA descriptor,
+    ``int4.scale_descriptor``); ``INT4``: the cache is
     ``int4_per_token_head``'s, read by ``int4`` with the rotation matrices at ``rot_ptr``;
     ``K8V4``: ``k8v4_per_token_head``'s, read by ``k8v4`` (the same matrices, for V)."""
     kh = tl.program_id(0)
@@ -339,6 +341,8 @@ def paged_decode_tma(
     out_scale = float(v_scale) / pv_scale  # a power of two: exact
     scales = (sm_scale * k_scale * LOG2E, float(soft_cap or 1.0), out_scale, int(window or 0))
     rot = rotation_matrices(d, q.device) if packed else None  # k8v4: U un-rotates its V
+    if packed:  # the 4-bit loops take each page's scales by TMA, with its codes
+        kv_scale = scale_descriptor(kv_scale)
     if num_splits is None and programs_per_sm is None:
         splits, balanced = default_schedule(b, kh, max_seq_len, page, d, sm_count(q.device))
         if balanced is not None and workspace is None:

@@ -109,6 +109,38 @@ def widen(x, DOT: tl.constexpr):
 
 
 @triton.jit
+def widen_biased(x, DOT: tl.constexpr):
+    """int8 codes ``x`` as ``DOT`` plus ``int8_offset(DOT)``, exactly: ``widen`` without its
+    subtraction (fp16: ``1152 + x``; one xor and two byte permutes per four codes), for a product
+    whose offset is taken out once per result (``k8v4.page_k8v4``: per logit) rather than per code."""
+    if DOT == tl.float16:
+        if INTERPRET:
+            bits = x.to(tl.uint8, bitcast=True).to(tl.uint16) ^ 0x6480
+            return bits.to(tl.float16, bitcast=True)
+        return _widen_int8_biased_fp16(x)
+    return x.to(DOT)
+
+
+@triton.jit
+def int8_offset(DOT: tl.constexpr):
+    """What ``widen_biased`` adds to every int8 code in ``DOT``: 1152 in fp16, else 0."""
+    if DOT == tl.float16:
+        return 1152.0
+    return 0.0
+
+
+@triton.jit
+def _widen_int8_biased_fp16(x):
+    """int8 -> fp16 ``1152 + x`` four codes per instance: ``x ^ 0x80808080`` (each byte + 128),
+    its bytes interleaved with 0x64 (``prmt``: fp16 ``1024 + byte``)."""
+    return tl.inline_asm_elementwise(
+        "{ .reg .b32 t; xor.b32 t, $2, 0x80808080; "
+        "prmt.b32 $0, t, 0x64646464, 0x4140; prmt.b32 $1, t, 0x64646464, 0x4342; }",
+        "=r,=r,r", [x], dtype=tl.float16, is_pure=True, pack=4,
+    )  # fmt: skip
+
+
+@triton.jit
 def _widen_int8_fp16(x):
     """int8 -> fp16 four codes per instance: ``t = x ^ 0x80808080`` (each byte + 128), bytes of t
     interleaved with 0x64 (``prmt``: fp16 ``1024 + byte``), minus 1152 (0x6480) two at a time."""

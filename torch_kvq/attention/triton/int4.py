@@ -13,7 +13,7 @@ Attention in the model's basis needs no per-key pass: ``q . k = (R q) . (R k)`` 
   times fp32 ``b ** -0.5``, rounded once to the dot dtype; and ``sum(q)`` of each half as
   [BLOCK_G, PAGE] products with ones, so that they sit in the logits' layout;
 - per page (``page_int4``, in ``k8v4.attend_packed``'s loop): one TMA box [page, D / 2] of bytes
-  each for K and V; the nibbles go to fp16 by the exponent trick with no arithmetic (``unpack``:
+  each for K and V, and one [2, page] of their scales (``page_scales``); the nibbles go to fp16 by the exponent trick with no arithmetic (``unpack``:
   ``(byte & 0xF) | 0x6400`` as fp16 is ``1024 + code``, ``(byte & 0xF0) | 0x6400`` is ``1024 +
   16 * code``; compiled, two byte permutes and four ``lop3`` per eight codes); the offsets and
   the zero points come out per row and column instead of per element: logits ``q_even . k_lo +
@@ -43,6 +43,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 from torch_kvq.attention.quant import _walsh_hadamard, hadamard_block, hadamard_signs
 from torch_kvq.attention.triton.hadamard import hadamard_stage
@@ -185,10 +186,26 @@ def _split_scale(stored):
     return (bits & -16).to(tl.float32, bitcast=True), (bits & 0xF).to(tl.float32)
 
 
+def scale_descriptor(kv_scale: torch.Tensor) -> TensorDescriptor:
+    """A 4-bit cache's scales [P, 2, KH, page] fp32 as a TMA descriptor over [P, 2, KH * page]
+    with box [1, 2, page]: one page's k and v scales of one kv head in one copy (``page_scales``),
+    in flight with the page's codes, instead of two gathers with their own waits."""
+    pages, two, kh, page = kv_scale.shape
+    rows = kv_scale.view(pages, two, kh * page)
+    return TensorDescriptor(rows, list(rows.shape), [two * kh * page, kh * page, 1], [1, 2, page])
+
+
+@triton.jit
+def page_scales(scale_desc, page, kh, PAGE: tl.constexpr):
+    """Page ``page``'s stored k and v scales [PAGE] each of kv head ``kh`` (``scale_descriptor``)."""
+    sc = tl.reshape(scale_desc.load([page, 0, kh * PAGE]), [2, PAGE])
+    return tl.split(tl.permute(sc, [1, 0]))
+
+
 @triton.jit
 def page_int4(
     q_lo, q_hi, q_off, q_sum, kv_desc, table, p, p_end, col, lo, seq_len, qk_scale_log2, soft_cap,
-    offs_t, scale_ptr, kh, PAGE: tl.constexpr, W: tl.constexpr, DOT: tl.constexpr,
+    offs_t, scale_desc, kh, PAGE: tl.constexpr, W: tl.constexpr, DOT: tl.constexpr,
     USE_SOFT_CAP: tl.constexpr, KH: tl.constexpr, PV_SCALE: tl.constexpr,
 ):  # fmt: skip
     """``helpers.page_logits`` for the int4 cache: page ``p`` of the run (past ``p_end``: logits
@@ -205,9 +222,9 @@ def page_int4(
     k = kv_desc.load([row, col])  # [PAGE, W] uint8
     v = kv_desc.load([row + PAGE, col])
     v = tl.reshape(tl.permute(tl.reshape(v, [PAGE, 8, W // 8]), [0, 2, 1]), [PAGE, W])
-    scales = scale_ptr + (page.to(tl.int64) * (2 * KH) + kh) * PAGE + offs_t
-    k_scale, k_zp = _split_scale(tl.load(scales))
-    v_scale, v_zp = _split_scale(tl.load(scales + KH * PAGE))
+    k_stored, v_stored = page_scales(scale_desc, page, kh, PAGE)
+    k_scale, k_zp = _split_scale(k_stored)
+    v_scale, v_zp = _split_scale(v_stored)
     k_lo, k_hi = unpack(k, DOT)  # codes + A, 16 * codes + A
     s = tl.dot(k_lo, tl.trans(q_lo)) + tl.dot(k_hi, tl.trans(q_hi)) * 0.0625  # [PAGE, BLOCK_G]
     s = s - q_off - q_sum * k_zp[:, None]  # sum_d q_d (code_d - zp)

@@ -10,9 +10,11 @@ with the zero point in its 4 low mantissa bits. K is read as the int8 cache is
 
 - prologue (``q_halves``): q is not rotated (k is not): its two halves [BLOCK_G, D / 2], the
   channels of slots 0 and 1, in the dot dtype;
-- per page (``page_k8v4``): three TMA boxes [page, D / 2] of bytes (k's halves, v); the logits
-  ``q_lo . k0 + q_hi . k1`` (the bytes bitcast to int8 and widened exactly, ``helpers.widen``),
-  times the token's k scale and the logit scale; V's bytes in ``int4.v_columns`` order, centred
+- per page (``page_k8v4``): three TMA boxes [page, D / 2] of bytes (k's halves, v) and one of
+  the page's scales (``int4.page_scales``); the logits ``q_lo . k0 + q_hi . k1`` (the bytes
+  bitcast to int8 and widened exactly under an offset, ``helpers.widen_biased``: the offset times
+  sum(q), from the prologue, leaves each logit once rather than each code), times the token's k
+  scale and the logit scale; V's bytes in ``int4.v_columns`` order, centred
   per element (``int4.unpack_centred``: ``code - zp`` exact in fp16, before the products; the
   int4 module's docstring says why not after), ``p @ v`` into two accumulators (even and odd
   rotated channels) with the weights times the v scales and ``PV_SCALE``
@@ -29,11 +31,12 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from torch_kvq.attention.triton.helpers import _LOG2E, load_q, widen
+from torch_kvq.attention.triton.helpers import _LOG2E, int8_offset, load_q, widen_biased
 from torch_kvq.attention.triton.int4 import (
     _split_scale,
     offset,
     page_int4,
+    page_scales,
     pv,
     rescale,
     rotate_q,
@@ -52,8 +55,8 @@ def q_halves(q_ptr, b, heads, g_mask, stride_qb, stride_qh, D: tl.constexpr, DOT
 
 @triton.jit
 def page_k8v4(
-    q_lo, q_hi, kv_desc, table, p, p_end, col, lo, seq_len, qk_scale_log2, soft_cap, offs_t,
-    scale_ptr, kh, PAGE: tl.constexpr, W: tl.constexpr, DOT: tl.constexpr,
+    q_lo, q_hi, q_off, kv_desc, table, p, p_end, col, lo, seq_len, qk_scale_log2, soft_cap, offs_t,
+    scale_desc, kh, PAGE: tl.constexpr, W: tl.constexpr, DOT: tl.constexpr,
     USE_SOFT_CAP: tl.constexpr, KH: tl.constexpr, PV_SCALE: tl.constexpr,
 ):  # fmt: skip
     """``helpers.page_logits`` for the k8v4 cache: page ``p`` of the run (past ``p_end``: logits
@@ -69,10 +72,11 @@ def page_k8v4(
     k1 = kv_desc.load([row + PAGE, col]).to(tl.int8, bitcast=True)
     v = kv_desc.load([row + 2 * PAGE, col])
     v = tl.reshape(tl.permute(tl.reshape(v, [PAGE, 8, W // 8]), [0, 2, 1]), [PAGE, W])
-    scales = scale_ptr + (page.to(tl.int64) * (2 * KH) + kh) * PAGE + offs_t
-    k_scale = tl.load(scales)
-    v_scale, v_zp = _split_scale(tl.load(scales + KH * PAGE))
-    s = tl.dot(widen(k1, DOT), tl.trans(q_hi), tl.dot(widen(k0, DOT), tl.trans(q_lo)))
+    k_scale, v_stored = page_scales(scale_desc, page, kh, PAGE)
+    v_scale, v_zp = _split_scale(v_stored)
+    s = tl.dot(widen_biased(k1, DOT), tl.trans(q_hi),
+               tl.dot(widen_biased(k0, DOT), tl.trans(q_lo)))  # fmt: skip
+    s = s - q_off  # the codes' offset, once per logit
     toks = p * PAGE + offs_t
     live = (toks >= lo) & (toks < seq_len) & ok
     s = s * (k_scale * qk_scale_log2)[:, None]
@@ -86,26 +90,26 @@ def page_k8v4(
 @triton.jit
 def page_4bit(
     q_lo, q_hi, q_off, q_sum, kv_desc, table, p, p_end, col, lo, seq_len, qk_scale_log2, soft_cap,
-    offs_t, scale_ptr, kh, PAGE: tl.constexpr, W: tl.constexpr, DOT: tl.constexpr,
+    offs_t, scale_desc, kh, PAGE: tl.constexpr, W: tl.constexpr, DOT: tl.constexpr,
     USE_SOFT_CAP: tl.constexpr, KH: tl.constexpr, PV_SCALE: tl.constexpr, K8V4: tl.constexpr,
 ):  # fmt: skip
     """Page ``p``'s (logits [PAGE, BLOCK_G], V bytes, zero points, v scales): ``page_k8v4``
     where ``K8V4``, else ``int4.page_int4`` (which alone takes q's offset terms)."""
     if K8V4:
         return page_k8v4(
-            q_lo, q_hi, kv_desc, table, p, p_end, col, lo, seq_len, qk_scale_log2, soft_cap,
-            offs_t, scale_ptr, kh, PAGE, W, DOT, USE_SOFT_CAP, KH, PV_SCALE,
+            q_lo, q_hi, q_off, kv_desc, table, p, p_end, col, lo, seq_len, qk_scale_log2, soft_cap,
+            offs_t, scale_desc, kh, PAGE, W, DOT, USE_SOFT_CAP, KH, PV_SCALE,
         )  # fmt: skip
     return page_int4(
         q_lo, q_hi, q_off, q_sum, kv_desc, table, p, p_end, col, lo, seq_len, qk_scale_log2,
-        soft_cap, offs_t, scale_ptr, kh, PAGE, W, DOT, USE_SOFT_CAP, KH, PV_SCALE,
+        soft_cap, offs_t, scale_desc, kh, PAGE, W, DOT, USE_SOFT_CAP, KH, PV_SCALE,
     )  # fmt: skip
 
 
 @triton.jit
 def attend_packed(
     q_lo, q_hi, kv_desc, table, p_begin, p_end, kh, lo, seq_len, qk_scale_log2, soft_cap,
-    scale_ptr, BLOCK_G: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr, STAGES: tl.constexpr,
+    scale_desc, BLOCK_G: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr, STAGES: tl.constexpr,
     PPI: tl.constexpr, USE_SOFT_CAP: tl.constexpr, DOT: tl.constexpr, LAZY: tl.constexpr,
     KH: tl.constexpr, PV_SCALE: tl.constexpr, K8V4: tl.constexpr,
 ):  # fmt: skip
@@ -122,9 +126,12 @@ def attend_packed(
     l_i = tl.zeros([BLOCK_G], tl.float32)
     acc_lo = tl.zeros([D // 2, BLOCK_G], tl.float32)  # transposed, as the logits
     acc_hi = tl.zeros([D // 2, BLOCK_G], tl.float32)
-    if K8V4:  # k int8: no offsets to take out
+    if K8V4:  # k int8 under widen_biased's offset, taken out per logit; no zero points
         q_sum = 0.0
         q_off = 0.0
+        if DOT == tl.float16:
+            ones = tl.full([PAGE, D // 2], 1.0, DOT)
+            q_off = int8_offset(DOT) * (tl.dot(ones, tl.trans(q_lo)) + tl.dot(ones, tl.trans(q_hi)))
     else:
         ones = tl.full([PAGE, D // 2], 1.0, DOT)
         sum_lo = tl.dot(ones, tl.trans(q_lo))  # [PAGE, BLOCK_G], each column a head's sum
@@ -136,25 +143,25 @@ def attend_packed(
         p = p_begin + it * PPI
         s0, v0, z0, vs0 = page_4bit(
             q_lo, q_hi, q_off, q_sum, kv_desc, table, p, p_end, col, lo, seq_len, qk_scale_log2,
-            soft_cap, offs_t, scale_ptr, kh, PAGE, D // 2, DOT, USE_SOFT_CAP, KH, PV_SCALE, K8V4,
+            soft_cap, offs_t, scale_desc, kh, PAGE, D // 2, DOT, USE_SOFT_CAP, KH, PV_SCALE, K8V4,
         )  # fmt: skip
         m_blk = tl.max(s0, axis=0)
         if PPI >= 2:
             s1, v1, z1, vs1 = page_4bit(
                 q_lo, q_hi, q_off, q_sum, kv_desc, table, p + 1, p_end, col, lo, seq_len,
-                qk_scale_log2, soft_cap, offs_t, scale_ptr, kh, PAGE, D // 2, DOT, USE_SOFT_CAP,
+                qk_scale_log2, soft_cap, offs_t, scale_desc, kh, PAGE, D // 2, DOT, USE_SOFT_CAP,
                 KH, PV_SCALE, K8V4,
             )  # fmt: skip
             m_blk = tl.maximum(m_blk, tl.max(s1, axis=0))
         if PPI >= 4:
             s2, v2, z2, vs2 = page_4bit(
                 q_lo, q_hi, q_off, q_sum, kv_desc, table, p + 2, p_end, col, lo, seq_len,
-                qk_scale_log2, soft_cap, offs_t, scale_ptr, kh, PAGE, D // 2, DOT, USE_SOFT_CAP,
+                qk_scale_log2, soft_cap, offs_t, scale_desc, kh, PAGE, D // 2, DOT, USE_SOFT_CAP,
                 KH, PV_SCALE, K8V4,
             )  # fmt: skip
             s3, v3, z3, vs3 = page_4bit(
                 q_lo, q_hi, q_off, q_sum, kv_desc, table, p + 3, p_end, col, lo, seq_len,
-                qk_scale_log2, soft_cap, offs_t, scale_ptr, kh, PAGE, D // 2, DOT, USE_SOFT_CAP,
+                qk_scale_log2, soft_cap, offs_t, scale_desc, kh, PAGE, D // 2, DOT, USE_SOFT_CAP,
                 KH, PV_SCALE, K8V4,
             )  # fmt: skip
             m_blk = tl.maximum(m_blk, tl.maximum(tl.max(s2, axis=0), tl.max(s3, axis=0)))
@@ -179,7 +186,7 @@ def attend_packed(
 @triton.jit
 def attend_4bit(
     q_ptr, b, heads, g_mask, stride_qb, stride_qh, rot_ptr, kv_desc, table, p_begin, p_end, kh,
-    lo, seq_len, qk_scale_log2, soft_cap, scale_ptr, BLOCK_G: tl.constexpr, D: tl.constexpr,
+    lo, seq_len, qk_scale_log2, soft_cap, scale_desc, BLOCK_G: tl.constexpr, D: tl.constexpr,
     PAGE: tl.constexpr, STAGES: tl.constexpr, PPI: tl.constexpr, USE_SOFT_CAP: tl.constexpr,
     DOT: tl.constexpr, LAZY: tl.constexpr, KH: tl.constexpr, PV_SCALE: tl.constexpr,
     RSQRT_B: tl.constexpr, K8V4: tl.constexpr,
@@ -196,5 +203,5 @@ def attend_4bit(
         )  # fmt: skip
     return attend_packed(
         q_lo, q_hi, kv_desc, table, p_begin, p_end, kh, lo, seq_len, qk_scale_log2, soft_cap,
-        scale_ptr, BLOCK_G, D, PAGE, STAGES, PPI, USE_SOFT_CAP, DOT, LAZY, KH, PV_SCALE, K8V4,
+        scale_desc, BLOCK_G, D, PAGE, STAGES, PPI, USE_SOFT_CAP, DOT, LAZY, KH, PV_SCALE, K8V4,
     )  # fmt: skip
