@@ -134,6 +134,8 @@ RECOMMENDED_LAYERS = {
     "llama-3.1-8b": (1, 3, 4, 6, 12, 13, 16, 22),
     "gemma-3-12b": tuple(range(5, 48, 6)),
 }
+# the same on the smoke shapes (SMOKE), whose few layers hold only the first of them
+SMOKE_LAYERS = {"llama-3.1-8b": (1, 3), "gemma-3-12b": (5,)}
 KV_CONFIGS = ("bf16", "fp8", "int8_per_token_head", "fp8_per_token_head", "int4_per_token_head",
               "mixed", "int8_per_token_head-all", "fp8_per_token_head-all",
               "int4_per_token_head-all", "int4-recommended")  # fmt: skip
@@ -148,10 +150,10 @@ def kv_configs(skip, page: int = PAGE) -> dict[str, KVCacheConfig]:
     }
 
 
-def kv_config(name: str, model_name: str, page: int = PAGE) -> KVCacheConfig:
+def kv_config(name: str, model_name: str, page: int = PAGE, smoke: bool = False) -> KVCacheConfig:
     """The KV config ``name`` (``KV_CONFIGS``) for ``model_name``: the per-(token, head) modes
     with the FP8 config's skip rule (``-all``: on every layer), ``mixed`` with the model's
-    ``MIXED`` map."""
+    ``MIXED`` map, ``int4-recommended`` with ``RECOMMENDED_LAYERS`` (``smoke``: ``SMOKE_LAYERS``)."""
     skip = MODELS[model_name][3]
     if name in ("bf16", "fp8"):
         return kv_configs(skip, page)[name]
@@ -159,7 +161,7 @@ def kv_config(name: str, model_name: str, page: int = PAGE) -> KVCacheConfig:
         default, rules = MIXED[model_name]
         return KVCacheConfig(default, layer_modes=rules, page_size=page)
     if name == "int4-recommended":
-        layers = RECOMMENDED_LAYERS[model_name]
+        layers = (SMOKE_LAYERS if smoke else RECOMMENDED_LAYERS)[model_name]
         return kv_preset(name, sensitive_layers=layers, page_size=page)
     if name not in KV_CONFIGS:
         raise ValueError(f"unknown kv config {name!r}; expected one of {list(KV_CONFIGS)}")
@@ -339,7 +341,7 @@ def replay_only(runner: DecodeGraphRunner, batch: int, steps: int) -> list[float
 def run_variant(
     model_name: str, kv_name: str, kernel_name: str, args, env, copy_gbps
 ) -> list[dict]:
-    kv = kv_config(kv_name, model_name, args.page)
+    kv = kv_config(kv_name, model_name, args.page, args.smoke)
     device = "cpu" if args.smoke else "cuda"
     kernel = make_kernel(kernel_name, args.smoke)
     cap_ctx = args.capacity_ctx

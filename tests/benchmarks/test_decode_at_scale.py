@@ -183,3 +183,24 @@ def test_int4_recommended_config_resolves_on_both_shapes():
     specs = resolve_layer_specs(kv_config("int4-recommended", "gemma-3-12b"), gemma)
     assert [s.index for s in specs if s.is_quantized] == list(range(5, 48, 6))
     assert {s.mode.value for s in specs if s.is_quantized} == {"k8v4_per_token_head"}
+
+
+def test_int4_recommended_config_resolves_on_the_smoke_shapes():
+    """``--smoke`` builds the preset on the few layers of ``SMOKE``'s shapes (the full shapes'
+    sensitive layers past the last one refused the map): k8v4 on ``SMOKE_LAYERS``, in range."""
+    from bench_decode_at_scale import SMOKE, SMOKE_LAYERS, kv_config
+
+    from torch_kvq.spec import AttentionLayerInfo, resolve_layer_specs
+
+    n = SMOKE["llama-3.1-8b"]["num_hidden_layers"]
+    llama = [AttentionLayerInfo(f"l{i}", 32, 8, 128) for i in range(n)]
+    specs = resolve_layer_specs(kv_config("int4-recommended", "llama-3.1-8b", smoke=True), llama)
+    assert [s.index for s in specs if s.mode.value == "k8v4_per_token_head"] == [1, 3]
+    with pytest.raises(ValueError, match="layer_modes index 4 is out of range for a model with 4"):
+        resolve_layer_specs(kv_config("int4-recommended", "llama-3.1-8b"), llama)
+    gemma_types = SMOKE["gemma-3-12b"]["layer_types"]
+    gemma = [AttentionLayerInfo(f"l{i}", 16, 8, 256,
+                                sliding_window=32 if t == "sliding_attention" else None)
+             for i, t in enumerate(gemma_types)]  # fmt: skip
+    specs = resolve_layer_specs(kv_config("int4-recommended", "gemma-3-12b", smoke=True), gemma)
+    assert [s.index for s in specs if s.is_quantized] == list(SMOKE_LAYERS["gemma-3-12b"])
