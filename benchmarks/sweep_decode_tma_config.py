@@ -73,7 +73,7 @@ def sweep_shape(
     for (name, cfg), ts in times.items():
         ms = statistics.median(ts)
         pct = 100 * caches[name][4] / (ms * 1e-3) / 1e9 / copy_gbps
-        default = {**tuned(c.d, mode_cache_kind(name), page), "num_splits": None}
+        default = {**tuned(c.d, mode_cache_kind(name)), "num_splits": None}
         kw = dict(zip(KEYS, cfg))
         mark = " (tuned)" if {**kw, "max_registers": kw["max_registers"] or None} == default else ""
         print(f"{shape} page {page} {name} {kw}: {ms:.4f} ms {pct:.1f}% copy{mark}", flush=True)

@@ -8,6 +8,7 @@ through shared memory, though 21% fewer instructions, ran slower (docs/design/fp
 
     python scripts/tma_kernel_sass.py                      # the TUNED configs
     python scripts/tma_kernel_sass.py --head 128 --ppi 2 --stages 6 --lazy --dump k.sass
+    python scripts/tma_kernel_sass.py --cache int4_per_token_head --head 128 --lines  # per line
 """
 
 from __future__ import annotations
@@ -25,7 +26,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 LOOP_OPS = ("LDS.U8", "LDS.64", "LDS.128", "LDSM.16.M88.4", "LDSM.16.MT88.4", "STS.128",
-            "F2FP.F16.E4M3.UNPACK_B", "HMMA.16816.F32", "FMUL", "IMAD.MOV.U32", "UTMALDG.2D")  # fmt: skip
+            "F2FP.F16.E4M3.UNPACK_B", "HMMA.16816.F32", "FMUL", "IMAD.MOV.U32", "UTMALDG.2D",
+            "UTMALDG.3D")  # fmt: skip
 
 
 # FP8 per tensor; codes per (token, head): int8, e4m3, int4 (two per byte, rotated: int4.py),
@@ -148,6 +150,38 @@ def sass_stats(kernel) -> tuple[dict[str, int], list[str], str]:
     return {**head, **{op: ops[op] for op in LOOP_OPS if ops[op]}}, body, sass
 
 
+def loop_lines(kernel) -> tuple[int, list[tuple[int, str]]]:
+    """The main loop's length and its instructions per source line (``file:line``, most first),
+    from ``nvdisasm -g`` (its line table): where a page's instructions come from."""
+    import triton
+
+    tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "nvdisasm"
+    with tempfile.TemporaryDirectory() as tmp:
+        cubin = Path(tmp) / "k.cubin"
+        cubin.write_bytes(kernel.asm["cubin"])
+        out = subprocess.run([tool, "-g", "-c", cubin], capture_output=True, text=True).stdout
+    ins, labels, pending, line = [], {}, [], None
+    for text in out.splitlines():
+        if m := re.match(r"^(\.L_x_\d+):", text.strip()):
+            pending.append(m.group(1))
+        elif m := re.search(r'//## File "([^"]+)", line (\d+)', text):
+            line = f"{Path(m.group(1)).name}:{m.group(2)}"
+        elif m := re.search(r"/\*([0-9a-f]{4,})\*/\s+(.*?);", text):
+            ins.append((int(m.group(1), 16), m.group(2), line))
+            labels.update(dict.fromkeys(pending, int(m.group(1), 16)))
+            pending = []
+    loop, most = (0, 0), -1  # as sass_stats: the back edge spanning the most tensor-core ops
+    for addr, text, _ in ins:
+        m = re.search(r"BRA\s+`\((\.L_x_\d+)\)", text)
+        if m and labels.get(m.group(1), addr) < addr and text.startswith("@"):
+            lo = labels[m.group(1)]
+            n = sum("HMMA" in t for a, t, _ in ins if lo <= a <= addr)
+            if n > most or (n == most and addr - lo < loop[1] - loop[0]):
+                loop, most = (lo, addr), n
+    body = [src or "?" for a, _, src in ins if loop[0] <= a <= loop[1]]
+    return len(body), collections.Counter(body).most_common()
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--head", type=int, help="head size (default: every TUNED one of the cache)")
@@ -160,6 +194,8 @@ def main() -> None:
     ap.add_argument("--lazy", action=argparse.BooleanOptionalAction, default=None)
     ap.add_argument("--dump", type=Path, help="write the whole SASS here")
     ap.add_argument("--json", action="store_true", help="one JSON object per config")
+    ap.add_argument("--lines", action="store_true",
+                    help="also the loop's instructions per source line (nvdisasm -g)")  # fmt: skip
     ap.add_argument("--balanced", action="store_true",
                     help="the balanced schedule's kernel (at BALANCED's register cap)")  # fmt: skip
     ap.add_argument("--max-registers", type=int,
@@ -174,7 +210,7 @@ def main() -> None:
 
     kind = mode_cache_kind(args.cache)
     for head in [args.head] if args.head else sorted(TUNED[kind]):
-        t = tuned(head, kind, args.page)
+        t = tuned(head, kind)
         regs = t["max_registers"] if args.max_registers is None else args.max_registers or None
         cfg = dict(
             head=head, group=args.group or (2 if head == 256 else 4),
@@ -186,8 +222,12 @@ def main() -> None:
         )  # fmt: skip
         if args.balanced and args.max_registers is None and head in BALANCED:
             cfg["max_registers"] = BALANCED[head][1]
-        stats, _, sass = sass_stats(compile_kernel(**cfg))
+        kernel = compile_kernel(**cfg)
+        stats, _, sass = sass_stats(kernel)
         print(json.dumps({**cfg, **stats}) if args.json else f"{cfg} {stats}")
+        if args.lines:
+            n, per_line = loop_lines(kernel)
+            print(f"loop {n}: " + ", ".join(f"{src} {k}" for src, k in per_line if k >= 4))
         if args.dump:
             args.dump.write_text(sass)
 

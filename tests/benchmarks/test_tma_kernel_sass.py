@@ -75,48 +75,70 @@ def test_per_token_head_kernels_compile_without_spills(cache: str, head: int, ba
         assert "F2FP.F16.E4M3.UNPACK_B" not in stats
 
 
-@pytest.mark.parametrize("balanced", [False, True], ids=["split", "balanced"])
-def test_int4_kernel_reads_packed_bytes_without_spills(balanced: bool) -> None:
-    """int4 at head 128 as launched (the JIT's 16-divisible pointers and strides), split grid and
-    balanced schedule (at ``BALANCED``'s cap): one K and one V box of D / 2 bytes and 8 + 8 mma
-    per page (the 4 heads on the MMA's N of 8, each nibble half a k-width of 64), no byte gathers
-    from shared memory, no spills, within 128 registers (16 programs per SM)."""
-    stats = sass_json("--head", "128", "--cache", "int4_per_token_head",
+@pytest.mark.parametrize(
+    "head,balanced", [(128, False), (128, True), (256, False)], ids=["128", "128_balanced", "256"]
+)
+def test_int4_kernel_reads_packed_bytes_without_spills(head: int, balanced: bool) -> None:
+    """int4 as launched (the JIT's 16-divisible pointers and strides), split grid and balanced
+    schedule (at ``BALANCED``'s cap): one K and one V box of D / 2 bytes and one box of the
+    page's scales, 8 + 8 mma per page at head 128 (the 4 heads on the MMA's N of 8, each nibble
+    half a k-width of 64), no byte gathers from shared memory, no spills, within 128 registers
+    at head 128 (16 programs per SM) and TUNED's cap of 192 at head 256."""
+    stats = sass_json("--head", str(head), "--cache", "int4_per_token_head",
                       *(["--balanced"] if balanced else []))  # fmt: skip
-    assert stats["align"] and stats["max_registers"] == (128 if balanced else None)
-    assert stats["stack_bytes"] == 0 and stats["registers"] <= 128
-    assert stats["UTMALDG.2D"] == 2 and stats["HMMA.16816.F32"] == 16
+    cap = {(128, False): None, (128, True): 128, (256, False): 192}[head, balanced]
+    assert stats["align"] and stats["max_registers"] == cap
+    assert stats["stack_bytes"] == 0 and stats["registers"] <= (cap or 128)
+    assert stats["UTMALDG.2D"] == 2 and stats["UTMALDG.3D"] == 1
+    assert stats["HMMA.16816.F32"] == 16 * head // 128
     assert "LDS.U8" not in stats
 
 
 @pytest.mark.parametrize("head", [128, 256])
 def test_k8v4_kernel_reads_three_boxes_without_spills(head: int) -> None:
     """k8v4 (k int8 in two slots, v int4 in one) as launched, split grid: three boxes of D / 2
-    bytes per page (k's two halves, v), 8 + 8 mma per page at head 128 (the heads on the MMA's
-    N of 8, as int4's), no byte gathers from shared memory, no spills, within 128 registers at
-    head 128 (16 programs per SM)."""
+    bytes per page (k's two halves, v) and one of its scales, 8 + 8 mma per page at head 128
+    (the heads on the MMA's N of 8, as int4's), no byte gathers from shared memory, no spills,
+    within 128 registers at head 128 (16 programs per SM)."""
     stats = sass_json("--head", str(head), "--cache", "k8v4_per_token_head")
-    assert stats["align"] and stats["max_registers"] == (None if head == 128 else 192)  # TUNED
+    assert stats["align"] and stats["max_registers"] is None  # TUNED: no cap
     assert stats["stack_bytes"] == 0 and stats["registers"] <= (128 if head == 128 else 255)
-    assert stats["UTMALDG.2D"] == 3 and stats["HMMA.16816.F32"] == 16 * head // 128
+    assert stats["UTMALDG.2D"] == 3 and stats["UTMALDG.3D"] == 1
+    assert stats["HMMA.16816.F32"] == 16 * head // 128
     assert "LDS.U8" not in stats
 
 
-def test_page_tuned_configs_compile_without_spills() -> None:
-    """Every ``TUNED_PAGES`` entry at its page size, as launched: its config (the register cap
-    included) compiles without spills, so what was measured is what runs."""
+def test_capped_tuned_configs_compile_without_spills() -> None:
+    """Every ``TUNED`` entry with a register cap, as launched: its config compiles without
+    spills under the cap, so what was measured is what runs."""
     code = (
-        "import json; from torch_kvq.attention.triton.decode_tma import TUNED_PAGES, tuned; "
-        "print(json.dumps([[k, h, p, tuned(h, k, p)] for k, h, p in TUNED_PAGES]))"
+        "import json; from torch_kvq.attention.triton.decode_tma import TUNED, tuned; "
+        "print(json.dumps([[k, h, tuned(h, k)] for k in TUNED for h in TUNED[k] "
+        "if TUNED[k][h][4]]))"
     )
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     run = subprocess.run([sys.executable, "-c", code], env=env, cwd=ROOT, capture_output=True,
                          text=True, timeout=120, check=True)  # fmt: skip
     entries = json.loads(run.stdout)
-    assert entries, "TUNED_PAGES is empty: nothing to check"
-    modes = {"int4": "int4_per_token_head", "k8v4": "k8v4_per_token_head"}
-    for kind, head, page, want in entries:
-        stats = sass_json("--head", str(head), "--cache", modes[kind], "--page", str(page))
-        assert stats["stages"] == want["num_stages"] and stats["page"] == page
+    assert [k for k, h, _ in entries] == ["int4"]  # int4 at head 256 (docs/design/int4-branch.md)
+    modes = {"codes": "int8_per_token_head", "int4": "int4_per_token_head",
+             "k8v4": "k8v4_per_token_head"}  # fmt: skip
+    for kind, head, want in entries:
+        stats = sass_json("--head", str(head), "--cache", modes[kind])
+        assert stats["stages"] == want["num_stages"]
         assert stats["max_registers"] == want["max_registers"]
-        assert stats["stack_bytes"] == 0, (kind, head, page, stats["registers"])
+        assert stats["stack_bytes"] == 0, (kind, head, stats["registers"])
+
+
+def test_lines_attribute_the_whole_loop_to_source_lines() -> None:
+    """``--lines``: the per-source-line counts cover the loop ``sass_stats`` finds (same length),
+    and int4's nibble unpack (``int4.py``'s inline assembly) is among its largest lines."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    cmd = [sys.executable, str(ROOT / "scripts" / "tma_kernel_sass.py"), "--head", "128",
+           "--cache", "int4_per_token_head", "--json", "--lines"]  # fmt: skip
+    out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300, check=True)
+    stats_line, lines_line = out.stdout.strip().splitlines()[-2:]
+    n, per_line = lines_line.removeprefix("loop ").split(": ", 1)
+    assert int(n) == json.loads(stats_line)["loop_instructions"]
+    top = [item.rsplit(" ", 1) for item in per_line.split(", ")][:3]
+    assert any(src.startswith("int4.py:") for src, _ in top), top

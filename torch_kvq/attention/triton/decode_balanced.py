@@ -120,7 +120,7 @@ def _decode_balanced(
             acc_lo, acc_hi, m_i, l_i = attend_4bit(
                 q_ptr, b, heads, g_mask, stride_qb, stride_qh, rot_ptr, kv_desc, table, p0,
                 p0 + seg_end - start, kh, lo, seq_len, qk_scale_log2, soft_cap, kv_scale_ptr,
-                BLOCK_G, D, PAGE, STAGES, PPI, USE_SOFT_CAP, DOT, LAZY, KH, PV_SCALE, RSQRT_B,
+                BLOCK_G, D, PAGE, STAGES, PPI, USE_SOFT_CAP, DOT, LAZY, PV_SCALE, RSQRT_B,
                 K8V4,
             )  # fmt: skip
             store_lse(m_i, l_i, part_lse_ptr + rows, g_mask & ~whole)

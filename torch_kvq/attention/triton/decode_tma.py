@@ -91,7 +91,7 @@ def _decode_pages(
         acc_lo, acc_hi, m_i, l_i = attend_4bit(
             q_ptr, b, heads, g_mask, stride_qb, stride_qh, rot_ptr, kv_desc, table, p_begin,
             p_end, kh, lo, seq_len, qk_scale_log2, soft_cap, kv_scale_ptr, BLOCK_G, D, PAGE,
-            STAGES, PPI, USE_SOFT_CAP, DOT, LAZY, QH // G, PV_SCALE, RSQRT_B, K8V4,
+            STAGES, PPI, USE_SOFT_CAP, DOT, LAZY, PV_SCALE, RSQRT_B, K8V4,
         )  # fmt: skip
         store_split_int4(
             acc_lo, acc_hi, m_i, l_i, b, split, heads, g_mask, out_ptr, part_o_ptr,
@@ -134,15 +134,12 @@ def default_schedule(
 # the 4-bit caches: docs/design/int4-branch.md). One warp per program beats two and four on both
 # head sizes; the lazy rescale helps at head 128 and not at head 256. Head sizes not listed take
 # head 128's. Max registers None: Triton's choice; a cap is the one the config compiles
-# spill-free under (scripts/tma_kernel_sass.py).
+# spill-free under (scripts/tma_kernel_sass.py), measured faster for the programs it adds per SM.
 TUNED = {
     "codes": {128: (1, 6, 1, True, None), 256: (1, 6, 1, False, None)},
-    "int4": {128: (1, 6, 1, True, None), 256: (1, 6, 1, False, None)},
+    "int4": {128: (1, 6, 1, True, None), 256: (1, 6, 1, False, 192)},
     "k8v4": {128: (1, 4, 1, True, None), 256: (1, 6, 1, False, None)},
 }
-# (cache kind, head size, page size) whose fastest measured config is not ``TUNED``'s: more stages
-# hold more pages in flight, and a larger page fills the shared memory with fewer.
-TUNED_PAGES = {("k8v4", 256, 16): (1, 10, 1, False, 192)}
 # (programs per SM, max registers) of the balanced schedule (``decode_balanced``), taken
 # when ``num_splits`` and ``programs_per_sm`` are both None, no workspace is given and the split
 # grid would have 1 or 2 splits: there it measured faster at head 128 (Llama); with more splits,
@@ -179,26 +176,24 @@ def mode_cache_kind(mode: str) -> str:
     return {"int4_per_token_head": "int4", "k8v4_per_token_head": "k8v4"}.get(mode, "codes")
 
 
-def tuned(
-    head_size: int, kind: str = "codes", page: int | None = None
-) -> dict[str, int | bool | None]:
+def tuned(head_size: int, kind: str = "codes") -> dict[str, int | bool | None]:
     """``paged_decode_tma`` keyword arguments measured best for ``head_size`` on a cache of
-    ``kind`` (``cache_kind``) with pages of ``page`` tokens (None: ``TUNED``'s, 16-token pages)."""
+    ``kind`` (``cache_kind``)."""
     if kind not in TUNED:
         raise ValueError(f"tuned: cache kind {kind!r}; expected one of {sorted(TUNED)}")
-    cfg = TUNED_PAGES.get((kind, head_size, page)) or TUNED[kind].get(head_size, TUNED[kind][128])
+    cfg = TUNED[kind].get(head_size, TUNED[kind][128])
     warps, stages, ppi, lazy, regs = cfg
     return dict(num_warps=warps, num_stages=stages, pages_per_iter=ppi, lazy_rescale=lazy,
                 max_registers=regs)  # fmt: skip
 
 
 def resolve_config(
-    head_size: int, kind: str = "codes", page: int | None = None, **given: int | bool | None
+    head_size: int, kind: str = "codes", **given: int | bool | None
 ) -> dict[str, int | bool | None]:
-    """``tuned(head_size, kind, page)`` with each argument ``given`` as not None in its place;
+    """``tuned(head_size, kind)`` with each argument ``given`` as not None in its place;
     its register cap only with the rest of its config (a cap is what one config compiles
     spill-free under, not a setting of its own)."""
-    best = tuned(head_size, kind, page)
+    best = tuned(head_size, kind)
     given = {k: v for k, v in given.items() if v is not None}
     cfg = {**best, **given}
     if "max_registers" not in given and any(cfg[k] != best[k] for k in given):
@@ -211,13 +206,12 @@ def balanced_registers(
     cfg: dict[str, int | bool | None],
     cap: int | None,
     kind: str = "codes",
-    page: int | None = None,
 ) -> int | None:
     """The register cap for the balanced schedule chosen by ``BALANCED``: its ``cap`` only at
-    ``tuned(head_size, kind, page)``, the configuration measured (and compiled spill-free) under
+    ``tuned(head_size, kind)``, the configuration measured (and compiled spill-free) under
     it; None (Triton's choice) for any other. Under the cap, other configurations can spill
     registers (scripts/tma_kernel_sass.py) and run several times slower."""
-    return cap if cfg == tuned(head_size, kind, page) else None
+    return cap if cfg == tuned(head_size, kind) else None
 
 
 def paged_decode_tma(
@@ -265,7 +259,7 @@ def paged_decode_tma(
     reference max only when some row's max logit grew by more than 8 in base 2, so the softmax
     weights stay <= 2^8 (FlashAttention-4's trick). ``num_warps``, ``num_stages``,
     ``pages_per_iter``, ``lazy_rescale``, ``max_registers``: None takes
-    ``tuned(D, cache_kind(kv_cache), page)``'s.
+    ``tuned(D, cache_kind(kv_cache))``'s.
     ``programs_per_sm``: the balanced schedule (``decode_balanced``) with that many programs per
     SM (at most as many as fit) instead of the split grid; then ``num_splits`` must be None and
     ``workspace`` is (partial out [P, 2, QH / KH, D], lse [P, 2, QH / KH]) fp32 for P =
@@ -312,7 +306,7 @@ def paged_decode_tma(
     check_scales(kv_cache, kv_scale, k_scale, v_scale)
     kind = cache_kind(kv_cache)
     cfg = resolve_config(
-        d, kind, page, num_warps=num_warps, num_stages=num_stages, pages_per_iter=pages_per_iter,
+        d, kind, num_warps=num_warps, num_stages=num_stages, pages_per_iter=pages_per_iter,
         lazy_rescale=lazy_rescale, max_registers=max_registers,
     )  # fmt: skip
     num_warps, num_stages = cfg["num_warps"], cfg["num_stages"]
@@ -347,7 +341,7 @@ def paged_decode_tma(
         splits, balanced = default_schedule(b, kh, max_seq_len, page, d, sm_count(q.device))
         if balanced is not None and workspace is None:
             programs_per_sm, cap = balanced
-            regs = balanced_registers(d, cfg, cap, kind, page)  # 4-bit too: spill-free (sm90)
+            regs = balanced_registers(d, cfg, cap, kind)  # 4-bit too: spill-free (sm90)
             if regs is not None:
                 common.setdefault("maxnreg", regs)
         else:

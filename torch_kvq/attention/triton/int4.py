@@ -206,7 +206,7 @@ def page_scales(scale_desc, page, kh, PAGE: tl.constexpr):
 def page_int4(
     q_lo, q_hi, q_off, q_sum, kv_desc, table, p, p_end, col, lo, seq_len, qk_scale_log2, soft_cap,
     offs_t, scale_desc, kh, PAGE: tl.constexpr, W: tl.constexpr, DOT: tl.constexpr,
-    USE_SOFT_CAP: tl.constexpr, KH: tl.constexpr, PV_SCALE: tl.constexpr,
+    USE_SOFT_CAP: tl.constexpr, PV_SCALE: tl.constexpr,
 ):  # fmt: skip
     """``helpers.page_logits`` for the int4 cache: page ``p`` of the run (past ``p_end``: logits
     -inf, page 0 read), one box [PAGE, W = D / 2] of bytes each for K and V. Returns its base-2

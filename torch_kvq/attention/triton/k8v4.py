@@ -57,7 +57,7 @@ def q_halves(q_ptr, b, heads, g_mask, stride_qb, stride_qh, D: tl.constexpr, DOT
 def page_k8v4(
     q_lo, q_hi, q_off, kv_desc, table, p, p_end, col, lo, seq_len, qk_scale_log2, soft_cap, offs_t,
     scale_desc, kh, PAGE: tl.constexpr, W: tl.constexpr, DOT: tl.constexpr,
-    USE_SOFT_CAP: tl.constexpr, KH: tl.constexpr, PV_SCALE: tl.constexpr,
+    USE_SOFT_CAP: tl.constexpr, PV_SCALE: tl.constexpr,
 ):  # fmt: skip
     """``helpers.page_logits`` for the k8v4 cache: page ``p`` of the run (past ``p_end``: logits
     -inf, page 0 read), boxes [PAGE, W = D / 2] of bytes at rows ``3 * PAGE * page`` (k's slot
@@ -91,18 +91,18 @@ def page_k8v4(
 def page_4bit(
     q_lo, q_hi, q_off, q_sum, kv_desc, table, p, p_end, col, lo, seq_len, qk_scale_log2, soft_cap,
     offs_t, scale_desc, kh, PAGE: tl.constexpr, W: tl.constexpr, DOT: tl.constexpr,
-    USE_SOFT_CAP: tl.constexpr, KH: tl.constexpr, PV_SCALE: tl.constexpr, K8V4: tl.constexpr,
+    USE_SOFT_CAP: tl.constexpr, PV_SCALE: tl.constexpr, K8V4: tl.constexpr,
 ):  # fmt: skip
     """Page ``p``'s (logits [PAGE, BLOCK_G], V bytes, zero points, v scales): ``page_k8v4``
     where ``K8V4``, else ``int4.page_int4`` (which alone takes q's offset terms)."""
     if K8V4:
         return page_k8v4(
             q_lo, q_hi, q_off, kv_desc, table, p, p_end, col, lo, seq_len, qk_scale_log2, soft_cap,
-            offs_t, scale_desc, kh, PAGE, W, DOT, USE_SOFT_CAP, KH, PV_SCALE,
+            offs_t, scale_desc, kh, PAGE, W, DOT, USE_SOFT_CAP, PV_SCALE,
         )  # fmt: skip
     return page_int4(
         q_lo, q_hi, q_off, q_sum, kv_desc, table, p, p_end, col, lo, seq_len, qk_scale_log2,
-        soft_cap, offs_t, scale_desc, kh, PAGE, W, DOT, USE_SOFT_CAP, KH, PV_SCALE,
+        soft_cap, offs_t, scale_desc, kh, PAGE, W, DOT, USE_SOFT_CAP, PV_SCALE,
     )  # fmt: skip
 
 
@@ -111,7 +111,7 @@ def attend_packed(
     q_lo, q_hi, kv_desc, table, p_begin, p_end, kh, lo, seq_len, qk_scale_log2, soft_cap,
     scale_desc, BLOCK_G: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr, STAGES: tl.constexpr,
     PPI: tl.constexpr, USE_SOFT_CAP: tl.constexpr, DOT: tl.constexpr, LAZY: tl.constexpr,
-    KH: tl.constexpr, PV_SCALE: tl.constexpr, K8V4: tl.constexpr,
+    PV_SCALE: tl.constexpr, K8V4: tl.constexpr,
 ):  # fmt: skip
     """``helpers.attend`` over either 4-bit cache (cache columns ``kh * D / 2``; ``page_4bit``
     reads the pages), ``PPI`` (1, 2 or 4) pages per iteration under one softmax update:
@@ -143,26 +143,26 @@ def attend_packed(
         p = p_begin + it * PPI
         s0, v0, z0, vs0 = page_4bit(
             q_lo, q_hi, q_off, q_sum, kv_desc, table, p, p_end, col, lo, seq_len, qk_scale_log2,
-            soft_cap, offs_t, scale_desc, kh, PAGE, D // 2, DOT, USE_SOFT_CAP, KH, PV_SCALE, K8V4,
+            soft_cap, offs_t, scale_desc, kh, PAGE, D // 2, DOT, USE_SOFT_CAP, PV_SCALE, K8V4,
         )  # fmt: skip
         m_blk = tl.max(s0, axis=0)
         if PPI >= 2:
             s1, v1, z1, vs1 = page_4bit(
                 q_lo, q_hi, q_off, q_sum, kv_desc, table, p + 1, p_end, col, lo, seq_len,
                 qk_scale_log2, soft_cap, offs_t, scale_desc, kh, PAGE, D // 2, DOT, USE_SOFT_CAP,
-                KH, PV_SCALE, K8V4,
+                PV_SCALE, K8V4,
             )  # fmt: skip
             m_blk = tl.maximum(m_blk, tl.max(s1, axis=0))
         if PPI >= 4:
             s2, v2, z2, vs2 = page_4bit(
                 q_lo, q_hi, q_off, q_sum, kv_desc, table, p + 2, p_end, col, lo, seq_len,
                 qk_scale_log2, soft_cap, offs_t, scale_desc, kh, PAGE, D // 2, DOT, USE_SOFT_CAP,
-                KH, PV_SCALE, K8V4,
+                PV_SCALE, K8V4,
             )  # fmt: skip
             s3, v3, z3, vs3 = page_4bit(
                 q_lo, q_hi, q_off, q_sum, kv_desc, table, p + 3, p_end, col, lo, seq_len,
                 qk_scale_log2, soft_cap, offs_t, scale_desc, kh, PAGE, D // 2, DOT, USE_SOFT_CAP,
-                KH, PV_SCALE, K8V4,
+                PV_SCALE, K8V4,
             )  # fmt: skip
             m_blk = tl.maximum(m_blk, tl.maximum(tl.max(s2, axis=0), tl.max(s3, axis=0)))
         acc_lo, acc_hi, l_i, m_i, m_safe = rescale(acc_lo, acc_hi, l_i, m_i, m_blk, LAZY)
@@ -188,7 +188,7 @@ def attend_4bit(
     q_ptr, b, heads, g_mask, stride_qb, stride_qh, rot_ptr, kv_desc, table, p_begin, p_end, kh,
     lo, seq_len, qk_scale_log2, soft_cap, scale_desc, BLOCK_G: tl.constexpr, D: tl.constexpr,
     PAGE: tl.constexpr, STAGES: tl.constexpr, PPI: tl.constexpr, USE_SOFT_CAP: tl.constexpr,
-    DOT: tl.constexpr, LAZY: tl.constexpr, KH: tl.constexpr, PV_SCALE: tl.constexpr,
+    DOT: tl.constexpr, LAZY: tl.constexpr, PV_SCALE: tl.constexpr,
     RSQRT_B: tl.constexpr, K8V4: tl.constexpr,
 ):  # fmt: skip
     """q of ``heads`` of sequence ``b`` in the cache's basis, then the page loop
@@ -203,5 +203,5 @@ def attend_4bit(
         )  # fmt: skip
     return attend_packed(
         q_lo, q_hi, kv_desc, table, p_begin, p_end, kh, lo, seq_len, qk_scale_log2, soft_cap,
-        scale_desc, BLOCK_G, D, PAGE, STAGES, PPI, USE_SOFT_CAP, DOT, LAZY, KH, PV_SCALE, K8V4,
+        scale_desc, BLOCK_G, D, PAGE, STAGES, PPI, USE_SOFT_CAP, DOT, LAZY, PV_SCALE, K8V4,
     )  # fmt: skip
