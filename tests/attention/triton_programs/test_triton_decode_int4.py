@@ -197,6 +197,11 @@ def test_interpreter_rejects_bad_int4_arguments(interp) -> None:
                                 max_seq_len=40, kv_scale=case.kv_scale)  # fmt: skip
     with pytest.raises(ValueError, match=r"expected contiguous float32 \(7, 2, 2, 16\)"):
         run_tma(case, interp, kv_scale=case.kv_scale.transpose(2, 3).contiguous())
+    # the 4-bit loops read the scales by TMA: their first byte 16-byte aligned
+    shifted = torch.empty(case.kv_scale.numel() + 1)[1:].view(case.kv_scale.shape)
+    shifted.copy_(case.kv_scale)
+    with pytest.raises(ValueError, match=r"kv_scale must start 16-byte aligned .* 4 bytes past"):
+        run_tma(case, interp, kv_scale=shifted)
 
 
 # -- GPU: the compiled kernel ---------------------------------------------------------------------

@@ -372,7 +372,7 @@ def check_scales(
     kv_cache: torch.Tensor, kv_scale: torch.Tensor | None, k_scale: float, v_scale: float
 ) -> None:
     """A per-(token, head) cache comes with its scales [P, 2, KH, page] (fp32, contiguous, on the
-    cache's device) and per-tensor scales of 1.0; an int8 cache and an int4 one (uint8: two
+    cache's device; a 4-bit cache's 16-byte aligned, read by TMA) and per-tensor scales of 1.0; an int8 cache and an int4 one (uint8: two
     codes per byte, the zero point in the scales' low bits) always have them. ValueError."""
     fn = "paged_decode_tma"
     if kv_scale is None:
@@ -402,6 +402,11 @@ def check_scales(
         raise ValueError(
             f"{fn}: kv_scale is {kv_scale.dtype} {tuple(kv_scale.shape)} on {kv_scale.device}; "
             f"expected contiguous float32 {want} on {kv_cache.device}"
+        )
+    if kv_cache.dtype == torch.uint8 and kv_scale.data_ptr() % 16:
+        raise ValueError(
+            f"{fn}: a 4-bit cache's kv_scale must start 16-byte aligned (its pages' scales are "
+            f"read by TMA), got {kv_scale.data_ptr() % 16} bytes past"
         )
     if k_scale != 1.0 or v_scale != 1.0:
         raise ValueError(
