@@ -266,14 +266,23 @@ def agreement(tp) -> dict:
     return out
 
 
-def gpu(tp) -> dict:
-    """Compiled (kvq passes, Inductor) == eager on 2 GPUs (NCCL) with FlashInfer: a Gemma-3-style
-    model in bf16, FP8 KV on the global layers, head size 128."""
+# the GPU scenarios' KV configs: FP8 per tensor on the global layers; issue 33's 4-bit modes
+# (int4 on the global layers, k8v4 on sliding layer 0, the other sliding layers bf16)
+GPU_KV = {
+    "gpu": dict(kv_cache_dtype="fp8", skip_layers=("sliding_window",), **SCALES),
+    "gpu4": dict(kv_cache_dtype="auto", layer_modes=(("full_attention", INT4), (0, K8V4))),
+}
+
+
+def gpu(tp, scenario: str) -> dict:
+    """Compiled (kvq passes, Inductor) == eager on 2 GPUs (NCCL) with FlashInfer (the 4-bit
+    layers: its kernel's Triton decode): a Gemma-3-style model in bf16, head size 128, the KV
+    config ``GPU_KV[scenario]``."""
     from torch_kvq.attention.kernels import FlashInferKernel
     from torch_kvq.attention.kernels.flashinfer_jit import prebuild
     from torch_kvq.passes import kvq_backend
 
-    kv = KVCacheConfig("fp8", skip_layers=("sliding_window",), page_size=16, **SCALES)
+    kv = KVCacheConfig(page_size=16, **GPU_KV[scenario])
     dev = f"cuda:{torch.cuda.current_device()}"
     model = build_model("gemma3-tiny", kv, num_pages=64, device=dev, kernel=FlashInferKernel(),
                         tp=tp, head_dim=128, query_pre_attn_scalar=128)  # fmt: skip
@@ -297,8 +306,9 @@ def gpu(tp) -> dict:
 
 def main() -> None:
     scenario, out_dir = sys.argv[1], Path(sys.argv[2])
-    tp = init_tensor_parallel(device="cuda" if scenario == "gpu" else "cpu")
-    if scenario != "gpu":
+    on_gpu = scenario in GPU_KV
+    tp = init_tensor_parallel(device="cuda" if on_gpu else "cpu")
+    if not on_gpu:
         torch.set_num_threads(1)
     try:
         scenarios = {
@@ -306,7 +316,8 @@ def main() -> None:
             "agreement": lambda: agreement(tp),
             "modes": lambda: modes(tp, MAPS_8BIT),
             "modes4": lambda: modes(tp, MAPS_4BIT),
-            "gpu": lambda: gpu(tp),
+            "gpu": lambda: gpu(tp, "gpu"),
+            "gpu4": lambda: gpu(tp, "gpu4"),
         }
         result = {"ok": True, **scenarios[scenario]()}
     except Exception:  # noqa: BLE001 - written for the test to show
