@@ -28,7 +28,8 @@ from gpu_common import copy_bandwidth, environment, random_cache, time_per_call,
 
 from torch_kvq.attention import BatchMetadata, forward_context  # noqa: E402
 from torch_kvq.attention.kernels import FlashInferKernel  # noqa: E402
-from torch_kvq.spec import AttentionLayerInfo, KVCacheConfig, resolve_layer_specs  # noqa: E402
+from torch_kvq.spec import AttentionLayerInfo, KVCacheConfig  # noqa: E402
+from torch_kvq.spec_resolve import resolve_layer_specs  # noqa: E402
 
 QH, KH, D, PAGE = 32, 8, 128, 16
 SCALE = 1 / 16  # stored values ~N(0, 16), real values ~N(0, 1)

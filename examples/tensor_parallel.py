@@ -21,7 +21,8 @@ import torch
 
 from torch_kvq.distributed import gather, init_tensor_parallel, relaunch, under_torchrun
 from torch_kvq.models import build_model, generate
-from torch_kvq.spec import KVCacheConfig, format_spec_table
+from torch_kvq.spec import KVCacheConfig
+from torch_kvq.spec_table import format_spec_table
 
 PROMPTS = [[5, 9, 14, 3, 7, 2, 11], [8, 2, 4], [19, 3, 3, 27]]
 

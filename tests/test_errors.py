@@ -33,7 +33,8 @@ from torch_kvq.attention import (
 )
 from torch_kvq.attention.context import forward_context
 from torch_kvq.attention.kernels import FlashInferKernel, capabilities
-from torch_kvq.spec import FP8_DTYPE, AttentionLayerInfo, KVCacheConfig, resolve_layer_specs
+from torch_kvq.spec import FP8_DTYPE, AttentionLayerInfo, KVCacheConfig
+from torch_kvq.spec_resolve import resolve_layer_specs
 
 DOC = Path(__file__).resolve().parents[1] / "docs" / "errors.md"
 ROW = re.compile(

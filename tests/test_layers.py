@@ -18,6 +18,8 @@ LAYERS: dict[str, int] = {
     "torch_kvq.progress": 0,  # stderr progress lines; imports nothing of ours
     "torch_kvq.user_cache": 0,  # where fetched / converted files live; imports nothing of ours
     "torch_kvq.spec": 0,
+    "torch_kvq.spec_resolve": 0,  # KVCacheConfig + layers -> LayerKVSpecs (spec's types)
+    "torch_kvq.spec_table": 0,  # the spec table and its notes (spec's LayerKVSpec)
     "torch_kvq.kv_presets": 0,  # named KV configs (spec's KVCacheConfig)
     "torch_kvq.attention": 1,
     "torch_kvq.distributed": 1,  # tensor parallelism: shards, collectives, rank agreement

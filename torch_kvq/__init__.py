@@ -20,8 +20,8 @@ _LAZY: dict[str, str] = {  # public name -> the module it comes from
     "KVCacheConfig": "torch_kvq.spec",
     "KVQuantMode": "torch_kvq.spec",
     "LayerKVSpec": "torch_kvq.spec",
-    "format_spec_table": "torch_kvq.spec",
-    "resolve_layer_specs": "torch_kvq.spec",
+    "format_spec_table": "torch_kvq.spec_table",
+    "resolve_layer_specs": "torch_kvq.spec_resolve",
     # these import torch._inductor
     "kvq_backend": "torch_kvq.passes.backend",
     "make_kvq_backend": "torch_kvq.passes.backend",
@@ -30,14 +30,9 @@ _LAZY: dict[str, str] = {  # public name -> the module it comes from
 if TYPE_CHECKING:
     from torch_kvq.attention import Attention, BatchMetadata, PageAllocator, forward_context
     from torch_kvq.passes.backend import kvq_backend, make_kvq_backend
-    from torch_kvq.spec import (
-        AttentionLayerInfo,
-        KVCacheConfig,
-        KVQuantMode,
-        LayerKVSpec,
-        format_spec_table,
-        resolve_layer_specs,
-    )
+    from torch_kvq.spec import AttentionLayerInfo, KVCacheConfig, KVQuantMode, LayerKVSpec
+    from torch_kvq.spec_resolve import resolve_layer_specs
+    from torch_kvq.spec_table import format_spec_table
 
 
 def __getattr__(name: str) -> object:

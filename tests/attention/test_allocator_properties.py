@@ -33,7 +33,8 @@ from torch_kvq.attention import (
     ref_attention,
 )
 from torch_kvq.attention.quant import quantize_fp8
-from torch_kvq.spec import AttentionLayerInfo, KVCacheConfig, resolve_layer_specs
+from torch_kvq.spec import AttentionLayerInfo, KVCacheConfig
+from torch_kvq.spec_resolve import resolve_layer_specs
 
 NUM_PAGES, PAGE, HEADS, KV_HEADS, D, WINDOW = 10, 4, 4, 2, 8, 5
 WINDOW_POOL = 7  # pages of the sliding layer's own pool (WindowedAllocatorMachine)

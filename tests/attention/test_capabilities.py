@@ -82,7 +82,8 @@ def _fi_kernel(name: str):
 
 
 def _layer(head_size=128, dtype=torch.bfloat16, page_size=16, fp8=True, soft_cap=None):
-    from torch_kvq.spec import AttentionLayerInfo, KVCacheConfig, resolve_layer_specs
+    from torch_kvq.spec import AttentionLayerInfo, KVCacheConfig
+    from torch_kvq.spec_resolve import resolve_layer_specs
 
     cfg = KVCacheConfig("fp8" if fp8 else "auto", page_size=page_size)
     info = AttentionLayerInfo("t.attn", 8, 2, head_size, logits_soft_cap=soft_cap)

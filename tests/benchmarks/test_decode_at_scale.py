@@ -169,7 +169,8 @@ def test_int4_recommended_config_resolves_on_both_shapes():
     the rest int4; Gemma-3-12B every full-attention layer k8v4, its sliding layers bf16."""
     from bench_decode_at_scale import RECOMMENDED_LAYERS, kv_config
 
-    from torch_kvq.spec import AttentionLayerInfo, resolve_layer_specs
+    from torch_kvq.spec import AttentionLayerInfo
+    from torch_kvq.spec_resolve import resolve_layer_specs
 
     assert set(RECOMMENDED_LAYERS) == set(MODELS)
     llama = [AttentionLayerInfo(f"l{i}", 32, 8, 128) for i in range(32)]
@@ -190,7 +191,8 @@ def test_int4_recommended_config_resolves_on_the_smoke_shapes():
     sensitive layers past the last one refused the map): k8v4 on ``SMOKE_LAYERS``, in range."""
     from bench_decode_at_scale import SMOKE, SMOKE_LAYERS, kv_config
 
-    from torch_kvq.spec import AttentionLayerInfo, resolve_layer_specs
+    from torch_kvq.spec import AttentionLayerInfo
+    from torch_kvq.spec_resolve import resolve_layer_specs
 
     n = SMOKE["llama-3.1-8b"]["num_hidden_layers"]
     llama = [AttentionLayerInfo(f"l{i}", 32, 8, 128) for i in range(n)]

@@ -18,7 +18,8 @@ from tests.support.passes import AttnQuantModel, qkv
 from torch_kvq.attention import PageAllocator, ReferenceKernel, forward_context, registry
 from torch_kvq.models import build_model
 from torch_kvq.passes import kvq_backend, last_report, make_kvq_backend
-from torch_kvq.spec import AttentionLayerInfo, KVCacheConfig, resolve_layer_specs
+from torch_kvq.spec import AttentionLayerInfo, KVCacheConfig
+from torch_kvq.spec_resolve import resolve_layer_specs
 
 IDS = torch.tensor([5, 7, 9, 11, 2, 40, 3])
 GEMMA3 = dict(num_hidden_layers=2, layer_types=["sliding_attention", "full_attention"])

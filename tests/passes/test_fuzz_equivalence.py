@@ -31,7 +31,8 @@ from torch_kvq.attention import Attention, PageAllocator, ReferenceKernel, forwa
 from torch_kvq.attention.kernels.base import AttentionKernel
 from torch_kvq.attention.quant import FP8_MAX
 from torch_kvq.passes import make_kvq_backend
-from torch_kvq.spec import AttentionLayerInfo, KVCacheConfig, resolve_layer_specs
+from torch_kvq.spec import AttentionLayerInfo, KVCacheConfig
+from torch_kvq.spec_resolve import resolve_layer_specs
 
 HIDDEN = 16
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}

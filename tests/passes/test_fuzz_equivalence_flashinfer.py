@@ -24,7 +24,8 @@ from hypothesis import Phase, given, settings
 from hypothesis import strategies as st
 from test_fuzz_equivalence import COMMON, run_case, structures, workloads
 
-from torch_kvq.spec import AttentionLayerInfo, KVCacheConfig, resolve_layer_specs
+from torch_kvq.spec import AttentionLayerInfo, KVCacheConfig
+from torch_kvq.spec_resolve import resolve_layer_specs
 
 pytestmark = [
     pytest.mark.gpu,

@@ -16,12 +16,14 @@ from torch_kvq.attention import ReferenceKernel, forward_context
 from torch_kvq.passes import DEFAULT_PASSES, GraphReport, KVQPass, KVQPassManager, last_report
 from torch_kvq.passes.graph_utils import ATTENTION_FP8, QUANT_CACHE_WRITE, VIEW_OPS
 from torch_kvq.passes.stamp import get_stamp
-from torch_kvq.spec import AttentionLayerInfo, KVCacheConfig, resolve_layer_specs
+from torch_kvq.spec import AttentionLayerInfo, KVCacheConfig
+from torch_kvq.spec_resolve import resolve_layer_specs
 
 UUID_SCRIPT = """
 import torch
 from torch_kvq.passes import KVQPassManager
-from torch_kvq.spec import AttentionLayerInfo, KVCacheConfig, resolve_layer_specs
+from torch_kvq.spec import AttentionLayerInfo, KVCacheConfig
+from torch_kvq.spec_resolve import resolve_layer_specs
 infos = [AttentionLayerInfo(f"m.layers.{i}", 8, 2, 32, sliding_window=4 if i % 2 else None) for i in range(4)]
 specs = resolve_layer_specs(KVCacheConfig("fp8", skip_layers=("sliding_window",)), infos, torch.bfloat16)
 print(KVQPassManager(specs).uuid())

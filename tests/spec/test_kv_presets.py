@@ -7,7 +7,8 @@ import pytest
 
 from torch_kvq.evaluation.kv_arg import parse_kv
 from torch_kvq.kv_presets import PRESETS, kv_preset
-from torch_kvq.spec import AttentionLayerInfo, resolve_layer_specs
+from torch_kvq.spec import AttentionLayerInfo
+from torch_kvq.spec_resolve import resolve_layer_specs
 
 
 def _smollm2() -> list[AttentionLayerInfo]:  # SmolLM2-135M: 30 full layers, 9 / 3 heads of 64

@@ -11,11 +11,10 @@ from torch_kvq.spec import (
     AttentionLayerInfo,
     KVCacheConfig,
     KVQuantMode,
-    format_spec_table,
     parse_kv_cache_dtype,
-    resolve_layer_specs,
-    skip_rule_notes,
 )
+from torch_kvq.spec_resolve import resolve_layer_specs
+from torch_kvq.spec_table import format_spec_table, skip_rule_notes
 
 
 def layers(n: int = 6) -> list[AttentionLayerInfo]:

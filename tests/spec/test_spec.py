@@ -14,13 +14,10 @@ from torch_kvq.spec import (
     KVCacheConfig,
     KVQuantMode,
     LayerKVSpec,
-    format_spec_table,
     parse_kv_cache_dtype,
-    resolve_layer_specs,
-    scale_notes,
-    skip_rule_notes,
-    spec_table_key,
 )
+from torch_kvq.spec_resolve import resolve_layer_specs
+from torch_kvq.spec_table import format_spec_table, scale_notes, skip_rule_notes, spec_table_key
 
 
 def layers(n: int = 6, window_every: int = 3) -> list[AttentionLayerInfo]:

@@ -11,7 +11,8 @@ import torch
 
 from torch_kvq.attention import Attention, PageAllocator, ReferenceKernel, forward_context
 from torch_kvq.attention.context import get_forward_context
-from torch_kvq.spec import AttentionLayerInfo, KVCacheConfig, resolve_layer_specs
+from torch_kvq.spec import AttentionLayerInfo, KVCacheConfig
+from torch_kvq.spec_resolve import resolve_layer_specs
 
 _ids = itertools.count()
 

@@ -14,12 +14,8 @@ from torch_kvq.attention.quant import FP8_MAX, quantize_fp8
 from torch_kvq.passes import KVQPassManager, make_kvq_backend
 from torch_kvq.passes.graph_utils import functional_op, op_args
 from torch_kvq.passes.stamp import get_stamp
-from torch_kvq.spec import (
-    AttentionLayerInfo,
-    KVCacheConfig,
-    LayerKVSpec,
-    resolve_layer_specs,
-)
+from torch_kvq.spec import AttentionLayerInfo, KVCacheConfig, LayerKVSpec
+from torch_kvq.spec_resolve import resolve_layer_specs
 
 PAGE_SIZE = 16
 OUT_SCALE = 0.01  # static scale of the o_proj input quant; attention outputs are O(1)

@@ -29,7 +29,8 @@ from torch_kvq.attention.layer import Attention, QuantForm
 from torch_kvq.attention.memory import WindowPages, layer_pages, window_pools
 from torch_kvq.attention.metadata import BatchMetadata
 from torch_kvq.distributed import TensorParallel, check_ranks_agree, shard_specs
-from torch_kvq.spec import AttentionLayerInfo, KVCacheConfig, LayerKVSpec, resolve_layer_specs
+from torch_kvq.spec import AttentionLayerInfo, KVCacheConfig, LayerKVSpec
+from torch_kvq.spec_resolve import resolve_layer_specs
 
 
 class PagedKV(nn.Module):

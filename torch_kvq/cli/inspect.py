@@ -65,7 +65,7 @@ def run(args: argparse.Namespace) -> int:
     from torch_kvq.cli.sources import kv_config_from_args, model_from_args
     from torch_kvq.cli.tables import layer_table
     from torch_kvq.debug.plan import OUTPUT_QUANT_NOTE, layer_plan, plan_columns
-    from torch_kvq.spec import skip_rule_notes
+    from torch_kvq.spec_table import skip_rule_notes
 
     caps.check_arch(args.arch)  # ValueError listing the known archs
     kv = kv_config_from_args(args)

@@ -1,6 +1,6 @@
 """The per-layer tables ``kvq inspect`` and ``kvq demo`` print: by default the columns that fit a
 100-column terminal, every other column summarized below as ``value: layers ...`` lines, then the
-skip-rule notes (``spec.skip_rule_notes``); ``--wide`` prints every column instead."""
+skip-rule notes (``spec_table.skip_rule_notes``); ``--wide`` prints every column instead."""
 
 from __future__ import annotations
 
@@ -27,7 +27,7 @@ def layer_table(
     """The table of ``specs`` with ``extra``'s columns; narrow (``wide`` False): the ``NARROW``
     columns and ``also``, each other ``extra`` column as grouped lines. ``skip_layers`` /
     ``layer_modes``: the config's rules, for the notes below the table."""
-    from torch_kvq.spec import format_spec_table, scale_notes, skip_rule_notes
+    from torch_kvq.spec_table import format_spec_table, scale_notes, skip_rule_notes
 
     rules, modes = tuple(skip_layers), tuple(layer_modes)
     if wide:

@@ -18,7 +18,8 @@ import torch
 from torch_kvq.attention import Attention, calibrate_kv_scales, ref_attention
 from torch_kvq.attention.calibration import layer_kv_scales
 from torch_kvq.attention.quant import dequantize_fp8, quantize_fp8
-from torch_kvq.spec import KVCacheConfig, LayerKVSpec, resolve_layer_specs
+from torch_kvq.spec import KVCacheConfig, LayerKVSpec
+from torch_kvq.spec_resolve import resolve_layer_specs
 
 DEFAULT_THRESHOLD_DB = 30.0
 

@@ -81,7 +81,7 @@ def format_plan(
     skip_layers: Sequence[int | str] = (),
 ) -> str:
     """The per-layer table with the plan's columns, the skip-rule notes and the output-quant note."""
-    from torch_kvq.spec import format_spec_table
+    from torch_kvq.spec_table import format_spec_table
 
     table = format_spec_table(specs, plan_columns(rows), skip_layers=skip_layers)
     return table + "\n\n" + OUTPUT_QUANT_NOTE

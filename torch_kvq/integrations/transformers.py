@@ -59,8 +59,8 @@ from torch_kvq.spec import (
     KVCacheConfig,
     KVQuantMode,
     check_positive_int,
-    resolve_layer_specs,
 )
+from torch_kvq.spec_resolve import resolve_layer_specs
 
 
 def _layer_names(paths: list[str], prefix: str | None) -> list[str]:

@@ -29,7 +29,8 @@ from torch_kvq.passes.fuse_dequant_attention import FuseDequantAttentionPass
 from torch_kvq.passes.fuse_quant_cache_write import FuseQuantCacheWritePass
 from torch_kvq.passes.graph_utils import count_ops
 from torch_kvq.passes.stamp import KVQStamp, make_stamp
-from torch_kvq.spec import LayerKVSpec, spec_table_key
+from torch_kvq.spec import LayerKVSpec
+from torch_kvq.spec_table import spec_table_key
 
 logger = logging.getLogger("torch_kvq")
 
