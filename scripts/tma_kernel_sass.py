@@ -115,6 +115,21 @@ def compile_kernel(
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=opts)
 
 
+def main_loop(ins: list[tuple[int, str]], target) -> tuple[int, int]:
+    """(first, last) address of the main loop in ``ins`` [(address, instruction)]: the backward
+    branch (``target(instruction)``: its destination address, or None) whose span holds the most
+    tensor-core ops; a loop's back edge is predicated (the unpredicated backward jumps are
+    mbarrier-wait retries, out of line)."""
+    loop, most = (0, 0), -1
+    for addr, text in ins:
+        lo = target(text)
+        if lo is not None and lo < addr and text.startswith("@"):
+            n = sum("HMMA" in t for a, t in ins if lo <= a <= addr)
+            if n > most or (n == most and addr - lo < loop[1] - loop[0]):
+                loop, most = (lo, addr), n
+    return loop
+
+
 def sass_stats(kernel) -> tuple[dict[str, int], list[str], str]:
     """Registers, shared bytes, main-loop length; the loop's instruction counts; the SASS."""
     import triton
@@ -128,16 +143,12 @@ def sass_stats(kernel) -> tuple[dict[str, int], list[str], str]:
             [tool, "--dump-resource-usage", cubin], capture_output=True, text=True
         ).stdout
     ins = [(int(a, 16), t) for a, t in re.findall(r"/\*([0-9a-f]{4,})\*/\s+(.*?);", sass)]
-    # the backward branch whose span holds the most tensor-core ops; a loop's back edge is
-    # predicated (the unpredicated backward jumps are mbarrier-wait retries, out of line)
-    loop, most = (0, 0), -1
-    for addr, text in ins:
+
+    def target(text: str) -> int | None:
         m = re.search(r"BRA\s+(0x[0-9a-f]+)", text)
-        if m and int(m.group(1), 16) < addr and text.startswith("@"):
-            lo = int(m.group(1), 16)
-            n = sum("HMMA" in t for a, t in ins if lo <= a <= addr)
-            if n > most or (n == most and addr - lo < loop[1] - loop[0]):
-                loop, most = (lo, addr), n
+        return int(m.group(1), 16) if m else None
+
+    loop = main_loop(ins, target)
     body = [t for a, t in ins if loop[0] <= a <= loop[1]]
     ops = collections.Counter(re.sub(r"^@!?U?P\w+\s+", "", t).split()[0] for t in body)
     regs = int(re.search(r"REG:(\d+)", usage).group(1))
@@ -170,14 +181,12 @@ def loop_lines(kernel) -> tuple[int, list[tuple[int, str]]]:
             ins.append((int(m.group(1), 16), m.group(2), line))
             labels.update(dict.fromkeys(pending, int(m.group(1), 16)))
             pending = []
-    loop, most = (0, 0), -1  # as sass_stats: the back edge spanning the most tensor-core ops
-    for addr, text, _ in ins:
+
+    def target(text: str) -> int | None:
         m = re.search(r"BRA\s+`\((\.L_x_\d+)\)", text)
-        if m and labels.get(m.group(1), addr) < addr and text.startswith("@"):
-            lo = labels[m.group(1)]
-            n = sum("HMMA" in t for a, t, _ in ins if lo <= a <= addr)
-            if n > most or (n == most and addr - lo < loop[1] - loop[0]):
-                loop, most = (lo, addr), n
+        return labels.get(m.group(1)) if m else None
+
+    loop = main_loop([(a, t) for a, t, _ in ins], target)
     body = [src or "?" for a, _, src in ins if loop[0] <= a <= loop[1]]
     return len(body), collections.Counter(body).most_common()
 

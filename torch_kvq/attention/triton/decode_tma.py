@@ -335,8 +335,8 @@ def paged_decode_tma(
     out_scale = float(v_scale) / pv_scale  # a power of two: exact
     scales = (sm_scale * k_scale * LOG2E, float(soft_cap or 1.0), out_scale, int(window or 0))
     rot = rotation_matrices(d, q.device) if packed else None  # k8v4: U un-rotates its V
-    if packed:  # the 4-bit loops take each page's scales by TMA, with its codes
-        kv_scale = scale_descriptor(kv_scale)
+    # the 4-bit loops take each page's scales by TMA, with its codes
+    scale_arg = scale_descriptor(kv_scale) if packed else kv_scale
     if num_splits is None and programs_per_sm is None:
         splits, balanced = default_schedule(b, kh, max_seq_len, page, d, sm_count(q.device))
         if balanced is not None and workspace is None:
@@ -356,11 +356,11 @@ def paged_decode_tma(
             )
         return decode_balanced(
             q, desc, block_table, seq_lens, scales, out, workspace, max_seq_len, programs_per_sm,
-            kh, page, common, kv_scale, rot,
+            kh, page, common, scale_arg, rot,
         )  # fmt: skip
     out, part_o, part_lse = split_outputs("paged_decode_tma", q, out, num_splits, workspace)
     _decode_pages[(kh, num_splits, b)](
-        q, desc, block_table, seq_lens, part_o, part_lse, out, kv_scale, rot, *scales,
+        q, desc, block_table, seq_lens, part_o, part_lse, out, scale_arg, rot, *scales,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), block_table.stride(0),
         QH=qh, NUM_SPLITS=num_splits, DIRECT=num_splits == 1, **common,
     )  # fmt: skip

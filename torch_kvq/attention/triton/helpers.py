@@ -102,8 +102,7 @@ def widen(x, DOT: tl.constexpr):
     interpreter, which runs no PTX, takes the same steps value by value."""
     if x.dtype.is_int8() and DOT == tl.float16:
         if INTERPRET:
-            bits = x.to(tl.uint8, bitcast=True).to(tl.uint16) ^ 0x6480
-            return bits.to(tl.float16, bitcast=True) - 1152.0
+            return widen_biased(x, DOT) - int8_offset(DOT)
         return _widen_int8_fp16(x)
     return x.to(DOT)
 
