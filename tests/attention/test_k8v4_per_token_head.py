@@ -94,8 +94,9 @@ def test_write_then_read_is_int8_for_k_and_int4_for_v(setup) -> None:
     assert torch.equal(kv[pages, 0, offs], k_round_trip(k))
     assert torch.equal(kv[pages, 1, offs], v_round_trip(v))
     kc, ks = quant.quantize_per_token_head(k, "int8")
-    assert torch.equal(a.kv_cache[pages, 0, offs].view(torch.int8), kc[..., :16])
-    assert torch.equal(a.kv_cache[pages, 1, offs].view(torch.int8), kc[..., 16:])
+    # k's codes offset binary (code + 128, the sign bit flipped) over slots 0 and 1
+    assert torch.equal((a.kv_cache[pages, 0, offs] ^ 0x80).view(torch.int8), kc[..., :16])
+    assert torch.equal((a.kv_cache[pages, 1, offs] ^ 0x80).view(torch.int8), kc[..., 16:])
     assert torch.equal(a.kv_scale[pages, 0, :, offs], ks)
     vc, vs = quant.quantize_int4_rotated(v)
     assert torch.equal(a.kv_cache[pages, 2, offs], vc)
@@ -108,6 +109,8 @@ def test_k_slots_round_trip() -> None:
     codes = torch.randint(-128, 128, (5, 3, 64), dtype=torch.int8)
     slots = quant.k8v4_k_slots(codes)
     assert slots.shape == (5, 2, 3, 32) and slots.dtype == torch.uint8
+    # offset binary: the byte is code + 128 (-128 -> 0, 0 -> 128, 127 -> 255)
+    assert torch.equal(slots[:, 0, :, 0].long(), codes[..., 0].long() + 128)
     # as pages [n, 2, page, KH, D / 2]: one page of 5 tokens
     assert torch.equal(quant.k8v4_k_codes(slots.movedim(0, 1).unsqueeze(0))[0], codes)
 

@@ -365,14 +365,16 @@ def cache_layout(fmt: str) -> tuple[torch.dtype, int, int]:
 
 
 def k8v4_k_slots(k_codes: torch.Tensor) -> torch.Tensor:
-    """k's int8 codes [T, KH, D] as the uint8 contents of slots 0 and 1: [T, 2, KH, D / 2]."""
-    return k_codes.view(torch.uint8).unflatten(-1, (2, -1)).movedim(-2, 1)
+    """k's int8 codes [T, KH, D] as the uint8 contents of slots 0 and 1: [T, 2, KH, D / 2], each
+    byte offset binary (``code + 128``, the sign bit flipped): under fp16's exponent of 1024 a
+    byte is ``1152 + code`` with no arithmetic (``triton/helpers.widen_biased``)."""
+    return (k_codes.view(torch.uint8) ^ 0x80).unflatten(-1, (2, -1)).movedim(-2, 1)
 
 
 def k8v4_k_codes(slots: torch.Tensor) -> torch.Tensor:
     """Slots 0 and 1 of cache pages, uint8 [n, 2, page, KH, D / 2], back to k's int8 codes
     [n, page, KH, D] (``k8v4_k_slots``'s inverse)."""
-    return slots.movedim(1, -2).flatten(-2).view(torch.int8)
+    return (slots.movedim(1, -2).flatten(-2) ^ 0x80).view(torch.int8)
 
 
 def quantize_k8v4_pages(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -243,7 +243,7 @@ def paged_decode_tma(
     one (uint8 kv_cache [P, 2, page, KH, D / 2], two rotated codes per byte, with ``kv_scale``
     holding each scale's zero point in its low bits: ``quant``'s int4 section; D >= 32), or a
     ``k8v4_per_token_head`` one, told apart by its 3 slots (uint8 [P, 3, page, KH, D / 2]: k's
-    int8 codes as bytes in slots 0 / 1, v's int4 codes in slot 2; ``k8v4``; D >= 32).
+    int8 codes as offset-binary bytes in slots 0 / 1, v's int4 codes in slot 2; ``k8v4``; D >= 32).
 
     q [B, QH, D] (bf16 / fp16, last dim contiguous); kv_cache [P, 2, page, KH, D] contiguous (K at
     ``[:, 0]``, V at ``[:, 1]``; dequantized = value * scale); block_table [B, W] int32: sequence

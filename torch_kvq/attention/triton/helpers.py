@@ -109,15 +109,15 @@ def widen(x, DOT: tl.constexpr):
 
 @triton.jit
 def widen_biased(x, DOT: tl.constexpr):
-    """int8 codes ``x`` as ``DOT`` plus ``int8_offset(DOT)``, exactly: ``widen`` without its
-    subtraction (fp16: ``1152 + x``; one xor and two byte permutes per four codes), for a product
-    whose offset is taken out once per result (``k8v4.page_k8v4``: per logit) rather than per code."""
+    """Offset-binary bytes ``x`` (uint8, ``code + 128``: ``quant.k8v4_k_slots``) as ``DOT``, the
+    codes plus ``int8_offset(DOT)``, exactly (fp16: ``1152 + code``, two byte permutes per four
+    codes and no arithmetic), for a product whose offset is taken out once per result
+    (``k8v4.page_k8v4``: per logit) rather than per code."""
     if DOT == tl.float16:
         if INTERPRET:
-            bits = x.to(tl.uint8, bitcast=True).to(tl.uint16) ^ 0x6480
-            return bits.to(tl.float16, bitcast=True)
-        return _widen_int8_biased_fp16(x)
-    return x.to(DOT)
+            return (x.to(tl.uint16) | 0x6400).to(tl.float16, bitcast=True)
+        return _widen_offset_binary_fp16(x)
+    return ((x ^ 0x80).to(tl.int8, bitcast=True)).to(DOT)
 
 
 @triton.jit
@@ -129,12 +129,11 @@ def int8_offset(DOT: tl.constexpr):
 
 
 @triton.jit
-def _widen_int8_biased_fp16(x):
-    """int8 -> fp16 ``1152 + x`` four codes per instance: ``x ^ 0x80808080`` (each byte + 128),
-    its bytes interleaved with 0x64 (``prmt``: fp16 ``1024 + byte``)."""
+def _widen_offset_binary_fp16(x):
+    """Offset-binary bytes -> fp16 ``1024 + byte`` four per instance: the bytes interleaved with
+    0x64 (``prmt``)."""
     return tl.inline_asm_elementwise(
-        "{ .reg .b32 t; xor.b32 t, $2, 0x80808080; "
-        "prmt.b32 $0, t, 0x64646464, 0x4140; prmt.b32 $1, t, 0x64646464, 0x4342; }",
+        "{ prmt.b32 $0, $2, 0x64646464, 0x4140; prmt.b32 $1, $2, 0x64646464, 0x4342; }",
         "=r,=r,r", [x], dtype=tl.float16, is_pure=True, pack=4,
     )  # fmt: skip
 

@@ -3,7 +3,7 @@
 caches (``attend_packed``: int4's pages or k8v4's, one loop).
 
 The cache (``quant``'s k8v4 section): uint8 [P, 3, page, KH, D / 2], slots 0 and 1 k's int8
-codes as bytes (channels 0..D/2-1 and D/2..D-1), slot 2 v's packed int4 codes (rotated,
+codes as offset-binary bytes (``code + 128``; channels 0..D/2-1 and D/2..D-1), slot 2 v's packed int4 codes (rotated,
 asymmetric, two per byte); ``kv_scale`` [P, 2, KH, page] fp32: k's int8 scale, v's int4 scale
 with the zero point in its 4 low mantissa bits. K is read as the int8 cache is
 (``helpers.page_logits``), V as the int4 one (``int4.page_int4``). Per program:
@@ -11,8 +11,8 @@ with the zero point in its 4 low mantissa bits. K is read as the int8 cache is
 - prologue (``q_halves``): q is not rotated (k is not): its two halves [BLOCK_G, D / 2], the
   channels of slots 0 and 1, in the dot dtype;
 - per page (``page_k8v4``): three TMA boxes [page, D / 2] of bytes (k's halves, v) and one of
-  the page's scales (``int4.page_scales``); the logits ``q_lo . k0 + q_hi . k1`` (the bytes
-  bitcast to int8 and widened exactly under an offset, ``helpers.widen_biased``: the offset times
+  the page's scales (``int4.page_scales``); the logits ``q_lo . k0 + q_hi . k1`` (the offset-binary
+  bytes widened exactly under an offset, ``helpers.widen_biased``: the offset times
   sum(q), from the prologue, leaves each logit once rather than each code), times the token's k
   scale and the logit scale; V's bytes in ``int4.v_columns`` order, centred
   per element (``int4.unpack_centred``: ``code - zp`` exact in fp16, before the products; the
@@ -68,8 +68,8 @@ def page_k8v4(
     ok = p < p_end
     page = tl.load(table + p, mask=ok, other=0)
     row = page * (3 * PAGE)
-    k0 = kv_desc.load([row, col]).to(tl.int8, bitcast=True)  # [PAGE, W]
-    k1 = kv_desc.load([row + PAGE, col]).to(tl.int8, bitcast=True)
+    k0 = kv_desc.load([row, col])  # [PAGE, W] offset-binary bytes
+    k1 = kv_desc.load([row + PAGE, col])
     v = kv_desc.load([row + 2 * PAGE, col])
     v = tl.reshape(tl.permute(tl.reshape(v, [PAGE, 8, W // 8]), [0, 2, 1]), [PAGE, W])
     k_scale, v_stored = page_scales(scale_desc, page, kh, PAGE)

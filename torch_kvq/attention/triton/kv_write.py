@@ -167,7 +167,7 @@ def kv_write_per_token_head_kernel(
     offset]``, scales into ``scale[page, 0 / 1, :, offset]``. Any strides (``*_s*``: token /
     page, k-or-v, slot, head, dim); ``PAGE`` slots per page. ``SPLIT_K`` (``k8v4_per_token_head``'s
     k, int8): k only (v is the int4 program's), its codes as bytes with channel d in cache slot
-    ``d // (D / 2)`` at ``d % (D / 2)`` (``quant.k8v4_k_slots``)."""
+    ``d // (D / 2)`` at ``d % (D / 2)``, offset binary (``quant.k8v4_k_slots``)."""
     rows = tl.arange(0, BLOCK_T * BLOCK_H)
     token = tl.program_id(0).to(tl.int64) * BLOCK_T + rows // BLOCK_H  # [rows]
     h = rows % BLOCK_H
@@ -185,7 +185,7 @@ def kv_write_per_token_head_kernel(
     kc, ks = _quantize_heads(k, qmax_op, QMAX, FLOOR, DIVIDE, INT8, HALF_AWAY)
     if SPLIT_K:
         half = (d % (D // 2)) * c_sd + (d // (D // 2)) * c_skv
-        tl.store(row + half[None, :], kc.to(tl.uint8, bitcast=True), mask=mask)
+        tl.store(row + half[None, :], kc.to(tl.uint8, bitcast=True) ^ 0x80, mask=mask)
         tl.store(sdst, ks, mask=row_ok)
     else:
         v = tl.load(
