@@ -101,8 +101,8 @@ def widen(x, DOT: tl.constexpr):
     register (``_widen_int8_fp16``: one xor, two byte permutes, two packed subtractions); the
     interpreter, which runs no PTX, takes the same steps value by value."""
     if x.dtype.is_int8() and DOT == tl.float16:
-        if INTERPRET:
-            return widen_biased(x, DOT) - int8_offset(DOT)
+        if INTERPRET:  # widen_biased of the offset-binary bytes, minus its offset
+            return widen_biased(x.to(tl.uint8, bitcast=True) ^ 0x80, DOT) - int8_offset(DOT)
         return _widen_int8_fp16(x)
     return x.to(DOT)
 
