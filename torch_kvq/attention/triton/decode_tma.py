@@ -137,7 +137,7 @@ def default_schedule(
 # spill-free under (scripts/tma_kernel_sass.py), measured faster for the programs it adds per SM.
 TUNED = {
     "codes": {128: (1, 6, 1, True, None), 256: (1, 6, 1, False, None)},
-    "int4": {128: (1, 6, 1, True, None), 256: (1, 6, 1, False, 192)},
+    "int4": {128: (1, 6, 1, True, None), 256: (1, 6, 2, False, None)},
     "k8v4": {128: (1, 4, 1, True, None), 256: (1, 6, 1, False, None)},
 }
 # (programs per SM, max registers) of the balanced schedule (``decode_balanced``), taken
