@@ -67,7 +67,8 @@ def make_write(
     """A call writing ``tokens`` new tokens of one layer in ``mode``: at shuffled slots
     (``slots="tokens"``: each token anywhere in the pool), or, as a prefill fills them, in
     shuffled whole pages (``"pages"``: a page's tokens at its consecutive offsets)."""
-    from torch_kvq.attention.kernels.kv_write import write_kv, write_kv_per_token_head
+    from torch_kvq.attention.kernels.kv_write import write_kv
+    from torch_kvq.attention.kernels.kv_write_per_token_head import write_kv_per_token_head
 
     pages = -(-tokens * 5 // 4 // PAGE)  # a pool a quarter larger than the tokens
     gen = torch.Generator().manual_seed(tokens)

@@ -1,6 +1,6 @@
 """The per-(token, head) cache write's launch on one GPU: values per program x warps, timed as
 ``bench_kv_write`` times a write (CUDA graph of 4 writes, median of 5 rounds), at a decode
-step's 32 tokens and at the sizes where it is bandwidth-bound (shuffled tokens or whole pages). Chooses ``kernels/kv_write.WRITE_ROW_ELEMENTS`` / ``WRITE_WARPS``.
+step's 32 tokens and at the sizes where it is bandwidth-bound (shuffled tokens or whole pages). Chooses ``kernels/kv_write_per_token_head.WRITE_ROW_ELEMENTS`` / ``WRITE_WARPS``.
 
     python benchmarks/sweep_kv_write_launch.py     # prints one line per (shape, tokens, mode, launch)
 """
@@ -21,7 +21,7 @@ def main() -> None:
     from bench_kv_write import SHAPES, graph_ms, make_write
     from gpu_common import copy_bandwidth
 
-    from torch_kvq.attention.kernels import kv_write
+    from torch_kvq.attention.kernels import kv_write_per_token_head as write
 
     copy = copy_bandwidth()["GBps"]
     for shape in ("llama", "gemma_global"):
@@ -36,7 +36,7 @@ def main() -> None:
                 w = make_write(mode, kh, d, tokens, "cuda", slots)
                 for elems in (kh * d, 2 * kh * d, 4096, 8192):
                     for warps in (2, 4, 8):
-                        kv_write.WRITE_ROW_ELEMENTS, kv_write.WRITE_WARPS = elems, warps
+                        write.WRITE_ROW_ELEMENTS, write.WRITE_WARPS = elems, warps
                         ms = statistics.median(graph_ms(w.call, 4, 5))
                         pct = 100 * w.nbytes / (ms * 1e-3) / 1e9 / copy
                         print(

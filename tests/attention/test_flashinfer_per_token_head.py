@@ -184,7 +184,7 @@ class Scenario:
     written through the fused write, one step's batch written the same way, and queries."""
 
     def __init__(self, specs: list[LayerKVSpec], batch: str, seed: int = 0) -> None:
-        from torch_kvq.attention.kernels.kv_write import write_kv_per_token_head
+        from torch_kvq.attention.kernels.kv_write_per_token_head import write_kv_per_token_head
 
         g = torch.Generator(device="cuda").manual_seed(seed)
         self.specs, self.caches, self.scales = specs, {}, {}

@@ -24,7 +24,7 @@ from tests.support.passes import (
 from torch_kvq.attention import Attention, quant
 from torch_kvq.attention.kernels import FlashInferKernel, KernelUnsupportedError
 from torch_kvq.attention.kernels import capabilities as caps
-from torch_kvq.attention.kernels.kv_write import write_kv_per_token_head
+from torch_kvq.attention.kernels.kv_write_per_token_head import write_kv_per_token_head
 from torch_kvq.attention.memory import page_bytes
 from torch_kvq.models import build_model, generate
 from torch_kvq.passes.stamp import make_stamp

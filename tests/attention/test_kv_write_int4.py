@@ -22,8 +22,8 @@ import pytest
 import torch
 
 from torch_kvq.attention import quant
-from torch_kvq.attention.kernels import kv_write, kv_write_int4
-from torch_kvq.attention.kernels.kv_write import (
+from torch_kvq.attention.kernels import kv_write, kv_write_int4, kv_write_per_token_head
+from torch_kvq.attention.kernels.kv_write_per_token_head import (
     write_kv_per_token_head,
     write_kv_per_token_head_torch,
 )
@@ -141,7 +141,9 @@ def _case(t, kh, d, page, dtype, seed, device="cpu", layout="fused", slot_dtype=
 def _check(cache, scale, k, v, slots, mode="int4", rounding="half_away") -> None:
     want_c, want_s = cache.clone(), scale.clone()
     write_kv_per_token_head_torch(want_c, want_s, k, v, slots.long(), mode, rounding)
-    kv_write.write_kv_per_token_head_triton(cache, scale, k, v, slots, mode, rounding)
+    kv_write_per_token_head.write_kv_per_token_head_triton(
+        cache, scale, k, v, slots, mode, rounding
+    )
     assert torch.equal(scale.view(torch.int32), want_s.view(torch.int32))
     assert torch.equal(cache, want_c)
 
@@ -208,7 +210,7 @@ def test_interpreter_tiles_end_mid_token(monkeypatch) -> None:
 def test_interpreter_empty_batch_writes_nothing() -> None:
     cache, scale, k, v, slots = _case(0, 2, 64, 16, torch.bfloat16, seed=0)
     before = cache.clone(), scale.clone()
-    kv_write.write_kv_per_token_head_triton(cache, scale, k, v, slots, "int4")
+    kv_write_per_token_head.write_kv_per_token_head_triton(cache, scale, k, v, slots, "int4")
     assert torch.equal(cache, before[0]) and torch.equal(scale, before[1])
 
 

@@ -1,5 +1,5 @@
 """The per-(token, head) quant math (``attention/quant.py``) and its cache write
-(``kernels/kv_write.write_kv_per_token_head``, the Triton program on CUDA).
+(``kernels/kv_write_per_token_head.write_kv_per_token_head``, the Triton program on CUDA).
 
 CPU: the math against its definition (exact rounding, the scale floor, fp8 and int8 codes), the
 dequantized pages, the aten write and its argument checks; with Triton installed, the Triton
@@ -18,8 +18,8 @@ import pytest
 import torch
 
 from torch_kvq.attention import quant
-from torch_kvq.attention.kernels import kv_write
-from torch_kvq.attention.kernels.kv_write import (
+from torch_kvq.attention.kernels import kv_write, kv_write_per_token_head
+from torch_kvq.attention.kernels.kv_write_per_token_head import (
     write_kv_per_token_head,
     write_kv_per_token_head_torch,
 )
@@ -261,10 +261,12 @@ def _interpret(cache, scale, k, v, slots, mode, rounding, monkeypatch=None, divi
     if monkeypatch is not None:  # pretend aten divides as on CUDA (a reciprocal multiply)
         real = kv_write.aten_scalar_division
         monkeypatch.setattr(
-            kv_write, "aten_scalar_division", lambda dev, kind="float": division
+            kv_write_per_token_head, "aten_scalar_division", lambda dev, kind="float": division
             if kind == "float" else real(dev, kind),
         )  # fmt: skip
-    kv_write.write_kv_per_token_head_triton(cache, scale, k, v, slots, mode, rounding)
+    kv_write_per_token_head.write_kv_per_token_head_triton(
+        cache, scale, k, v, slots, mode, rounding
+    )
 
 
 @needs_interpreter

@@ -37,7 +37,10 @@ from torch import Tensor
 
 from torch_kvq.attention import quant
 from torch_kvq.attention.context import get_forward_context
-from torch_kvq.attention.kernels.kv_write import put_per_token_head, write_kv_per_token_head
+from torch_kvq.attention.kernels.kv_write_per_token_head import (
+    put_per_token_head,
+    write_kv_per_token_head,
+)
 from torch_kvq.attention.metadata import BatchMetadata
 from torch_kvq.attention.ops import (
     _check,
@@ -168,7 +171,8 @@ def quant_cache_write_per_token_head(
     k: Tensor, v: Tensor, kv_cache: Tensor, kv_scale: Tensor, layer_name: str, rounding: str
 ) -> None:
     """Fused: quantize model-dtype k/v [T, KH, D] per (token, kv head) and write codes and scales
-    (``kernels/kv_write.write_kv_per_token_head``), the bytes the unfused form writes."""
+    (``kernels/kv_write_per_token_head.write_kv_per_token_head``), the bytes the unfused form
+    writes."""
     ctx = get_forward_context()
     spec = ctx.spec(layer_name)
     fmt = _check_pth_layer(spec, "quant_cache_write_per_token_head")

@@ -18,7 +18,8 @@ clamps to +-448 and casts to e4m3 (round to nearest even). ``real = code.float()
 Computed once when the token is written, never revisited. In a paged cache the codes live in
 ``kv_cache`` [pages, 2, page, KH, D] and the scales in ``kv_scale`` [pages, 2, KH, page] fp32 (a
 page's scales of one head contiguous). Every step is an exact or correctly rounded fp32 operation
-except ``absmax / QMAX``, which aten computes per device (``kernels/kv_write.py`` reproduces it).
+except ``absmax / QMAX``, which aten computes per device (``kernels/kv_write_per_token_head.py``
+reproduces it).
 
 4-bit per (token, kv head) (``INT4_PER_TOKEN_HEAD``, ``mode`` "int4"): rotated, asymmetric,
 MSE-clipped int4, two codes per byte (``quantize_int4_rotated`` / ``dequantize_int4_rotated``;

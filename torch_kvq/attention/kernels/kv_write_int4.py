@@ -1,9 +1,9 @@
 """The ``int4_per_token_head`` cache write's Triton launch (host side of
 ``attention/triton/kv_write.py``'s ``kv_write_int4_kernel``).
 
-``kernels/kv_write.write_kv_per_token_head`` sends an int4 write on a CUDA cache here (after its
-argument checks, and after checking that aten's tensor division on the device is correctly
-rounded: ``-lo / scale`` of the zero point is one). The program writes the bytes of
+``kernels/kv_write_per_token_head.write_kv_per_token_head`` sends an int4 write on a CUDA cache
+here (after its argument checks, and after checking that aten's tensor division on the device is
+correctly rounded: ``-lo / scale`` of the zero point is one). The program writes the bytes of
 ``quant.quantize_int4_rotated`` (the aten form, ``write_kv_per_token_head_torch``) computed on
 the same device: the rotation (signs, Walsh-Hadamard butterfly, times ``fp32(b ** -0.5)``) in
 registers, then per clip ratio of ``quant.INT4_CLIP_RATIOS`` the same fp32 operations one by one
