@@ -227,7 +227,7 @@ def _int4_codes(
     ``ratio`` (1: the full range; the range still holds zero). Every step is one fp32 operation
     that rounds the same way on every device (products by Python floats, which aten and Triton
     take as fp32; a correctly rounded reciprocal; no division by a Python float, which aten's
-    CUDA kernels turn into a product): ``kernels/kv_write.py``'s Triton program repeats them."""
+    CUDA kernels turn into a product): ``triton/kv_write.py``'s int4 program repeats them."""
     if symmetric:
         scale = (xf.abs().amax(-1) * ratio * (1.0 / 7.0)).clamp(min=SCALE_FLOOR)
     else:
