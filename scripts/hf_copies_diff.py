@@ -1,0 +1,126 @@
+"""Where two copies of one HF model first part ways: the failing GPU test
+``test_hf_gpu.py::test_gemma3_shaped_per_token_head_map_replays_in_cuda_graphs`` (two copies of a
+Gemma-3-shaped model, int8 per (token, head) on sliding layer 0, a 4-bit mode on the global layer
+5, compiled with the kvq passes) sees different prefill logits whenever other GPU work runs
+beside it (docs/design/int4-branch.md, thirteenth session). This prefills both copies and prints,
+per attention layer, whether their caches (codes and scales) are equal bit for bit, then the
+logits: the first layer that differs is where to look. ``--load`` runs a second process of
+matmuls and allocations on the same GPU throughout (the failing runs' condition);
+``--eager`` skips torch.compile; ``--repeat N`` prefills N pairs.
+
+    python3 scripts/hf_copies_diff.py int4_per_token_head --load          # the GPU (FlashInfer)
+    python3 scripts/hf_copies_diff.py k8v4_per_token_head --device cpu    # reference kernel
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import multiprocessing as mp
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+PROMPT_LENS = (1100, 300, 40)  # the test's: they cross the 1024-token window
+
+
+def gemma3_shaped(device: str) -> torch.nn.Module:
+    """The test's model (tests/integrations/test_hf_gpu.py), on ``device``."""
+    import transformers
+
+    from torch_kvq.models import randomize_weights_
+
+    cfg = transformers.Gemma3TextConfig(
+        vocab_size=512, hidden_size=256, intermediate_size=512, num_hidden_layers=6,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=256, query_pre_attn_scalar=256,
+        sliding_window=1024, layer_types=["sliding_attention"] * 5 + ["full_attention"],
+        max_position_embeddings=4096, pad_token_id=0, bos_token_id=1, eos_token_id=2,
+    )  # fmt: skip
+    cfg._attn_implementation = "eager"
+    model = transformers.Gemma3ForCausalLM(cfg).to(device=device, dtype=torch.bfloat16).eval()
+    randomize_weights_(model, 0, norm_offset=True)
+    return model
+
+
+def _load(stop: mp.Event) -> None:  # type: ignore[valid-type]
+    """Other GPU work: matmuls and fresh allocations until ``stop``."""
+    a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    while not stop.is_set():
+        junk = [torch.empty(64 << 20, dtype=torch.uint8, device="cuda").fill_(0xFF)]
+        for _ in range(8):
+            a = (a @ a).clamp_(-1, 1)
+        del junk
+        torch.cuda.synchronize()
+
+
+def prefill_pair(mode: str, device: str, eager: bool) -> dict[str, object]:
+    """Two copies prefilled on the same prompts: per layer, caches equal; logits equal."""
+    from torch_kvq import KVCacheConfig
+    from torch_kvq.integrations.transformers import KVQCausalLM
+    from torch_kvq.models import generate
+    from torch_kvq.passes import make_kvq_backend
+
+    kv = KVCacheConfig(
+        "auto", layer_modes=(("full_attention", mode), (0, "int8_per_token_head")), page_size=16
+    )
+    hf = gemma3_shaped(device)
+    g = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(3, 512, (n,), generator=g).tolist() for n in PROMPT_LENS]
+    backend = make_kvq_backend()
+    lms, runs = [], []
+    for i in range(2):
+        kw = {}
+        if device == "cuda":
+            from torch_kvq.attention.kernels import FlashInferKernel
+            from torch_kvq.attention.kernels.flashinfer_jit import prebuild
+
+            kw["kernel"] = FlashInferKernel()
+        lm = KVQCausalLM.from_hf(copy.deepcopy(hf), kv, num_pages=160, prefix=f"copy{i}", **kw)
+        if "kernel" in kw:
+            prebuild(kw["kernel"], lm.kv_specs)
+        fwd = lm if eager else torch.compile(lm, backend=backend, fullgraph=True)
+        # one new token: the prefill only; the pages stay (generate frees them at the end, the
+        # cache bytes remain)
+        runs.append(generate(lm, prompts, 1, fwd, prefill_logits=True))
+        lms.append(lm)
+    layers = {}
+    for a, b in zip(*(lm.attention_layers for lm in lms)):
+        same = torch.equal(a.kv_cache.view(torch.uint8), b.kv_cache.view(torch.uint8))
+        if a.kv_scale is not None:
+            same = same and torch.equal(a.kv_scale, b.kv_scale)
+        layers[a.spec.name] = {"mode": a.spec.mode.value, "cache_equal": same}
+    pre = [torch.equal(x, y) for x, y in zip(runs[0].prefill_logits, runs[1].prefill_logits)]
+    diff = max((x - y).abs().max().item() for x, y in zip(*(r.prefill_logits for r in runs)))
+    return {"layers": layers, "prefill_logits_equal": pre, "max_abs_diff": diff}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("mode", choices=["int4_per_token_head", "k8v4_per_token_head"])
+    ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
+    ap.add_argument("--eager", action="store_true", help="no torch.compile")
+    ap.add_argument("--load", action="store_true", help="a second process on the GPU throughout")
+    ap.add_argument("--repeat", type=int, default=1)
+    args = ap.parse_args()
+    stop, proc = None, None
+    if args.load:
+        ctx = mp.get_context("spawn")
+        stop = ctx.Event()
+        proc = ctx.Process(target=_load, args=(stop,), daemon=True)
+        proc.start()
+    try:
+        for i in range(args.repeat):
+            print(json.dumps({"pair": i, **prefill_pair(args.mode, args.device, args.eager)}))
+            sys.stdout.flush()
+    finally:
+        if proc is not None and stop is not None:
+            stop.set()
+            proc.join(timeout=30)
+
+
+if __name__ == "__main__":
+    main()
