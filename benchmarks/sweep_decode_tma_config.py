@@ -6,6 +6,7 @@ per-(token, head) caches want another ``decode_tma.TUNED`` entry than FP8 per te
 
     python benchmarks/sweep_decode_tma_config.py [llama] [gemma_global]   # a line per (cache, config)
     python benchmarks/sweep_decode_tma_config.py llama --caches int4_per_token_head --max-registers 0 168
+    python benchmarks/sweep_decode_tma_config.py llama --caches k8v4_per_token_head --configs 1,4,1,1 1,6,1,1 --carveout 100
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ def sweep_shape(
     configs: list[tuple],
     splits: list[int],
     page: int,
+    carveout: int | None = None,
 ) -> None:
     """Every (cache, config, register cap, split count) of ``shape`` at 32 x 16k: a line each."""
     from bench_fp8_decode_paths import K_SCALE, V_SCALE, Case
@@ -62,6 +64,10 @@ def sweep_shape(
             c.q, cache, c.table, c.seq_lens, ks, vs, c.sm_scale, max_seq_len=c.ctx, out=out,
             kv_scale=sc, **kw,
         )  # fmt: skip
+    if carveout is not None:  # compile every config, then set the preference on each kernel
+        for call in calls.values():
+            call()
+        print(f"{shape}: carveout {carveout}% on {set_carveout(carveout)} kernels", flush=True)
     times: dict[tuple, list[float]] = {k: [] for k in calls}
     for _ in range(3):  # interleaved rounds: the board's drift spreads over every config
         for key, call in calls.items():
@@ -79,6 +85,29 @@ def sweep_shape(
         print(f"{shape} page {page} {name} {kw}: {ms:.4f} ms {pct:.1f}% copy{mark}", flush=True)
 
 
+def set_carveout(percent: int) -> int:
+    """``cuFuncSetAttribute(PREFERRED_SHARED_MEMORY_CARVEOUT, percent)`` on every compiled
+    ``_decode_pages`` kernel (Triton sets no carveout below 48 KB of shared memory, leaving the
+    L1 / shared split to the driver: docs/design/int4-branch.md, thirteenth session, asks whether
+    that split holds fewer programs per SM than registers allow). Returns how many were set."""
+    import ctypes
+
+    from torch_kvq.attention.triton.decode_tma import _decode_pages
+
+    cuda = ctypes.CDLL("libcuda.so.1")
+    n = 0
+    for kernel_cache, *_ in _decode_pages.device_caches.values():
+        for kernel in kernel_cache.values():
+            kernel = kernel.result() if hasattr(kernel, "result") else kernel  # async compile
+            kernel._init_handles()
+            # 9: CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT
+            rc = cuda.cuFuncSetAttribute(ctypes.c_void_p(kernel.function), 9, percent)
+            if rc != 0:
+                raise RuntimeError(f"cuFuncSetAttribute(carveout {percent}%): CUresult {rc}")
+            n += 1
+    return n
+
+
 def main() -> None:
     from gpu_common import copy_bandwidth
 
@@ -91,6 +120,8 @@ def main() -> None:
                     help="splits per (sequence, kv head) (0: the default schedule)")  # fmt: skip
     ap.add_argument("--pages", nargs="+", type=int, default=[16], help="tokens per cache page")
     ap.add_argument("--configs", nargs="+", help="WARPS,STAGES,PPI,LAZY(0/1) (default: CONFIGS)")
+    ap.add_argument("--carveout", type=int, choices=range(0, 101), metavar="PERCENT",
+                    help="shared memory's share of L1 to prefer (default: the driver's choice)")  # fmt: skip
     args = ap.parse_args()
     configs = CONFIGS
     if args.configs:
@@ -98,7 +129,8 @@ def main() -> None:
         configs = [(w, s, p, bool(lazy)) for w, s, p, lazy in configs]
     copy = copy_bandwidth()["GBps"]
     for shape, page in itertools.product(args.shapes, args.pages):
-        sweep_shape(shape, copy, args.caches, args.max_registers, configs, args.splits, page)
+        sweep_shape(shape, copy, args.caches, args.max_registers, configs, args.splits, page,
+                    args.carveout)  # fmt: skip
         torch.cuda.empty_cache()
 
 
