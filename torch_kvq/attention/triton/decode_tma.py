@@ -372,8 +372,9 @@ def check_scales(
     kv_cache: torch.Tensor, kv_scale: torch.Tensor | None, k_scale: float, v_scale: float
 ) -> None:
     """A per-(token, head) cache comes with its scales [P, 2, KH, page] (fp32, contiguous, on the
-    cache's device; a 4-bit cache's 16-byte aligned, read by TMA) and per-tensor scales of 1.0; an int8 cache and an int4 one (uint8: two
-    codes per byte, the zero point in the scales' low bits) always have them. ValueError."""
+    cache's device; a 4-bit cache's 16-byte aligned, read by TMA) and per-tensor scales of 1.0;
+    an int8 cache and an int4 one (uint8: two codes per byte, the zero point in the scales' low
+    bits) always have them. ValueError."""
     fn = "paged_decode_tma"
     if kv_scale is None:
         if kv_cache.dtype == torch.int8:

@@ -3,10 +3,10 @@
 caches (``attend_packed``: int4's pages or k8v4's, one loop).
 
 The cache (``quant``'s k8v4 section): uint8 [P, 3, page, KH, D / 2], slots 0 and 1 k's int8
-codes as offset-binary bytes (``code + 128``; channels 0..D/2-1 and D/2..D-1), slot 2 v's packed int4 codes (rotated,
-asymmetric, two per byte); ``kv_scale`` [P, 2, KH, page] fp32: k's int8 scale, v's int4 scale
-with the zero point in its 4 low mantissa bits. K is read as the int8 cache is
-(``helpers.page_logits``), V as the int4 one (``int4.page_int4``). Per program:
+codes as offset-binary bytes (``code + 128``; channels 0..D/2-1 and D/2..D-1), slot 2 v's packed
+int4 codes (rotated, asymmetric, two per byte); ``kv_scale`` [P, 2, KH, page] fp32: k's int8
+scale, v's int4 scale with the zero point in its 4 low mantissa bits. K is read as the int8
+cache is (``helpers.page_logits``), V as the int4 one (``int4.page_int4``). Per program:
 
 - prologue (``q_halves``): q is not rotated (k is not): its two halves [BLOCK_G, D / 2], the
   channels of slots 0 and 1, in the dot dtype;

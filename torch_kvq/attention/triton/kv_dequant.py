@@ -32,8 +32,8 @@ def kv_dequant_pages_kernel(
     ``ids[pid0]``. cache [P, SLOTS, PAGE, KH, D / 2 or D] and scale [P, 2, KH, PAGE] contiguous;
     out [n, 2, PAGE, KH, D] contiguous. ``INT4``: uint8 codes two per byte, the zero point in each
     scale's low bits, ``signs_ptr`` [D] fp32 and ``inv_sqrt_b`` the rotation's sign vector and
-    fp32(D ** -0.5). ``SLOTS`` 3 (``k8v4_per_token_head``): k's int8 codes as offset-binary bytes in slots 0
-    and 1 (``SPLIT_K``: channel d in slot d // (D / 2) at d % (D / 2), offset binary:
+    fp32(D ** -0.5). ``SLOTS`` 3 (``k8v4_per_token_head``): k's int8 codes as offset-binary
+    bytes in slots 0 and 1 (``SPLIT_K``: channel d in slot d // (D / 2) at d % (D / 2);
     ``quant.k8v4_k_slots``), v's int4 codes in slot 2."""
     i = tl.program_id(0).to(tl.int64)
     kv = tl.program_id(1) + KV0
