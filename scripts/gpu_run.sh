@@ -35,6 +35,8 @@
 #       # `mkdir -p /tmp/xfer && cp -r .xfer/. /tmp/xfer/`; this step joins each GGUF into
 #       # /tmp/models, checks the sums and runs kvq eval (corpus: $TORCH_KVQ_CORPUS=/tmp/xfer/corpus)
 #   bash scripts/gpu_run.sh tests jitpack    # ... then pack the FlashInfer modules built here
+#   KVQ_CMD="python3 scripts/hf_copies_diff.py int4_per_token_head" bash scripts/gpu_run.sh cmd
+#       # any command after the set-up (FlashInfer installed, .jit restored, PYTHONPATH set)
 #
 # FlashInfer compiles its kernels on first use (minutes on a bare machine). ``jitpack`` packs the
 # modules built so far into $OUT/flashinfer_jit.tar.xz.part-N (one xz archive in 15 MiB parts:
@@ -150,9 +152,10 @@ for step in ${*:-tests attn xqa model}; do
           TORCH_KVQ_CORPUS=${TORCH_KVQ_CORPUS:-/tmp/xfer/corpus} TORCH_KVQ_CACHE=/tmp/kvqcache TORCH_KVQ_PROGRESS=1 \
             python3 -m torch_kvq.cli eval ${KVQ_EVAL_ARGS:-} --json "$OUT/eval_gpu.json" \
             --plot "$OUT/eval_gpu.png" 2>&1 | tee -a "$LOG" "$OUT/eval_gpu.txt" ;;
+    cmd) bash -c "$KVQ_CMD" 2>&1 | tee -a "$LOG" ;;  # any command after the set-up
     cpusuite) CUDA_VISIBLE_DEVICES= python3 -m pytest -q -m "not gpu and not slow" -p no:cacheprovider \
                 -n "${KVQ_CPU_WORKERS:-14}" -rfEs tests/ 2>&1 | tail -40 | tee "$OUT/cpu_suite_log.txt" ;;
-    *) echo "unknown step $step (expected tests, rest, attn, xqa, model, paths, writes, scale, ttft, hostprof, eval, cpusuite, jitpack)" | tee -a "$LOG"; status=2; continue ;;
+    *) echo "unknown step $step (expected tests, rest, attn, xqa, model, paths, writes, scale, ttft, hostprof, eval, cpusuite, cmd, jitpack)" | tee -a "$LOG"; status=2; continue ;;
   esac
   rc=${PIPESTATUS[0]}
   echo "=== $step exit $rc $(date -u +%T)" | tee -a "$LOG"

@@ -6,7 +6,10 @@ beside it (docs/design/int4-branch.md, thirteenth session). This prefills both c
 per attention layer, whether their caches (codes and scales) are equal bit for bit, then the
 logits: the first layer that differs is where to look. ``--load`` runs a second process of
 matmuls and allocations on the same GPU throughout (the failing runs' condition);
-``--eager`` skips torch.compile; ``--repeat N`` prefills N pairs.
+``--eager`` skips torch.compile; ``--repeat N`` prefills N pairs; ``--dirty`` fills this process's
+cached GPU memory with 0x7F bytes before each copy (a read of memory nothing wrote then sees
+large values, not the zeros a fresh allocation often holds); ``--nan-empty`` has torch fill every
+``torch.empty`` with NaN (``torch.utils.deterministic.fill_uninitialized_memory``).
 
     python3 scripts/hf_copies_diff.py int4_per_token_head --load          # the GPU (FlashInfer)
     python3 scripts/hf_copies_diff.py k8v4_per_token_head --device cpu    # reference kernel
@@ -57,7 +60,15 @@ def _load(stop: mp.Event) -> None:  # type: ignore[valid-type]
         torch.cuda.synchronize()
 
 
-def prefill_pair(mode: str, device: str, eager: bool) -> dict[str, object]:
+def _dirty() -> None:
+    """Leave 0x7F garbage in the caching allocator's free blocks, small pool and large."""
+    junk = [torch.full((256 << 10,), 0x7F, dtype=torch.uint8, device="cuda") for _ in range(2048)]
+    junk.append(torch.full((4 << 30,), 0x7F, dtype=torch.uint8, device="cuda"))
+    torch.cuda.synchronize()
+    del junk
+
+
+def prefill_pair(mode: str, device: str, eager: bool, dirty: bool = False) -> dict[str, object]:
     """Two copies prefilled on the same prompts: per layer, caches equal; logits equal."""
     from torch_kvq import KVCacheConfig
     from torch_kvq.integrations.transformers import KVQCausalLM
@@ -73,6 +84,8 @@ def prefill_pair(mode: str, device: str, eager: bool) -> dict[str, object]:
     backend = make_kvq_backend()
     lms, runs = [], []
     for i in range(2):
+        if dirty:
+            _dirty()
         kw = {}
         if device == "cuda":
             from torch_kvq.attention.kernels import FlashInferKernel
@@ -105,7 +118,12 @@ def main() -> None:
     ap.add_argument("--eager", action="store_true", help="no torch.compile")
     ap.add_argument("--load", action="store_true", help="a second process on the GPU throughout")
     ap.add_argument("--repeat", type=int, default=1)
+    ap.add_argument("--dirty", action="store_true", help="0x7F garbage in freed GPU memory")
+    ap.add_argument("--nan-empty", action="store_true", help="torch.empty filled with NaN")
     args = ap.parse_args()
+    if args.nan_empty:
+        torch.use_deterministic_algorithms(True, warn_only=True)
+        torch.utils.deterministic.fill_uninitialized_memory = True  # type: ignore[attr-defined]
     stop, proc = None, None
     if args.load:
         ctx = mp.get_context("spawn")
@@ -114,7 +132,7 @@ def main() -> None:
         proc.start()
     try:
         for i in range(args.repeat):
-            print(json.dumps({"pair": i, **prefill_pair(args.mode, args.device, args.eager)}))
+            print(json.dumps({"pair": i, **prefill_pair(args.mode, args.device, args.eager, args.dirty)}))
             sys.stdout.flush()
     finally:
         if proc is not None and stop is not None:
