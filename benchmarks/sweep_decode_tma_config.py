@@ -7,6 +7,7 @@ per-(token, head) caches want another ``decode_tma.TUNED`` entry than FP8 per te
     python benchmarks/sweep_decode_tma_config.py [llama] [gemma_global]   # a line per (cache, config)
     python benchmarks/sweep_decode_tma_config.py llama --caches int4_per_token_head --max-registers 0 168
     python benchmarks/sweep_decode_tma_config.py llama --caches k8v4_per_token_head --configs 1,4,1,1 1,6,1,1 --carveout 100
+    python benchmarks/sweep_decode_tma_config.py llama --configs 1,6,1,1 --splits 0 4 6 --programs-per-sm 8 12
 """
 
 from __future__ import annotations
@@ -24,7 +25,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 CONFIGS = [(1, s, p, lazy) for s, p, lazy in itertools.product((4, 6, 8), (1, 2), (True, False))]
-KEYS = ("num_warps", "num_stages", "pages_per_iter", "lazy_rescale", "max_registers", "num_splits")
+KEYS = (
+    "num_warps", "num_stages", "pages_per_iter", "lazy_rescale", "max_registers", "num_splits",
+    "programs_per_sm",
+)  # fmt: skip
 CACHES = ("fp8_per_tensor", "int8_per_token_head", "fp8_per_token_head", "int4_per_token_head",
           "k8v4_per_token_head")  # fmt: skip
 
@@ -38,8 +42,11 @@ def sweep_shape(
     splits: list[int],
     page: int,
     carveout: int | None = None,
+    programs_per_sm: tuple[int, ...] = (),
 ) -> None:
-    """Every (cache, config, register cap, split count) of ``shape`` at 32 x 16k: a line each."""
+    """Every (cache, config, register cap, schedule) of ``shape`` at 32 x 16k: a line each. The
+    schedules: the split grid with each of ``splits`` (0: the default count), then the balanced
+    schedule with each of ``programs_per_sm``."""
     from bench_fp8_decode_paths import K_SCALE, V_SCALE, Case
     from bench_kv_write import graph_ms
 
@@ -56,9 +63,10 @@ def sweep_shape(
             caches[f"{mode}_per_token_head"] = (codes, scales, 1.0, 1.0, nbytes)
     out = torch.empty_like(c.q)
     calls: dict[tuple, Callable[[], None]] = {}
-    for name, cfg, cap, n in itertools.product(caches, configs, caps, splits):
+    schedules = [(n or None, None) for n in splits] + [(None, p) for p in programs_per_sm]
+    for name, cfg, cap, sched in itertools.product(caches, configs, caps, schedules):
         cache, sc, ks, vs, _ = caches[name]
-        cfg = (*cfg, cap, n or None)  # cap 0: no cap (None would take TUNED's)
+        cfg = (*cfg, cap, *sched)  # cap 0: no cap (None would take TUNED's)
         kw = dict(zip(KEYS, cfg))
         calls[(name, cfg)] = lambda cache=cache, sc=sc, ks=ks, vs=vs, kw=kw: paged_decode_tma(
             c.q, cache, c.table, c.seq_lens, ks, vs, c.sm_scale, max_seq_len=c.ctx, out=out,
@@ -79,7 +87,7 @@ def sweep_shape(
     for (name, cfg), ts in times.items():
         ms = statistics.median(ts)
         pct = 100 * caches[name][4] / (ms * 1e-3) / 1e9 / copy_gbps
-        default = {**tuned(c.d, mode_cache_kind(name)), "num_splits": None}
+        default = {**tuned(c.d, mode_cache_kind(name)), "num_splits": None, "programs_per_sm": None}
         kw = dict(zip(KEYS, cfg))
         mark = " (tuned)" if {**kw, "max_registers": kw["max_registers"] or None} == default else ""
         print(f"{shape} page {page} {name} {kw}: {ms:.4f} ms {pct:.1f}% copy{mark}", flush=True)
@@ -118,6 +126,8 @@ def main() -> None:
                     help="Triton's maxnreg per config (0: none)")  # fmt: skip
     ap.add_argument("--splits", nargs="+", type=int, default=[0],
                     help="splits per (sequence, kv head) (0: the default schedule)")  # fmt: skip
+    ap.add_argument("--programs-per-sm", nargs="+", type=int, default=[],
+                    help="also the balanced schedule with this many programs per SM")  # fmt: skip
     ap.add_argument("--pages", nargs="+", type=int, default=[16], help="tokens per cache page")
     ap.add_argument("--configs", nargs="+", help="WARPS,STAGES,PPI,LAZY(0/1) (default: CONFIGS)")
     ap.add_argument("--carveout", type=int, choices=range(0, 101), metavar="PERCENT",
@@ -130,7 +140,7 @@ def main() -> None:
     copy = copy_bandwidth()["GBps"]
     for shape, page in itertools.product(args.shapes, args.pages):
         sweep_shape(shape, copy, args.caches, args.max_registers, configs, args.splits, page,
-                    args.carveout)  # fmt: skip
+                    args.carveout, tuple(args.programs_per_sm))  # fmt: skip
         torch.cuda.empty_cache()
 
 

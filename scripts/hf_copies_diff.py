@@ -9,7 +9,8 @@ matmuls and allocations on the same GPU throughout (the failing runs' condition)
 ``--eager`` skips torch.compile; ``--repeat N`` prefills N pairs; ``--dirty`` fills this process's
 cached GPU memory with 0x7F bytes before each copy (a read of memory nothing wrote then sees
 large values, not the zeros a fresh allocation often holds); ``--nan-empty`` has torch fill every
-``torch.empty`` with NaN (``torch.utils.deterministic.fill_uninitialized_memory``).
+``torch.empty`` with NaN (``torch.utils.deterministic.fill_uninitialized_memory``); ``--runner``
+decodes as the test does (an uncapturing, then a capturing ``DecodeGraphRunner``).
 
     python3 scripts/hf_copies_diff.py int4_per_token_head --load          # the GPU (FlashInfer)
     python3 scripts/hf_copies_diff.py k8v4_per_token_head --device cpu    # reference kernel
@@ -68,8 +69,12 @@ def _dirty() -> None:
     del junk
 
 
-def prefill_pair(mode: str, device: str, eager: bool, dirty: bool = False) -> dict[str, object]:
-    """Two copies prefilled on the same prompts: per layer, caches equal; logits equal."""
+def prefill_pair(
+    mode: str, device: str, eager: bool, dirty: bool = False, runner: bool = False
+) -> dict[str, object]:
+    """Two copies prefilled on the same prompts: per layer, caches equal; logits equal. With
+    ``runner``, as the test: six tokens each, decoded through an uncapturing then a capturing
+    ``DecodeGraphRunner`` (batch 4)."""
     from torch_kvq import KVCacheConfig
     from torch_kvq.integrations.transformers import KVQCausalLM
     from torch_kvq.models import generate
@@ -96,9 +101,16 @@ def prefill_pair(mode: str, device: str, eager: bool, dirty: bool = False) -> di
         if "kernel" in kw:
             prebuild(kw["kernel"], lm.kv_specs)
         fwd = lm if eager else torch.compile(lm, backend=backend, fullgraph=True)
-        # one new token: the prefill only; the pages stay (generate frees them at the end, the
-        # cache bytes remain)
-        runs.append(generate(lm, prompts, 1, fwd, prefill_logits=True))
+        if runner:
+            from torch_kvq.attention.graph_runner import DecodeGraphRunner
+
+            with DecodeGraphRunner(lm, fwd, batch_sizes=(4,), max_context=1200,
+                                   capture=bool(i) and device == "cuda") as r:  # fmt: skip
+                runs.append(generate(lm, prompts, 6, fwd, decode=r, prefill_logits=True))
+        else:
+            # one new token: the prefill only; the pages stay (generate frees them at the end,
+            # the cache bytes remain)
+            runs.append(generate(lm, prompts, 1, fwd, prefill_logits=True))
         lms.append(lm)
     layers = {}
     for a, b in zip(*(lm.attention_layers for lm in lms)):
@@ -108,7 +120,11 @@ def prefill_pair(mode: str, device: str, eager: bool, dirty: bool = False) -> di
         layers[a.spec.name] = {"mode": a.spec.mode.value, "cache_equal": same}
     pre = [torch.equal(x, y) for x, y in zip(runs[0].prefill_logits, runs[1].prefill_logits)]
     diff = max((x - y).abs().max().item() for x, y in zip(*(r.prefill_logits for r in runs)))
-    return {"layers": layers, "prefill_logits_equal": pre, "max_abs_diff": diff}
+    out = {"layers": layers, "prefill_logits_equal": pre, "max_abs_diff": diff}
+    if runner:
+        out["tokens_equal"] = runs[0].tokens == runs[1].tokens
+        out["logits_equal"] = torch.equal(runs[0].logits, runs[1].logits)
+    return out
 
 
 def main() -> None:
@@ -119,6 +135,7 @@ def main() -> None:
     ap.add_argument("--load", action="store_true", help="a second process on the GPU throughout")
     ap.add_argument("--repeat", type=int, default=1)
     ap.add_argument("--dirty", action="store_true", help="0x7F garbage in freed GPU memory")
+    ap.add_argument("--runner", action="store_true", help="decode 6 tokens as the test does")
     ap.add_argument("--nan-empty", action="store_true", help="torch.empty filled with NaN")
     args = ap.parse_args()
     if args.nan_empty:
@@ -132,7 +149,8 @@ def main() -> None:
         proc.start()
     try:
         for i in range(args.repeat):
-            print(json.dumps({"pair": i, **prefill_pair(args.mode, args.device, args.eager, args.dirty)}))
+            res = prefill_pair(args.mode, args.device, args.eager, args.dirty, args.runner)
+            print(json.dumps({"pair": i, **res}))
             sys.stdout.flush()
     finally:
         if proc is not None and stop is not None:
