@@ -10,6 +10,8 @@ test here skips.
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 
@@ -75,6 +77,16 @@ def test_default_schedule() -> None:
     assert tma.default_schedule(110, 8, 16384, 16, 128, sms=132) == (2, tma.BALANCED[128])
     assert tma.default_schedule(131, 8, 16384, 16, 256, sms=132) == (2, None)  # no head-256 entry
     assert tma.default_schedule(32, 8, 1000, 16, 128, sms=132) == (1, tma.BALANCED[128])
+    # per cache kind, the split grid aims at TUNED's programs per SM; the balanced schedule's
+    # choice stays the 8-program rule's
+    sched = functools.partial(tma.default_schedule, max_seq_len=16384, page=16, sms=132)
+    assert sched(32, 8, head_size=128, kind="k8v4") == (4, None)
+    assert sched(32, 8, head_size=256, kind="k8v4") == (4, None)
+    assert sched(32, 8, head_size=128, kind="int4") == (8, None)
+    assert sched(32, 8, head_size=256, kind="int4") == (4, None)
+    assert sched(64, 8, head_size=128, kind="k8v4") == (2, None)
+    assert sched(110, 8, head_size=128, kind="k8v4") == (2, tma.BALANCED[128])
+    assert sched(131, 8, head_size=256, kind="k8v4") == (1, None)
 
 
 # -- GPU: the compiled kernel ---------------------------------------------------------------------

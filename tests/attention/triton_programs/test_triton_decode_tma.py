@@ -78,11 +78,24 @@ def test_default_splits_and_tuned_configs() -> None:
     assert tma.default_num_splits(110, 8, 16384, 16, sms=132) == 2
     assert tma.default_num_splits(32, 8, 1000, 16, sms=132) == 1  # < 64 pages: one split
     assert tma.default_num_splits(1, 1, 2**20, 16, sms=132) == 64  # capped
+    assert tma.default_num_splits(32, 8, 16384, 16, sms=132, programs_per_sm=4) == 4
     assert tma.tuned(128) == dict(
         num_warps=1, num_stages=6, pages_per_iter=1, lazy_rescale=True, max_registers=None
     )
     assert tma.tuned(256)["pages_per_iter"] == 1 and tma.tuned(64) == tma.tuned(128)
-    assert tma.tuned(128, "k8v4")["num_stages"] == 4
+    assert tma.tuned(128, "k8v4")["num_stages"] == 6
+    # the split grid's aim: fewer, longer programs for k8v4 and int4 at head 256
+    assert [tma.tuned_grid(h, k) for k in ("codes", "int4", "k8v4") for h in (128, 256)] == [
+        8,
+        8,
+        8,
+        4,
+        4,
+        4,
+    ]
+    assert tma.tuned_grid(64, "int4") == tma.tuned_grid(128, "int4")
+    with pytest.raises(ValueError, match="cache kind 'int3'"):
+        tma.tuned_grid(128, "int3")
     assert tma.tuned(64, "int4") == tma.tuned(128, "int4")
     # int4 at head 256: two pages per iteration without a cap (measured faster than one page
     # under a cap of 192)
@@ -110,14 +123,15 @@ def test_unset_config_takes_tuned_and_only_tuned_gets_the_register_cap(monkeypat
     cap = tma.BALANCED[128][1]
     assert tma.balanced_registers(128, tma.resolve_config(128), cap) == cap
     assert tma.balanced_registers(128, got, cap) is None
-    # per page loop: k8v4's tuned config is not the 8-bit caches', and the cap follows it
-    k8v4 = tma.resolve_config(128, "k8v4")
-    assert k8v4 == tma.tuned(128, "k8v4") != tma.tuned(128)
-    assert tma.balanced_registers(128, k8v4, cap, "k8v4") == cap
-    assert tma.balanced_registers(128, k8v4, cap) is None
+    # per page loop: int4's tuned config at head 256 is not the 8-bit caches', and the cap
+    # follows it
+    int4 = tma.resolve_config(256, "int4")
+    assert int4 == tma.tuned(256, "int4") != tma.tuned(256)
+    assert tma.balanced_registers(256, int4, cap, "int4") == cap
+    assert tma.balanced_registers(256, int4, cap) is None
     # a TUNED config's own cap (none has one now; the twelfth session's int4 entry at head 256
     # had) comes with that config only, unless given
-    monkeypatch.setitem(tma.TUNED["int4"], 256, (1, 6, 1, False, 192))
+    monkeypatch.setitem(tma.TUNED["int4"], 256, (1, 6, 1, False, 192, 4))
     assert tma.resolve_config(256, "int4")["max_registers"] == 192
     assert tma.resolve_config(256, "int4", num_stages=6)["max_registers"] == 192
     assert tma.resolve_config(256, "int4", num_stages=8)["max_registers"] is None

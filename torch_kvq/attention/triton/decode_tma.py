@@ -111,34 +111,50 @@ def _decode_pages(
         )  # fmt: skip
 
 
-def default_num_splits(batch: int, kv_heads: int, max_seq_len: int, page: int, sms: int) -> int:
-    """Splits per (sequence, kv head): the power of two at or above 8 programs per SM, each split
-    keeping at least 64 pages (a power of two packs the grid into whole waves; fewer, odd counts
-    measured slower)."""
-    want = 1 << max(0, math.ceil(math.log2(8 * sms / (batch * kv_heads))))
+def default_num_splits(
+    batch: int, kv_heads: int, max_seq_len: int, page: int, sms: int, programs_per_sm: int = 8
+) -> int:
+    """Splits per (sequence, kv head): the power of two at or above ``programs_per_sm`` programs
+    per SM, each split keeping at least 64 pages (a power of two packs the grid into whole waves;
+    fewer, odd counts measured slower)."""
+    want = 1 << max(0, math.ceil(math.log2(programs_per_sm * sms / (batch * kv_heads))))
     most = max(1, -(-max_seq_len // (64 * page)))
     return max(1, min(want, most, 64))
 
 
 def default_schedule(
-    batch: int, kv_heads: int, max_seq_len: int, page: int, head_size: int, sms: int
+    batch: int,
+    kv_heads: int,
+    max_seq_len: int,
+    page: int,
+    head_size: int,
+    sms: int,
+    kind: str = "codes",
 ) -> tuple[int, tuple[int, int] | None]:
     """(the split grid's split count, the balanced schedule's (programs per SM, max registers)
-    where ``BALANCED`` prefers it to that grid: 1 or 2 splits, else None)."""
+    where ``BALANCED`` prefers it to that grid: 1 or 2 splits at 8 programs per SM, else None).
+    Without the balanced schedule the grid aims at ``kind``'s tuned programs per SM."""
     splits = default_num_splits(batch, kv_heads, max_seq_len, page, sms)
-    return splits, BALANCED.get(head_size) if splits <= 2 else None
+    if splits <= 2 and head_size in BALANCED:
+        return splits, BALANCED[head_size]
+    grid = tuned_grid(head_size, kind)
+    return default_num_splits(batch, kv_heads, max_seq_len, page, sms, grid), None
 
 
-# (warps, stages, pages per iteration, lazy rescale, max registers) per page loop (``cache_kind``)
+# (warps, stages, pages per iteration, lazy rescale, max registers, grid programs per SM) per page
+# loop (``cache_kind``)
 # and head size: the fastest measured on an H200 at 16-token pages (docs/design/fp8_decode_paths.md;
 # the 4-bit caches: docs/design/int4-branch.md). One warp per program beats two and four on both
 # head sizes; the lazy rescale helps at head 128 and not at head 256. Head sizes not listed take
 # head 128's. Max registers None: Triton's choice; a cap is the one the config compiles
 # spill-free under (scripts/tma_kernel_sass.py), measured faster for the programs it adds per SM.
+# Grid programs per SM: what the split grid aims at (``default_num_splits``) when the caller
+# gives no schedule; deep pipelines over fewer, longer programs measured faster for k8v4 and for
+# int4 at head 256, while int4 at head 128 (issue-bound) wants the warps of more programs.
 TUNED = {
-    "codes": {128: (1, 6, 1, True, None), 256: (1, 6, 1, False, None)},
-    "int4": {128: (1, 6, 1, True, None), 256: (1, 6, 2, False, None)},
-    "k8v4": {128: (1, 4, 1, True, None), 256: (1, 6, 1, False, None)},
+    "codes": {128: (1, 6, 1, True, None, 8), 256: (1, 6, 1, False, None, 8)},
+    "int4": {128: (1, 6, 1, True, None, 8), 256: (1, 6, 2, False, None, 4)},
+    "k8v4": {128: (1, 6, 1, True, None, 4), 256: (1, 6, 1, False, None, 4)},
 }
 # (programs per SM, max registers) of the balanced schedule (``decode_balanced``), taken
 # when ``num_splits`` and ``programs_per_sm`` are both None, no workspace is given and the split
@@ -182,9 +198,15 @@ def tuned(head_size: int, kind: str = "codes") -> dict[str, int | bool | None]:
     if kind not in TUNED:
         raise ValueError(f"tuned: cache kind {kind!r}; expected one of {sorted(TUNED)}")
     cfg = TUNED[kind].get(head_size, TUNED[kind][128])
-    warps, stages, ppi, lazy, regs = cfg
+    warps, stages, ppi, lazy, regs, _ = cfg
     return dict(num_warps=warps, num_stages=stages, pages_per_iter=ppi, lazy_rescale=lazy,
                 max_registers=regs)  # fmt: skip
+
+
+def tuned_grid(head_size: int, kind: str = "codes") -> int:
+    """The programs per SM the split grid aims at for ``kind`` at ``head_size`` (``TUNED``)."""
+    tuned(head_size, kind)  # the kind's check
+    return TUNED[kind].get(head_size, TUNED[kind][128])[5]
 
 
 def resolve_config(
@@ -338,7 +360,7 @@ def paged_decode_tma(
     # the 4-bit loops take each page's scales by TMA, with its codes
     scale_arg = scale_descriptor(kv_scale) if packed else kv_scale
     if num_splits is None and programs_per_sm is None:
-        splits, balanced = default_schedule(b, kh, max_seq_len, page, d, sm_count(q.device))
+        splits, balanced = default_schedule(b, kh, max_seq_len, page, d, sm_count(q.device), kind)
         if balanced is not None and workspace is None:
             programs_per_sm, cap = balanced
             regs = balanced_registers(d, cfg, cap, kind)  # 4-bit too: spill-free (sm90)
