@@ -287,7 +287,10 @@ def test_captured_graphs_of_a_per_token_head_map_replay_the_uncaptured_steps(mod
         assert a.kv_scale is None or torch.equal(b.kv_scale, a.kv_scale), b.spec.name
     _assert_caches_match(uncaptured, graphed, runners[1].scratch_page, atol=0.0)
     quantized = {s.name for m in models for s in m.kv_specs if s.is_quantized}
-    assert len(backend.managers) >= 4  # each model's prefill and decode graphs
+    # every quantized layer of both models went through the passes (how many graphs that takes
+    # depends on what this process compiled before: once an earlier compile of this forward has
+    # marked its batch dims dynamic, one graph serves prefill and decode)
+    assert {n for manager in backend.managers for n in manager.last.layers} >= quantized
     for manager in backend.managers:
         rep = manager.last
         want = set(rep.layers) & quantized  # this model's layers 0, 2, 5
