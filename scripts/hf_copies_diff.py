@@ -69,6 +69,28 @@ def _dirty() -> None:
     del junk
 
 
+def history(device: str) -> None:
+    """What test_hf_gpu.py's first test compiles before the failing one (an FP8 map on the
+    same model class, generated eager then compiled) in the same process."""
+    from torch_kvq import KVCacheConfig
+    from torch_kvq.integrations.transformers import KVQCausalLM
+    from torch_kvq.models import generate
+    from torch_kvq.passes import make_kvq_backend
+
+    kw = {}
+    if device == "cuda":
+        from torch_kvq.attention.kernels import FlashInferKernel
+
+        kw["kernel"] = FlashInferKernel()
+    kv = KVCacheConfig("fp8", skip_layers=("sliding_window",), page_size=16)
+    lm = KVQCausalLM.from_hf(gemma3_shaped(device), kv, num_pages=160, **kw)
+    g = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(3, 512, (n,), generator=g).tolist() for n in PROMPT_LENS]
+    eager = generate(lm, prompts, 6)
+    compiled = torch.compile(lm, backend=make_kvq_backend(), fullgraph=True)
+    generate(lm, prompts, 6, compiled, force_tokens=eager.tokens)
+
+
 def prefill_pair(
     mode: str, device: str, eager: bool, dirty: bool = False, runner: bool = False
 ) -> dict[str, object]:
@@ -136,6 +158,7 @@ def main() -> None:
     ap.add_argument("--repeat", type=int, default=1)
     ap.add_argument("--dirty", action="store_true", help="0x7F garbage in freed GPU memory")
     ap.add_argument("--runner", action="store_true", help="decode 6 tokens as the test does")
+    ap.add_argument("--history", action="store_true", help="first what the file's first test runs")
     ap.add_argument("--nan-empty", action="store_true", help="torch.empty filled with NaN")
     args = ap.parse_args()
     if args.nan_empty:
@@ -148,6 +171,8 @@ def main() -> None:
         proc = ctx.Process(target=_load, args=(stop,), daemon=True)
         proc.start()
     try:
+        if args.history:
+            history(args.device)
         for i in range(args.repeat):
             res = prefill_pair(args.mode, args.device, args.eager, args.dirty, args.runner)
             print(json.dumps({"pair": i, **res}))
