@@ -1,7 +1,7 @@
 """The TMA decode's loop configuration per cache kind on one GPU: (warps, stages, pages per
 iteration, lazy rescale) at 32 x 16k, FP8 per tensor beside the per-(token, head) modes, each a
 CUDA graph of 20 calls, rounds interleaved over every configuration, median. Checks whether the
-per-(token, head) caches want another ``decode_tma.TUNED`` entry than FP8 per tensor's, and
+per-(token, head) caches want another ``decode_config.TUNED`` entry than FP8 per tensor's, and
 (``--max-registers``) whether a register cap that holds more programs per SM pays.
 
     python benchmarks/sweep_decode_tma_config.py [llama] [gemma_global]   # a line per (cache, config)
@@ -50,7 +50,8 @@ def sweep_shape(
     from bench_fp8_decode_paths import K_SCALE, V_SCALE, Case
     from bench_kv_write import graph_ms
 
-    from torch_kvq.attention.triton.decode_tma import mode_cache_kind, paged_decode_tma, tuned
+    from torch_kvq.attention.triton.decode_config import mode_cache_kind, tuned
+    from torch_kvq.attention.triton.decode_tma import paged_decode_tma
 
     c = Case(shape, 32, 16384, page)
     caches = {}

@@ -215,7 +215,7 @@ def main() -> None:
     ap.add_argument("--align", action=argparse.BooleanOptionalAction, default=True,
                     help="16-divisible pointers and strides, as a launch specializes them")  # fmt: skip
     args = ap.parse_args()
-    from torch_kvq.attention.triton.decode_tma import BALANCED, TUNED, mode_cache_kind, tuned
+    from torch_kvq.attention.triton.decode_config import BALANCED, TUNED, mode_cache_kind, tuned
 
     kind = mode_cache_kind(args.cache)
     for head in [args.head] if args.head else sorted(TUNED[kind]):

@@ -115,7 +115,7 @@ def test_tuned_configs_compile_without_spills() -> None:
     """Every ``TUNED`` entry, as launched: its config (under its register cap, if it has one)
     compiles without spills, so what was measured is what runs."""
     code = (
-        "import json; from torch_kvq.attention.triton.decode_tma import TUNED, tuned; "
+        "import json; from torch_kvq.attention.triton.decode_config import TUNED, tuned; "
         "print(json.dumps([[k, h, tuned(h, k)] for k in TUNED for h in TUNED[k]]))"
     )
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}

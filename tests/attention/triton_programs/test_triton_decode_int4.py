@@ -21,6 +21,7 @@ triton = pytest.importorskip("triton")  # after triton_case, which sets the inte
 tl = triton.language
 
 from torch_kvq.attention import quant  # noqa: E402
+from torch_kvq.attention.triton import decode_config  # noqa: E402
 from torch_kvq.attention.triton.int4 import (  # noqa: E402
     rotation_matrices,
     unpack,
@@ -228,7 +229,7 @@ def test_gpu_long_context_stays_accurate(d: int) -> None:
     from torch_kvq.attention.triton import decode_tma
 
     case = _case((16384, 16384), 32 if d == 128 else 16, 8, d, device="cuda", seed=8)
-    for kw in ({}, dict(programs_per_sm=16 if d == 128 else 8, **decode_tma.tuned(d, "int4"))):
+    for kw in ({}, dict(programs_per_sm=16 if d == 128 else 8, **decode_config.tuned(d, "int4"))):
         out = run_tma(case, decode_tma, **kw)
         err = rel_err(out, case.ref())
         assert err < 5e-3, f"{kw or 'split grid'}: rel err {err:.2e}"
@@ -275,7 +276,7 @@ def test_gpu_balanced_matches_reference(qh, kh, d, per_sm, regs, window, soft_ca
 
     case = _case((*LENS, 4097), qh, kh, d, device="cuda", seed=3)
     kw = dict(window=window, soft_cap=soft_cap, programs_per_sm=per_sm, max_registers=regs)
-    out = run_tma(case, decode_tma, **{**decode_tma.tuned(d, "int4"), **kw})  # kw's cap
+    out = run_tma(case, decode_tma, **{**decode_config.tuned(d, "int4"), **kw})  # kw's cap
     assert torch.isfinite(out).all()
     err = rel_err(out, case.ref(window, soft_cap))
     assert err < 5e-3, f"rel err {err:.2e}"
@@ -308,7 +309,7 @@ def test_gpu_cuda_graph_replay_follows_new_lengths(schedule: str) -> None:
 
     case = _case((1000, 1000, 1000), 32, 8, 128, device="cuda", seed=6)
     out, table = torch.empty_like(case.q), dense_table(case)
-    kw: dict = dict(out=out, **decode_tma.tuned(128, "int4"))
+    kw: dict = dict(out=out, **decode_config.tuned(128, "int4"))
     if schedule == "split":
         kw.update(num_splits=4, workspace=tuple(
             torch.empty(s, device="cuda") for s in ((3, 32, 4, 128), (3, 32, 4))))  # fmt: skip

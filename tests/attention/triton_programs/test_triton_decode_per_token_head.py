@@ -25,6 +25,7 @@ from tests.support.triton_case import (
 triton = pytest.importorskip("triton")  # after triton_case, which sets the interpreter first
 tl = triton.language
 
+from torch_kvq.attention.triton import decode_config  # noqa: E402
 from torch_kvq.attention.triton.helpers import widen  # noqa: E402
 
 MODES = ("int8", "fp8")
@@ -211,7 +212,7 @@ def test_gpu_balanced_matches_reference(mode, qh, kh, d, per_sm, regs, window, s
 
     case = _gpu_case(mode, qh, kh, d, seed=3)
     kw = dict(window=window, soft_cap=soft_cap, programs_per_sm=per_sm, max_registers=regs)
-    out = run_tma(case, decode_tma, **{**decode_tma.tuned(d), **kw})  # kw's cap
+    out = run_tma(case, decode_tma, **{**decode_config.tuned(d), **kw})  # kw's cap
     assert torch.isfinite(out).all()
     err = rel_err(out, case.ref(window, soft_cap))
     assert err < 5e-3, f"rel err {err:.2e}"
@@ -244,7 +245,7 @@ def test_gpu_cuda_graph_replay_follows_new_lengths(mode: str, schedule: str) -> 
 
     case = ScaledCase((1000, 1000, 1000), 32, 8, 128, mode, device="cuda", seed=6)
     out, table = torch.empty_like(case.q), dense_table(case)
-    kw: dict = dict(out=out, **decode_tma.tuned(128))
+    kw: dict = dict(out=out, **decode_config.tuned(128))
     if schedule == "split":
         kw.update(num_splits=4, workspace=tuple(
             torch.empty(s, device="cuda") for s in ((3, 32, 4, 128), (3, 32, 4))))  # fmt: skip

@@ -7,7 +7,7 @@ limiting it to few programs per SM. Here every page of every kv head is one 2-D 
 ``2 * page * p``, V rows ``page`` later), loaded by the copy engine into a small shared buffer:
 a page is a small box, so many pages are in flight per program at little shared memory. One warp
 per program, many programs per SM (split-K), 1-2 pages per loop iteration under one
-online-softmax update (``tuned``). V's columns are permuted in registers so that the ``p @ v``
+online-softmax update (``decode_config.tuned``). V's columns are permuted in registers so that the ``p @ v``
 operand loads are 16-byte vectors, not byte gathers (``helpers.page_logits``). Its speed against
 copy bandwidth, XQA and FlashInfer's tensor-core decode, per head size: docs/design/fp8_decode_paths.md.
 
@@ -16,7 +16,7 @@ instruction per two values on sm90, exact) in registers, both products accumulat
 online softmax in base 2, ``k_scale`` folded into the logit scale and ``v_scale`` into the
 output; splits merged by log-sum-exp (``helpers.combine_splits``). With many (sequence, kv head)
 pairs the split grid neither fills the SMs nor packs into whole waves: there the balanced
-schedule (``decode_balanced``, ``BALANCED``) gives every program an equal run of pages.
+schedule (``decode_balanced``, ``decode_config.BALANCED``) gives every program an equal run of pages.
 Per-(token, head) caches (int8 or e4m3 codes, ``kv_scale``) run the same loop with the scales
 applied per logit column and per softmax-weight column (``helpers``); in fp16 products the v
 scales are pre-multiplied by a power of two (``pv_shift``) that the output divides back out.
@@ -30,14 +30,18 @@ host reads no device tensor (the scales are read on the device). Import only whe
 
 from __future__ import annotations
 
-import math
-
 import torch
 import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from torch_kvq.attention.quant import hadamard_block
+from torch_kvq.attention.triton.decode_config import (
+    balanced_registers,
+    cache_kind,
+    default_schedule,
+    resolve_config,
+)
 from torch_kvq.attention.triton.helpers import (
     CODE_DTYPES,
     DOT_DTYPES,
@@ -111,58 +115,6 @@ def _decode_pages(
         )  # fmt: skip
 
 
-def default_num_splits(
-    batch: int, kv_heads: int, max_seq_len: int, page: int, sms: int, programs_per_sm: int = 8
-) -> int:
-    """Splits per (sequence, kv head): the power of two at or above ``programs_per_sm`` programs
-    per SM, each split keeping at least 64 pages (a power of two packs the grid into whole waves;
-    fewer, odd counts measured slower)."""
-    want = 1 << max(0, math.ceil(math.log2(programs_per_sm * sms / (batch * kv_heads))))
-    most = max(1, -(-max_seq_len // (64 * page)))
-    return max(1, min(want, most, 64))
-
-
-def default_schedule(
-    batch: int,
-    kv_heads: int,
-    max_seq_len: int,
-    page: int,
-    head_size: int,
-    sms: int,
-    kind: str = "codes",
-) -> tuple[int, tuple[int, int] | None]:
-    """(the split grid's split count, the balanced schedule's (programs per SM, max registers)
-    where ``BALANCED`` prefers it to that grid: 1 or 2 splits at 8 programs per SM, else None).
-    Without the balanced schedule the grid aims at ``kind``'s tuned programs per SM."""
-    splits = default_num_splits(batch, kv_heads, max_seq_len, page, sms)
-    if splits <= 2 and head_size in BALANCED:
-        return splits, BALANCED[head_size]
-    grid = tuned_grid(head_size, kind)
-    return default_num_splits(batch, kv_heads, max_seq_len, page, sms, grid), None
-
-
-# (warps, stages, pages per iteration, lazy rescale, max registers, grid programs per SM) per page
-# loop (``cache_kind``)
-# and head size: the fastest measured on an H200 at 16-token pages (docs/design/fp8_decode_paths.md;
-# the 4-bit caches: docs/design/int4-branch.md). One warp per program beats two and four on both
-# head sizes; the lazy rescale helps at head 128 and not at head 256. Head sizes not listed take
-# head 128's. Max registers None: Triton's choice; a cap is the one the config compiles
-# spill-free under (scripts/tma_kernel_sass.py), measured faster for the programs it adds per SM.
-# Grid programs per SM: what the split grid aims at (``default_num_splits``) when the caller
-# gives no schedule; deep pipelines over fewer, longer programs measured faster for k8v4 and for
-# int4 at head 256, while int4 at head 128 (issue-bound) wants the warps of more programs.
-TUNED = {
-    "codes": {128: (1, 6, 1, True, None, 8), 256: (1, 6, 1, False, None, 8)},
-    "int4": {128: (1, 6, 1, True, None, 8), 256: (1, 6, 2, False, None, 4)},
-    "k8v4": {128: (1, 6, 1, True, None, 4), 256: (1, 6, 1, False, None, 4)},
-}
-# (programs per SM, max registers) of the balanced schedule (``decode_balanced``), taken
-# when ``num_splits`` and ``programs_per_sm`` are both None, no workspace is given and the split
-# grid would have 1 or 2 splits: there it measured faster at head 128 (Llama); with more splits,
-# and at head 256 at every batch measured, the split grid is faster.
-BALANCED = {128: (16, 128)}
-
-
 def pv_shift(cache_dtype: torch.dtype, dot_dtype: torch.dtype, lazy: bool) -> int:
     """log2 of the power of two that per-token v scales are multiplied by before ``p @ v`` (and
     the output divided by, exactly). In fp16 the weight times scale, ``p * v_scale`` with
@@ -177,63 +129,6 @@ def pv_shift(cache_dtype: torch.dtype, dot_dtype: torch.dtype, lazy: bool) -> in
     if dot_dtype != torch.float16:
         return 0
     return (4 if lazy else 8) + (0 if cache_dtype == torch.int8 else 2)
-
-
-def cache_kind(kv_cache: torch.Tensor) -> str:
-    """The page loop that reads ``kv_cache``, ``TUNED``'s key: "int4" (uint8, 2 slots), "k8v4"
-    (uint8, 3 slots), else "codes" (one code or value per element: FP8, bf16 / fp16, int8)."""
-    if kv_cache.dtype != torch.uint8:
-        return "codes"
-    return "k8v4" if kv_cache.shape[1] == 3 else "int4"
-
-
-def mode_cache_kind(mode: str) -> str:
-    """``cache_kind`` of a KV mode's cache by the mode's name (e.g. ``"k8v4_per_token_head"``)."""
-    return {"int4_per_token_head": "int4", "k8v4_per_token_head": "k8v4"}.get(mode, "codes")
-
-
-def tuned(head_size: int, kind: str = "codes") -> dict[str, int | bool | None]:
-    """``paged_decode_tma`` keyword arguments measured best for ``head_size`` on a cache of
-    ``kind`` (``cache_kind``)."""
-    if kind not in TUNED:
-        raise ValueError(f"tuned: cache kind {kind!r}; expected one of {sorted(TUNED)}")
-    cfg = TUNED[kind].get(head_size, TUNED[kind][128])
-    warps, stages, ppi, lazy, regs, _ = cfg
-    return dict(num_warps=warps, num_stages=stages, pages_per_iter=ppi, lazy_rescale=lazy,
-                max_registers=regs)  # fmt: skip
-
-
-def tuned_grid(head_size: int, kind: str = "codes") -> int:
-    """The programs per SM the split grid aims at for ``kind`` at ``head_size`` (``TUNED``)."""
-    tuned(head_size, kind)  # the kind's check
-    return TUNED[kind].get(head_size, TUNED[kind][128])[5]
-
-
-def resolve_config(
-    head_size: int, kind: str = "codes", **given: int | bool | None
-) -> dict[str, int | bool | None]:
-    """``tuned(head_size, kind)`` with each argument ``given`` as not None in its place;
-    its register cap only with the rest of its config (a cap is what one config compiles
-    spill-free under, not a setting of its own)."""
-    best = tuned(head_size, kind)
-    given = {k: v for k, v in given.items() if v is not None}
-    cfg = {**best, **given}
-    if "max_registers" not in given and any(cfg[k] != best[k] for k in given):
-        cfg["max_registers"] = None
-    return cfg
-
-
-def balanced_registers(
-    head_size: int,
-    cfg: dict[str, int | bool | None],
-    cap: int | None,
-    kind: str = "codes",
-) -> int | None:
-    """The register cap for the balanced schedule chosen by ``BALANCED``: its ``cap`` only at
-    ``tuned(head_size, kind)``, the configuration measured (and compiled spill-free) under
-    it; None (Triton's choice) for any other. Under the cap, other configurations can spill
-    registers (scripts/tma_kernel_sass.py) and run several times slower."""
-    return cap if cfg == tuned(head_size, kind) else None
 
 
 def paged_decode_tma(
@@ -281,12 +176,12 @@ def paged_decode_tma(
     reference max only when some row's max logit grew by more than 8 in base 2, so the softmax
     weights stay <= 2^8 (FlashAttention-4's trick). ``num_warps``, ``num_stages``,
     ``pages_per_iter``, ``lazy_rescale``, ``max_registers``: None takes
-    ``tuned(D, cache_kind(kv_cache))``'s.
+    ``decode_config.tuned(D, cache_kind(kv_cache))``'s.
     ``programs_per_sm``: the balanced schedule (``decode_balanced``) with that many programs per
     SM (at most as many as fit) instead of the split grid; then ``num_splits`` must be None and
     ``workspace`` is (partial out [P, 2, QH / KH, D], lse [P, 2, QH / KH]) fp32 for P =
-    ``balanced_programs(...)``. With both None and no workspace the schedule is chosen by
-    ``BALANCED``. ``max_registers``: Triton's ``maxnreg`` (per thread), to hold more programs
+    ``balanced_programs(...)``. With both None and no workspace the schedule is
+    ``decode_config.default_schedule``'s. ``max_registers``: Triton's ``maxnreg`` (per thread), to hold more programs
     per SM or fewer spills (0: no cap). ``kv_scale`` [P, 2, KH, page] fp32 contiguous: one scale
     per (token, kv head) for k and v, ``real = code * scale``; ``k_scale`` and ``v_scale`` must
     then be 1.0.

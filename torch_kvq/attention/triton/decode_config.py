@@ -1,0 +1,120 @@
+"""What the TMA decode (``decode_tma.paged_decode_tma``) runs with where its caller does not say:
+per page loop (``cache_kind``) and head size, the loop's measured configuration (``TUNED``) and
+the schedule: the split grid's split count, or the balanced schedule (``BALANCED``). Host logic
+only (no Triton): the numbers behind each entry are in docs/design/fp8_decode_paths.md and
+docs/design/int4-branch.md.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+
+def cache_kind(kv_cache: torch.Tensor) -> str:
+    """The page loop that reads ``kv_cache``, ``TUNED``'s key: "int4" (uint8, 2 slots), "k8v4"
+    (uint8, 3 slots), else "codes" (one code or value per element: FP8, bf16 / fp16, int8)."""
+    if kv_cache.dtype != torch.uint8:
+        return "codes"
+    return "k8v4" if kv_cache.shape[1] == 3 else "int4"
+
+
+def mode_cache_kind(mode: str) -> str:
+    """``cache_kind`` of a KV mode's cache by the mode's name (e.g. ``"k8v4_per_token_head"``)."""
+    return {"int4_per_token_head": "int4", "k8v4_per_token_head": "k8v4"}.get(mode, "codes")
+
+
+def tuned(head_size: int, kind: str = "codes") -> dict[str, int | bool | None]:
+    """``paged_decode_tma`` keyword arguments measured best for ``head_size`` on a cache of
+    ``kind`` (``cache_kind``)."""
+    if kind not in TUNED:
+        raise ValueError(f"tuned: cache kind {kind!r}; expected one of {sorted(TUNED)}")
+    cfg = TUNED[kind].get(head_size, TUNED[kind][128])
+    warps, stages, ppi, lazy, regs, _ = cfg
+    return dict(num_warps=warps, num_stages=stages, pages_per_iter=ppi, lazy_rescale=lazy,
+                max_registers=regs)  # fmt: skip
+
+
+def tuned_grid(head_size: int, kind: str = "codes") -> int:
+    """The programs per SM the split grid aims at for ``kind`` at ``head_size`` (``TUNED``)."""
+    tuned(head_size, kind)  # the kind's check
+    return TUNED[kind].get(head_size, TUNED[kind][128])[5]
+
+
+def resolve_config(
+    head_size: int, kind: str = "codes", **given: int | bool | None
+) -> dict[str, int | bool | None]:
+    """``tuned(head_size, kind)`` with each argument ``given`` as not None in its place;
+    its register cap only with the rest of its config (a cap is what one config compiles
+    spill-free under, not a setting of its own)."""
+    best = tuned(head_size, kind)
+    given = {k: v for k, v in given.items() if v is not None}
+    cfg = {**best, **given}
+    if "max_registers" not in given and any(cfg[k] != best[k] for k in given):
+        cfg["max_registers"] = None
+    return cfg
+
+
+def balanced_registers(
+    head_size: int,
+    cfg: dict[str, int | bool | None],
+    cap: int | None,
+    kind: str = "codes",
+) -> int | None:
+    """The register cap for the balanced schedule chosen by ``BALANCED``: its ``cap`` only at
+    ``tuned(head_size, kind)``, the configuration measured (and compiled spill-free) under
+    it; None (Triton's choice) for any other. Under the cap, other configurations can spill
+    registers (scripts/tma_kernel_sass.py) and run several times slower."""
+    return cap if cfg == tuned(head_size, kind) else None
+
+
+def default_num_splits(
+    batch: int, kv_heads: int, max_seq_len: int, page: int, sms: int, programs_per_sm: int = 8
+) -> int:
+    """Splits per (sequence, kv head): the power of two at or above ``programs_per_sm`` programs
+    per SM, each split keeping at least 64 pages (a power of two packs the grid into whole waves;
+    fewer, odd counts measured slower)."""
+    want = 1 << max(0, math.ceil(math.log2(programs_per_sm * sms / (batch * kv_heads))))
+    most = max(1, -(-max_seq_len // (64 * page)))
+    return max(1, min(want, most, 64))
+
+
+def default_schedule(
+    batch: int,
+    kv_heads: int,
+    max_seq_len: int,
+    page: int,
+    head_size: int,
+    sms: int,
+    kind: str = "codes",
+) -> tuple[int, tuple[int, int] | None]:
+    """(the split grid's split count, the balanced schedule's (programs per SM, max registers)
+    where ``BALANCED`` prefers it to that grid: 1 or 2 splits at 8 programs per SM, else None).
+    Without the balanced schedule the grid aims at ``kind``'s tuned programs per SM."""
+    splits = default_num_splits(batch, kv_heads, max_seq_len, page, sms)
+    if splits <= 2 and head_size in BALANCED:
+        return splits, BALANCED[head_size]
+    grid = tuned_grid(head_size, kind)
+    return default_num_splits(batch, kv_heads, max_seq_len, page, sms, grid), None
+
+
+# (warps, stages, pages per iteration, lazy rescale, max registers, grid programs per SM) per page
+# loop (``cache_kind``) and head size: the fastest measured on an H200 at 16-token pages
+# (docs/design/fp8_decode_paths.md; the 4-bit caches: docs/design/int4-branch.md). One warp per program beats two and four on both
+# head sizes; the lazy rescale helps at head 128 and not at head 256. Head sizes not listed take
+# head 128's. Max registers None: Triton's choice; a cap is the one the config compiles
+# spill-free under (scripts/tma_kernel_sass.py), measured faster for the programs it adds per SM.
+# Grid programs per SM: what the split grid aims at (``default_num_splits``) when the caller
+# gives no schedule; deep pipelines over fewer, longer programs measured faster for k8v4 and for
+# int4 at head 256, while int4 at head 128 (issue-bound) wants the warps of more programs.
+TUNED = {
+    "codes": {128: (1, 6, 1, True, None, 8), 256: (1, 6, 1, False, None, 8)},
+    "int4": {128: (1, 6, 1, True, None, 8), 256: (1, 6, 2, False, None, 4)},
+    "k8v4": {128: (1, 6, 1, True, None, 4), 256: (1, 6, 1, False, None, 4)},
+}
+# (programs per SM, max registers) of the balanced schedule (``decode_balanced``), taken
+# when ``num_splits`` and ``programs_per_sm`` are both None, no workspace is given and the split
+# grid would have 1 or 2 splits: there it measured faster at head 128 (Llama); with more splits,
+# and at head 256 at every batch measured, the split grid is faster.
+BALANCED = {128: (16, 128)}
