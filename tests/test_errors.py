@@ -793,15 +793,15 @@ def kv_write_args(dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
 
 @case("kernel.write-no-triton")
 def _() -> object:
-    from torch_kvq.attention.kernels import kv_write
+    from torch_kvq.attention.kernels import kv_write, launch
 
-    kv_write._triton_kernel.cache_clear()
+    launch.triton_program.cache_clear()
     try:
         with mock.patch.dict(sys.modules, {"triton": None, "triton.language": None}):
             sys.modules.pop("torch_kvq.attention.triton.kv_write", None)  # imported anew: fails
             return kv_write.write_kv_triton(*kv_write_args(torch.bfloat16))
     finally:
-        kv_write._triton_kernel.cache_clear()
+        launch.triton_program.cache_clear()
 
 
 @case("kernel.write-cache-not-dense")

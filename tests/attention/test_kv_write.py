@@ -46,7 +46,7 @@ def test_the_forms_differ_on_a_tie() -> None:
     the GPU suite found differing in issue 12 (aten's CUDA form is "rcp", the kernel used "rcp32")."""
     c = kv_write._division_candidates(torch.tensor([1.5]), 0.03)
     assert c["div"].item() == c["rcp"].item() == 50.0 < c["rcp32"].item()
-    assert kv_write._operand("rcp", 0.03) < kv_write._operand("rcp32", 0.03)
+    assert kv_write.scalar_operand("rcp", 0.03) < kv_write.scalar_operand("rcp32", 0.03)
     fp8 = {form: v.to(FP8_DTYPE).item() for form, v in c.items()}
     assert fp8 == {"div": 48.0, "rcp": 48.0, "rcp32": 52.0}
 

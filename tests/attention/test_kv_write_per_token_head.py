@@ -96,7 +96,7 @@ def test_the_compiled_division_is_aten_division_in_codes() -> None:
             _, qmax = quant.per_token_head_format(mode)
             for s in (
                 torch.tensor(amax) / qmax,
-                torch.tensor(amax) * kv_write._operand("rcp", qmax),
+                torch.tensor(amax) * kv_write.scalar_operand("rcp", qmax),
             ):
                 s = s.clamp(min=quant.SCALE_FLOOR).expand_as(x)
                 r = (1.0 / s.double()).float()  # div_rn(1, s): correctly rounded
@@ -323,7 +323,7 @@ def test_interpreter_reciprocal_form_matches_aten_on_cuda(monkeypatch, mode: str
     slots = torch.randperm(64, generator=g)[:40]
     _interpret(cache, scale, k, v, slots, mode, "half_away", monkeypatch, "rcp")
     _, qmax = quant.per_token_head_format(mode)
-    rcp = kv_write._operand("rcp", qmax)
+    rcp = kv_write.scalar_operand("rcp", qmax)
     for x, kv in ((k, 0), (v, 1)):
         want = torch.maximum(x.float().abs().amax(-1) * rcp, torch.tensor(1e-6))
         p, o = slots // 16, slots % 16

@@ -10,11 +10,10 @@ cache, 3 slots, in two launches: k's int8 codes, v's int4 ones); elsewhere the a
 from __future__ import annotations
 
 import functools
-import importlib
 
 import torch
 
-from torch_kvq.attention.kernels.base import KernelUnsupportedError
+from torch_kvq.attention.kernels.launch import next_pow2, triton_program
 from torch_kvq.attention.quant import (
     dequantize_pages_per_token_head,
     hadamard_block,
@@ -64,9 +63,11 @@ def dequantize_pages_triton(
     out = torch.empty((ids.numel(), 2, page, kh, d), dtype=out_dtype, device=kv_cache.device)
     if ids.numel() == 0:
         return out
-    rows = max(1, min(triton_next_pow2(page * kh), ROW_ELEMENTS // d))
+    rows = max(1, min(next_pow2(page * kh), ROW_ELEMENTS // d))
     signs = _signs(d, kv_cache.device) if int4 else kv_scale  # unused unless int4
-    kernel = _kernel()
+    kernel = triton_program(
+        "kv_dequant", "kv_dequant_pages_kernel", "the CUDA scratch dequantization"
+    )
     blocks = -(-(page * kh) // rows)
     # k8v4: k (int8 codes over slots 0 / 1) and v (int4, slot 2) in a launch each
     for kv0, sides, is_int4 in ((0, 1, False), (1, 1, True)) if k8v4 else ((0, 2, int4),):
@@ -78,22 +79,6 @@ def dequantize_pages_triton(
     return out
 
 
-def triton_next_pow2(n: int) -> int:
-    return 1 << max(0, (n - 1).bit_length())
-
-
 @functools.cache
 def _signs(d: int, device: torch.device) -> torch.Tensor:
     return hadamard_signs(d, device)
-
-
-@functools.cache
-def _kernel():
-    try:
-        module = importlib.import_module("torch_kvq.attention.triton.kv_dequant")
-    except ImportError as e:
-        raise KernelUnsupportedError(
-            f"the CUDA scratch dequantization is a Triton kernel, and Triton cannot be imported "
-            f"({e}); install triton (it comes with torch's CUDA wheels)"
-        ) from e
-    return module.kv_dequant_pages_kernel

@@ -40,12 +40,12 @@ The per-(token, head) modes' write (codes and one scale per token and kv head) i
 from __future__ import annotations
 
 import functools
-import importlib
 from typing import Any, Literal
 
 import torch
 
 from torch_kvq.attention.kernels.base import KernelUnsupportedError
+from torch_kvq.attention.kernels.launch import f32, next_pow2, triton_program
 from torch_kvq.attention.quant import FP8_MAX, quantize_fp8
 from torch_kvq.spec import FP8_DTYPE
 
@@ -100,19 +100,15 @@ ScalarDivision = Literal["div", "rcp", "rcp32"]
 _PROBE_SCALES = (13.0, 0.03, 0.0341, 0.3, 1.0 / 3.0, 7.7e-3, 123.456)
 
 
-def _f32(x: float) -> float:
-    return float(torch.tensor(x, dtype=torch.float32))
-
-
-def _operand(form: ScalarDivision, scale: float) -> float:
+def scalar_operand(form: ScalarDivision, scale: float) -> float:
     """The fp32 operand of each form: the divisor (``"div"``) or the multiplier: ``float32(1 /
     scale)`` with ``1 / scale`` in float64 (``"rcp"``), or ``float32(1) / float32(scale)`` in fp32
     (``"rcp32"``)."""
     if form == "div":
-        return _f32(scale)
+        return f32(scale)
     if form == "rcp":
-        return _f32(1.0 / scale)
-    return float((torch.tensor(1.0, dtype=torch.float64) / _f32(scale)).float())
+        return f32(1.0 / scale)
+    return float((torch.tensor(1.0, dtype=torch.float64) / f32(scale)).float())
 
 
 def _division_candidates(x: torch.Tensor, scale: float) -> dict[str, torch.Tensor]:
@@ -120,9 +116,9 @@ def _division_candidates(x: torch.Tensor, scale: float) -> dict[str, torch.Tenso
     quotient of two fp32 values rounds correctly through float64, and an fp32 product is exact)."""
     x64 = x.double()
     return {
-        "div": (x64 / _operand("div", scale)).float(),
-        "rcp": (x64 * _operand("rcp", scale)).float(),
-        "rcp32": (x64 * _operand("rcp32", scale)).float(),
+        "div": (x64 / scalar_operand("div", scale)).float(),
+        "rcp": (x64 * scalar_operand("rcp", scale)).float(),
+        "rcp32": (x64 * scalar_operand("rcp32", scale)).float(),
     }
 
 
@@ -143,7 +139,7 @@ def aten_scalar_division(device: torch.device, kind: ScaleKind = "float") -> Sca
     found = ["div", "rcp", "rcp32"]
     for scale in _PROBE_SCALES:
         if kind != "float":
-            scale = _f32(scale)
+            scale = f32(scale)
             div = torch.tensor(
                 scale, dtype=torch.float32, device=device if kind == "tensor" else "cpu"
             )
@@ -182,7 +178,7 @@ def write_kv_triton(
     if scales is not None and kv_cache.dtype != FP8_DTYPE:
         raise ValueError(f"write_kv_triton: quantizing needs an FP8 cache, got {kv_cache.dtype}")
     kind = _scale_kind(kv_cache, scales)  # checks where tensor scales live (before any work)
-    kernel = _triton_kernel()
+    kernel = triton_program("kv_write", "kv_write_kernel", "the CUDA cache write")
     if t == 0:
         return
     division: ScalarDivision = "div"
@@ -196,7 +192,7 @@ def write_kv_triton(
             )
             k_op, v_op = (torch.as_tensor(x).reshape(()) for x in scales)
         else:  # a Python float, or a CPU tensor's value (a host read, no device sync)
-            k_op, v_op = (_operand(division, float(x)) for x in scales)
+            k_op, v_op = (scalar_operand(division, float(x)) for x in scales)
     kernel[(t,)](
         k,
         v,
@@ -212,7 +208,7 @@ def write_kv_triton(
         kv_cache.shape[2],
         KH=kh,
         D=d,
-        BLOCK=_next_pow2(kh * d),
+        BLOCK=next_pow2(kh * d),
         QUANT=scales is not None,
         DIVIDE=division == "div",
         SCALE_PTR=kind == "tensor",
@@ -250,23 +246,5 @@ def require_correct_tensor_division(device: torch.device, writer: str) -> None:
         )
 
 
-def _next_pow2(n: int) -> int:
-    return 1 << (n - 1).bit_length()
-
-
 def _inner_dense(x: torch.Tensor) -> bool:
     return x.stride(-1) == 1 and (x.shape[-2] == 1 or x.stride(-2) == x.shape[-1])
-
-
-@functools.cache
-def _triton_kernel(name: str = "kv_write_kernel") -> Any:
-    """A Triton program of ``attention/triton/kv_write.py``, imported on first use: Triton is
-    imported only there, only for CUDA."""
-    try:
-        programs = importlib.import_module("torch_kvq.attention.triton.kv_write")
-    except ImportError as e:  # torch's CUDA wheels ship Triton; a CUDA build without it cannot
-        raise KernelUnsupportedError(
-            f"the CUDA cache write is a Triton kernel, and Triton cannot be imported ({e}); "
-            "install triton (it comes with torch's CUDA wheels)"
-        ) from e
-    return getattr(programs, name)

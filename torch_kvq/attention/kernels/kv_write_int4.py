@@ -18,12 +18,12 @@ add in another order than aten's; two ratios whose errors differ by less than su
 from __future__ import annotations
 
 import functools
-import importlib
 from typing import Any
 
 import torch
 
 from torch_kvq.attention.kernels.base import KernelUnsupportedError
+from torch_kvq.attention.kernels.launch import f32, next_pow2
 from torch_kvq.attention.quant import (
     INT4_CLIP_RATIOS,
     INT4_LEVELS,
@@ -31,6 +31,7 @@ from torch_kvq.attention.quant import (
     hadamard_block,
     hadamard_signs,
 )
+from torch_kvq.attention.triton.decode_config import sm_count
 
 # (token, kv head) rows of k (and of v) per program: one a thread (the program holds its rows
 # channels first, so each thread's row stays in its registers: rotation, min / max and error sums
@@ -40,10 +41,6 @@ INT4_ROWS = 32 * INT4_WARPS
 # fewer rows than this per SM: one row per program, its channels across one warp's lanes
 # (``ROWS_FIRST``), so that a decode step's few tokens spread over the SMs
 INT4_ROWS_FIRST_BELOW = 32
-
-
-def _f32(x: float) -> float:
-    return float(torch.tensor(x, dtype=torch.float32))
 
 
 @functools.cache
@@ -106,9 +103,9 @@ def launch_int4_write(
         k, kv_cache, kv_scale, sides = v, kv_cache[:, 2:], kv_scale[:, 1:], 1
     require_correct_reciprocal(kv_cache.device)
     b = hadamard_block(d)
-    block_d = 1 << (d - 1).bit_length()
+    block_d = next_pow2(d)
     n_rows = t * kh
-    sms = importlib.import_module("torch_kvq.attention.triton.helpers").sm_count(kv_cache.device)
+    sms = sm_count(kv_cache.device)
     rows_first = n_rows < INT4_ROWS_FIRST_BELOW * sms
     block_r = 1 if rows_first else INT4_ROWS  # a power of two
     return program[(-(-n_rows // block_r), sides)](
@@ -116,7 +113,7 @@ def launch_int4_write(
         clip_ratios(kv_cache.device), n_rows,
         *k.stride(), *v.stride(), *kv_cache.stride(), *kv_scale.stride(), kv_cache.shape[2],
         KH=kh, D=d, BLOCK_R=block_r, BLOCK_D=block_d, LOG2B=b.bit_length() - 1,
-        RSQRT_B=_f32(b**-0.5), RCP15=_f32(1.0 / INT4_LEVELS), FLOOR=_f32(SCALE_FLOOR),
+        RSQRT_B=f32(b**-0.5), RCP15=f32(1.0 / INT4_LEVELS), FLOOR=f32(SCALE_FLOOR),
         NUM_RATIOS=len(INT4_CLIP_RATIOS), ROWS_FIRST=rows_first, num_warps=INT4_WARPS,
         enable_fp_fusion=False,
     )  # fmt: skip

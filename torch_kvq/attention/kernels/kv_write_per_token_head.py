@@ -20,20 +20,16 @@ v's into slot 2, each bit-equal to its side of the aten form.
 
 from __future__ import annotations
 
-import importlib
-
 import torch
 
 from torch_kvq.attention.kernels.kv_write import (
-    _f32,
-    _next_pow2,
-    _operand,
-    _triton_kernel,
     aten_scalar_division,
     pages_and_offsets,
     require_correct_tensor_division,
+    scalar_operand,
 )
 from torch_kvq.attention.kernels.kv_write_int4 import launch_int4_write
+from torch_kvq.attention.kernels.launch import f32, next_pow2, triton_program
 from torch_kvq.attention.quant import (
     SCALE_FLOOR,
     Rounding,
@@ -43,12 +39,12 @@ from torch_kvq.attention.quant import (
     per_token_head_format,
     quantize_per_token_head,
 )
+from torch_kvq.attention.triton.decode_config import sm_count
 
 # The per-(token, head) write's launch: values of k (and of v) per program, and its warps
 WRITE_ROW_ELEMENTS = 2048
 WRITE_WARPS = 2
-
-_PROGRAMS_HELPERS = "torch_kvq.attention.triton.helpers"  # imports Triton: only on first use
+WHAT = "the CUDA cache write"  # in the error when Triton cannot be imported
 
 
 def write_kv_per_token_head(
@@ -172,8 +168,14 @@ def write_kv_per_token_head_triton(
     ``launch_int4_write``. k8v4: two launches, k by the int8 program (``SPLIT_K``: its codes'
     bytes over slots 0 and 1), v by the int4 one (``v_only``: slot 2)."""
     k_fmt, v_fmt = kv_formats(mode)
-    int4_kernel = _triton_kernel("kv_write_int4_kernel") if v_fmt == "int4" else None
-    kernel = None if k_fmt == "int4" else _triton_kernel("kv_write_per_token_head_kernel")
+    int4_kernel = (
+        triton_program("kv_write", "kv_write_int4_kernel", WHAT) if v_fmt == "int4" else None
+    )
+    kernel = (
+        None
+        if k_fmt == "int4"
+        else triton_program("kv_write", "kv_write_per_token_head_kernel", WHAT)
+    )
     t, kh, d = k.shape
     if t == 0:
         return
@@ -185,16 +187,16 @@ def write_kv_per_token_head_triton(
         return
     code_dtype, qmax = per_token_head_format(k_fmt, rounding)
     division = aten_scalar_division(kv_cache.device)  # absmax / QMAX: a Python-float divisor
-    block_h, block_d = _next_pow2(kh), _next_pow2(d)
+    block_h, block_d = next_pow2(kh), next_pow2(d)
     # a program quantizes WRITE_ROW_ELEMENTS values of k (and of v): several tokens when heads are
     # small, one when there are too few tokens to fill the GPU that way (a decode step's batch)
     block_t = max(1, WRITE_ROW_ELEMENTS // (block_h * block_d))
-    if t < block_t * importlib.import_module(_PROGRAMS_HELPERS).sm_count(kv_cache.device):
+    if t < block_t * sm_count(kv_cache.device):
         block_t = 1
     kernel[(-(-t // block_t),)](
-        k, v, kv_cache, kv_scale, slot_mapping, _operand(division, qmax), t,
+        k, v, kv_cache, kv_scale, slot_mapping, scalar_operand(division, qmax), t,
         *k.stride(), *v.stride(), *kv_cache.stride(), *kv_scale.stride(),
         PAGE=kv_cache.shape[2], KH=kh, D=d, BLOCK_T=block_t, BLOCK_H=block_h, BLOCK_D=block_d, QMAX=qmax,
-        FLOOR=_f32(SCALE_FLOOR), DIVIDE=division == "div", INT8=code_dtype == torch.int8,
+        FLOOR=f32(SCALE_FLOOR), DIVIDE=division == "div", INT8=code_dtype == torch.int8,
         HALF_AWAY=rounding == "half_away", SPLIT_K=v_fmt != k_fmt, num_warps=WRITE_WARPS,
     )  # fmt: skip

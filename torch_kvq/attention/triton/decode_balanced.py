@@ -24,11 +24,11 @@ import torch
 import triton
 import triton.language as tl
 
+from torch_kvq.attention.triton.decode_config import sm_count
 from torch_kvq.attention.triton.helpers import (
     acc_cols,
     attend,
     load_q,
-    sm_count,
     split_outputs,
     store_out,
     store_part,

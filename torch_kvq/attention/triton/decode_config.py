@@ -118,3 +118,13 @@ TUNED = {
 # grid would have 1 or 2 splits: there it measured faster at head 128 (Llama); with more splits,
 # and at head 256 at every batch measured, the split grid is faster.
 BALANCED = {128: (16, 128)}
+
+
+def sm_count(device: torch.device) -> int:
+    """The device's SM count (torch caches the properties); 132 (an H200) off CUDA, where the
+    interpreter runs the schedules a GPU would."""
+    return (
+        torch.cuda.get_device_properties(device).multi_processor_count
+        if device.type == "cuda"
+        else 132
+    )

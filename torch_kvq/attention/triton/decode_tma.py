@@ -41,6 +41,7 @@ from torch_kvq.attention.triton.decode_config import (
     cache_kind,
     default_schedule,
     resolve_config,
+    sm_count,
 )
 from torch_kvq.attention.triton.helpers import (
     CODE_DTYPES,
@@ -51,7 +52,6 @@ from torch_kvq.attention.triton.helpers import (
     check_args,
     combine_splits,
     load_q,
-    sm_count,
     split_outputs,
     split_range,
     store_split,

@@ -360,13 +360,3 @@ def combine_splits(
             num_warps=4,
         )  # fmt: skip
     return out
-
-
-def sm_count(device: torch.device) -> int:
-    """The device's SM count (torch caches the properties); 132 (an H200) off CUDA, where the
-    interpreter runs the schedules a GPU would."""
-    return (
-        torch.cuda.get_device_properties(device).multi_processor_count
-        if device.type == "cuda"
-        else 132
-    )

@@ -6,7 +6,7 @@ int4). ``k8v4_per_token_head`` takes the int8 program for k (``SPLIT_K``) and th
 
 The host side (checks, which division aten uses, the launch) is ``attention/kernels/kv_write.py``
 (``write_kv_triton``) and ``attention/kernels/kv_write_per_token_head.py``
-(``write_kv_per_token_head``); ``kv_write._triton_kernel`` imports this module on first use.
+(``write_kv_per_token_head``); ``kernels/launch.triton_program`` imports this module on first use.
 Imports Triton.
 """
 
