@@ -407,7 +407,8 @@ def test_xqa_refuses_soft_cap_and_reports_fp8_output_support() -> None:
 
 
 def test_importing_torch_kvq_never_imports_flashinfer() -> None:
-    """Nor a Triton program (``attention/triton/*`` import Triton, an optional dependency)."""
+    """Nor a Triton program (``attention/triton/*`` import Triton, an optional dependency; all
+    but ``decode_config``, the decode's host logic, which the launchers import)."""
     code = (
         "import sys, torch_kvq\n"
         "import torch_kvq.attention.ops, torch_kvq.attention.triton\n"
@@ -415,7 +416,7 @@ def test_importing_torch_kvq_never_imports_flashinfer() -> None:
         "FlashInferKernel(fp8_decode='xqa'), FlashInferKernel(fp8_decode='triton')\n"
         "assert 'flashinfer' not in sys.modules, 'flashinfer was imported'\n"
         "programs = [m for m in sys.modules if m.startswith('torch_kvq.attention.triton.')]\n"
-        "assert programs == [], programs\n"
+        "assert set(programs) <= {'torch_kvq.attention.triton.decode_config'}, programs\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True)
 
