@@ -11,6 +11,27 @@ import math
 
 import torch
 
+# (warps, stages, pages per iteration, lazy rescale, max registers, grid programs per SM) per page
+# loop (``cache_kind``) and head size: the fastest measured on an H200 at 16-token pages
+# (docs/design/fp8_decode_paths.md; the 4-bit caches: docs/design/int4-branch.md). One warp per
+# program beats two and four on both head sizes; the lazy rescale helps at head 128 and not at
+# head 256. Head sizes not listed take head 128's. Max registers None: Triton's choice; a cap is
+# the one the config compiles spill-free under (scripts/tma_kernel_sass.py), measured faster for
+# the programs it adds per SM. Grid programs per SM: what the split grid aims at
+# (``default_num_splits``) when the caller gives no schedule; deep pipelines over fewer, longer
+# programs measured faster for k8v4 and for int4 at head 256, while int4 at head 128
+# (issue-bound) wants the warps of more programs.
+TUNED = {
+    "codes": {128: (1, 6, 1, True, None, 8), 256: (1, 6, 1, False, None, 8)},
+    "int4": {128: (1, 6, 1, True, None, 8), 256: (1, 6, 2, False, None, 4)},
+    "k8v4": {128: (1, 6, 1, True, None, 4), 256: (1, 6, 1, False, None, 4)},
+}
+# (programs per SM, max registers) of the balanced schedule (``decode_balanced``), taken
+# when ``num_splits`` and ``programs_per_sm`` are both None, no workspace is given and the split
+# grid would have 1 or 2 splits: there it measured faster at head 128 (Llama); with more splits,
+# and at head 256 at every batch measured, the split grid is faster.
+BALANCED = {128: (16, 128)}
+
 
 def cache_kind(kv_cache: torch.Tensor) -> str:
     """The page loop that reads ``kv_cache``, ``TUNED``'s key: "int4" (uint8, 2 slots), "k8v4"
@@ -97,27 +118,6 @@ def default_schedule(
         return splits, BALANCED[head_size]
     grid = tuned_grid(head_size, kind)
     return default_num_splits(batch, kv_heads, max_seq_len, page, sms, grid), None
-
-
-# (warps, stages, pages per iteration, lazy rescale, max registers, grid programs per SM) per page
-# loop (``cache_kind``) and head size: the fastest measured on an H200 at 16-token pages
-# (docs/design/fp8_decode_paths.md; the 4-bit caches: docs/design/int4-branch.md). One warp per program beats two and four on both
-# head sizes; the lazy rescale helps at head 128 and not at head 256. Head sizes not listed take
-# head 128's. Max registers None: Triton's choice; a cap is the one the config compiles
-# spill-free under (scripts/tma_kernel_sass.py), measured faster for the programs it adds per SM.
-# Grid programs per SM: what the split grid aims at (``default_num_splits``) when the caller
-# gives no schedule; deep pipelines over fewer, longer programs measured faster for k8v4 and for
-# int4 at head 256, while int4 at head 128 (issue-bound) wants the warps of more programs.
-TUNED = {
-    "codes": {128: (1, 6, 1, True, None, 8), 256: (1, 6, 1, False, None, 8)},
-    "int4": {128: (1, 6, 1, True, None, 8), 256: (1, 6, 2, False, None, 4)},
-    "k8v4": {128: (1, 6, 1, True, None, 4), 256: (1, 6, 1, False, None, 4)},
-}
-# (programs per SM, max registers) of the balanced schedule (``decode_balanced``), taken
-# when ``num_splits`` and ``programs_per_sm`` are both None, no workspace is given and the split
-# grid would have 1 or 2 splits: there it measured faster at head 128 (Llama); with more splits,
-# and at head 256 at every batch measured, the split grid is faster.
-BALANCED = {128: (16, 128)}
 
 
 def sm_count(device: torch.device) -> int:
