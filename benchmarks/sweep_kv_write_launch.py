@@ -1,6 +1,7 @@
 """The per-(token, head) cache write's launch on one GPU: values per program x warps, timed as
 ``bench_kv_write`` times a write (CUDA graph of 4 writes, median of 5 rounds), at a decode
-step's 32 tokens and at the sizes where it is bandwidth-bound (shuffled tokens or whole pages). Chooses ``kernels/kv_write_per_token_head.WRITE_ROW_ELEMENTS`` / ``WRITE_WARPS``.
+step's 32 tokens and at the sizes where it is bandwidth-bound (shuffled tokens or whole pages).
+Chooses ``kernels/kv_write_per_token_head.WRITE_ROW_ELEMENTS`` / ``WRITE_WARPS``.
 
     python benchmarks/sweep_kv_write_launch.py     # prints one line per (shape, tokens, mode, launch)
 """

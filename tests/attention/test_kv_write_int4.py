@@ -22,7 +22,7 @@ import pytest
 import torch
 
 from torch_kvq.attention import quant
-from torch_kvq.attention.kernels import kv_write_int4, kv_write_per_token_head, launch
+from torch_kvq.attention.kernels import kv_write, kv_write_int4, kv_write_per_token_head
 from torch_kvq.attention.kernels.kv_write_per_token_head import (
     write_kv_per_token_head,
     write_kv_per_token_head_torch,
@@ -296,7 +296,7 @@ def test_gpu_many_rows_equal_aten(variant, d: int) -> None:
 def test_gpu_program_has_no_fused_multiply_add() -> None:
     """The launch turns fp fusion off: no fma in the PTX (ptxas gets --fmad=false as well)."""
     cache, scale, k, v, slots = _case(64, 8, 128, 16, torch.bfloat16, seed=1, device="cuda")
-    program = launch.triton_program("kv_write", "kv_write_int4_kernel", "the CUDA cache write")
+    program = kv_write.write_program("kv_write_int4_kernel")
     handle = kv_write_int4.launch_int4_write(program, cache, scale, k, v, slots)
     ptx = handle.asm["ptx"]
     assert "fma.rn.f32" not in ptx and "fma.rn.f64" not in ptx

@@ -178,7 +178,7 @@ def write_kv_triton(
     if scales is not None and kv_cache.dtype != FP8_DTYPE:
         raise ValueError(f"write_kv_triton: quantizing needs an FP8 cache, got {kv_cache.dtype}")
     kind = _scale_kind(kv_cache, scales)  # checks where tensor scales live (before any work)
-    kernel = triton_program("kv_write", "kv_write_kernel", "the CUDA cache write")
+    kernel = write_program("kv_write_kernel")
     if t == 0:
         return
     division: ScalarDivision = "div"
@@ -244,6 +244,11 @@ def require_correct_tensor_division(device: torch.device, writer: str) -> None:
             f"rounded (it matches {division!r}); {writer} divides correctly rounded and would "
             "not write the same bytes"
         )
+
+
+def write_program(name: str) -> Any:
+    """Program ``name`` of ``attention/triton/kv_write.py`` (``launch.triton_program``)."""
+    return triton_program("kv_write", name, "the CUDA cache write")
 
 
 def _inner_dense(x: torch.Tensor) -> bool:

@@ -6,8 +6,8 @@ program's launch is ``kv_write_int4.py``.
 
 Per-(token, head) modes (``write_kv_per_token_head``; math: ``quant.quantize_per_token_head``):
 the codes go into ``kv_cache`` and one fp32 scale per (token, kv head) for k and for v into
-``kv_scale`` [pages, 2, KH, page]. On a CUDA cache one Triton program per few tokens writes both; its
-bytes and scales are those of the unfused torch ops on that device: ``absmax / QMAX`` (a
+``kv_scale`` [pages, 2, KH, page]. On a CUDA cache one Triton program per few tokens writes
+both; its bytes and scales are those of the unfused torch ops on that device: ``absmax / QMAX`` (a
 Python-float divisor) in aten's measured form (``aten_scalar_division``; QMAX is exact in fp32, so
 the two reciprocal forms agree), ``x.float() / scale`` (a tensor divisor) correctly rounded, as
 ``aten_scalar_division(device, "tensor")`` must confirm, else the write is refused.
@@ -27,9 +27,10 @@ from torch_kvq.attention.kernels.kv_write import (
     pages_and_offsets,
     require_correct_tensor_division,
     scalar_operand,
+    write_program,
 )
 from torch_kvq.attention.kernels.kv_write_int4 import launch_int4_write
-from torch_kvq.attention.kernels.launch import f32, next_pow2, triton_program
+from torch_kvq.attention.kernels.launch import f32, next_pow2
 from torch_kvq.attention.quant import (
     SCALE_FLOOR,
     Rounding,
@@ -44,7 +45,6 @@ from torch_kvq.attention.triton.decode_config import sm_count
 # The per-(token, head) write's launch: values of k (and of v) per program, and its warps
 WRITE_ROW_ELEMENTS = 2048
 WRITE_WARPS = 2
-WHAT = "the CUDA cache write"  # in the error when Triton cannot be imported
 
 
 def write_kv_per_token_head(
@@ -168,14 +168,8 @@ def write_kv_per_token_head_triton(
     ``launch_int4_write``. k8v4: two launches, k by the int8 program (``SPLIT_K``: its codes'
     bytes over slots 0 and 1), v by the int4 one (``v_only``: slot 2)."""
     k_fmt, v_fmt = kv_formats(mode)
-    int4_kernel = (
-        triton_program("kv_write", "kv_write_int4_kernel", WHAT) if v_fmt == "int4" else None
-    )
-    kernel = (
-        None
-        if k_fmt == "int4"
-        else triton_program("kv_write", "kv_write_per_token_head_kernel", WHAT)
-    )
+    int4_kernel = write_program("kv_write_int4_kernel") if v_fmt == "int4" else None
+    kernel = None if k_fmt == "int4" else write_program("kv_write_per_token_head_kernel")
     t, kh, d = k.shape
     if t == 0:
         return

@@ -10,8 +10,8 @@ pairs are cut (its first and its last), so there are two partial slots per progr
 wholly inside a run is written to the output by its program. ``_combine_balanced`` merges the cut
 pairs (log-sum-exp). T and the runs are computed on the device from ``seq_lens``, so the launch
 is CUDA-graph capturable like the split grid. Where it beats the split grid (large batches at
-head 128; never at head 256) is measured in docs/design/fp8_decode_paths.md; ``decode_config.BALANCED``
-picks it there.
+head 128; never at head 256) is measured in docs/design/fp8_decode_paths.md;
+``decode_config.BALANCED`` picks it there.
 
 Page loop and math are ``helpers.attend``, the TMA decode's; import only where Triton is.
 """

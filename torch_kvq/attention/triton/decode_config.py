@@ -46,21 +46,24 @@ def mode_cache_kind(mode: str) -> str:
     return {"int4_per_token_head": "int4", "k8v4_per_token_head": "k8v4"}.get(mode, "codes")
 
 
+def _entry(head_size: int, kind: str) -> tuple:
+    """``TUNED``'s entry for ``kind`` at ``head_size`` (head 128's where none). ValueError."""
+    if kind not in TUNED:
+        raise ValueError(f"tuned: cache kind {kind!r}; expected one of {sorted(TUNED)}")
+    return TUNED[kind].get(head_size, TUNED[kind][128])
+
+
 def tuned(head_size: int, kind: str = "codes") -> dict[str, int | bool | None]:
     """``paged_decode_tma`` keyword arguments measured best for ``head_size`` on a cache of
     ``kind`` (``cache_kind``)."""
-    if kind not in TUNED:
-        raise ValueError(f"tuned: cache kind {kind!r}; expected one of {sorted(TUNED)}")
-    cfg = TUNED[kind].get(head_size, TUNED[kind][128])
-    warps, stages, ppi, lazy, regs, _ = cfg
+    warps, stages, ppi, lazy, regs, _ = _entry(head_size, kind)
     return dict(num_warps=warps, num_stages=stages, pages_per_iter=ppi, lazy_rescale=lazy,
                 max_registers=regs)  # fmt: skip
 
 
 def tuned_grid(head_size: int, kind: str = "codes") -> int:
     """The programs per SM the split grid aims at for ``kind`` at ``head_size`` (``TUNED``)."""
-    tuned(head_size, kind)  # the kind's check
-    return TUNED[kind].get(head_size, TUNED[kind][128])[5]
+    return _entry(head_size, kind)[5]
 
 
 def resolve_config(

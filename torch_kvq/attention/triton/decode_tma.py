@@ -7,8 +7,8 @@ limiting it to few programs per SM. Here every page of every kv head is one 2-D 
 ``2 * page * p``, V rows ``page`` later), loaded by the copy engine into a small shared buffer:
 a page is a small box, so many pages are in flight per program at little shared memory. One warp
 per program, many programs per SM (split-K), 1-2 pages per loop iteration under one
-online-softmax update (``decode_config.tuned``). V's columns are permuted in registers so that the ``p @ v``
-operand loads are 16-byte vectors, not byte gathers (``helpers.page_logits``). Its speed against
+online-softmax update (``decode_config.tuned``). V's columns are permuted in registers so that
+the ``p @ v`` operand loads are 16-byte vectors, not byte gathers (``helpers.page_logits``). Its speed against
 copy bandwidth, XQA and FlashInfer's tensor-core decode, per head size: docs/design/fp8_decode_paths.md.
 
 The page loop and the math are ``helpers.attend``'s: e4m3 -> ``dot_dtype`` (fp16 by default: one
@@ -16,7 +16,8 @@ instruction per two values on sm90, exact) in registers, both products accumulat
 online softmax in base 2, ``k_scale`` folded into the logit scale and ``v_scale`` into the
 output; splits merged by log-sum-exp (``helpers.combine_splits``). With many (sequence, kv head)
 pairs the split grid neither fills the SMs nor packs into whole waves: there the balanced
-schedule (``decode_balanced``, ``decode_config.BALANCED``) gives every program an equal run of pages.
+schedule (``decode_balanced``, ``decode_config.BALANCED``) gives every program an equal run of
+pages.
 Per-(token, head) caches (int8 or e4m3 codes, ``kv_scale``) run the same loop with the scales
 applied per logit column and per softmax-weight column (``helpers``); in fp16 products the v
 scales are pre-multiplied by a power of two (``pv_shift``) that the output divides back out.
@@ -181,8 +182,8 @@ def paged_decode_tma(
     SM (at most as many as fit) instead of the split grid; then ``num_splits`` must be None and
     ``workspace`` is (partial out [P, 2, QH / KH, D], lse [P, 2, QH / KH]) fp32 for P =
     ``balanced_programs(...)``. With both None and no workspace the schedule is
-    ``decode_config.default_schedule``'s. ``max_registers``: Triton's ``maxnreg`` (per thread), to hold more programs
-    per SM or fewer spills (0: no cap). ``kv_scale`` [P, 2, KH, page] fp32 contiguous: one scale
+    ``decode_config.default_schedule``'s. ``max_registers``: Triton's ``maxnreg`` (per thread),
+    to hold more programs per SM or fewer spills (0: no cap). ``kv_scale`` [P, 2, KH, page] fp32 contiguous: one scale
     per (token, kv head) for k and v, ``real = code * scale``; ``k_scale`` and ``v_scale`` must
     then be 1.0.
     Returns out [B, QH, D] (``q``'s dtype unless ``out`` is given).
