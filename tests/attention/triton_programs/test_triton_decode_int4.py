@@ -54,7 +54,7 @@ def _unpack_centred_all(x_ptr, zp_ptr, lo_ptr, hi_ptr, DOT: tl.constexpr):
 def _check_centred(device: str, dot: tl.dtype) -> None:
     x = torch.arange(256, dtype=torch.int32, device=device).to(torch.uint8)
     x = x[:, None].expand(256, 16).contiguous()
-    zp = torch.arange(16, dtype=torch.float32, device=device)
+    zp = torch.arange(16, dtype=torch.int32, device=device)  # as _split_scale gives them
     lo, hi = torch.empty(256, 16, device=device), torch.empty(256, 16, device=device)
     _unpack_centred_all[(1,)](x, zp, lo, hi, dot)
     assert torch.equal(lo, (x & 0xF).float() - zp), dot

@@ -10,22 +10,25 @@ Attention in the model's basis needs no per-key pass: ``q . k = (R q) . (R k)`` 
 
 - prologue (``rotate_q``): ``R q`` as its even-channel and odd-channel halves [BLOCK_G, D / 2]
   (the nibbles' channels): the signs and the Walsh-Hadamard butterfly in fp32 on a loaded tile,
-  times fp32 ``b ** -0.5``, rounded once to the dot dtype; and ``sum(q)`` of each half as
-  [BLOCK_G, PAGE] products with ones, so that they sit in the logits' layout;
+  times fp32 ``b ** -0.5`` (the odd half also times 1 / 16: ``q_odd' = q_odd / 16``), rounded
+  once to the dot dtype; and ``sum(q)`` of each half as [BLOCK_G, PAGE] products with ones, so
+  that they sit in the logits' layout;
 - per page (``page_int4``, in ``k8v4.attend_packed``'s loop): one TMA box [page, D / 2] of bytes
-  each for K and V, and one [2, page] of their scales (``page_scales``); the nibbles go to fp16 by the exponent trick with no arithmetic (``unpack``:
+  each for K and V, and one [2, page] of their scales (``page_scales``); the nibbles go to fp16
+  by the exponent trick with no arithmetic (``unpack``:
   ``(byte & 0xF) | 0x6400`` as fp16 is ``1024 + code``, ``(byte & 0xF0) | 0x6400`` is ``1024 +
   16 * code``; compiled, two byte permutes and four ``lop3`` per eight codes); the offsets and
   the zero points come out per row and column instead of per element: logits ``q_even . k_lo +
-  q_odd . k_hi / 16`` minus ``1024 * (sum q_even + sum q_odd / 16)`` minus ``zp * (sum q_even +
-  sum q_odd)`` (the sums of the fp16 operands), times the token's k scale (the offsets cost a
+  q_odd' . k_hi`` (one MMA chain) minus ``1024 * (sum q_even + sum q_odd')`` minus ``zp * (sum
+  q_even + 16 sum q_odd')`` (the sums of the fp16 operands), times the token's k scale (the offsets cost a
   logit's fp32 sum of D / 2 products some 10 bits, far below the fp16 operands' rounding); V's
   nibbles are centred per element before ``p @ v`` (``unpack_centred``: minus ``1024 + zp``,
   ``1024 + 16 zp`` in fp16, exact), not afterwards: taken out of the fp32 sum over thousands of
   tokens the offsets cancel against an output that can be some 1e-4 of them (random v at 16k:
   0.22 relative error on the H200, where the products' fp32 accumulation is not exact); ``p @
   v`` into two accumulators (even, odd channels; the odd one divided by 16 at the end), the
-  weights times the v scales and ``PV_SCALE`` as the 8-bit caches do;
+  weights times the v scales and ``PV_SCALE`` as the 8-bit caches do; the weights' sums
+  elementwise per token slot (``l_acc``, summed across the slots after the loop);
 - epilogue (``unrotate_store``): the normalised halves (``PV_SCALE`` divided out) scaled per row
   by a power of two to a maximum in [1, 2), rounded once to fp16 (fp32 with fp32 products), and
   ``R^T`` applied by +-1 products against ``U`` [D, D] (rows: the halves' columns, V's column
@@ -87,9 +90,10 @@ def rotate_q(
     BLOCK_G: tl.constexpr, D: tl.constexpr, DOT: tl.constexpr, RSQRT_B: tl.constexpr,
 ):  # fmt: skip
     """``R q`` of ``heads`` (masked by ``g_mask``) of sequence ``b`` as (even channels, odd
-    channels) [BLOCK_G, D / 2] in ``DOT``: the signs (``rot_ptr``'s last D) and the butterfly
+    channels / 16) [BLOCK_G, D / 2] in ``DOT`` (the 16th matches ``unpack``'s 16 times the high
+    nibble, so both halves' logits sum in one MMA chain): the signs (``rot_ptr``'s last D) and the butterfly
     (``hadamard.walsh_hadamard``, fp32, D a power of two: one block) on a channels-first tile,
-    times ``RSQRT_B`` in fp32, one rounding to ``DOT``. The tile comes from a load, not from an
+    times ``RSQRT_B`` (and 1 / 16) in fp32, one rounding to ``DOT``. The tile comes from a load, not from an
     MMA: the page loop then reads q as a dot operand from shared memory (as the 8-bit caches'
     loop does) instead of converting an MMA result's layout on every page."""
     d = tl.arange(0, D)
@@ -102,7 +106,7 @@ def rotate_q(
             y = hadamard_stage(y, D, BLOCK_G, 1 << s)
     y = tl.permute(tl.reshape(y * RSQRT_B, [D // 2, 2, BLOCK_G]), [2, 0, 1])
     q_lo, q_hi = tl.split(y)  # [BLOCK_G, D / 2] each
-    return q_lo.to(DOT), q_hi.to(DOT)
+    return q_lo.to(DOT), (q_hi * 0.0625).to(DOT)
 
 
 @triton.jit
@@ -149,19 +153,23 @@ def _unpack_fp16(x):
 
 @triton.jit
 def unpack_centred(x, zp, DOT: tl.constexpr):
-    """Packed bytes ``x`` (uint8) with zero points ``zp`` (fp32, 0..15, broadcastable to x) ->
+    """Packed bytes ``x`` (uint8) with zero points ``zp`` (int32, 0..15, broadcastable to x) ->
     (low nibble - zp, 16 * (high nibble - zp)) in ``DOT``, exactly: ``unpack``'s fp16 forms minus
-    ``1024 + zp`` and ``1024 + 16 zp`` (``sub.f16x2``, exact: integers below 2048). For V: the
-    offset taken out per element, before the products, not from their fp32 sum (``pv``)."""
+    ``1024 + zp`` and ``1024 + 16 zp`` (``sub.f16x2``, exact: integers below 2048); those two are
+    fp16 bit patterns made as ``unpack``'s are (``0x6400 | zp``, ``0x6400 | zp << 4``: no
+    conversion). For V: the offset taken out per element, before the products, not from their
+    fp32 sum (``pv``)."""
     if DOT == tl.float16:
-        z_lo = tl.broadcast_to((zp + 1024.0).to(tl.float16), x.shape)
-        z_hi = tl.broadcast_to((zp * 16.0 + 1024.0).to(tl.float16), x.shape)
+        z_lo = tl.broadcast_to((zp | 0x6400).to(tl.int16).to(tl.float16, bitcast=True), x.shape)
+        z_hi = tl.broadcast_to(
+            ((zp << 4) | 0x6400).to(tl.int16).to(tl.float16, bitcast=True), x.shape
+        )
         if INTERPRET:
             lo, hi = unpack(x, DOT)
             return lo - z_lo, hi - z_hi
         return _unpack_centred_fp16(x, z_lo, z_hi)
     lo, hi = unpack(x, DOT)
-    return lo - zp.to(DOT), hi - (zp * 16.0).to(DOT)
+    return lo - zp.to(DOT), hi - (zp * 16).to(DOT)
 
 
 @triton.jit
@@ -181,9 +189,9 @@ def _unpack_centred_fp16(x, z_lo, z_hi):
 
 @triton.jit
 def _split_scale(stored):
-    """Stored int4 scales (fp32) -> (the scale, low 4 bits cleared; the zero point as fp32)."""
+    """Stored int4 scales (fp32) -> (the scale, low 4 bits cleared; the zero point, int32)."""
     bits = stored.to(tl.int32, bitcast=True)
-    return (bits & -16).to(tl.float32, bitcast=True), (bits & 0xF).to(tl.float32)
+    return (bits & -16).to(tl.float32, bitcast=True), bits & 0xF
 
 
 def scale_descriptor(kv_scale: torch.Tensor) -> TensorDescriptor:
@@ -204,7 +212,7 @@ def page_scales(scale_desc, page, kh, PAGE: tl.constexpr):
 
 @triton.jit
 def page_int4(
-    q_lo, q_hi, q_off, q_sum, kv_desc, table, p, p_end, col, lo, seq_len, qk_scale_log2, soft_cap,
+    q_lo, q_hi, q_base, q_sum, kv_desc, table, p, p_end, col, lo, seq_len, qk_scale_log2, soft_cap,
     offs_t, scale_desc, kh, PAGE: tl.constexpr, W: tl.constexpr, DOT: tl.constexpr,
     USE_SOFT_CAP: tl.constexpr, PV_SCALE: tl.constexpr,
 ):  # fmt: skip
@@ -212,10 +220,12 @@ def page_int4(
     -inf, page 0 read), one box [PAGE, W = D / 2] of bytes each for K and V. Returns its base-2
     logits transposed, [PAGE, BLOCK_G] (the tokens on the MMA's M dimension, the heads on its N:
     a GQA group of up to 8 heads fills the N of 8 rather than padding an M of 16), its V bytes
-    with the columns in ``v_columns`` order, their zero points [PAGE] and v scales times
+    with the columns in ``v_columns`` order, their zero points [PAGE] (int32) and v scales times
     ``PV_SCALE`` [PAGE] (0 where masked). ``unpack``'s offsets and the zero points leave the
-    logits per row and column: ``q_off`` [PAGE, BLOCK_G] is ``A * (sum(q_lo) + sum(q_hi) / 16)``,
-    ``q_sum`` ``sum(q_lo) + sum(q_hi)`` (per head, in the logits' layout)."""
+    logits per row and column (``q_hi`` is ``rotate_q``'s, a 16th of the odd channels):
+    ``q_base`` [PAGE, BLOCK_G], the logits' MMA start, is ``-A * (sum(q_lo) + sum(q_hi))``,
+    ``q_sum`` ``sum(q_lo) + 16 *
+    sum(q_hi)`` (per head, in the logits' layout)."""
     ok = p < p_end
     page = tl.load(table + p, mask=ok, other=0)
     row = page * (2 * PAGE)
@@ -226,8 +236,8 @@ def page_int4(
     k_scale, k_zp = _split_scale(k_stored)
     v_scale, v_zp = _split_scale(v_stored)
     k_lo, k_hi = unpack(k, DOT)  # codes + A, 16 * codes + A
-    s = tl.dot(k_lo, tl.trans(q_lo)) + tl.dot(k_hi, tl.trans(q_hi)) * 0.0625  # [PAGE, BLOCK_G]
-    s = s - q_off - q_sum * k_zp[:, None]  # sum_d q_d (code_d - zp)
+    s = tl.dot(k_hi, tl.trans(q_hi), tl.dot(k_lo, tl.trans(q_lo), q_base))  # [PAGE, BLOCK_G]
+    s = s - q_sum * k_zp.to(tl.float32)[:, None]  # sum_d q_d (code_d - zp)
     toks = p * PAGE + offs_t
     live = (toks >= lo) & (toks < seq_len) & ok
     s = s * (k_scale * qk_scale_log2)[:, None]
@@ -248,18 +258,19 @@ def pv(acc_lo, acc_hi, pr, v, v_zp, v_scales, DOT: tl.constexpr):
 
 
 @triton.jit
-def rescale(acc_lo, acc_hi, l_i, m_i, m_blk, LAZY: tl.constexpr):
+def rescale(acc_lo, acc_hi, l_acc, m_i, m_blk, LAZY: tl.constexpr):
     """The online softmax's update for a block's max ``m_blk`` [BLOCK_G] over the transposed
-    accumulators [D / 2, BLOCK_G]: (acc_lo, acc_hi, l_i, m_i, the max the block's weights are
-    taken against). ``LAZY``: as ``helpers.attend``, the reference max moves only when some
-    head's max grew by more than 8 (base 2)."""
+    accumulators [D / 2, BLOCK_G] and the weights' running sums ``l_acc`` [PAGE, BLOCK_G] (per
+    token slot, summed over the slots once, after the loop): (acc_lo, acc_hi, l_acc, m_i, the
+    max the block's weights are taken against). ``LAZY``: as ``helpers.attend``, the reference
+    max moves only when some head's max grew by more than 8 (base 2)."""
     m_new = tl.maximum(m_i, m_blk)
     if LAZY:
         if tl.max(m_new - m_i, axis=0) > 8.0:
             alpha = tl.exp2(m_i - m_new)
             acc_lo = acc_lo * alpha[None, :]
             acc_hi = acc_hi * alpha[None, :]
-            l_i = l_i * alpha
+            l_acc = l_acc * alpha[None, :]
             m_i = m_new
         m_safe = m_i
     else:
@@ -267,9 +278,9 @@ def rescale(acc_lo, acc_hi, l_i, m_i, m_blk, LAZY: tl.constexpr):
         alpha = tl.exp2(m_i - m_safe)
         acc_lo = acc_lo * alpha[None, :]
         acc_hi = acc_hi * alpha[None, :]
-        l_i = l_i * alpha
+        l_acc = l_acc * alpha[None, :]
         m_i = m_new
-    return acc_lo, acc_hi, l_i, m_i, m_safe
+    return acc_lo, acc_hi, l_acc, m_i, m_safe
 
 
 @triton.jit

@@ -55,7 +55,7 @@ def q_halves(q_ptr, b, heads, g_mask, stride_qb, stride_qh, D: tl.constexpr, DOT
 
 @triton.jit
 def page_k8v4(
-    q_lo, q_hi, q_off, kv_desc, table, p, p_end, col, lo, seq_len, qk_scale_log2, soft_cap, offs_t,
+    q_lo, q_hi, q_base, kv_desc, table, p, p_end, col, lo, seq_len, qk_scale_log2, soft_cap, offs_t,
     scale_desc, kh, PAGE: tl.constexpr, W: tl.constexpr, DOT: tl.constexpr,
     USE_SOFT_CAP: tl.constexpr, PV_SCALE: tl.constexpr,
 ):  # fmt: skip
@@ -63,7 +63,7 @@ def page_k8v4(
     -inf, page 0 read), boxes [PAGE, W = D / 2] of bytes at rows ``3 * PAGE * page`` (k's slot
     0), ``+ PAGE`` (slot 1), ``+ 2 * PAGE`` (v). Returns its base-2 logits transposed, [PAGE,
     BLOCK_G] (the heads on the MMA's N dimension, as ``int4.page_int4``), its V
-    bytes with the columns in ``v_columns`` order, their zero points [PAGE] and v scales times
+    bytes with the columns in ``v_columns`` order, their zero points [PAGE] (int32) and v scales times
     ``PV_SCALE`` [PAGE] (0 where masked)."""
     ok = p < p_end
     page = tl.load(table + p, mask=ok, other=0)
@@ -75,8 +75,7 @@ def page_k8v4(
     k_scale, v_stored = page_scales(scale_desc, page, kh, PAGE)
     v_scale, v_zp = _split_scale(v_stored)
     s = tl.dot(widen_biased(k1, DOT), tl.trans(q_hi),
-               tl.dot(widen_biased(k0, DOT), tl.trans(q_lo)))  # fmt: skip
-    s = s - q_off  # the codes' offset, once per logit
+               tl.dot(widen_biased(k0, DOT), tl.trans(q_lo), q_base))  # fmt: skip
     toks = p * PAGE + offs_t
     live = (toks >= lo) & (toks < seq_len) & ok
     s = s * (k_scale * qk_scale_log2)[:, None]
@@ -89,7 +88,7 @@ def page_k8v4(
 
 @triton.jit
 def page_4bit(
-    q_lo, q_hi, q_off, q_sum, kv_desc, table, p, p_end, col, lo, seq_len, qk_scale_log2, soft_cap,
+    q_lo, q_hi, q_base, q_sum, kv_desc, table, p, p_end, col, lo, seq_len, qk_scale_log2, soft_cap,
     offs_t, scale_desc, kh, PAGE: tl.constexpr, W: tl.constexpr, DOT: tl.constexpr,
     USE_SOFT_CAP: tl.constexpr, PV_SCALE: tl.constexpr, K8V4: tl.constexpr,
 ):  # fmt: skip
@@ -97,11 +96,11 @@ def page_4bit(
     where ``K8V4``, else ``int4.page_int4`` (which alone takes q's offset terms)."""
     if K8V4:
         return page_k8v4(
-            q_lo, q_hi, q_off, kv_desc, table, p, p_end, col, lo, seq_len, qk_scale_log2, soft_cap,
+            q_lo, q_hi, q_base, kv_desc, table, p, p_end, col, lo, seq_len, qk_scale_log2, soft_cap,
             offs_t, scale_desc, kh, PAGE, W, DOT, USE_SOFT_CAP, PV_SCALE,
         )  # fmt: skip
     return page_int4(
-        q_lo, q_hi, q_off, q_sum, kv_desc, table, p, p_end, col, lo, seq_len, qk_scale_log2,
+        q_lo, q_hi, q_base, q_sum, kv_desc, table, p, p_end, col, lo, seq_len, qk_scale_log2,
         soft_cap, offs_t, scale_desc, kh, PAGE, W, DOT, USE_SOFT_CAP, PV_SCALE,
     )  # fmt: skip
 
@@ -123,64 +122,70 @@ def attend_packed(
     col = kh * (D // 2)
     offs_t = tl.arange(0, PAGE)
     m_i = tl.full([BLOCK_G], -1e30 if LAZY else float("-inf"), tl.float32)
-    l_i = tl.zeros([BLOCK_G], tl.float32)
+    # the weights' sums per token slot, as the logits: summed over the slots after the loop,
+    # not over the page's tokens (across lanes) on every page
+    l_acc = tl.zeros([PAGE, BLOCK_G], tl.float32)
     acc_lo = tl.zeros([D // 2, BLOCK_G], tl.float32)  # transposed, as the logits
     acc_hi = tl.zeros([D // 2, BLOCK_G], tl.float32)
-    if K8V4:  # k int8 under widen_biased's offset, taken out per logit; no zero points
+    # q_base: the logits' MMA start, minus the codes' offset times q's sums (the offset leaves
+    # each logit inside its MMA chain)
+    if K8V4:  # k int8 under widen_biased's offset; no zero points
         q_sum = 0.0
-        q_off = 0.0
+        q_base = tl.zeros([PAGE, BLOCK_G], tl.float32)
         if DOT == tl.float16:
             ones = tl.full([PAGE, D // 2], 1.0, DOT)
-            q_off = int8_offset(DOT) * (tl.dot(ones, tl.trans(q_lo)) + tl.dot(ones, tl.trans(q_hi)))
+            q_base = -int8_offset(DOT) * (
+                tl.dot(ones, tl.trans(q_lo)) + tl.dot(ones, tl.trans(q_hi))
+            )
     else:
         ones = tl.full([PAGE, D // 2], 1.0, DOT)
         sum_lo = tl.dot(ones, tl.trans(q_lo))  # [PAGE, BLOCK_G], each column a head's sum
-        sum_hi = tl.dot(ones, tl.trans(q_hi))
-        q_sum = sum_lo + sum_hi
-        q_off = offset(DOT) * (sum_lo + sum_hi * 0.0625)
+        sum_hi = tl.dot(ones, tl.trans(q_hi))  # q_hi is a 16th (rotate_q)
+        q_sum = sum_lo + sum_hi * 16.0
+        q_base = -offset(DOT) * (sum_lo + sum_hi)
     n_iter = (p_end - p_begin + PPI - 1) // PPI
     for it in tl.range(0, n_iter, num_stages=STAGES):
         p = p_begin + it * PPI
         s0, v0, z0, vs0 = page_4bit(
-            q_lo, q_hi, q_off, q_sum, kv_desc, table, p, p_end, col, lo, seq_len, qk_scale_log2,
+            q_lo, q_hi, q_base, q_sum, kv_desc, table, p, p_end, col, lo, seq_len, qk_scale_log2,
             soft_cap, offs_t, scale_desc, kh, PAGE, D // 2, DOT, USE_SOFT_CAP, PV_SCALE, K8V4,
         )  # fmt: skip
         m_blk = tl.max(s0, axis=0)
         if PPI >= 2:
             s1, v1, z1, vs1 = page_4bit(
-                q_lo, q_hi, q_off, q_sum, kv_desc, table, p + 1, p_end, col, lo, seq_len,
+                q_lo, q_hi, q_base, q_sum, kv_desc, table, p + 1, p_end, col, lo, seq_len,
                 qk_scale_log2, soft_cap, offs_t, scale_desc, kh, PAGE, D // 2, DOT, USE_SOFT_CAP,
                 PV_SCALE, K8V4,
             )  # fmt: skip
             m_blk = tl.maximum(m_blk, tl.max(s1, axis=0))
         if PPI >= 4:
             s2, v2, z2, vs2 = page_4bit(
-                q_lo, q_hi, q_off, q_sum, kv_desc, table, p + 2, p_end, col, lo, seq_len,
+                q_lo, q_hi, q_base, q_sum, kv_desc, table, p + 2, p_end, col, lo, seq_len,
                 qk_scale_log2, soft_cap, offs_t, scale_desc, kh, PAGE, D // 2, DOT, USE_SOFT_CAP,
                 PV_SCALE, K8V4,
             )  # fmt: skip
             s3, v3, z3, vs3 = page_4bit(
-                q_lo, q_hi, q_off, q_sum, kv_desc, table, p + 3, p_end, col, lo, seq_len,
+                q_lo, q_hi, q_base, q_sum, kv_desc, table, p + 3, p_end, col, lo, seq_len,
                 qk_scale_log2, soft_cap, offs_t, scale_desc, kh, PAGE, D // 2, DOT, USE_SOFT_CAP,
                 PV_SCALE, K8V4,
             )  # fmt: skip
             m_blk = tl.maximum(m_blk, tl.maximum(tl.max(s2, axis=0), tl.max(s3, axis=0)))
-        acc_lo, acc_hi, l_i, m_i, m_safe = rescale(acc_lo, acc_hi, l_i, m_i, m_blk, LAZY)
+        acc_lo, acc_hi, l_acc, m_i, m_safe = rescale(acc_lo, acc_hi, l_acc, m_i, m_blk, LAZY)
         pr = tl.exp2(s0 - m_safe[None, :])
-        l_i += tl.sum(pr, axis=0)
+        l_acc += pr
         acc_lo, acc_hi = pv(acc_lo, acc_hi, pr, v0, z0, vs0, DOT)
         if PPI >= 2:
             pr = tl.exp2(s1 - m_safe[None, :])
-            l_i += tl.sum(pr, axis=0)
+            l_acc += pr
             acc_lo, acc_hi = pv(acc_lo, acc_hi, pr, v1, z1, vs1, DOT)
         if PPI >= 4:
             pr = tl.exp2(s2 - m_safe[None, :])
-            l_i += tl.sum(pr, axis=0)
+            l_acc += pr
             acc_lo, acc_hi = pv(acc_lo, acc_hi, pr, v2, z2, vs2, DOT)
             pr = tl.exp2(s3 - m_safe[None, :])
-            l_i += tl.sum(pr, axis=0)
+            l_acc += pr
             acc_lo, acc_hi = pv(acc_lo, acc_hi, pr, v3, z3, vs3, DOT)
-    return tl.trans(acc_lo), tl.trans(acc_hi) * 0.0625, m_i, l_i
+    return tl.trans(acc_lo), tl.trans(acc_hi) * 0.0625, m_i, tl.sum(l_acc, axis=0)
 
 
 @triton.jit
