@@ -19,9 +19,10 @@ Attention in the model's basis needs no per-key pass: ``q . k = (R q) . (R k)`` 
   ``(byte & 0xF) | 0x6400`` as fp16 is ``1024 + code``, ``(byte & 0xF0) | 0x6400`` is ``1024 +
   16 * code``; compiled, two byte permutes and four ``lop3`` per eight codes); the offsets and
   the zero points come out per row and column instead of per element: logits ``q_even . k_lo +
-  q_odd' . k_hi`` (one MMA chain) minus ``1024 * (sum q_even + sum q_odd')`` minus ``zp * (sum
-  q_even + 16 sum q_odd')`` (the sums of the fp16 operands), times the token's k scale (the offsets cost a
-  logit's fp32 sum of D / 2 products some 10 bits, far below the fp16 operands' rounding); V's
+  q_odd' . k_hi`` (one MMA chain, started at minus ``1024 * (sum q_even + sum q_odd')``) minus
+  ``zp * (sum q_even + 16 sum q_odd')`` (the sums of the fp16 operands), times the token's k
+  scale (the offsets cost a logit's fp32 sum of D / 2 products some 10 bits, far below the fp16
+  operands' rounding); V's
   nibbles are centred per element before ``p @ v`` (``unpack_centred``: minus ``1024 + zp``,
   ``1024 + 16 zp`` in fp16, exact), not afterwards: taken out of the fp32 sum over thousands of
   tokens the offsets cancel against an output that can be some 1e-4 of them (random v at 16k:
@@ -91,11 +92,12 @@ def rotate_q(
 ):  # fmt: skip
     """``R q`` of ``heads`` (masked by ``g_mask``) of sequence ``b`` as (even channels, odd
     channels / 16) [BLOCK_G, D / 2] in ``DOT`` (the 16th matches ``unpack``'s 16 times the high
-    nibble, so both halves' logits sum in one MMA chain): the signs (``rot_ptr``'s last D) and the butterfly
-    (``hadamard.walsh_hadamard``, fp32, D a power of two: one block) on a channels-first tile,
-    times ``RSQRT_B`` (and 1 / 16) in fp32, one rounding to ``DOT``. The tile comes from a load, not from an
-    MMA: the page loop then reads q as a dot operand from shared memory (as the 8-bit caches'
-    loop does) instead of converting an MMA result's layout on every page."""
+    nibble, so both halves' logits sum in one MMA chain): the signs (``rot_ptr``'s last D) and
+    the butterfly (``hadamard.walsh_hadamard``, fp32, D a power of two: one block) on a
+    channels-first tile, times ``RSQRT_B`` (and 1 / 16) in fp32, one rounding to ``DOT``. The
+    tile comes from a load, not from an MMA: the page loop then reads q as a dot operand from
+    shared memory (as the 8-bit caches' loop does) instead of converting an MMA result's layout
+    on every page."""
     d = tl.arange(0, D)
     q = tl.load(q_ptr + b * stride_qb + heads[None, :] * stride_qh + d[:, None],
                 mask=g_mask[None, :], other=0.0)  # fmt: skip
@@ -224,8 +226,7 @@ def page_int4(
     ``PV_SCALE`` [PAGE] (0 where masked). ``unpack``'s offsets and the zero points leave the
     logits per row and column (``q_hi`` is ``rotate_q``'s, a 16th of the odd channels):
     ``q_base`` [PAGE, BLOCK_G], the logits' MMA start, is ``-A * (sum(q_lo) + sum(q_hi))``,
-    ``q_sum`` ``sum(q_lo) + 16 *
-    sum(q_hi)`` (per head, in the logits' layout)."""
+    ``q_sum`` ``sum(q_lo) + 16 * sum(q_hi)`` (per head, in the logits' layout)."""
     ok = p < p_end
     page = tl.load(table + p, mask=ok, other=0)
     row = page * (2 * PAGE)

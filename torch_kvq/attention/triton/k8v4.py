@@ -62,8 +62,8 @@ def page_k8v4(
     """``helpers.page_logits`` for the k8v4 cache: page ``p`` of the run (past ``p_end``: logits
     -inf, page 0 read), boxes [PAGE, W = D / 2] of bytes at rows ``3 * PAGE * page`` (k's slot
     0), ``+ PAGE`` (slot 1), ``+ 2 * PAGE`` (v). Returns its base-2 logits transposed, [PAGE,
-    BLOCK_G] (the heads on the MMA's N dimension, as ``int4.page_int4``), its V
-    bytes with the columns in ``v_columns`` order, their zero points [PAGE] (int32) and v scales times
+    BLOCK_G] (the heads on the MMA's N dimension, as ``int4.page_int4``), its V bytes with the
+    columns in ``v_columns`` order, their zero points [PAGE] (int32) and v scales times
     ``PV_SCALE`` [PAGE] (0 where masked)."""
     ok = p < p_end
     page = tl.load(table + p, mask=ok, other=0)
