@@ -1,13 +1,15 @@
 """The TMA decode's loop configuration per cache kind on one GPU: (warps, stages, pages per
-iteration, lazy rescale) at 32 x 16k, FP8 per tensor beside the per-(token, head) modes, each a
-CUDA graph of 20 calls, rounds interleaved over every configuration, median. Checks whether the
-per-(token, head) caches want another ``decode_config.TUNED`` entry than FP8 per tensor's, and
-(``--max-registers``) whether a register cap that holds more programs per SM pays.
+iteration, lazy rescale) at 32 x 16k (``--batches``: other batch sizes), FP8 per tensor beside
+the per-(token, head) modes, each a CUDA graph of 20 calls, rounds interleaved over every
+configuration, median. Checks whether the per-(token, head) caches want another
+``decode_config.TUNED`` entry than FP8 per tensor's, and (``--max-registers``) whether a register
+cap that holds more programs per SM pays.
 
     python benchmarks/sweep_decode_tma_config.py [llama] [gemma_global]   # a line per (cache, config)
     python benchmarks/sweep_decode_tma_config.py llama --caches int4_per_token_head --max-registers 0 168
     python benchmarks/sweep_decode_tma_config.py llama --caches k8v4_per_token_head --configs 1,4,1,1 1,6,1,1 --carveout 100
     python benchmarks/sweep_decode_tma_config.py llama --configs 1,6,1,1 --splits 0 4 6 --programs-per-sm 8 12
+    python benchmarks/sweep_decode_tma_config.py llama --batches 197 --caches int4_per_token_head --splits 0 1 2
 """
 
 from __future__ import annotations
@@ -43,17 +45,19 @@ def sweep_shape(
     page: int,
     carveout: int | None = None,
     programs_per_sm: tuple[int, ...] = (),
+    batch: int = 32,
 ) -> None:
-    """Every (cache, config, register cap, schedule) of ``shape`` at 32 x 16k: a line each. The
-    schedules: the split grid with each of ``splits`` (0: the default count), then the balanced
-    schedule with each of ``programs_per_sm``."""
+    """Every (cache, config, register cap, schedule) of ``shape`` at ``batch`` x 16k: a line each.
+    The schedules: the split grid with each of ``splits`` (0: the default schedule, which is the
+    balanced one where ``decode_config.default_schedule`` picks it, e.g. at 197 sequences), then
+    the balanced schedule with each of ``programs_per_sm``."""
     from bench_fp8_decode_paths import K_SCALE, V_SCALE, Case
     from bench_kv_write import graph_ms
 
     from torch_kvq.attention.triton.decode_config import mode_cache_kind, tuned
     from torch_kvq.attention.triton.decode_tma import paged_decode_tma
 
-    c = Case(shape, 32, 16384, page)
+    c = Case(shape, batch, 16384, page)
     caches = {}
     if "fp8_per_tensor" in names:
         caches["fp8_per_tensor"] = (c.cache8, None, K_SCALE, V_SCALE, c.kv_bytes)
@@ -91,7 +95,8 @@ def sweep_shape(
         default = {**tuned(c.d, mode_cache_kind(name)), "num_splits": None, "programs_per_sm": None}
         kw = dict(zip(KEYS, cfg))
         mark = " (tuned)" if {**kw, "max_registers": kw["max_registers"] or None} == default else ""
-        print(f"{shape} page {page} {name} {kw}: {ms:.4f} ms {pct:.1f}% copy{mark}", flush=True)
+        at = f" batch {batch}" if batch != 32 else ""  # 32: the lines as before the option
+        print(f"{shape}{at} page {page} {name} {kw}: {ms:.4f} ms {pct:.1f}% copy{mark}", flush=True)
 
 
 def set_carveout(percent: int) -> int:
@@ -130,6 +135,8 @@ def main() -> None:
     ap.add_argument("--programs-per-sm", nargs="+", type=int, default=[],
                     help="also the balanced schedule with this many programs per SM")  # fmt: skip
     ap.add_argument("--pages", nargs="+", type=int, default=[16], help="tokens per cache page")
+    ap.add_argument("--batches", nargs="+", type=int, default=[32],
+                    help="sequences of 16k tokens (the at-scale capacity of int4-recommended: 197)")  # fmt: skip
     ap.add_argument("--configs", nargs="+", help="WARPS,STAGES,PPI,LAZY(0/1) (default: CONFIGS)")
     ap.add_argument("--carveout", type=int, choices=range(0, 101), metavar="PERCENT",
                     help="shared memory's share of L1 to prefer (default: the driver's choice)")  # fmt: skip
@@ -139,9 +146,9 @@ def main() -> None:
         configs = [tuple(int(x) for x in c.split(",")) for c in args.configs]
         configs = [(w, s, p, bool(lazy)) for w, s, p, lazy in configs]
     copy = copy_bandwidth()["GBps"]
-    for shape, page in itertools.product(args.shapes, args.pages):
+    for shape, page, batch in itertools.product(args.shapes, args.pages, args.batches):
         sweep_shape(shape, copy, args.caches, args.max_registers, configs, args.splits, page,
-                    args.carveout, tuple(args.programs_per_sm))  # fmt: skip
+                    args.carveout, tuple(args.programs_per_sm), batch)  # fmt: skip
         torch.cuda.empty_cache()
 
 
