@@ -23,7 +23,7 @@ from tests.support.triton_case import (
     rel_err,
     run_tma,
 )
-from torch_kvq.attention.triton import decode_config
+from torch_kvq.attention.triton import decode_config as dc
 from torch_kvq.spec import FP8_DTYPE
 
 LENS = (1, 15, 16, 17, 300, 1000)  # 1 .. 63 pages per pair
@@ -70,34 +70,22 @@ def test_interpreter_workspace_and_bad_arguments(interp, programs) -> None:
 
 def test_default_schedule() -> None:
     """Pure host logic: the balanced schedule where the split grid would have 1-2 splits."""
-
-    assert decode_config.default_schedule(32, 8, 16384, 16, 128, sms=132) == (8, None)
-    assert decode_config.default_schedule(64, 8, 16384, 16, 128, sms=132) == (4, None)
-    assert decode_config.default_schedule(80, 8, 16384, 16, 128, sms=132) == (
-        2,
-        decode_config.BALANCED[128],
-    )
-    assert decode_config.default_schedule(110, 8, 16384, 16, 128, sms=132) == (
-        2,
-        decode_config.BALANCED[128],
-    )
-    assert decode_config.default_schedule(131, 8, 16384, 16, 256, sms=132) == (
-        2,
-        None,
-    )  # no head-256 entry
-    assert decode_config.default_schedule(32, 8, 1000, 16, 128, sms=132) == (
-        1,
-        decode_config.BALANCED[128],
-    )
+    balanced = dc.BALANCED[128]
+    assert dc.default_schedule(32, 8, 16384, 16, 128, sms=132) == (8, None)
+    assert dc.default_schedule(64, 8, 16384, 16, 128, sms=132) == (4, None)
+    assert dc.default_schedule(80, 8, 16384, 16, 128, sms=132) == (2, balanced)
+    assert dc.default_schedule(110, 8, 16384, 16, 128, sms=132) == (2, balanced)
+    assert dc.default_schedule(131, 8, 16384, 16, 256, sms=132) == (2, None)  # no head-256 entry
+    assert dc.default_schedule(32, 8, 1000, 16, 128, sms=132) == (1, balanced)
     # per cache kind, the split grid aims at TUNED's programs per SM; the balanced schedule's
     # choice stays the 8-program rule's
-    sched = functools.partial(decode_config.default_schedule, max_seq_len=16384, page=16, sms=132)
+    sched = functools.partial(dc.default_schedule, max_seq_len=16384, page=16, sms=132)
     assert sched(32, 8, head_size=128, kind="k8v4") == (4, None)
     assert sched(32, 8, head_size=256, kind="k8v4") == (4, None)
     assert sched(32, 8, head_size=128, kind="int4") == (8, None)
     assert sched(32, 8, head_size=256, kind="int4") == (4, None)
     assert sched(64, 8, head_size=128, kind="k8v4") == (2, None)
-    assert sched(110, 8, head_size=128, kind="k8v4") == (2, decode_config.BALANCED[128])
+    assert sched(110, 8, head_size=128, kind="k8v4") == (2, balanced)
     assert sched(131, 8, head_size=256, kind="k8v4") == (1, None)
 
 
@@ -132,8 +120,8 @@ def test_gpu_chosen_at_large_batch_and_matches_reference(monkeypatch) -> None:
         int(x) for x in torch.randint(1, 700, (72,), generator=torch.Generator().manual_seed(2))
     )
     case = Case(lens, 32, 8, 128, seed=2, device="cuda")
-    out = run_tma(case, decode_tma, **decode_config.tuned(128))
-    assert calls == [decode_config.BALANCED[128][0]]
+    out = run_tma(case, decode_tma, **dc.tuned(128))
+    assert calls == [dc.BALANCED[128][0]]
     assert rel_err(out, case.ref()) < 5e-3
 
 
@@ -151,7 +139,7 @@ def test_gpu_cuda_graph_replay_follows_new_lengths() -> None:
     ws = tuple(torch.empty(s, device="cuda") for s in ((n, 2, 4, 128), (n, 2, 4)))
     out, table = torch.empty_like(case.q), dense_table(case)
     kw = dict(out=out, programs_per_sm=16, max_registers=128, workspace=ws)
-    kw.update(decode_config.tuned(128))
+    kw.update(dc.tuned(128))
     run = lambda: run_tma(case, decode_tma, table, **kw)  # noqa: E731
     run()  # compile outside the capture
     torch.cuda.synchronize()

@@ -20,7 +20,7 @@ from tests.support.triton_case import (
     rel_err,
     run_tma,
 )
-from torch_kvq.attention.triton import decode_config
+from torch_kvq.attention.triton import decode_config as dc
 from torch_kvq.spec import FP8_DTYPE
 
 
@@ -73,78 +73,63 @@ def test_interpreter_rejects_bad_inputs(interp) -> None:
 
 def test_default_splits_and_tuned_configs() -> None:
     """Pure host logic (runs wherever Triton imports, interpreter or not)."""
-
-    assert decode_config.default_num_splits(32, 8, 16384, 16, sms=132) == 8  # 8 * 132 / 256 -> 8
-    assert decode_config.default_num_splits(110, 8, 16384, 16, sms=132) == 2
-    assert decode_config.default_num_splits(32, 8, 1000, 16, sms=132) == 1  # < 64 pages: one split
-    assert decode_config.default_num_splits(1, 1, 2**20, 16, sms=132) == 64  # capped
-    assert decode_config.default_num_splits(32, 8, 16384, 16, sms=132, programs_per_sm=4) == 4
-    assert decode_config.tuned(128) == dict(
+    assert dc.default_num_splits(32, 8, 16384, 16, sms=132) == 8  # 8 * 132 / 256 -> 8
+    assert dc.default_num_splits(110, 8, 16384, 16, sms=132) == 2
+    assert dc.default_num_splits(32, 8, 1000, 16, sms=132) == 1  # < 64 pages: one split
+    assert dc.default_num_splits(1, 1, 2**20, 16, sms=132) == 64  # capped
+    assert dc.default_num_splits(32, 8, 16384, 16, sms=132, programs_per_sm=4) == 4
+    assert dc.tuned(128) == dict(
         num_warps=1, num_stages=6, pages_per_iter=1, lazy_rescale=True, max_registers=None
     )
-    assert decode_config.tuned(256)["pages_per_iter"] == 1 and decode_config.tuned(
-        64
-    ) == decode_config.tuned(128)
-    assert decode_config.tuned(128, "k8v4")["num_stages"] == 6
+    assert dc.tuned(256)["pages_per_iter"] == 1 and dc.tuned(64) == dc.tuned(128)
+    assert dc.tuned(128, "k8v4")["num_stages"] == 6
     # the split grid's aim: fewer, longer programs for k8v4 and int4 at head 256
-    assert [
-        decode_config.tuned_grid(h, k) for k in ("codes", "int4", "k8v4") for h in (128, 256)
-    ] == [
-        8,
-        8,
-        8,
-        4,
-        4,
-        4,
-    ]
-    assert decode_config.tuned_grid(64, "int4") == decode_config.tuned_grid(128, "int4")
+    grids = [dc.tuned_grid(h, k) for k in ("codes", "int4", "k8v4") for h in (128, 256)]
+    assert grids == [8, 8, 8, 4, 4, 4]
+    assert dc.tuned_grid(64, "int4") == dc.tuned_grid(128, "int4")
     with pytest.raises(ValueError, match="cache kind 'int3'"):
-        decode_config.tuned_grid(128, "int3")
-    assert decode_config.tuned(64, "int4") == decode_config.tuned(128, "int4")
+        dc.tuned_grid(128, "int3")
+    assert dc.tuned(64, "int4") == dc.tuned(128, "int4")
     # int4 at head 256: two pages per iteration without a cap (measured faster than one page
     # under a cap of 192)
-    assert decode_config.tuned(256, "int4")["pages_per_iter"] == 2
-    assert decode_config.tuned(256, "int4")["max_registers"] is None
-    assert decode_config.tuned(256, "k8v4")["max_registers"] is None
+    assert dc.tuned(256, "int4")["pages_per_iter"] == 2
+    assert dc.tuned(256, "int4")["max_registers"] is None
+    assert dc.tuned(256, "k8v4")["max_registers"] is None
     with pytest.raises(ValueError, match="cache kind 'int3'"):
-        decode_config.tuned(128, "int3")
-    kinds = [decode_config.cache_kind(torch.empty(1, slots, 16, 1, 64, dtype=dt))
+        dc.tuned(128, "int3")
+    kinds = [dc.cache_kind(torch.empty(1, slots, 16, 1, 64, dtype=dt))
              for dt, slots in ((torch.uint8, 2), (torch.uint8, 3), (torch.int8, 2), (FP8_DTYPE, 2))]  # fmt: skip
     assert kinds == ["int4", "k8v4", "codes", "codes"]
     modes = ("int4_per_token_head", "k8v4_per_token_head", "int8_per_token_head", "fp8_e4m3")
-    assert [decode_config.mode_cache_kind(m) for m in modes] == kinds
+    assert [dc.mode_cache_kind(m) for m in modes] == kinds
 
 
 def test_unset_config_takes_tuned_and_only_tuned_gets_the_register_cap(monkeypatch) -> None:
     """paged_decode_tma's config arguments left None are tuned(D)'s; BALANCED's register cap
     applies only to that config (pages_per_iter=2 spilled under it: 2.5x slower, run 54)."""
-
-    assert decode_config.resolve_config(128) == decode_config.tuned(128)
-    assert decode_config.resolve_config(256, num_warps=None) == decode_config.tuned(256)
-    got = decode_config.resolve_config(128, pages_per_iter=2, lazy_rescale=False)
-    assert got == {**decode_config.tuned(128), "pages_per_iter": 2, "lazy_rescale": False}
-    cap = decode_config.BALANCED[128][1]
-    assert decode_config.balanced_registers(128, decode_config.resolve_config(128), cap) == cap
-    assert decode_config.balanced_registers(128, got, cap) is None
+    assert dc.resolve_config(128) == dc.tuned(128)
+    assert dc.resolve_config(256, num_warps=None) == dc.tuned(256)
+    got = dc.resolve_config(128, pages_per_iter=2, lazy_rescale=False)
+    assert got == {**dc.tuned(128), "pages_per_iter": 2, "lazy_rescale": False}
+    cap = dc.BALANCED[128][1]
+    assert dc.balanced_registers(128, dc.resolve_config(128), cap) == cap
+    assert dc.balanced_registers(128, got, cap) is None
     # per page loop: int4's tuned config at head 256 is not the 8-bit caches', and the cap
     # follows it
-    int4 = decode_config.resolve_config(256, "int4")
-    assert int4 == decode_config.tuned(256, "int4") != decode_config.tuned(256)
-    assert decode_config.balanced_registers(256, int4, cap, "int4") == cap
-    assert decode_config.balanced_registers(256, int4, cap) is None
+    int4 = dc.resolve_config(256, "int4")
+    assert int4 == dc.tuned(256, "int4") != dc.tuned(256)
+    assert dc.balanced_registers(256, int4, cap, "int4") == cap
+    assert dc.balanced_registers(256, int4, cap) is None
     # a TUNED config's own cap (none has one now; the twelfth session's int4 entry at head 256
     # had) comes with that config only, unless given
-    monkeypatch.setitem(decode_config.TUNED["int4"], 256, (1, 6, 1, False, 192, 4))
-    assert decode_config.resolve_config(256, "int4")["max_registers"] == 192
-    assert decode_config.resolve_config(256, "int4", num_stages=6)["max_registers"] == 192
-    assert decode_config.resolve_config(256, "int4", num_stages=8)["max_registers"] is None
-    assert (
-        decode_config.resolve_config(256, "int4", num_stages=8, max_registers=0)["max_registers"]
-        == 0
-    )
-    int4 = decode_config.resolve_config(256, "int4")
-    assert decode_config.balanced_registers(256, int4, 168, "int4") == 168
-    assert decode_config.balanced_registers(256, int4, 168, "k8v4") is None
+    monkeypatch.setitem(dc.TUNED["int4"], 256, (1, 6, 1, False, 192, 4))
+    assert dc.resolve_config(256, "int4")["max_registers"] == 192
+    assert dc.resolve_config(256, "int4", num_stages=6)["max_registers"] == 192
+    assert dc.resolve_config(256, "int4", num_stages=8)["max_registers"] is None
+    assert dc.resolve_config(256, "int4", num_stages=8, max_registers=0)["max_registers"] == 0
+    int4 = dc.resolve_config(256, "int4")
+    assert dc.balanced_registers(256, int4, 168, "int4") == 168
+    assert dc.balanced_registers(256, int4, 168, "k8v4") is None
 
 
 def test_interpreter_defaults_run_the_tuned_config(interp) -> None:
@@ -152,9 +137,7 @@ def test_interpreter_defaults_run_the_tuned_config(interp) -> None:
     case = Case(LENS, 8, 2, 128)
     outs = [torch.empty(case.q.shape, dtype=torch.float32) for _ in range(2)]
     run_tma(case, interp, out=outs[0], dot_dtype=torch.float32, num_splits=3)
-    run_tma(
-        case, interp, out=outs[1], dot_dtype=torch.float32, num_splits=3, **decode_config.tuned(128)
-    )
+    run_tma(case, interp, out=outs[1], dot_dtype=torch.float32, num_splits=3, **dc.tuned(128))
     torch.testing.assert_close(outs[0], outs[1], rtol=0, atol=0)
     assert rel_err(outs[0], case.ref(None, None)) < 5e-4
 

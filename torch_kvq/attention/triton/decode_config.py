@@ -19,8 +19,8 @@ import torch
 # the one the config compiles spill-free under (scripts/tma_kernel_sass.py), measured faster for
 # the programs it adds per SM. Grid programs per SM: what the split grid aims at
 # (``default_num_splits``) when the caller gives no schedule; deep pipelines over fewer, longer
-# programs measured faster for k8v4 and for int4 at head 256, while int4 at head 128
-# (issue-bound) wants the warps of more programs.
+# programs measured faster for k8v4 and for int4 at head 256, while int4 at head 128 (each warp
+# waiting on its own page's chain of dependent steps) wants the warps of more programs.
 TUNED = {
     "codes": {128: (1, 6, 1, True, None, 8), 256: (1, 6, 1, False, None, 8)},
     "int4": {128: (1, 6, 1, True, None, 8), 256: (1, 6, 2, False, None, 4)},

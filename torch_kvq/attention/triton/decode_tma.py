@@ -8,8 +8,9 @@ limiting it to few programs per SM. Here every page of every kv head is one 2-D 
 a page is a small box, so many pages are in flight per program at little shared memory. One warp
 per program, many programs per SM (split-K), 1-2 pages per loop iteration under one
 online-softmax update (``decode_config.tuned``). V's columns are permuted in registers so that
-the ``p @ v`` operand loads are 16-byte vectors, not byte gathers (``helpers.page_logits``). Its speed against
-copy bandwidth, XQA and FlashInfer's tensor-core decode, per head size: docs/design/fp8_decode_paths.md.
+the ``p @ v`` operand loads are 16-byte vectors, not byte gathers (``helpers.page_logits``).
+Its speed against copy bandwidth, XQA and FlashInfer's tensor-core decode, per head size:
+docs/design/fp8_decode_paths.md.
 
 The page loop and the math are ``helpers.attend``'s: e4m3 -> ``dot_dtype`` (fp16 by default: one
 instruction per two values on sm90, exact) in registers, both products accumulate in fp32,
@@ -183,9 +184,9 @@ def paged_decode_tma(
     ``workspace`` is (partial out [P, 2, QH / KH, D], lse [P, 2, QH / KH]) fp32 for P =
     ``balanced_programs(...)``. With both None and no workspace the schedule is
     ``decode_config.default_schedule``'s. ``max_registers``: Triton's ``maxnreg`` (per thread),
-    to hold more programs per SM or fewer spills (0: no cap). ``kv_scale`` [P, 2, KH, page] fp32 contiguous: one scale
-    per (token, kv head) for k and v, ``real = code * scale``; ``k_scale`` and ``v_scale`` must
-    then be 1.0.
+    to hold more programs per SM or fewer spills (0: no cap). ``kv_scale`` [P, 2, KH, page] fp32
+    contiguous: one scale per (token, kv head) for k and v, ``real = code * scale``; ``k_scale``
+    and ``v_scale`` must then be 1.0.
     Returns out [B, QH, D] (``q``'s dtype unless ``out`` is given).
     """
     b, qh, d = q.shape
