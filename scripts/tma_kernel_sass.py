@@ -206,7 +206,7 @@ def main() -> None:
     ap.add_argument("--lines", action="store_true",
                     help="also the loop's instructions per source line (nvdisasm -g)")  # fmt: skip
     ap.add_argument("--balanced", action="store_true",
-                    help="the balanced schedule's kernel (at BALANCED's register cap)")  # fmt: skip
+                    help="the balanced schedule's kernel (at BALANCED's register cap for the cache kind, if any)")  # fmt: skip
     ap.add_argument("--max-registers", type=int,
                     help="Triton's maxnreg (0: none; default: the TUNED config's)")  # fmt: skip
     ap.add_argument("--cache", choices=CACHES, default="fp8",
@@ -229,8 +229,8 @@ def main() -> None:
             balanced=args.balanced, max_registers=regs, cache=args.cache, page=args.page,
             align=args.align,
         )  # fmt: skip
-        if args.balanced and args.max_registers is None and head in BALANCED:
-            cfg["max_registers"] = BALANCED[head][1]
+        if args.balanced and args.max_registers is None and head in BALANCED.get(kind, {}):
+            cfg["max_registers"] = BALANCED[kind][head][1]
         kernel = compile_kernel(**cfg)
         stats, _, sass = sass_stats(kernel)
         print(json.dumps({**cfg, **stats}) if args.json else f"{cfg} {stats}")

@@ -69,8 +69,9 @@ def test_interpreter_workspace_and_bad_arguments(interp, programs) -> None:
 
 
 def test_default_schedule() -> None:
-    """Pure host logic: the balanced schedule where the split grid would have 1-2 splits."""
-    balanced = dc.BALANCED[128]
+    """Pure host logic: the balanced schedule where the split grid would have 1-2 splits, for one
+    code per element at head 128 (``BALANCED``'s one entry); the 4-bit loops keep the grid."""
+    balanced = dc.BALANCED["codes"][128]
     assert dc.default_schedule(32, 8, 16384, 16, 128, sms=132) == (8, None)
     assert dc.default_schedule(64, 8, 16384, 16, 128, sms=132) == (4, None)
     assert dc.default_schedule(80, 8, 16384, 16, 128, sms=132) == (2, balanced)
@@ -85,7 +86,9 @@ def test_default_schedule() -> None:
     assert sched(32, 8, head_size=128, kind="int4") == (8, None)
     assert sched(32, 8, head_size=256, kind="int4") == (4, None)
     assert sched(64, 8, head_size=128, kind="k8v4") == (2, None)
-    assert sched(110, 8, head_size=128, kind="k8v4") == (2, balanced)
+    assert sched(110, 8, head_size=128, kind="k8v4") == (1, None)
+    assert sched(197, 8, head_size=128, kind="int4") == (1, None)  # int4-recommended's capacity
+    assert sched(197, 8, head_size=128, kind="codes") == (1, balanced)
     assert sched(131, 8, head_size=256, kind="k8v4") == (1, None)
 
 
@@ -121,7 +124,7 @@ def test_gpu_chosen_at_large_batch_and_matches_reference(monkeypatch) -> None:
     )
     case = Case(lens, 32, 8, 128, seed=2, device="cuda")
     out = run_tma(case, decode_tma, **dc.tuned(128))
-    assert calls == [dc.BALANCED[128][0]]
+    assert calls == [dc.BALANCED["codes"][128][0]]
     assert rel_err(out, case.ref()) < 5e-3
 
 

@@ -111,7 +111,7 @@ def test_unset_config_takes_tuned_and_only_tuned_gets_the_register_cap(monkeypat
     assert dc.resolve_config(256, num_warps=None) == dc.tuned(256)
     got = dc.resolve_config(128, pages_per_iter=2, lazy_rescale=False)
     assert got == {**dc.tuned(128), "pages_per_iter": 2, "lazy_rescale": False}
-    cap = dc.BALANCED[128][1]
+    cap = dc.BALANCED["codes"][128][1]
     assert dc.balanced_registers(128, dc.resolve_config(128), cap) == cap
     assert dc.balanced_registers(128, got, cap) is None
     # per page loop: int4's tuned config at head 256 is not the 8-bit caches', and the cap

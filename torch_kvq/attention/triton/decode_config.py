@@ -26,11 +26,13 @@ TUNED = {
     "int4": {128: (1, 6, 1, True, None, 8), 256: (1, 6, 2, False, None, 4)},
     "k8v4": {128: (1, 6, 1, True, None, 4), 256: (1, 6, 1, False, None, 4)},
 }
-# (programs per SM, max registers) of the balanced schedule (``decode_balanced``), taken
-# when ``num_splits`` and ``programs_per_sm`` are both None, no workspace is given and the split
-# grid would have 1 or 2 splits: there it measured faster at head 128 (Llama); with more splits,
-# and at head 256 at every batch measured, the split grid is faster.
-BALANCED = {128: (16, 128)}
+# (programs per SM, max registers) of the balanced schedule (``decode_balanced``) per page loop
+# and head size, taken when ``num_splits`` and ``programs_per_sm`` are both None, no workspace is
+# given and the split grid would have 1 or 2 splits: there it measured faster for one code per
+# element at head 128 (Llama); with more splits, at head 256 at every batch measured, and for the
+# 4-bit loops (at 197 sequences x 16k the split grid at 1 split ran twice as fast for int4), the
+# split grid is faster.
+BALANCED = {"codes": {128: (16, 128)}}
 
 
 def cache_kind(kv_cache: torch.Tensor) -> str:
@@ -114,11 +116,13 @@ def default_schedule(
     kind: str = "codes",
 ) -> tuple[int, tuple[int, int] | None]:
     """(the split grid's split count, the balanced schedule's (programs per SM, max registers)
-    where ``BALANCED`` prefers it to that grid: 1 or 2 splits at 8 programs per SM, else None).
-    Without the balanced schedule the grid aims at ``kind``'s tuned programs per SM."""
+    where ``BALANCED`` has an entry for ``kind`` at ``head_size`` and the grid would have 1 or 2
+    splits at 8 programs per SM, else None). Without the balanced schedule the grid aims at
+    ``kind``'s tuned programs per SM."""
     splits = default_num_splits(batch, kv_heads, max_seq_len, page, sms)
-    if splits <= 2 and head_size in BALANCED:
-        return splits, BALANCED[head_size]
+    balanced = BALANCED.get(kind, {}).get(head_size)
+    if splits <= 2 and balanced is not None:
+        return splits, balanced
     grid = tuned_grid(head_size, kind)
     return default_num_splits(batch, kv_heads, max_seq_len, page, sms, grid), None
 

@@ -19,7 +19,8 @@ Attention in the model's basis needs no per-key pass: ``q . k = (R q) . (R k)`` 
   ``(byte & 0xF) | 0x6400`` as fp16 is ``1024 + code``, ``(byte & 0xF0) | 0x6400`` is ``1024 +
   16 * code``; compiled, two byte permutes and four ``lop3`` per eight codes); the offsets and
   the zero points come out per row and column instead of per element: logits ``q_even . k_lo +
-  q_odd' . k_hi`` (one MMA chain, started at minus ``1024 * (sum q_even + sum q_odd')``) minus
+  q_odd' . k_hi`` (two MMA chains, one per half, each started at minus ``512 * (sum q_even + sum
+  q_odd')``, summed) minus
   ``zp * (sum q_even + 16 sum q_odd')`` (the sums of the fp16 operands), times the token's k
   scale (the offsets cost a logit's fp32 sum of D / 2 products some 10 bits, far below the fp16
   operands' rounding); V's
@@ -225,8 +226,9 @@ def page_int4(
     with the columns in ``v_columns`` order, their zero points [PAGE] (int32) and v scales times
     ``PV_SCALE`` [PAGE] (0 where masked). ``unpack``'s offsets and the zero points leave the
     logits per row and column (``q_hi`` is ``rotate_q``'s, a 16th of the odd channels):
-    ``q_base`` [PAGE, BLOCK_G], the logits' MMA start, is ``-A * (sum(q_lo) + sum(q_hi))``,
-    ``q_sum`` ``sum(q_lo) + 16 * sum(q_hi)`` (per head, in the logits' layout)."""
+    ``q_base`` [PAGE, BLOCK_G], where each half's MMA chain starts, is ``-A * (sum(q_lo) +
+    sum(q_hi)) / 2``, ``q_sum`` ``sum(q_lo) + 16 * sum(q_hi)`` (per head, in the logits'
+    layout)."""
     ok = p < p_end
     page = tl.load(table + p, mask=ok, other=0)
     row = page * (2 * PAGE)
@@ -237,7 +239,9 @@ def page_int4(
     k_scale, k_zp = _split_scale(k_stored)
     v_scale, v_zp = _split_scale(v_stored)
     k_lo, k_hi = unpack(k, DOT)  # codes + A, 16 * codes + A
-    s = tl.dot(k_hi, tl.trans(q_hi), tl.dot(k_lo, tl.trans(q_lo), q_base))  # [PAGE, BLOCK_G]
+    # two MMA chains, each started at q_base (half the offset term), summed: half the
+    # dependent steps of one chain through both halves (a warp waits on its own chain)
+    s = tl.dot(k_lo, tl.trans(q_lo), q_base) + tl.dot(k_hi, tl.trans(q_hi), q_base)
     s = s - q_sum * k_zp.to(tl.float32)[:, None]  # sum_d q_d (code_d - zp)
     toks = p * PAGE + offs_t
     live = (toks >= lo) & (toks < seq_len) & ok

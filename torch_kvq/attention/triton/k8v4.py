@@ -74,8 +74,9 @@ def page_k8v4(
     v = tl.reshape(tl.permute(tl.reshape(v, [PAGE, 8, W // 8]), [0, 2, 1]), [PAGE, W])
     k_scale, v_stored = page_scales(scale_desc, page, kh, PAGE)
     v_scale, v_zp = _split_scale(v_stored)
-    s = tl.dot(widen_biased(k1, DOT), tl.trans(q_hi),
-               tl.dot(widen_biased(k0, DOT), tl.trans(q_lo), q_base))  # fmt: skip
+    # two MMA chains (as int4's), each started at q_base: half the offset term
+    s = (tl.dot(widen_biased(k0, DOT), tl.trans(q_lo), q_base)
+         + tl.dot(widen_biased(k1, DOT), tl.trans(q_hi), q_base))  # fmt: skip
     toks = p * PAGE + offs_t
     live = (toks >= lo) & (toks < seq_len) & ok
     s = s * (k_scale * qk_scale_log2)[:, None]
@@ -127,14 +128,14 @@ def attend_packed(
     l_acc = tl.zeros([PAGE, BLOCK_G], tl.float32)
     acc_lo = tl.zeros([D // 2, BLOCK_G], tl.float32)  # transposed, as the logits
     acc_hi = tl.zeros([D // 2, BLOCK_G], tl.float32)
-    # q_base: the logits' MMA start, minus the codes' offset times q's sums (the offset leaves
-    # each logit inside its MMA chain)
+    # q_base: where each of the logits' two MMA chains (one per half) starts, half of minus the
+    # codes' offset times q's sums (the offset leaves each logit inside its chains)
     if K8V4:  # k int8 under widen_biased's offset; no zero points
         q_sum = 0.0
         q_base = tl.zeros([PAGE, BLOCK_G], tl.float32)
         if DOT == tl.float16:
             ones = tl.full([PAGE, D // 2], 1.0, DOT)
-            q_base = -int8_offset(DOT) * (
+            q_base = -0.5 * int8_offset(DOT) * (
                 tl.dot(ones, tl.trans(q_lo)) + tl.dot(ones, tl.trans(q_hi))
             )
     else:
@@ -142,7 +143,7 @@ def attend_packed(
         sum_lo = tl.dot(ones, tl.trans(q_lo))  # [PAGE, BLOCK_G], each column a head's sum
         sum_hi = tl.dot(ones, tl.trans(q_hi))  # q_hi is a 16th (rotate_q)
         q_sum = sum_lo + sum_hi * 16.0
-        q_base = -offset(DOT) * (sum_lo + sum_hi)
+        q_base = -0.5 * offset(DOT) * (sum_lo + sum_hi)
     n_iter = (p_end - p_begin + PPI - 1) // PPI
     for it in tl.range(0, n_iter, num_stages=STAGES):
         p = p_begin + it * PPI
