@@ -88,6 +88,9 @@ def test_default_schedule() -> None:
     assert sched(64, 8, head_size=128, kind="k8v4") == (2, None)
     assert sched(110, 8, head_size=128, kind="k8v4") == (1, None)
     assert sched(197, 8, head_size=128, kind="int4") == (1, None)  # int4-recommended's capacity
+    assert sched(80, 8, head_size=128, kind="int4") == (4, None)  # TUNED's 10 programs per SM
+    assert sched(80, 8, head_size=128, kind="k8v4") == (2, None)  # and 6
+    assert sched(128, 8, head_size=128, kind="k8v4") == (1, None)
     assert sched(197, 8, head_size=128, kind="codes") == (1, balanced)
     assert sched(131, 8, head_size=256, kind="k8v4") == (1, None)
 

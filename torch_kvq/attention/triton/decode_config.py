@@ -19,12 +19,14 @@ import torch
 # the one the config compiles spill-free under (scripts/tma_kernel_sass.py), measured faster for
 # the programs it adds per SM. Grid programs per SM: what the split grid aims at
 # (``default_num_splits``) when the caller gives no schedule; deep pipelines over fewer, longer
-# programs measured faster for k8v4 and for int4 at head 256, while int4 at head 128 (each warp
-# waiting on its own page's chain of dependent steps) wants the warps of more programs.
+# programs measured faster for k8v4 (at head 128 it slows to half with ~16 programs per SM, at
+# any batch) and for int4 at head 256, while int4 at head 128 (each warp waiting on its own
+# page's chain of dependent steps) wants the warps of more programs. The 4-bit entries at head
+# 128 are the targets that pick the fastest split count measured at 32, 80 and 197 sequences.
 TUNED = {
     "codes": {128: (1, 6, 1, True, None, 8), 256: (1, 6, 1, False, None, 8)},
-    "int4": {128: (1, 6, 1, True, None, 8), 256: (1, 6, 2, False, None, 4)},
-    "k8v4": {128: (1, 6, 1, True, None, 4), 256: (1, 6, 1, False, None, 4)},
+    "int4": {128: (1, 6, 1, True, None, 10), 256: (1, 6, 2, False, None, 4)},
+    "k8v4": {128: (1, 6, 1, True, None, 6), 256: (1, 6, 1, False, None, 4)},
 }
 # (programs per SM, max registers) of the balanced schedule (``decode_balanced``) per page loop
 # and head size, taken when ``num_splits`` and ``programs_per_sm`` are both None, no workspace is

@@ -263,29 +263,19 @@ def pv(acc_lo, acc_hi, pr, v, v_zp, v_scales, DOT: tl.constexpr):
 
 
 @triton.jit
-def rescale(acc_lo, acc_hi, l_acc, m_i, m_blk, LAZY: tl.constexpr):
+def rescale(acc_lo, acc_hi, l_acc, m_i, m_blk):
     """The online softmax's update for a block's max ``m_blk`` [BLOCK_G] over the transposed
     accumulators [D / 2, BLOCK_G] and the weights' running sums ``l_acc`` [PAGE, BLOCK_G] (per
-    token slot, summed over the slots once, after the loop): (acc_lo, acc_hi, l_acc, m_i, the
-    max the block's weights are taken against). ``LAZY``: as ``helpers.attend``, the reference
-    max moves only when some head's max grew by more than 8 (base 2)."""
+    token slot, summed over the slots once, after the loop): (acc_lo, acc_hi, l_acc, the new
+    max, the max the block's weights are taken against). The lazy rescale
+    (``k8v4.attend_packed``) calls it only when the reference max moves."""
     m_new = tl.maximum(m_i, m_blk)
-    if LAZY:
-        if tl.max(m_new - m_i, axis=0) > 8.0:
-            alpha = tl.exp2(m_i - m_new)
-            acc_lo = acc_lo * alpha[None, :]
-            acc_hi = acc_hi * alpha[None, :]
-            l_acc = l_acc * alpha[None, :]
-            m_i = m_new
-        m_safe = m_i
-    else:
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp2(m_i - m_safe)
-        acc_lo = acc_lo * alpha[None, :]
-        acc_hi = acc_hi * alpha[None, :]
-        l_acc = l_acc * alpha[None, :]
-        m_i = m_new
-    return acc_lo, acc_hi, l_acc, m_i, m_safe
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp2(m_i - m_safe)
+    acc_lo = acc_lo * alpha[None, :]
+    acc_hi = acc_hi * alpha[None, :]
+    l_acc = l_acc * alpha[None, :]
+    return acc_lo, acc_hi, l_acc, m_new, m_safe
 
 
 @triton.jit

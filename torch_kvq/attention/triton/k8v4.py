@@ -119,7 +119,11 @@ def attend_packed(
     columns in ``v_columns`` order, times ``PV_SCALE``), running max, running sum (base 2),
     which ``int4.store_split_int4`` (``unrotate_store``) finishes. int4 (q rotated): the
     prologue takes q's half sums for ``int4.page_int4``'s offset terms, as [PAGE, BLOCK_G]
-    products with ones (in the logits' layout)."""
+    products with ones (in the logits' layout). ``LAZY``: the weights are taken against the
+    reference max first, and one reduction of ``logit - max`` to a scalar (``_block_top``)
+    decides whether it moves (by more than 8, base 2: then the per-head maxima, the rescale and
+    the weights again), so the common page pays neither the per-head maxima nor a wait for them
+    before its exponentials."""
     col = kh * (D // 2)
     offs_t = tl.arange(0, PAGE)
     m_i = tl.full([BLOCK_G], -1e30 if LAZY else float("-inf"), tl.float32)
@@ -151,14 +155,15 @@ def attend_packed(
             q_lo, q_hi, q_base, q_sum, kv_desc, table, p, p_end, col, lo, seq_len, qk_scale_log2,
             soft_cap, offs_t, scale_desc, kh, PAGE, D // 2, DOT, USE_SOFT_CAP, PV_SCALE, K8V4,
         )  # fmt: skip
-        m_blk = tl.max(s0, axis=0)
+        s1 = s0
+        s2 = s0
+        s3 = s0
         if PPI >= 2:
             s1, v1, z1, vs1 = page_4bit(
                 q_lo, q_hi, q_base, q_sum, kv_desc, table, p + 1, p_end, col, lo, seq_len,
                 qk_scale_log2, soft_cap, offs_t, scale_desc, kh, PAGE, D // 2, DOT, USE_SOFT_CAP,
                 PV_SCALE, K8V4,
             )  # fmt: skip
-            m_blk = tl.maximum(m_blk, tl.max(s1, axis=0))
         if PPI >= 4:
             s2, v2, z2, vs2 = page_4bit(
                 q_lo, q_hi, q_base, q_sum, kv_desc, table, p + 2, p_end, col, lo, seq_len,
@@ -170,23 +175,62 @@ def attend_packed(
                 qk_scale_log2, soft_cap, offs_t, scale_desc, kh, PAGE, D // 2, DOT, USE_SOFT_CAP,
                 PV_SCALE, K8V4,
             )  # fmt: skip
-            m_blk = tl.maximum(m_blk, tl.maximum(tl.max(s2, axis=0), tl.max(s3, axis=0)))
-        acc_lo, acc_hi, l_acc, m_i, m_safe = rescale(acc_lo, acc_hi, l_acc, m_i, m_blk, LAZY)
-        pr = tl.exp2(s0 - m_safe[None, :])
-        l_acc += pr
-        acc_lo, acc_hi = pv(acc_lo, acc_hi, pr, v0, z0, vs0, DOT)
+        if LAZY:  # the weights against the reference max first; moved (rarely) past 8
+            pr0 = tl.exp2(s0 - m_i[None, :])
+            pr1 = tl.exp2(s1 - m_i[None, :])
+            pr2 = tl.exp2(s2 - m_i[None, :])
+            pr3 = tl.exp2(s3 - m_i[None, :])
+            if _block_top(s0, s1, s2, s3, m_i, PPI) > 8.0:
+                m_blk = _block_max(s0, s1, s2, s3, PPI)
+                acc_lo, acc_hi, l_acc, m_i, m_safe = rescale(acc_lo, acc_hi, l_acc, m_i, m_blk)
+                pr0 = tl.exp2(s0 - m_safe[None, :])
+                pr1 = tl.exp2(s1 - m_safe[None, :])
+                pr2 = tl.exp2(s2 - m_safe[None, :])
+                pr3 = tl.exp2(s3 - m_safe[None, :])
+        else:
+            m_blk = _block_max(s0, s1, s2, s3, PPI)
+            acc_lo, acc_hi, l_acc, m_i, m_safe = rescale(acc_lo, acc_hi, l_acc, m_i, m_blk)
+            pr0 = tl.exp2(s0 - m_safe[None, :])
+            pr1 = tl.exp2(s1 - m_safe[None, :])
+            pr2 = tl.exp2(s2 - m_safe[None, :])
+            pr3 = tl.exp2(s3 - m_safe[None, :])
+        l_acc += pr0
+        acc_lo, acc_hi = pv(acc_lo, acc_hi, pr0, v0, z0, vs0, DOT)
         if PPI >= 2:
-            pr = tl.exp2(s1 - m_safe[None, :])
-            l_acc += pr
-            acc_lo, acc_hi = pv(acc_lo, acc_hi, pr, v1, z1, vs1, DOT)
+            l_acc += pr1
+            acc_lo, acc_hi = pv(acc_lo, acc_hi, pr1, v1, z1, vs1, DOT)
         if PPI >= 4:
-            pr = tl.exp2(s2 - m_safe[None, :])
-            l_acc += pr
-            acc_lo, acc_hi = pv(acc_lo, acc_hi, pr, v2, z2, vs2, DOT)
-            pr = tl.exp2(s3 - m_safe[None, :])
-            l_acc += pr
-            acc_lo, acc_hi = pv(acc_lo, acc_hi, pr, v3, z3, vs3, DOT)
+            l_acc += pr2
+            acc_lo, acc_hi = pv(acc_lo, acc_hi, pr2, v2, z2, vs2, DOT)
+            l_acc += pr3
+            acc_lo, acc_hi = pv(acc_lo, acc_hi, pr3, v3, z3, vs3, DOT)
     return tl.trans(acc_lo), tl.trans(acc_hi) * 0.0625, m_i, tl.sum(l_acc, axis=0)
+
+
+@triton.jit
+def _block_max(s0, s1, s2, s3, PPI: tl.constexpr):
+    """Each head's max logit over the iteration's ``PPI`` pages' logits [PAGE, BLOCK_G]."""
+    m = tl.max(s0, axis=0)
+    if PPI >= 2:
+        m = tl.maximum(m, tl.max(s1, axis=0))
+    if PPI >= 4:
+        m = tl.maximum(m, tl.maximum(tl.max(s2, axis=0), tl.max(s3, axis=0)))
+    return m
+
+
+@triton.jit
+def _block_top(s0, s1, s2, s3, m_i, PPI: tl.constexpr):
+    """The largest ``logit - m_i`` (its head's reference max) over the iteration's pages: one
+    reduction to a scalar (each thread's own values first, then across lanes: 5 shuffles for a
+    page), which decides whether the lazy reference max moves; the per-head maxima are taken
+    only then."""
+    t = tl.max(tl.max(s0 - m_i[None, :], axis=1), axis=0)
+    if PPI >= 2:
+        t = tl.maximum(t, tl.max(tl.max(s1 - m_i[None, :], axis=1), axis=0))
+    if PPI >= 4:
+        t = tl.maximum(t, tl.max(tl.max(s2 - m_i[None, :], axis=1), axis=0))
+        t = tl.maximum(t, tl.max(tl.max(s3 - m_i[None, :], axis=1), axis=0))
+    return t
 
 
 @triton.jit
