@@ -83,9 +83,10 @@ def test_default_splits_and_tuned_configs() -> None:
     )
     assert dc.tuned(256)["pages_per_iter"] == 1 and dc.tuned(64) == dc.tuned(128)
     assert dc.tuned(128, "k8v4")["num_stages"] == 6
-    # the split grid's aim: fewer, longer programs for k8v4 and int4 at head 256
+    # the split grid's aim: fewer, longer programs for k8v4 and int4 at head 256, more for int4
+    # at head 128
     grids = [dc.tuned_grid(h, k) for k in ("codes", "int4", "k8v4") for h in (128, 256)]
-    assert grids == [8, 8, 8, 4, 4, 4]
+    assert grids == [8, 8, 10, 4, 6, 4]
     assert dc.tuned_grid(64, "int4") == dc.tuned_grid(128, "int4")
     with pytest.raises(ValueError, match="cache kind 'int3'"):
         dc.tuned_grid(128, "int3")
