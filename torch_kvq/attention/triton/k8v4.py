@@ -139,9 +139,8 @@ def attend_packed(
         q_base = tl.zeros([PAGE, BLOCK_G], tl.float32)
         if DOT == tl.float16:
             ones = tl.full([PAGE, D // 2], 1.0, DOT)
-            q_base = -0.5 * int8_offset(DOT) * (
-                tl.dot(ones, tl.trans(q_lo)) + tl.dot(ones, tl.trans(q_hi))
-            )
+            q_sums = tl.dot(ones, tl.trans(q_lo)) + tl.dot(ones, tl.trans(q_hi))
+            q_base = -0.5 * int8_offset(DOT) * q_sums
     else:
         ones = tl.full([PAGE, D // 2], 1.0, DOT)
         sum_lo = tl.dot(ones, tl.trans(q_lo))  # [PAGE, BLOCK_G], each column a head's sum
