@@ -175,24 +175,15 @@ def attend_packed(
                 PV_SCALE, K8V4,
             )  # fmt: skip
         if LAZY:  # the weights against the reference max first; moved (rarely) past 8
-            pr0 = tl.exp2(s0 - m_i[None, :])
-            pr1 = tl.exp2(s1 - m_i[None, :])
-            pr2 = tl.exp2(s2 - m_i[None, :])
-            pr3 = tl.exp2(s3 - m_i[None, :])
+            pr0, pr1, pr2, pr3 = _weights(s0, s1, s2, s3, m_i)
             if _block_top(s0, s1, s2, s3, m_i, PPI) > 8.0:
-                m_blk = _block_max(s0, s1, s2, s3, PPI)
-                acc_lo, acc_hi, l_acc, m_i, m_safe = rescale(acc_lo, acc_hi, l_acc, m_i, m_blk)
-                pr0 = tl.exp2(s0 - m_safe[None, :])
-                pr1 = tl.exp2(s1 - m_safe[None, :])
-                pr2 = tl.exp2(s2 - m_safe[None, :])
-                pr3 = tl.exp2(s3 - m_safe[None, :])
+                acc_lo, acc_hi, l_acc, m_i, pr0, pr1, pr2, pr3 = _move_max(
+                    acc_lo, acc_hi, l_acc, m_i, s0, s1, s2, s3, PPI
+                )  # fmt: skip
         else:
-            m_blk = _block_max(s0, s1, s2, s3, PPI)
-            acc_lo, acc_hi, l_acc, m_i, m_safe = rescale(acc_lo, acc_hi, l_acc, m_i, m_blk)
-            pr0 = tl.exp2(s0 - m_safe[None, :])
-            pr1 = tl.exp2(s1 - m_safe[None, :])
-            pr2 = tl.exp2(s2 - m_safe[None, :])
-            pr3 = tl.exp2(s3 - m_safe[None, :])
+            acc_lo, acc_hi, l_acc, m_i, pr0, pr1, pr2, pr3 = _move_max(
+                acc_lo, acc_hi, l_acc, m_i, s0, s1, s2, s3, PPI
+            )  # fmt: skip
         l_acc += pr0
         acc_lo, acc_hi = pv(acc_lo, acc_hi, pr0, v0, z0, vs0, DOT)
         if PPI >= 2:
@@ -204,6 +195,24 @@ def attend_packed(
             l_acc += pr3
             acc_lo, acc_hi = pv(acc_lo, acc_hi, pr3, v3, z3, vs3, DOT)
     return tl.trans(acc_lo), tl.trans(acc_hi) * 0.0625, m_i, tl.sum(l_acc, axis=0)
+
+
+@triton.jit
+def _weights(s0, s1, s2, s3, m):
+    """The softmax weights (base 2) of the iteration's pages' logits against the max ``m``."""
+    w = m[None, :]
+    return tl.exp2(s0 - w), tl.exp2(s1 - w), tl.exp2(s2 - w), tl.exp2(s3 - w)
+
+
+@triton.jit
+def _move_max(acc_lo, acc_hi, l_acc, m_i, s0, s1, s2, s3, PPI: tl.constexpr):
+    """The online softmax's step for the iteration's pages: their per-head maxima, the rescale
+    (``int4.rescale``) and their weights against the new max: (acc_lo, acc_hi, l_acc, m_i, the
+    four pages' weights; past ``PPI`` the first page's again, unused)."""
+    m_blk = _block_max(s0, s1, s2, s3, PPI)
+    acc_lo, acc_hi, l_acc, m_i, m_safe = rescale(acc_lo, acc_hi, l_acc, m_i, m_blk)
+    pr0, pr1, pr2, pr3 = _weights(s0, s1, s2, s3, m_safe)
+    return acc_lo, acc_hi, l_acc, m_i, pr0, pr1, pr2, pr3
 
 
 @triton.jit
