@@ -49,7 +49,7 @@ def sweep_shape(
 ) -> None:
     """Every (cache, config, register cap, schedule) of ``shape`` at ``batch`` x 16k: a line each.
     The schedules: the split grid with each of ``splits`` (0: the default schedule, which is the
-    balanced one where ``decode_config.default_schedule`` picks it, e.g. at 197 sequences), then
+    balanced one where ``decode_config.default_schedule`` picks it, e.g. FP8 at 197 sequences), then
     the balanced schedule with each of ``programs_per_sm``."""
     from bench_fp8_decode_paths import K_SCALE, V_SCALE, Case
     from bench_kv_write import graph_ms

@@ -229,8 +229,9 @@ def main() -> None:
             balanced=args.balanced, max_registers=regs, cache=args.cache, page=args.page,
             align=args.align,
         )  # fmt: skip
-        if args.balanced and args.max_registers is None and head in BALANCED.get(kind, {}):
-            cfg["max_registers"] = BALANCED[kind][head][1]
+        balanced = BALANCED.get(kind, {}).get(head)
+        if args.balanced and args.max_registers is None and balanced is not None:
+            cfg["max_registers"] = balanced[1]
         kernel = compile_kernel(**cfg)
         stats, _, sass = sass_stats(kernel)
         print(json.dumps({**cfg, **stats}) if args.json else f"{cfg} {stats}")

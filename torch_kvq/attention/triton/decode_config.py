@@ -20,9 +20,10 @@ import torch
 # the programs it adds per SM. Grid programs per SM: what the split grid aims at
 # (``default_num_splits``) when the caller gives no schedule; deep pipelines over fewer, longer
 # programs measured faster for k8v4 (at head 128 it slows to half with ~16 programs per SM, at
-# any batch) and for int4 at head 256, while int4 at head 128 (each warp waiting on its own
-# page's chain of dependent steps) wants the warps of more programs. The 4-bit entries at head
-# 128 are the targets that pick the fastest split count measured at 32, 80 and 197 sequences.
+# any batch) and for int4 at head 256, while int4 at head 128 measured faster with more programs
+# at small batches (not through a register cap: docs/design/int4-branch.md). The 4-bit entries
+# at head 128 are the targets that pick the fastest split count measured at 32, 80 and 197
+# sequences.
 TUNED = {
     "codes": {128: (1, 6, 1, True, None, 8), 256: (1, 6, 1, False, None, 8)},
     "int4": {128: (1, 6, 1, True, None, 10), 256: (1, 6, 2, False, None, 4)},

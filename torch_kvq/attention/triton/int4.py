@@ -20,17 +20,16 @@ Attention in the model's basis needs no per-key pass: ``q . k = (R q) . (R k)`` 
   16 * code``; compiled, two byte permutes and four ``lop3`` per eight codes); the offsets and
   the zero points come out per row and column instead of per element: logits ``q_even . k_lo +
   q_odd' . k_hi`` (two MMA chains, one per half, each started at minus ``512 * (sum q_even + sum
-  q_odd')``, summed) minus
-  ``zp * (sum q_even + 16 sum q_odd')`` (the sums of the fp16 operands), times the token's k
-  scale (the offsets cost a logit's fp32 sum of D / 2 products some 10 bits, far below the fp16
-  operands' rounding); V's
-  nibbles are centred per element before ``p @ v`` (``unpack_centred``: minus ``1024 + zp``,
-  ``1024 + 16 zp`` in fp16, exact), not afterwards: taken out of the fp32 sum over thousands of
-  tokens the offsets cancel against an output that can be some 1e-4 of them (random v at 16k:
-  0.22 relative error on the H200, where the products' fp32 accumulation is not exact); ``p @
-  v`` into two accumulators (even, odd channels; the odd one divided by 16 at the end), the
-  weights times the v scales and ``PV_SCALE`` as the 8-bit caches do; the weights' sums
-  elementwise per token slot (``l_acc``, summed across the slots after the loop);
+  q_odd')``, summed) minus ``zp * (sum q_even + 16 sum q_odd')`` (the sums of the fp16
+  operands), times the token's k scale (the offsets cost a logit's fp32 sum of D / 2 products
+  some 10 bits, far below the fp16 operands' rounding); V's nibbles are centred per element
+  before ``p @ v`` (``unpack_centred``: minus ``1024 + zp``, ``1024 + 16 zp`` in fp16, exact),
+  not afterwards: taken out of the fp32 sum over thousands of tokens the offsets cancel against
+  an output that can be some 1e-4 of them (random v at 16k: 0.22 relative error on the H200,
+  where the products' fp32 accumulation is not exact); ``p @ v`` into two accumulators (even,
+  odd channels; the odd one divided by 16 at the end), the weights times the v scales and
+  ``PV_SCALE`` as the 8-bit caches do; the weights' sums elementwise per token slot (``l_acc``,
+  summed across the slots after the loop);
 - epilogue (``unrotate_store``): the normalised halves (``PV_SCALE`` divided out) scaled per row
   by a power of two to a maximum in [1, 2), rounded once to fp16 (fp32 with fp32 products), and
   ``R^T`` applied by +-1 products against ``U`` [D, D] (rows: the halves' columns, V's column

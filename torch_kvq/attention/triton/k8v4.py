@@ -229,9 +229,9 @@ def _block_max(s0, s1, s2, s3, PPI: tl.constexpr):
 @triton.jit
 def _block_top(s0, s1, s2, s3, m_i, PPI: tl.constexpr):
     """The largest ``logit - m_i`` (its head's reference max) over the iteration's pages: one
-    reduction to a scalar (each thread's own values first, then across lanes: 5 shuffles for a
-    page), which decides whether the lazy reference max moves; the per-head maxima are taken
-    only then."""
+    reduction to a scalar (across the heads, then the tokens: 7 shuffles for a page, against 8
+    for the per-head maxima and their largest growth), which decides whether the lazy reference
+    max moves; the per-head maxima are taken only then."""
     t = tl.max(tl.max(s0 - m_i[None, :], axis=1), axis=0)
     if PPI >= 2:
         t = tl.maximum(t, tl.max(tl.max(s1 - m_i[None, :], axis=1), axis=0))
