@@ -26,10 +26,12 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-CONFIGS = [(1, s, p, lazy) for s, p, lazy in itertools.product((4, 6, 8), (1, 2), (True, False))]
+CONFIGS = [
+    (1, s, p, lazy, None) for s, p, lazy in itertools.product((4, 6, 8), (1, 2), (True, False))
+]
 KEYS = (
-    "num_warps", "num_stages", "pages_per_iter", "lazy_rescale", "max_registers", "num_splits",
-    "programs_per_sm",
+    "num_warps", "num_stages", "pages_per_iter", "lazy_rescale", "kv_heads_per_program",
+    "max_registers", "num_splits", "programs_per_sm",
 )  # fmt: skip
 CACHES = ("fp8_per_tensor", "int8_per_token_head", "fp8_per_token_head", "int4_per_token_head",
           "k8v4_per_token_head")  # fmt: skip
@@ -94,7 +96,8 @@ def sweep_shape(
         pct = 100 * caches[name][4] / (ms * 1e-3) / 1e9 / copy_gbps
         default = {**tuned(c.d, mode_cache_kind(name)), "num_splits": None, "programs_per_sm": None}
         kw = dict(zip(KEYS, cfg))
-        mark = " (tuned)" if {**kw, "max_registers": kw["max_registers"] or None} == default else ""
+        given = {**kw, "max_registers": kw["max_registers"] or None}
+        mark = " (tuned)" if all(given[k] == v for k, v in default.items()) else ""
         at = f" batch {batch}" if batch != 32 else ""  # 32: the lines as before the option
         print(f"{shape}{at} page {page} {name} {kw}: {ms:.4f} ms {pct:.1f}% copy{mark}", flush=True)
 
@@ -137,14 +140,15 @@ def main() -> None:
     ap.add_argument("--pages", nargs="+", type=int, default=[16], help="tokens per cache page")
     ap.add_argument("--batches", nargs="+", type=int, default=[32],
                     help="sequences of 16k tokens (the at-scale capacity of int4-recommended: 197)")  # fmt: skip
-    ap.add_argument("--configs", nargs="+", help="WARPS,STAGES,PPI,LAZY(0/1) (default: CONFIGS)")
+    ap.add_argument("--configs", nargs="+",
+                    help="WARPS,STAGES,PPI,LAZY(0/1)[,KV_HEADS per program] (default: CONFIGS)")  # fmt: skip
     ap.add_argument("--carveout", type=int, choices=range(0, 101), metavar="PERCENT",
                     help="shared memory's share of L1 to prefer (default: the driver's choice)")  # fmt: skip
     args = ap.parse_args()
     configs = CONFIGS
     if args.configs:
-        configs = [tuple(int(x) for x in c.split(",")) for c in args.configs]
-        configs = [(w, s, p, bool(lazy)) for w, s, p, lazy in configs]
+        configs = [[int(x) for x in c.split(",")] + [None] for c in args.configs]
+        configs = [(w, s, p, bool(lazy), nh) for w, s, p, lazy, nh, *_ in configs]
     copy = copy_bandwidth()["GBps"]
     for shape, page, batch in itertools.product(args.shapes, args.pages, args.batches):
         sweep_shape(shape, copy, args.caches, args.max_registers, configs, args.splits, page,

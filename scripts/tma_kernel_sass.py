@@ -44,7 +44,7 @@ ALIGNED = ("q_ptr", "block_table_ptr", "seq_lens_ptr", "part_o_ptr", "part_lse_p
 def compile_kernel(
     head: int, group: int, ppi: int, stages: int, warps: int, lazy: bool,
     balanced: bool = False, max_registers: int | None = None, cache: str = "fp8", page: int = 16,
-    align: bool = True,
+    align: bool = True, kv_heads: int = 1,
 ):  # fmt: skip
     """The compiled ``_decode_pages`` for pages of ``page`` tokens, fp16 products, split-K
     (``balanced``: ``_decode_balanced``, the balanced schedule, for up to 128 sequences); ``cache``
@@ -74,7 +74,7 @@ def compile_kernel(
         "q_ptr": "*fp16", "kv_desc": f"tensordesc<{code}[{page}, {width}]>", "block_table_ptr": "*i32",
         "seq_lens_ptr": "*i32", "part_o_ptr": "*fp32", "part_lse_ptr": "*fp32", "out_ptr": "*fp16",
         # the 4-bit caches' scales come as a TMA descriptor (int4.scale_descriptor)
-        "kv_scale_ptr": f"tensordesc<fp32[1, 2, {page}]>" if packed else "*fp32" if scales else "constexpr",
+        "kv_scale_ptr": f"tensordesc<fp32[1, 2, {kv_heads * page}]>" if packed else "*fp32" if scales else "constexpr",
         "rot_ptr": "*fp16" if packed else "constexpr",
         "qk_scale_log2": "fp32", "soft_cap": "fp32", "out_scale": "fp32", "window": "i32",
         "stride_qb": "i32", "stride_qh": "i32", "stride_ob": "i32", "stride_oh": "i32",
@@ -89,6 +89,7 @@ def compile_kernel(
                  USE_SOFT_CAP=False, DOT=tl.float16, DIRECT=False, LAZY=lazy, SCALES=scales,
                  PV_SCALE=pv if scales else 1.0, INT4=int4, K8V4=k8v4,
                  RSQRT_B=hadamard_block(head) ** -0.5 if packed else 1.0)  # fmt: skip
+    const["NH"] = kv_heads
     if not scales:
         const["kv_scale_ptr"] = None  # a None argument is a constexpr: no kernel parameter
     if not packed:
@@ -212,6 +213,7 @@ def main() -> None:
     ap.add_argument("--cache", choices=CACHES, default="fp8",
                     help="FP8 per tensor (default), or codes with per-(token, head) scales")  # fmt: skip
     ap.add_argument("--page", type=int, default=16, help="tokens per cache page")
+    ap.add_argument("--kv-heads", type=int, default=1, help="kv heads per program (int4: 1 or 2)")
     ap.add_argument("--align", action=argparse.BooleanOptionalAction, default=True,
                     help="16-divisible pointers and strides, as a launch specializes them")  # fmt: skip
     args = ap.parse_args()
@@ -227,7 +229,7 @@ def main() -> None:
             warps=args.warps or t["num_warps"],
             lazy=t["lazy_rescale"] if args.lazy is None else args.lazy,
             balanced=args.balanced, max_registers=regs, cache=args.cache, page=args.page,
-            align=args.align,
+            align=args.align, kv_heads=args.kv_heads,
         )  # fmt: skip
         balanced = BALANCED.get(kind, {}).get(head)
         if args.balanced and args.max_registers is None and balanced is not None:

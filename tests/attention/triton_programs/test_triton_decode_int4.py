@@ -167,6 +167,46 @@ def test_interpreter_fp16_products(interp, lazy, v_gain) -> None:
     assert err < 2e-3, f"rel err {err:.2e}"
 
 
+@pytest.mark.parametrize(
+    "qh,kh,d,page,window,soft_cap,lazy,dot,num_splits",
+    [
+        (8, 2, 128, 16, None, None, True, torch.float32, 1),
+        (12, 4, 64, 16, 100, 5.0, False, torch.float32, 3),
+        (16, 4, 64, 32, None, None, True, torch.float16, 2),
+        (4, 4, 64, 16, None, None, False, torch.float16, 1),
+    ],
+    ids=["g4_d128", "g3_swa_cap_eager", "g4_page32_fp16", "g1_fp16_eager"],
+)
+def test_interpreter_two_kv_heads_per_program(
+    interp, qh, kh, d, page, window, soft_cap, lazy, dot, num_splits
+) -> None:
+    """``kv_heads_per_program=2`` (``int4_pair``): each query head keeps its own kv head's
+    logits (the other head's q rows zeroed), scales, zero points and V, across GQA groups of 1,
+    3 and 4, windows, soft caps, both rescales and fp16 products."""
+    case = _case(LENS, qh, kh, d, page=page, seed=qh + kh)
+    out = torch.empty(case.q.shape, dtype=torch.float32)
+    kw = dict(window=window, soft_cap=soft_cap, dot_dtype=dot, lazy_rescale=lazy)
+    run_tma(case, interp, out=out, num_splits=num_splits, kv_heads_per_program=2, **kw)
+    err = rel_err(out, case.ref(window, soft_cap))
+    assert err < (5e-4 if dot == torch.float32 else 2e-3), f"rel err {err:.2e}"
+
+
+def test_interpreter_rejects_bad_kv_heads_per_program(interp) -> None:
+    """Two kv heads a program need an int4 cache with an even kv head count, one page per
+    iteration and the split grid; other counts than 1 and 2 are refused."""
+    odd = _case((5, 40), 6, 3, 64)
+    with pytest.raises(ValueError, match=r"kv_heads_per_program=2: .*even kv head count \(got 3\)"):
+        run_tma(odd, interp, kv_heads_per_program=2)
+    case = _case((5, 40), 8, 2, 64)
+    for kw in (dict(kv_heads_per_program=3), dict(kv_heads_per_program=2, pages_per_iter=2),
+               dict(kv_heads_per_program=2, programs_per_sm=1)):  # fmt: skip
+        with pytest.raises(ValueError, match=r"kv_heads_per_program=\d: 1, or 2 for an"):
+            run_tma(case, interp, **kw)
+    k8v4 = ScaledCase((5, 40), 8, 2, 64, "k8v4")
+    with pytest.raises(ValueError, match=r"got 'k8v4'"):
+        run_tma(k8v4, interp, kv_heads_per_program=2)
+
+
 def test_int4_pv_shift_keeps_fp16_in_range() -> None:
     """Host arithmetic, as for the 8-bit codes: with the shift, the largest weight times scale
     (scale up to absmax / 7.5) stays finite in fp16 for rotated |v| up to 1900 (lazy: weights
@@ -247,6 +287,25 @@ def test_gpu_split_grid_matches_reference(qh, kh, d, num_splits, window, soft_ca
     case = _case((*LENS, 4097), qh, kh, d, device="cuda", seed=ppi)
     kw = dict(window=window, soft_cap=soft_cap, num_splits=num_splits, pages_per_iter=ppi)
     out = run_tma(case, decode_tma, **kw)
+    assert out.dtype == torch.bfloat16 and torch.isfinite(out).all()
+    err = rel_err(out, case.ref(window, soft_cap))
+    assert err < 5e-3, f"rel err {err:.2e}"
+
+
+@pytest.mark.gpu
+@needs_gpu
+@pytest.mark.parametrize("qh,kh,d", [(32, 8, 128), (64, 8, 128), (24, 8, 64), (8, 2, 256)])
+@pytest.mark.parametrize("num_splits", [1, None])
+@pytest.mark.parametrize("window,soft_cap", [(None, None), (64, 5.0)], ids=["global", "swa_cap"])
+@pytest.mark.parametrize("lazy", [True, False])
+def test_gpu_two_kv_heads_per_program(qh, kh, d, num_splits, window, soft_cap, lazy):
+    """The compiled ``int4_pair`` loop (fp16 products, the inline-PTX unpack) at GQA groups 4,
+    8 (16 query heads a program) and 3, head sizes 64 to 256."""
+    from torch_kvq.attention.triton import decode_tma
+
+    case = _case((*LENS, 4097), qh, kh, d, device="cuda", seed=qh)
+    kw = dict(window=window, soft_cap=soft_cap, num_splits=num_splits, lazy_rescale=lazy)
+    out = run_tma(case, decode_tma, kv_heads_per_program=2, **kw)
     assert out.dtype == torch.bfloat16 and torch.isfinite(out).all()
     err = rel_err(out, case.ref(window, soft_cap))
     assert err < 5e-3, f"rel err {err:.2e}"

@@ -60,10 +60,12 @@ from torch_kvq.attention.triton.helpers import (
 )
 from torch_kvq.attention.triton.int4 import (
     int4_pv_shift,
+    rotate_q,
     rotation_matrices,
     scale_descriptor,
     store_split_int4,
 )
+from torch_kvq.attention.triton.int4_pair import attend_pair
 from torch_kvq.attention.triton.k8v4 import attend_4bit
 
 
@@ -77,7 +79,7 @@ def _decode_pages(
     NUM_SPLITS: tl.constexpr, STAGES: tl.constexpr, PPI: tl.constexpr,
     USE_WINDOW: tl.constexpr, USE_SOFT_CAP: tl.constexpr, DOT: tl.constexpr, DIRECT: tl.constexpr,
     LAZY: tl.constexpr, SCALES: tl.constexpr, PV_SCALE: tl.constexpr, INT4: tl.constexpr,
-    RSQRT_B: tl.constexpr, K8V4: tl.constexpr,
+    RSQRT_B: tl.constexpr, K8V4: tl.constexpr, NH: tl.constexpr,
 ):  # fmt: skip
     """The split grid: one program per (kv head, split, sequence). ``kv_scale_ptr``: the
     per-(token, head) scales when ``SCALES`` (else None; the 4-bit caches': their TMA descriptor,
@@ -91,9 +93,23 @@ def _decode_pages(
     table = block_table_ptr + b.to(tl.int64) * stride_bt
     lo, p_begin, p_end = split_range(seq_len, window, split, PAGE, NUM_SPLITS, USE_WINDOW)
     offs_g = tl.arange(0, BLOCK_G)
-    g_mask = offs_g < G
-    heads = kh * G + offs_g
-    if K8V4 or INT4:  # V rotated int4 (k8v4: K int8, q not rotated), un-rotated at the store
+    g_mask = offs_g < NH * G
+    heads = kh * (NH * G) + offs_g  # NH = 2: kv heads 2 kh and 2 kh + 1
+    if NH == 2:  # int4, two kv heads a program
+        q_lo, q_hi = rotate_q(
+            q_ptr, b, heads, g_mask, stride_qb, stride_qh, rot_ptr, BLOCK_G, D, DOT, RSQRT_B
+        )  # fmt: skip
+        acc_lo, acc_hi, m_i, l_i = attend_pair(
+            q_lo, q_hi, kv_desc, table, p_begin, p_end, kh, lo, seq_len, qk_scale_log2,
+            soft_cap, kv_scale_ptr, G, BLOCK_G, D, PAGE, STAGES, USE_SOFT_CAP, DOT, LAZY,
+            PV_SCALE,
+        )  # fmt: skip
+        store_split_int4(
+            acc_lo, acc_hi, m_i, l_i, b, split, heads, g_mask, out_ptr, part_o_ptr,
+            part_lse_ptr, out_scale, rot_ptr, stride_ob, stride_oh, QH, D, NUM_SPLITS, DIRECT,
+            DOT, RSQRT_B,
+        )  # fmt: skip
+    elif K8V4 or INT4:  # V rotated int4 (k8v4: K int8, q not rotated), un-rotated at the store
         acc_lo, acc_hi, m_i, l_i = attend_4bit(
             q_ptr, b, heads, g_mask, stride_qb, stride_qh, rot_ptr, kv_desc, table, p_begin,
             p_end, kh, lo, seq_len, qk_scale_log2, soft_cap, kv_scale_ptr, BLOCK_G, D, PAGE,
@@ -156,6 +172,7 @@ def paged_decode_tma(
     programs_per_sm: int | None = None,
     max_registers: int | None = None,
     kv_scale: torch.Tensor | None = None,
+    kv_heads_per_program: int | None = None,
 ) -> torch.Tensor:
     """Decode attention, one query token per sequence, over a paged FP8 (or bf16 / fp16) cache, or
     a per-(token, head) one (int8 / e4m3 codes with ``kv_scale``), or an ``int4_per_token_head``
@@ -235,6 +252,16 @@ def paged_decode_tma(
         raise ValueError(
             f"paged_decode_tma: pages_per_iter must be 1, 2 or 4, got {pages_per_iter}"
         )
+    nh = kv_heads_per_program or 1
+    if nh not in (1, 2) or (
+        nh == 2 and (not int4 or kh % 2 or pages_per_iter != 1 or programs_per_sm is not None)
+    ):
+        raise ValueError(
+            f"paged_decode_tma: kv_heads_per_program={kv_heads_per_program!r}: 1, or 2 for an "
+            f"int4_per_token_head cache (got {cache_kind(kv_cache)!r}) with an even kv head count "
+            f"(got {kh}), one page per iteration (got {pages_per_iter}) and the split grid "
+            f"(programs_per_sm={programs_per_sm!r})"
+        )
     width = d // 2 if packed else d  # bytes (elements) of a head in the cache
     rows = kv_cache.view(pages * slots * page, kh * width)
     desc = TensorDescriptor(rows, list(rows.shape), [kh * width, 1], [page, width])
@@ -243,7 +270,8 @@ def paged_decode_tma(
     if kv_scale is not None:
         pv_scale = float(2 ** pv_shift(kv_cache.dtype, dot_dtype, lazy_rescale))
     common = dict(
-        G=g, BLOCK_G=max(8 if packed else 16, triton.next_power_of_2(g)), D=d, PAGE=page, STAGES=num_stages,
+        G=g, BLOCK_G=max(8 if packed else 16, triton.next_power_of_2(nh * g)), D=d, PAGE=page,
+        STAGES=num_stages,
         PPI=pages_per_iter, USE_WINDOW=window is not None, USE_SOFT_CAP=bool(soft_cap),
         DOT=DOT_DTYPES[dot_dtype], LAZY=lazy_rescale, SCALES=kv_scale is not None,
         PV_SCALE=pv_scale, INT4=int4, K8V4=k8v4,
@@ -255,9 +283,11 @@ def paged_decode_tma(
     scales = (sm_scale * k_scale * LOG2E, float(soft_cap or 1.0), out_scale, int(window or 0))
     rot = rotation_matrices(d, q.device) if packed else None  # k8v4: U un-rotates its V
     # the 4-bit loops take each page's scales by TMA, with its codes
-    scale_arg = scale_descriptor(kv_scale) if packed else kv_scale
+    scale_arg = scale_descriptor(kv_scale, nh) if packed else kv_scale
     if num_splits is None and programs_per_sm is None:
-        splits, balanced = default_schedule(b, kh, max_seq_len, page, d, sm_count(q.device), kind)
+        splits, balanced = default_schedule(
+            b, kh // nh, max_seq_len, page, d, sm_count(q.device), kind
+        )  # fmt: skip
         if balanced is not None and workspace is None:
             programs_per_sm, cap = balanced
             regs = balanced_registers(d, cfg, cap, kind)  # 4-bit too: spill-free (sm90)
@@ -278,10 +308,10 @@ def paged_decode_tma(
             kh, page, common, scale_arg, rot,
         )  # fmt: skip
     out, part_o, part_lse = split_outputs("paged_decode_tma", q, out, num_splits, workspace)
-    _decode_pages[(kh, num_splits, b)](
+    _decode_pages[(kh // nh, num_splits, b)](
         q, desc, block_table, seq_lens, part_o, part_lse, out, scale_arg, rot, *scales,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), block_table.stride(0),
-        QH=qh, NUM_SPLITS=num_splits, DIRECT=num_splits == 1, **common,
+        QH=qh, NUM_SPLITS=num_splits, DIRECT=num_splits == 1, NH=nh, **common,
     )  # fmt: skip
     # an int4 / k8v4 program stores its (partial) output with out_scale applied (un-rotating)
     return combine_splits(part_o, part_lse, out, 1.0 if packed else out_scale, num_splits)

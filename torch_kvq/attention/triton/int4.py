@@ -196,13 +196,15 @@ def _split_scale(stored):
     return (bits & -16).to(tl.float32, bitcast=True), bits & 0xF
 
 
-def scale_descriptor(kv_scale: torch.Tensor) -> TensorDescriptor:
+def scale_descriptor(kv_scale: torch.Tensor, heads: int = 1) -> TensorDescriptor:
     """A 4-bit cache's scales [P, 2, KH, page] fp32 as a TMA descriptor over [P, 2, KH * page]
-    with box [1, 2, page]: one page's k and v scales of one kv head in one copy (``page_scales``),
-    in flight with the page's codes, instead of two gathers with their own waits."""
+    with box [1, 2, heads * page]: one page's k and v scales of ``heads`` neighbouring kv heads
+    in one copy (``page_scales``), in flight with the page's codes, instead of two gathers with
+    their own waits."""
     pages, two, kh, page = kv_scale.shape
     rows = kv_scale.view(pages, two, kh * page)
-    return TensorDescriptor(rows, list(rows.shape), [two * kh * page, kh * page, 1], [1, 2, page])
+    box = [1, 2, heads * page]
+    return TensorDescriptor(rows, list(rows.shape), [two * kh * page, kh * page, 1], box)
 
 
 @triton.jit
@@ -256,7 +258,12 @@ def page_int4(
 def pv(acc_lo, acc_hi, pr, v, v_zp, v_scales, DOT: tl.constexpr):
     """``acc += (v - zp)^T @ w`` for both halves of V's bytes ``v`` (the high one 16 times the
     code), ``w = pr * v_scales`` [PAGE, BLOCK_G] in ``DOT``; acc [D / 2, BLOCK_G]."""
-    w = (pr * v_scales[:, None]).to(DOT)
+    return pv_weighted(acc_lo, acc_hi, (pr * v_scales[:, None]).to(DOT), v, v_zp, DOT)
+
+
+@triton.jit
+def pv_weighted(acc_lo, acc_hi, w, v, v_zp, DOT: tl.constexpr):
+    """``pv`` with its operand ``w`` [PAGE, BLOCK_G] (``DOT``) given."""
     v_lo, v_hi = unpack_centred(v, v_zp[:, None], DOT)
     return tl.dot(tl.trans(v_lo), w, acc_lo), tl.dot(tl.trans(v_hi), w, acc_hi)
 
