@@ -207,6 +207,63 @@ def test_interpreter_rejects_bad_kv_heads_per_program(interp) -> None:
         run_tma(k8v4, interp, kv_heads_per_program=2)
 
 
+def test_paired_splits() -> None:
+    """Host logic: the two-kv-heads grid takes the most splits at or under 8 programs per SM
+    (any count, no power of two) and is the default only where that lands at 7.25 or more, at
+    head 128 (``PAIRED``'s only entry)."""
+    ps = decode_config.paired_splits
+    at = dict(max_seq_len=16384, page=16, sms=132, kind="int4")
+    got = {b: ps(b, 8, head_size=128, **at) for b in (16, 24, 32, 40, 48, 64, 80, 96, 128, 197)}
+    assert got == {16: (16, True), 24: (11, True), 32: (8, True), 40: (6, True), 48: (5, True),
+                   64: (4, True), 80: (3, True), 96: (2, False), 128: (2, True),
+                   197: (1, False)}  # fmt: skip
+    assert ps(32, 8, head_size=256, **at) == (8, False)  # head 128's numbers, not taken
+    assert ps(32, 8, 1000, 16, 128, 132, "int4") == (1, False)  # one split of 64 pages at most
+    with pytest.raises(ValueError, match="kv_heads=3 must be even"):
+        ps(32, 3, head_size=128, **at)
+    with pytest.raises(ValueError, match="cache kind 'k8v4'"):
+        ps(32, 8, 16384, 16, 128, 132, "k8v4")
+    assert decode_config.tuned(128, "int4", paired=True)["lazy_rescale"] is False
+
+
+def test_interpreter_default_takes_the_pair_where_paired(interp, monkeypatch) -> None:
+    """With no schedule given, ``paged_decode_tma`` runs two kv heads per program exactly where
+    ``paired_splits`` takes it (here made to take a small case), with its split count, and one
+    head per program where a schedule, two pages per iteration or an odd kv head count is
+    given; explicit ``kv_heads_per_program=2`` takes ``paired_splits``'s split count."""
+    launches = []
+
+    class Spy:
+        def __init__(self, kernel) -> None:
+            self.kernel = kernel
+
+        def __getitem__(self, grid):
+            def launch(*args, **kw):
+                launches.append((grid, kw["NH"]))
+                return self.kernel[grid](*args, **kw)
+
+            return launch
+
+    monkeypatch.setattr(interp, "_decode_pages", Spy(interp._decode_pages))
+    entries = {**decode_config.PAIRED["int4"], 64: (1, 2, 1, False, None, 0.0, 0.05)}
+    monkeypatch.setitem(decode_config.PAIRED, "int4", entries)
+    case = _case(LENS, 8, 2, 64, seed=5)
+    ref = case.ref()
+    out = torch.empty(case.q.shape, dtype=torch.float32)
+    run_tma(case, interp, out=out, dot_dtype=torch.float32)
+    splits = decode_config.paired_splits(len(LENS), 2, max(LENS), 16, 64, 132, "int4")[0]
+    assert launches.pop() == ((1, splits, len(LENS)), 2)
+    assert rel_err(out, ref) < 5e-4
+    for kw in (dict(num_splits=2), dict(pages_per_iter=2), dict(kv_heads_per_program=1)):
+        run_tma(case, interp, out=out, dot_dtype=torch.float32, **kw)
+        assert launches.pop()[1] == 1, kw
+    run_tma(case, interp, out=out, dot_dtype=torch.float32, kv_heads_per_program=2)
+    assert launches.pop() == ((1, splits, len(LENS)), 2)
+    odd = _case(LENS, 6, 3, 64, seed=6)
+    run_tma(odd, interp, dot_dtype=torch.float32)
+    assert launches.pop()[1] == 1
+
+
 def test_int4_pv_shift_keeps_fp16_in_range() -> None:
     """Host arithmetic, as for the 8-bit codes: with the shift, the largest weight times scale
     (scale up to absmax / 7.5) stays finite in fp16 for rotated |v| up to 1900 (lazy: weights

@@ -29,6 +29,14 @@ TUNED = {
     "int4": {128: (1, 6, 1, True, None, 10), 256: (1, 6, 2, False, None, 4)},
     "k8v4": {128: (1, 6, 1, True, None, 6), 256: (1, 6, 1, False, None, 4)},
 }
+# The int4 page loop over two kv heads per program (``int4_pair``) per head size: (warps, stages,
+# pages per iteration, lazy rescale, max registers, the fewest and the most programs per SM its
+# split grid may hold). It issues fewer instructions per page and kv head than one head per program
+# but holds 168 registers, and measured faster only with its grid at 7.25-8 programs per SM (one
+# wave; at 5.8 or 8.7 it ran 10-20 points slower), and eager: at 16, 32, 40, 64 and 128
+# sequences x 16k at head 128 (docs/design/int4-branch.md, eighteenth session). Head 128 only
+# by default (at 256 it spills); other sizes take head 128's entry when asked for explicitly.
+PAIRED = {"int4": {128: (1, 6, 1, False, None, 7.25, 8.0)}}
 # (programs per SM, max registers) of the balanced schedule (``decode_balanced``) per page loop
 # and head size, taken when ``num_splits`` and ``programs_per_sm`` are both None, no workspace is
 # given and the split grid would have 1 or 2 splits: there it measured faster for one code per
@@ -58,10 +66,13 @@ def _entry(head_size: int, kind: str) -> tuple:
     return TUNED[kind].get(head_size, TUNED[kind][128])
 
 
-def tuned(head_size: int, kind: str = "codes") -> dict[str, int | bool | None]:
+def tuned(
+    head_size: int, kind: str = "codes", paired: bool = False
+) -> dict[str, int | bool | None]:
     """``paged_decode_tma`` keyword arguments measured best for ``head_size`` on a cache of
-    ``kind`` (``cache_kind``)."""
-    warps, stages, ppi, lazy, regs, _ = _entry(head_size, kind)
+    ``kind`` (``cache_kind``); ``paired``: for two kv heads per program (``PAIRED``)."""
+    entry = _pair_entry(head_size, kind) if paired else _entry(head_size, kind)
+    warps, stages, ppi, lazy, regs = entry[:5]
     return dict(num_warps=warps, num_stages=stages, pages_per_iter=ppi, lazy_rescale=lazy,
                 max_registers=regs)  # fmt: skip
 
@@ -71,13 +82,38 @@ def tuned_grid(head_size: int, kind: str = "codes") -> int:
     return _entry(head_size, kind)[5]
 
 
+def _pair_entry(head_size: int, kind: str) -> tuple:
+    """``PAIRED``'s entry for ``kind`` at ``head_size`` (head 128's where none). ValueError."""
+    if kind not in PAIRED:
+        raise ValueError(f"paired: cache kind {kind!r}; expected one of {sorted(PAIRED)}")
+    return PAIRED[kind].get(head_size, PAIRED[kind][128])
+
+
+def paired_splits(
+    batch: int, kv_heads: int, max_seq_len: int, page: int, head_size: int, sms: int, kind: str
+) -> tuple[int, bool]:
+    """(splits per (sequence, kv-head pair) of the two-kv-heads-per-program grid, whether the
+    default schedule takes that grid): the most splits (each keeping at least 64 pages, at
+    least 1) that hold at most ``PAIRED``'s most programs per SM; taken where ``PAIRED`` lists
+    ``head_size`` for ``kind`` and the grid then holds at least its fewest (no power-of-two
+    rounding: only that narrow range measured fast). ``kv_heads`` even. ValueError."""
+    if kv_heads % 2:
+        raise ValueError(f"paired_splits: kv_heads={kv_heads} must be even")
+    fewest, most_per_sm = _pair_entry(head_size, kind)[5:]
+    per_split = batch * kv_heads // 2
+    most = max(1, -(-max_seq_len // (64 * page)))
+    splits = max(1, min(int(most_per_sm * sms) // per_split, most, 64))
+    taken = head_size in PAIRED[kind] and splits * per_split >= fewest * sms
+    return splits, taken
+
+
 def resolve_config(
-    head_size: int, kind: str = "codes", **given: int | bool | None
+    head_size: int, kind: str = "codes", paired: bool = False, **given: int | bool | None
 ) -> dict[str, int | bool | None]:
-    """``tuned(head_size, kind)`` with each argument ``given`` as not None in its place;
+    """``tuned(head_size, kind, paired)`` with each argument ``given`` as not None in its place;
     its register cap only with the rest of its config (a cap is what one config compiles
     spill-free under, not a setting of its own)."""
-    best = tuned(head_size, kind)
+    best = tuned(head_size, kind, paired)
     given = {k: v for k, v in given.items() if v is not None}
     cfg = {**best, **given}
     if "max_registers" not in given and any(cfg[k] != best[k] for k in given):

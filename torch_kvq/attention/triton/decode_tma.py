@@ -25,7 +25,9 @@ scales are pre-multiplied by a power of two (``pv_shift``) that the output divid
 An ``int4_per_token_head`` cache (uint8: two rotated codes per byte, zero points in the scales'
 low bits) is read in place by ``int4``'s loop, q rotated once per program and the output
 un-rotated in the epilogue; a ``k8v4_per_token_head`` one (uint8, 3 slots: k int8, v int4) by
-``k8v4``'s, K as the int8 cache, V as the int4 one.
+``k8v4``'s, K as the int8 cache, V as the int4 one. Where its grid lands in the narrow range
+that measured fast (``decode_config.PAIRED``), an int4 program reads two kv heads' pages
+(``int4_pair``): one softmax and one scales copy for both.
 CUDA-graph capturable: the descriptor holds the cache pointer (by value, in the launch), the
 host reads no device tensor (the scales are read on the device). Import only where Triton is.
 """
@@ -42,6 +44,7 @@ from torch_kvq.attention.triton.decode_config import (
     balanced_registers,
     cache_kind,
     default_schedule,
+    paired_splits,
     resolve_config,
     sm_count,
 )
@@ -201,7 +204,11 @@ def paged_decode_tma(
     ``workspace`` is (partial out [P, 2, QH / KH, D], lse [P, 2, QH / KH]) fp32 for P =
     ``balanced_programs(...)``. With both None and no workspace the schedule is
     ``decode_config.default_schedule``'s. ``max_registers``: Triton's ``maxnreg`` (per thread),
-    to hold more programs per SM or fewer spills (0: no cap). ``kv_scale`` [P, 2, KH, page] fp32
+    to hold more programs per SM or fewer spills (0: no cap). ``kv_heads_per_program``: 2 runs
+    ``int4_pair``'s loop, two neighbouring kv heads a program (an int4 cache with an even KH, one
+    page per iteration, the split grid; ``num_splits`` None: ``decode_config.paired_splits``'s);
+    None: 2 where ``paired_splits`` takes it and no schedule, workspace or ``pages_per_iter``
+    other than 1 is given, else 1. ``kv_scale`` [P, 2, KH, page] fp32
     contiguous: one scale per (token, kv head) for k and v, ``real = code * scale``; ``k_scale``
     and ``v_scale`` must then be 1.0.
     Returns out [B, QH, D] (``q``'s dtype unless ``out`` is given).
@@ -241,8 +248,16 @@ def paged_decode_tma(
         )
     check_scales(kv_cache, kv_scale, k_scale, v_scale)
     kind = cache_kind(kv_cache)
+    nh = kv_heads_per_program
+    if nh is None:  # two kv heads per program where that grid measured faster (PAIRED)
+        nh = 1
+        free = num_splits is None and programs_per_sm is None and workspace is None
+        if free and int4 and kh % 2 == 0 and pages_per_iter in (None, 1):
+            splits, taken = paired_splits(b, kh, max_seq_len, page, d, sm_count(q.device), kind)
+            if taken:
+                nh, num_splits = 2, splits
     cfg = resolve_config(
-        d, kind, num_warps=num_warps, num_stages=num_stages, pages_per_iter=pages_per_iter,
+        d, kind, nh == 2 and int4, num_warps=num_warps, num_stages=num_stages, pages_per_iter=pages_per_iter,
         lazy_rescale=lazy_rescale, max_registers=max_registers,
     )  # fmt: skip
     num_warps, num_stages = cfg["num_warps"], cfg["num_stages"]
@@ -252,7 +267,6 @@ def paged_decode_tma(
         raise ValueError(
             f"paged_decode_tma: pages_per_iter must be 1, 2 or 4, got {pages_per_iter}"
         )
-    nh = kv_heads_per_program or 1
     if nh not in (1, 2) or (
         nh == 2 and (not int4 or kh % 2 or pages_per_iter != 1 or programs_per_sm is not None)
     ):
@@ -262,6 +276,8 @@ def paged_decode_tma(
             f"(got {kh}), one page per iteration (got {pages_per_iter}) and the split grid "
             f"(programs_per_sm={programs_per_sm!r})"
         )
+    if nh == 2 and num_splits is None:
+        num_splits = paired_splits(b, kh, max_seq_len, page, d, sm_count(q.device), kind)[0]
     width = d // 2 if packed else d  # bytes (elements) of a head in the cache
     rows = kv_cache.view(pages * slots * page, kh * width)
     desc = TensorDescriptor(rows, list(rows.shape), [kh * width, 1], [page, width])
