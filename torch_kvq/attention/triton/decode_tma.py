@@ -98,26 +98,22 @@ def _decode_pages(
     offs_g = tl.arange(0, BLOCK_G)
     g_mask = offs_g < NH * G
     heads = kh * (NH * G) + offs_g  # NH = 2: kv heads 2 kh and 2 kh + 1
-    if NH == 2:  # int4, two kv heads a program
-        q_lo, q_hi = rotate_q(
-            q_ptr, b, heads, g_mask, stride_qb, stride_qh, rot_ptr, BLOCK_G, D, DOT, RSQRT_B
-        )  # fmt: skip
-        acc_lo, acc_hi, m_i, l_i = attend_pair(
-            q_lo, q_hi, kv_desc, table, p_begin, p_end, kh, lo, seq_len, qk_scale_log2,
-            soft_cap, kv_scale_ptr, G, BLOCK_G, D, PAGE, STAGES, USE_SOFT_CAP, DOT, LAZY,
-            PV_SCALE,
-        )  # fmt: skip
-        store_split_int4(
-            acc_lo, acc_hi, m_i, l_i, b, split, heads, g_mask, out_ptr, part_o_ptr,
-            part_lse_ptr, out_scale, rot_ptr, stride_ob, stride_oh, QH, D, NUM_SPLITS, DIRECT,
-            DOT, RSQRT_B,
-        )  # fmt: skip
-    elif K8V4 or INT4:  # V rotated int4 (k8v4: K int8, q not rotated), un-rotated at the store
-        acc_lo, acc_hi, m_i, l_i = attend_4bit(
-            q_ptr, b, heads, g_mask, stride_qb, stride_qh, rot_ptr, kv_desc, table, p_begin,
-            p_end, kh, lo, seq_len, qk_scale_log2, soft_cap, kv_scale_ptr, BLOCK_G, D, PAGE,
-            STAGES, PPI, USE_SOFT_CAP, DOT, LAZY, PV_SCALE, RSQRT_B, K8V4,
-        )  # fmt: skip
+    if K8V4 or INT4:  # V rotated int4 (k8v4: K int8, q not rotated), un-rotated at the store
+        if NH == 2:  # int4, two kv heads a program
+            q_lo, q_hi = rotate_q(
+                q_ptr, b, heads, g_mask, stride_qb, stride_qh, rot_ptr, BLOCK_G, D, DOT, RSQRT_B
+            )  # fmt: skip
+            acc_lo, acc_hi, m_i, l_i = attend_pair(
+                q_lo, q_hi, kv_desc, table, p_begin, p_end, kh, lo, seq_len, qk_scale_log2,
+                soft_cap, kv_scale_ptr, G, BLOCK_G, D, PAGE, STAGES, USE_SOFT_CAP, DOT, LAZY,
+                PV_SCALE,
+            )  # fmt: skip
+        else:
+            acc_lo, acc_hi, m_i, l_i = attend_4bit(
+                q_ptr, b, heads, g_mask, stride_qb, stride_qh, rot_ptr, kv_desc, table, p_begin,
+                p_end, kh, lo, seq_len, qk_scale_log2, soft_cap, kv_scale_ptr, BLOCK_G, D, PAGE,
+                STAGES, PPI, USE_SOFT_CAP, DOT, LAZY, PV_SCALE, RSQRT_B, K8V4,
+            )  # fmt: skip
         store_split_int4(
             acc_lo, acc_hi, m_i, l_i, b, split, heads, g_mask, out_ptr, part_o_ptr,
             part_lse_ptr, out_scale, rot_ptr, stride_ob, stride_oh, QH, D, NUM_SPLITS, DIRECT,
