@@ -101,8 +101,7 @@ def paired_splits(
         raise ValueError(f"paired_splits: kv_heads={kv_heads} must be even")
     fewest, most_per_sm = _pair_entry(head_size, kind)[5:]
     per_split = batch * kv_heads // 2
-    most = max(1, -(-max_seq_len // (64 * page)))
-    splits = max(1, min(int(most_per_sm * sms) // per_split, most, 64))
+    splits = max(1, min(int(most_per_sm * sms) // per_split, _most_splits(max_seq_len, page)))
     taken = head_size in PAIRED[kind] and splits * per_split >= fewest * sms
     return splits, taken
 
@@ -141,8 +140,13 @@ def default_num_splits(
     per SM, each split keeping at least 64 pages (a power of two packs the grid into whole waves;
     fewer, odd counts measured slower)."""
     want = 1 << max(0, math.ceil(math.log2(programs_per_sm * sms / (batch * kv_heads))))
-    most = max(1, -(-max_seq_len // (64 * page)))
-    return max(1, min(want, most, 64))
+    return max(1, min(want, _most_splits(max_seq_len, page)))
+
+
+def _most_splits(max_seq_len: int, page: int) -> int:
+    """The most splits per (sequence, kv head) a grid takes: each keeps at least 64 pages, and
+    at most 64 of them."""
+    return max(1, min(-(-max_seq_len // (64 * page)), 64))
 
 
 def default_schedule(

@@ -253,8 +253,8 @@ def paged_decode_tma(
             if taken:
                 nh, num_splits = 2, splits
     cfg = resolve_config(
-        d, kind, nh == 2 and int4, num_warps=num_warps, num_stages=num_stages, pages_per_iter=pages_per_iter,
-        lazy_rescale=lazy_rescale, max_registers=max_registers,
+        d, kind, nh == 2 and int4, num_warps=num_warps, num_stages=num_stages,
+        pages_per_iter=pages_per_iter, lazy_rescale=lazy_rescale, max_registers=max_registers,
     )  # fmt: skip
     num_warps, num_stages = cfg["num_warps"], cfg["num_stages"]
     pages_per_iter, lazy_rescale = cfg["pages_per_iter"], cfg["lazy_rescale"]
