@@ -28,10 +28,6 @@ SKIP_RULE_FORMS = (
 )
 
 
-# tokens a 32-bit word of 4-bit v codes holds in a cache page (attention/quant.py)
-V4_TOKENS = 4
-
-
 class KVQuantMode(enum.Enum):
     """How a layer's KV cache is stored. Values are strings and are never persisted as ints."""
 
@@ -40,12 +36,11 @@ class KVQuantMode(enum.Enum):
     INT8_PER_TOKEN_HEAD = "int8_per_token_head"  # int8, one fp32 scale per (token, kv head)
     FP8_PER_TOKEN_HEAD = "fp8_per_token_head"  # float8_e4m3fn, one fp32 scale per (token, kv head)
     # two rotated, asymmetric 4-bit codes per uint8 byte, one fp32 scale per (token, kv head) with
-    # the zero point in its low mantissa bits (attention/quant.py); head size must be even, the
-    # page a multiple of V4_TOKENS
+    # the zero point in its low mantissa bits (attention/quant.py); head size must be even
     INT4_PER_TOKEN_HEAD = "int4_per_token_head"
     # k as INT8_PER_TOKEN_HEAD, v as INT4_PER_TOKEN_HEAD in one uint8 cache [pages, 3, page, KH,
     # D / 2] (slots 0 / 1: k's int8 codes, channels 0..D/2-1 / D/2..D-1; slot 2: v's packed int4);
-    # head size must be even, the page a multiple of V4_TOKENS
+    # head size must be even
     K8V4_PER_TOKEN_HEAD = "k8v4_per_token_head"
 
     @property
@@ -69,12 +64,6 @@ class KVQuantMode(enum.Enum):
         return (
             2 if self in (KVQuantMode.INT4_PER_TOKEN_HEAD, KVQuantMode.K8V4_PER_TOKEN_HEAD) else 1
         )
-
-    @property
-    def page_multiple(self) -> int:
-        """What the page size must be a multiple of: ``V4_TOKENS`` where v has 4-bit codes (they
-        sit in words of four tokens: attention/quant.py ``v4_to_cache``), else 1."""
-        return V4_TOKENS if self.codes_per_byte == 2 else 1
 
     @property
     def cache_slots(self) -> int:

@@ -108,13 +108,6 @@ def resolve_layer_specs(
                 f"byte, so its head size must be even, got {info.head_size}; give this layer an "
                 "8-bit or unquantized mode in layer_modes"
             )
-        if config.page_size % mode.page_multiple:
-            raise ValueError(
-                f"layer {idx} ({info.name!r}): mode {mode.value!r} lays its v codes in words of "
-                f"{mode.page_multiple} tokens, so the page size must be a multiple of "
-                f"{mode.page_multiple}, got {config.page_size}; change page_size or give this "
-                "layer another mode in layer_modes"
-            )
         per_tensor = mode is KVQuantMode.FP8_PER_TENSOR
         k_scale, v_scale = scales.get(info.name, (config.default_k_scale, config.default_v_scale))
         specs.append(

@@ -19,7 +19,6 @@ from torch_kvq.attention.quant import (
     hadamard_block,
     hadamard_signs,
 )
-from torch_kvq.spec import V4_TOKENS
 
 ROW_ELEMENTS = 4096  # values of one program (rows of a page's k or v times the head size)
 
@@ -75,7 +74,7 @@ def dequantize_pages_triton(
         kernel[(ids.numel(), sides, blocks)](
             kv_cache, kv_scale, ids, out, signs, float(hadamard_block(d) ** -0.5),
             PAGE=page, KH=kh, D=d, LOG2D=d.bit_length() - 1, ROWS=rows, INT4=is_int4,
-            SLOTS=slots, KV0=kv0, SPLIT_K=k8v4 and not is_int4, V4=V4_TOKENS, num_warps=4,
+            SLOTS=slots, KV0=kv0, SPLIT_K=k8v4 and not is_int4, num_warps=4,
         )  # fmt: skip
     return out
 

@@ -32,7 +32,6 @@ from torch_kvq.attention.quant import (
     hadamard_signs,
 )
 from torch_kvq.attention.triton.decode_config import sm_count
-from torch_kvq.spec import V4_TOKENS
 
 # (token, kv head) rows of k (and of v) per program: one a thread (the program holds its rows
 # channels first, so each thread's row stays in its registers: rotation, min / max and error sums
@@ -115,7 +114,6 @@ def launch_int4_write(
         *k.stride(), *v.stride(), *kv_cache.stride(), *kv_scale.stride(), kv_cache.shape[2],
         KH=kh, D=d, BLOCK_R=block_r, BLOCK_D=block_d, LOG2B=b.bit_length() - 1,
         RSQRT_B=f32(b**-0.5), RCP15=f32(1.0 / INT4_LEVELS), FLOOR=f32(SCALE_FLOOR),
-        NUM_RATIOS=len(INT4_CLIP_RATIOS), ROWS_FIRST=rows_first, V_SIDE=0 if v_only else 1,
-        V4=V4_TOKENS, num_warps=INT4_WARPS,
+        NUM_RATIOS=len(INT4_CLIP_RATIOS), ROWS_FIRST=rows_first, num_warps=INT4_WARPS,
         enable_fp_fusion=False,
     )  # fmt: skip

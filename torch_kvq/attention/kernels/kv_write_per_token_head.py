@@ -39,10 +39,8 @@ from torch_kvq.attention.quant import (
     kv_formats,
     per_token_head_format,
     quantize_per_token_head,
-    v4_rows_cols,
 )
 from torch_kvq.attention.triton.decode_config import sm_count
-from torch_kvq.spec import V4_TOKENS
 
 # The per-(token, head) write's launch: values of k (and of v) per program, and its warps
 WRITE_ROW_ELEMENTS = 2048
@@ -92,11 +90,6 @@ def check_per_token_head_write(
             f"{code_dtype} [pages, {slots}, page, KH, {dims}]"
         )
     pages, _, page, kh, d = kv_cache.shape
-    if code_dtype == torch.uint8 and page % V4_TOKENS:
-        raise ValueError(
-            f"{fn}: kv_cache's page is {page} tokens; mode {mode!r} needs a multiple of "
-            f"{V4_TOKENS} (its v codes sit in words of {V4_TOKENS} tokens)"
-        )
     d *= per_element  # int4 / k8v4: two codes (or half of k's int8 codes) per element
     want = (pages, 2, kh, page)
     if tuple(kv_scale.shape) != want or kv_scale.dtype != torch.float32:
@@ -148,19 +141,14 @@ def put_per_token_head(
     """Put codes [T, KH, D] into ``kv_cache`` and their scales [T, KH] into ``kv_scale`` at
     ``slot_mapping`` [T] slots (no checks; ``kvq::cache_write_per_token_head`` and the aten
     write). A 3-slot cache is ``k8v4_per_token_head``'s: k's int8 codes into slots 0 and 1
-    (``quant.k8v4_k_slots``), v's packed codes into slot 2. A uint8 cache's v codes go in words
-    of four tokens (``quant.v4_rows_cols``)."""
+    (``quant.k8v4_k_slots``), v's packed codes into slot 2."""
     pages, offsets = pages_and_offsets(slot_mapping, kv_cache.shape[2])
     if kv_cache.shape[1] == 3:
         kv_cache[pages, :2, offsets] = k8v4_k_slots(k_codes)
+        kv_cache[pages, 2, offsets] = v_codes
     else:
         kv_cache[pages, 0, offsets] = k_codes
-    v_slot = kv_cache.shape[1] - 1
-    if kv_cache.dtype == torch.uint8:  # [T, W] rows and columns; the heads between them
-        rows, cols = v4_rows_cols(offsets, kv_cache.shape[-1])
-        kv_cache[pages[:, None], v_slot, rows, :, cols] = v_codes.transpose(1, 2)
-    else:
-        kv_cache[pages, v_slot, offsets] = v_codes
+        kv_cache[pages, 1, offsets] = v_codes
     kv_scale[pages, 0, :, offsets] = k_scales  # [T, KH]
     kv_scale[pages, 1, :, offsets] = v_scales
 

@@ -208,18 +208,6 @@ def scale_descriptor(kv_scale: torch.Tensor, heads: int = 1) -> TensorDescriptor
 
 
 @triton.jit
-def v_tile(v, PAGE: tl.constexpr, W: tl.constexpr):
-    """A page's 4-bit V codes as the cache lays them (``quant.v4_to_cache``: the box [PAGE, W]
-    holds, per four tokens, byte column c of token j at ``4c + j``) -> [PAGE, W], a token a row,
-    the columns in ``v_columns`` order. No data moves: the labels are chosen so that ``pv``'s
-    operand (its transpose) holds in each register four consecutive tokens of one column, which
-    is one 32-bit word of the box, and so that a lane's words for its 8 columns are 32
-    contiguous bytes (``v_columns``: lane row r is byte column ``(r % 8) * (W / 8) + r // 8``)."""
-    v = tl.permute(tl.reshape(v, [PAGE // 4, 8, W // 8, 4]), [2, 1, 0, 3])
-    return tl.trans(tl.reshape(v, [W, PAGE]))
-
-
-@triton.jit
 def page_scales(scale_desc, page, kh, PAGE: tl.constexpr):
     """Page ``page``'s stored k and v scales [PAGE] each of kv head ``kh`` (``scale_descriptor``)."""
     sc = tl.reshape(scale_desc.load([page, 0, kh * PAGE]), [2, PAGE])
@@ -246,7 +234,8 @@ def page_int4(
     page = tl.load(table + p, mask=ok, other=0)
     row = page * (2 * PAGE)
     k = kv_desc.load([row, col])  # [PAGE, W] uint8
-    v = v_tile(kv_desc.load([row + PAGE, col]), PAGE, W)
+    v = kv_desc.load([row + PAGE, col])
+    v = tl.reshape(tl.permute(tl.reshape(v, [PAGE, 8, W // 8]), [0, 2, 1]), [PAGE, W])
     k_stored, v_stored = page_scales(scale_desc, page, kh, PAGE)
     k_scale, k_zp = _split_scale(k_stored)
     v_scale, v_zp = _split_scale(v_stored)

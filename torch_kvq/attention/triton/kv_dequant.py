@@ -25,7 +25,7 @@ def kv_dequant_pages_kernel(
     cache_ptr, scale_ptr, ids_ptr, out_ptr, signs_ptr, inv_sqrt_b,
     PAGE: tl.constexpr, KH: tl.constexpr, D: tl.constexpr, LOG2D: tl.constexpr,
     ROWS: tl.constexpr, INT4: tl.constexpr, SLOTS: tl.constexpr, KV0: tl.constexpr,
-    SPLIT_K: tl.constexpr, V4: tl.constexpr,
+    SPLIT_K: tl.constexpr,
 ):  # fmt: skip
     """Rows ``[ROWS * program_id(2), ..)`` (row r: token r // KH, head r % KH) of k or v
     (``program_id(1) + KV0``) of scratch page ``program_id(0)``, which is cache page
@@ -34,8 +34,7 @@ def kv_dequant_pages_kernel(
     scale's low bits, ``signs_ptr`` [D] fp32 and ``inv_sqrt_b`` the rotation's sign vector and
     fp32(D ** -0.5). ``SLOTS`` 3 (``k8v4_per_token_head``): k's int8 codes as offset-binary
     bytes in slots 0 and 1 (``SPLIT_K``: channel d in slot d // (D / 2) at d % (D / 2);
-    ``quant.k8v4_k_slots``), v's int4 codes in slot 2. A uint8 cache's v codes sit in words of
-    ``V4`` tokens (``quant.v4_rows_cols``)."""
+    ``quant.k8v4_k_slots``), v's int4 codes in slot 2."""
     i = tl.program_id(0).to(tl.int64)
     kv = tl.program_id(1) + KV0
     r = tl.program_id(2) * ROWS + tl.arange(0, ROWS)
@@ -48,12 +47,7 @@ def kv_dequant_pages_kernel(
     if INT4:  # channels first [D, ROWS]: the butterfly's layout (triton/hadamard.py)
         C: tl.constexpr = D // 2
         c = tl.arange(0, C)
-        if kv == 1:  # v: byte c of token t at 4c + t % 4 of its group's rows
-            f = c[:, None] * V4 + (t % V4)[None, :]
-            rows = (t - t % V4)[None, :] + f // C
-            src = cache_ptr + slot * (PAGE * KH * C) + (rows * KH + h[None, :]) * C + f % C
-        else:
-            src = cache_ptr + slot * (PAGE * KH * C) + r[None, :] * C + c[:, None]
+        src = cache_ptr + slot * (PAGE * KH * C) + r[None, :] * C + c[:, None]
         codes = tl.load(src, mask=ok[None, :])
         bits = stored.to(tl.int32, bitcast=True)
         scale = (bits & ~0xF).to(tl.float32, bitcast=True)
