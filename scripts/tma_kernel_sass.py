@@ -89,7 +89,8 @@ def compile_kernel(
                  USE_SOFT_CAP=False, DOT=tl.float16, DIRECT=False, LAZY=lazy, SCALES=scales,
                  PV_SCALE=pv if scales else 1.0, INT4=int4, K8V4=k8v4,
                  RSQRT_B=hadamard_block(head) ** -0.5 if packed else 1.0)  # fmt: skip
-    const["NH"] = kv_heads
+    if not balanced:  # the balanced schedule holds one kv head per program
+        const["NH"] = kv_heads
     if not scales:
         const["kv_scale_ptr"] = None  # a None argument is a constexpr: no kernel parameter
     if not packed:
