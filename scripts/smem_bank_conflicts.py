@@ -115,8 +115,6 @@ class Warp:
                 r = (np.minimum if base == "min" else np.maximum)(x[0], x[1])
             else:  # float math, shuffles, loads: not an address
                 r, assumed = np.zeros(32, np.uint64), True
-        if base == "ld" or base == "ldmatrix":
-            assumed = True
         self.reg[args[0]] = r & MASK[min(w, 64)]
         (self.assumed.add if assumed else self.assumed.discard)(args[0])
 
@@ -172,10 +170,9 @@ def analyse(ptx: str) -> list[dict]:
     )
     loop = range(lo, hi + 1)
     warp, src, out = Warp(), "?", []
-    # two passes in text order: the second sees what the first defined later in the text
-    for i, line in [*enumerate(lines), *enumerate(lines)]:
-        if i == 0:
-            out.clear()
+    # two passes in text order, the second recording: it sees what the first defined later in the
+    # text (a rotated loop's body before its header)
+    for record, (i, line) in ((r, il) for r in (False, True) for il in enumerate(lines)):
         text = line.strip()
         if text.startswith(".loc"):
             f, ln = text.split()[1:3]
@@ -196,13 +193,15 @@ def analyse(ptx: str) -> list[dict]:
             else:
                 width, mats = int(m.group(2) or 1) * int(m.group(3)) // 8, 0
             groups = lane_groups(width, mats)
-            out.append(dict(
-                ptx_line=i + 1, src=src, op=op, width=width, wavefronts=wavefronts(addr, width, groups),
-                ideal=len(groups), in_loop=i in loop, assumed=assumed,
-            ))  # fmt: skip
+            if record:
+                out.append(dict(
+                    ptx_line=i + 1, src=src, op=op, width=width, ideal=len(groups),
+                    wavefronts=wavefronts(addr, width, groups), in_loop=i in loop, assumed=assumed,
+                ))  # fmt: skip
             if op.startswith("ld") and "{" in rest:  # the loaded registers: data, not addresses
                 for r in re.findall(r"%\w+", rest.split("[")[0]):
-                    warp.reg[r], _ = np.zeros(32, np.uint64), warp.assumed.add(r)
+                    warp.reg[r] = np.zeros(32, np.uint64)
+                    warp.assumed.add(r)
             continue
         args = [t.strip() for t in re.split(r",(?![^{]*\})", rest) if t.strip()]
         if args and not args[0].startswith("{"):
