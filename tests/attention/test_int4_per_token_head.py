@@ -21,7 +21,7 @@ from tests.support.passes import (
     qkv,
     run_passes,
 )
-from torch_kvq.attention import Attention, quant
+from torch_kvq.attention import Attention, quant, v_rows
 from torch_kvq.attention.kernels import FlashInferKernel, KernelUnsupportedError
 from torch_kvq.attention.kernels import capabilities as caps
 from torch_kvq.attention.kernels.kv_write_per_token_head import write_kv_per_token_head
@@ -266,5 +266,35 @@ def test_cpu_write_of_int4_is_the_aten_form() -> None:
     slots = torch.tensor([0, 1, 2])
     write_kv_per_token_head(cache, scale, k, k, slots, "int4")
     packed, stored = quant.quantize_int4_rotated(k)
-    assert torch.equal(cache[0, 0, :3], packed) and torch.equal(cache[0, 1, :3], packed)
+    v = v_rows.v_rows_from_cache(cache[0, 1])  # v in its row order
+    assert torch.equal(cache[0, 0, :3], packed) and torch.equal(v[:3], packed)
+    assert not v[3:].any() and not cache[0, 0, 3:].any()
     assert torch.equal(scale[0, 0, :, :3], stored.T)
+
+
+@pytest.mark.parametrize("d", [64, 128, 256])
+@pytest.mark.parametrize("page", [8, 16, 32])
+def test_v_codes_sit_in_their_row_order(d: int, page: int) -> None:
+    """A page's 4-bit v codes: token t of each 16 at row ``v_row_order(d)[t]`` where the page is a
+    multiple of 16 and the head size has an order (64, 128, 256: the decode's conflict-free reads,
+    docs/design/int4-branch.md), else in token order; k's codes always in token order. The write
+    lays them so and ``v_rows_from_cache`` undoes it."""
+    order = v_rows.v_row_order(d, page)
+    assert (order is None) == (page % 16 != 0)
+    if order is not None:
+        assert sorted(order.tolist()) == list(range(16)) and order.tolist() != list(range(16))
+    kh, t = 2, page + 3  # a second page, partly filled
+    cache = torch.zeros(2, 2, page, kh, d // 2, dtype=torch.uint8)
+    scale = torch.zeros(2, 2, kh, page)
+    x = torch.randn(t, kh, d)
+    write_kv_per_token_head(cache, scale, x, x, torch.arange(t), "int4")
+    packed, _ = quant.quantize_int4_rotated(x)
+    flat = cache.transpose(0, 1).reshape(2, 2 * page, kh, d // 2)  # [k / v, slots, KH, D / 2]
+    assert torch.equal(flat[0, :t], packed)  # k in token order
+    rows = v_rows.v_rows(torch.arange(t), d, page)  # page offsets of a flat slot range
+    assert torch.equal(flat[1, rows], packed)  # v at its rows
+    if order is not None:
+        assert torch.equal(rows[:16], order)
+    back = v_rows.v_rows_from_cache(cache[:, 1]).reshape(2 * page, kh, d // 2)
+    assert torch.equal(back[:t], packed)
+    assert torch.equal(v_rows.v_rows_to_cache(back.view(2, page, kh, d // 2)), cache[:, 1])

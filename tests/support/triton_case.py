@@ -26,8 +26,7 @@ INTERPRETING = os.environ.get("TRITON_INTERPRET") == "1"
 from torch_kvq.attention.kernels.reference import ref_attention  # noqa: E402
 from torch_kvq.attention.quant import (  # noqa: E402
     dequantize_pages_per_token_head,
-    quantize_k8v4_pages,
-    quantize_per_token_head,
+    quantize_pages_per_token_head,
 )
 from torch_kvq.spec import FP8_DTYPE  # noqa: E402
 
@@ -86,9 +85,8 @@ class Case:
 def quantize_pages(x: torch.Tensor, fmt: str) -> tuple[torch.Tensor, torch.Tensor]:
     """Pages of k and v [P, 2, page, KH, D] quantized per (token, head) in the layer format
     ``fmt`` ("int8" | "fp8" | "int4" | "k8v4"): (codes [P, slots, page, KH, D or D / 2], scales
-    [P, 2, page, KH]); "k8v4": k's int8 codes as bytes in slots 0 / 1, v's int4 ones in slot 2
-    (``quant.quantize_k8v4_pages``: as the aten write lays them)."""
-    return quantize_k8v4_pages(x) if fmt == "k8v4" else quantize_per_token_head(x, fmt)
+    [P, 2, page, KH]) as the aten write lays them (``quant.quantize_pages_per_token_head``)."""
+    return quantize_pages_per_token_head(x, fmt)
 
 
 class ScaledCase(Case):

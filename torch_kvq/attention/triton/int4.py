@@ -51,7 +51,13 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 
 from torch_kvq.attention.quant import _walsh_hadamard, hadamard_block, hadamard_signs
 from torch_kvq.attention.triton.hadamard import hadamard_stage
-from torch_kvq.attention.triton.helpers import _LOG2E, INTERPRET
+from torch_kvq.attention.triton.helpers import (
+    _LOG2E,
+    INTERPRET,
+    V_AXES_64,
+    V_AXES_128,
+    V_AXES_256,
+)
 
 # output columns per chunk of the epilogue's un-rotation (and q rows per prologue chunk); a jit
 # function reads only constexpr globals (Triton 3.6)
@@ -208,6 +214,26 @@ def scale_descriptor(kv_scale: torch.Tensor, heads: int = 1) -> TensorDescriptor
 
 
 @triton.jit
+def v_tile(v, PAGE: tl.constexpr, W: tl.constexpr):
+    """A page's 4-bit V codes as the cache lays them (``v_rows.v_rows_to_cache``) -> [PAGE, W],
+    the rows in token order, the columns in ``v_columns`` order. No data moves: the row order
+    only relabels the tile, so that the four tokens of ``pv``'s operand a quad reads in one
+    instruction sit on distinct shared-memory banks under the TMA tile's swizzle."""
+    if PAGE % 16 == 0 and (W == 32 or W == 64 or W == 128):
+        if W == 32:
+            v = tl.reshape(v, [PAGE // 16, 2, 2, 2, 2, W])
+            v = tl.permute(v, [0, V_AXES_64[0], V_AXES_64[1], V_AXES_64[2], V_AXES_64[3], 5])
+        elif W == 64:
+            v = tl.reshape(v, [PAGE // 16, 2, 2, 2, 2, W])
+            v = tl.permute(v, [0, V_AXES_128[0], V_AXES_128[1], V_AXES_128[2], V_AXES_128[3], 5])
+        elif W == 128:
+            v = tl.reshape(v, [PAGE // 16, 2, 2, 2, 2, W])
+            v = tl.permute(v, [0, V_AXES_256[0], V_AXES_256[1], V_AXES_256[2], V_AXES_256[3], 5])
+        v = tl.reshape(v, [PAGE, W])
+    return tl.reshape(tl.permute(tl.reshape(v, [PAGE, 8, W // 8]), [0, 2, 1]), [PAGE, W])
+
+
+@triton.jit
 def page_scales(scale_desc, page, kh, PAGE: tl.constexpr):
     """Page ``page``'s stored k and v scales [PAGE] each of kv head ``kh`` (``scale_descriptor``)."""
     sc = tl.reshape(scale_desc.load([page, 0, kh * PAGE]), [2, PAGE])
@@ -234,8 +260,7 @@ def page_int4(
     page = tl.load(table + p, mask=ok, other=0)
     row = page * (2 * PAGE)
     k = kv_desc.load([row, col])  # [PAGE, W] uint8
-    v = kv_desc.load([row + PAGE, col])
-    v = tl.reshape(tl.permute(tl.reshape(v, [PAGE, 8, W // 8]), [0, 2, 1]), [PAGE, W])
+    v = v_tile(kv_desc.load([row + PAGE, col]), PAGE, W)
     k_stored, v_stored = page_scales(scale_desc, page, kh, PAGE)
     k_scale, k_zp = _split_scale(k_stored)
     v_scale, v_zp = _split_scale(v_stored)
