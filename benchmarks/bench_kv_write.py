@@ -40,7 +40,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from torch_kvq.attention.v_rows import v_rows_from_cache  # noqa: E402
+from torch_kvq.attention.v_layout import v_from_cache  # noqa: E402
 
 PAGE = 16
 SHAPES = {"llama": (8, 128), "gemma_global": (8, 256)}  # KH, D
@@ -138,8 +138,8 @@ def smoke() -> None:
         w = make_write(mode, 2, 64, 40, "cpu", slots)
         w.call()
         cache = w.cache
-        if cache.dtype == torch.uint8:  # v's codes in their row order: back to token order
-            cache = torch.cat((cache[:, :-1], v_rows_from_cache(cache[:, -1:])), 1)
+        if cache.dtype == torch.uint8:  # v's codes at their positions: back to a token a row
+            cache = torch.cat((cache[:, :-1], v_from_cache(cache[:, -1:])), 1)
         written = cache.float().abs().amax(dim=(3, 4)).gt(0).sum()  # [pages, 2 / 3, page]
         if int(written) != w.cache.shape[1] * 40:
             raise SystemExit(

@@ -21,7 +21,7 @@ from tests.support.passes import (
     qkv,
     run_passes,
 )
-from torch_kvq.attention import Attention, quant, v_rows
+from torch_kvq.attention import Attention, quant, v_layout
 from torch_kvq.attention.kernels import FlashInferKernel, KernelUnsupportedError
 from torch_kvq.attention.kernels import capabilities as caps
 from torch_kvq.attention.kernels.kv_write_per_token_head import write_kv_per_token_head
@@ -266,7 +266,7 @@ def test_cpu_write_of_int4_is_the_aten_form() -> None:
     slots = torch.tensor([0, 1, 2])
     write_kv_per_token_head(cache, scale, k, k, slots, "int4")
     packed, stored = quant.quantize_int4_rotated(k)
-    v = v_rows.v_rows_from_cache(cache[0, 1])  # v in its row order
+    v = v_layout.v_from_cache(cache[0, 1])  # v a token a row
     assert torch.equal(cache[0, 0, :3], packed) and torch.equal(v[:3], packed)
     assert not v[3:].any() and not cache[0, 0, 3:].any()
     assert torch.equal(scale[0, 0, :, :3], stored.T)
@@ -274,15 +274,26 @@ def test_cpu_write_of_int4_is_the_aten_form() -> None:
 
 @pytest.mark.parametrize("d", [64, 128, 256])
 @pytest.mark.parametrize("page", [8, 16, 32])
-def test_v_codes_sit_in_their_row_order(d: int, page: int) -> None:
-    """A page's 4-bit v codes: token t of each 16 at row ``v_row_order(d)[t]`` where the page is a
-    multiple of 16 and the head size has an order (64, 128, 256: the decode's conflict-free reads,
-    docs/design/int4-branch.md), else in token order; k's codes always in token order. The write
-    lays them so and ``v_rows_from_cache`` undoes it."""
-    order = v_rows.v_row_order(d, page)
-    assert (order is None) == (page % 16 != 0)
-    if order is not None:
-        assert sorted(order.tolist()) == list(range(16)) and order.tolist() != list(range(16))
+def test_v_codes_sit_at_their_positions(d: int, page: int) -> None:
+    """A page's 4-bit v codes where the page is a multiple of 16 (head sizes 64, 128, 256): in
+    each 16 tokens, the four tokens 4t..4t+3 of a byte column in one 32-bit word, a column group's
+    four words in 16 contiguous bytes (the decode's operand words, docs/design/int4-branch.md);
+    else a token a row; k's codes always a token a row. The write lays them so and
+    ``v_from_cache`` undoes it."""
+    w = d // 2
+    assert v_layout.v_layout_applies(w, page) == (page % 16 == 0)
+    rows, cols = v_layout.v_positions(torch.arange(page), w, page)
+    pos = rows * w + cols  # [page, W] byte of each (token, column) in the page
+    assert sorted(pos.flatten().tolist()) == list(range(page * w))  # a permutation
+    if page % 16 == 0:
+        word = pos.unflatten(0, (page // 4, 4))  # [token / 4, 4, W]
+        assert torch.equal(word - word[:, :1], torch.arange(4)[None, :, None].expand_as(word))
+        assert (word[:, 0] % 4 == 0).all()  # four tokens of a column: one aligned word
+        lane = pos[::4].unflatten(1, (8, w // 32, 4))  # [token / 4, 8, W / 32, 4] words
+        assert torch.equal(lane - lane[..., :1], 4 * torch.arange(4).expand_as(lane))
+        assert (lane[..., 0] % 16 == 0).all()  # a lane's four words: 16 aligned bytes
+    else:
+        assert torch.equal(pos, torch.arange(page * w).view(page, w))
     kh, t = 2, page + 3  # a second page, partly filled
     cache = torch.zeros(2, 2, page, kh, d // 2, dtype=torch.uint8)
     scale = torch.zeros(2, 2, kh, page)
@@ -291,10 +302,12 @@ def test_v_codes_sit_in_their_row_order(d: int, page: int) -> None:
     packed, _ = quant.quantize_int4_rotated(x)
     flat = cache.transpose(0, 1).reshape(2, 2 * page, kh, d // 2)  # [k / v, slots, KH, D / 2]
     assert torch.equal(flat[0, :t], packed)  # k in token order
-    rows = v_rows.v_rows(torch.arange(t), d, page)  # page offsets of a flat slot range
-    assert torch.equal(flat[1, rows], packed)  # v at its rows
-    if order is not None:
-        assert torch.equal(rows[:16], order)
-    back = v_rows.v_rows_from_cache(cache[:, 1]).reshape(2 * page, kh, d // 2)
+    offs = torch.arange(t)
+    at, col = v_layout.v_positions(offs % page, w, page)  # [t, W]
+    v_pages = cache[:, 1]  # [pages, page, KH, W]
+    got = v_pages[(offs // page)[:, None, None], at[:, None], torch.arange(kh)[None, :, None],
+                  col[:, None]]  # fmt: skip
+    assert torch.equal(got, packed)  # v at its positions
+    back = v_layout.v_from_cache(v_pages).reshape(2 * page, kh, w)
     assert torch.equal(back[:t], packed)
-    assert torch.equal(v_rows.v_rows_to_cache(back.view(2, page, kh, d // 2)), cache[:, 1])
+    assert torch.equal(v_layout.v_to_cache(back.view(2, page, kh, w)), v_pages)

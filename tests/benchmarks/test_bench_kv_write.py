@@ -9,7 +9,7 @@ from pathlib import Path
 
 import torch
 
-from torch_kvq.attention import v_rows
+from torch_kvq.attention import v_layout
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "benchmarks" / "bench_kv_write.py"
@@ -43,7 +43,7 @@ def test_int4_write_lands_packed() -> None:
     assert w.cache.dtype == torch.uint8 and w.cache.shape[-1] == 32
     w.call()
     assert int(w.kv_scale.gt(0).sum()) == 2 * 40 * 2
-    rows = torch.stack((w.cache[:, 0], v_rows.v_rows_from_cache(w.cache[:, 1])), 1)  # a token a row
+    rows = torch.stack((w.cache[:, 0], v_layout.v_from_cache(w.cache[:, 1])), 1)  # a token a row
     assert int(rows.ne(0).any(-1).sum()) == 2 * 40 * 2  # every (token, head) row written
 
 
@@ -52,7 +52,7 @@ def test_k8v4_write_lands_in_three_slots() -> None:
     assert w.cache.dtype == torch.uint8 and w.cache.shape[1:] == (3, 16, 2, 32)
     w.call()
     assert int(w.kv_scale.gt(0).sum()) == 2 * 40 * 2
-    rows = torch.cat((w.cache[:, :2], v_rows.v_rows_from_cache(w.cache[:, 2:])), 1)  # a token a row
+    rows = torch.cat((w.cache[:, :2], v_layout.v_from_cache(w.cache[:, 2:])), 1)  # a token a row
     assert int(rows.ne(0).any(-1).sum()) == 3 * 40 * 2  # k's two halves and v, every row
 
 

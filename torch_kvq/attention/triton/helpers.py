@@ -22,17 +22,11 @@ import torch
 import triton
 import triton.language as tl
 
-from torch_kvq.attention.v_rows import V_ROW_AXES
-
 DOT_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
 CODE_DTYPES = (torch.int8, torch.float8_e4m3fn)  # caches read with per-(token, head) scales
 LOG2E = 1.4426950408889634
 _LOG2E = tl.constexpr(LOG2E)  # a jit function reads only constexpr globals (Triton 3.6)
 INTERPRET = tl.constexpr(os.environ.get("TRITON_INTERPRET") == "1")  # no PTX or libdevice there
-# the row order of 4-bit v codes per head size (``v_rows.V_ROW_AXES``; D / 2 bytes a row)
-V_AXES_64 = tl.constexpr(V_ROW_AXES[64])
-V_AXES_128 = tl.constexpr(V_ROW_AXES[128])
-V_AXES_256 = tl.constexpr(V_ROW_AXES[256])
 
 
 @triton.jit
@@ -369,19 +363,16 @@ def combine_splits(
 
 
 @triton.jit
-def v_row(t, page_size, W: tl.constexpr):
-    """Row in its page of the 4-bit v codes (``W`` bytes a row) of the token at page offset
-    ``t`` (``v_rows.v_rows``): within each 16 tokens, token bit 3 - i goes to row bit
-    ``4 - axes[i]``, where the page is a multiple of 16 tokens and the head size has an order."""
-    if W == 32 or W == 64 or W == 128:
-        j = t % 16
-        r = t - j
-        for i in tl.static_range(4):
-            if W == 32:
-                r += ((j >> (3 - i)) & 1) << (4 - V_AXES_64[i])
-            elif W == 64:
-                r += ((j >> (3 - i)) & 1) << (4 - V_AXES_128[i])
-            else:
-                r += ((j >> (3 - i)) & 1) << (4 - V_AXES_256[i])
-        t = tl.where(page_size % 16 == 0, r, t)
-    return t
+def v_pos(t, c, page_size, W: tl.constexpr):
+    """(row, column) in its page of the 4-bit v code byte of the token at page offset ``t`` and
+    byte column ``c`` (``W`` bytes a token; broadcast): ``v_layout.v_positions``."""
+    if W % 32 == 0:
+        i = c % (W // 8)
+        f = (i // 4) * 512 + c // (W // 8) * 64 + (t % 16 // 4) * 16 + (i % 4) * 4 + t % 4
+        on = page_size % 16 == 0
+        row = tl.where(on, t - t % 16 + f // W, t + c * 0)
+        col = tl.where(on, f % W, c + t * 0)
+    else:
+        row = t + c * 0
+        col = c + t * 0
+    return row, col

@@ -54,9 +54,6 @@ from torch_kvq.attention.triton.hadamard import hadamard_stage
 from torch_kvq.attention.triton.helpers import (
     _LOG2E,
     INTERPRET,
-    V_AXES_64,
-    V_AXES_128,
-    V_AXES_256,
 )
 
 # output columns per chunk of the epilogue's un-rotation (and q rows per prologue chunk); a jit
@@ -215,22 +212,17 @@ def scale_descriptor(kv_scale: torch.Tensor, heads: int = 1) -> TensorDescriptor
 
 @triton.jit
 def v_tile(v, PAGE: tl.constexpr, W: tl.constexpr):
-    """A page's 4-bit V codes as the cache lays them (``v_rows.v_rows_to_cache``) -> [PAGE, W],
-    the rows in token order, the columns in ``v_columns`` order. No data moves: the row order
-    only relabels the tile, so that the four tokens of ``pv``'s operand a quad reads in one
-    instruction sit on distinct shared-memory banks under the TMA tile's swizzle."""
-    if PAGE % 16 == 0 and (W == 32 or W == 64 or W == 128):
-        if W == 32:
-            v = tl.reshape(v, [PAGE // 16, 2, 2, 2, 2, W])
-            v = tl.permute(v, [0, V_AXES_64[0], V_AXES_64[1], V_AXES_64[2], V_AXES_64[3], 5])
-        elif W == 64:
-            v = tl.reshape(v, [PAGE // 16, 2, 2, 2, 2, W])
-            v = tl.permute(v, [0, V_AXES_128[0], V_AXES_128[1], V_AXES_128[2], V_AXES_128[3], 5])
-        elif W == 128:
-            v = tl.reshape(v, [PAGE // 16, 2, 2, 2, 2, W])
-            v = tl.permute(v, [0, V_AXES_256[0], V_AXES_256[1], V_AXES_256[2], V_AXES_256[3], 5])
-        v = tl.reshape(v, [PAGE, W])
-    return tl.reshape(tl.permute(tl.reshape(v, [PAGE, 8, W // 8]), [0, 2, 1]), [PAGE, W])
+    """A page's 4-bit V codes as the cache lays them (``v_layout``) -> [PAGE, W], a token a row,
+    the columns in ``v_columns`` order. No data moves: where the layout applies (PAGE a multiple
+    of 16, W of 32) the labels make ``pv``'s operand (its transpose) hold in each register one
+    32-bit word of the tile (four consecutive tokens of one column) and each lane's four words of
+    a 16-token step 16 contiguous bytes, the eight lanes of a load phase on distinct banks."""
+    if PAGE % 16 == 0 and W % 32 == 0:
+        v = tl.reshape(v, [PAGE // 16, W // 32, 8, 4, 4, 4])  # s, h, g, t, w, j
+        v = tl.permute(v, [1, 4, 2, 0, 3, 5])  # column 32h + 8w + g, token 16s + 4t + j
+        return tl.trans(tl.reshape(v, [W, PAGE]))
+    else:
+        return tl.reshape(tl.permute(tl.reshape(v, [PAGE, 8, W // 8]), [0, 2, 1]), [PAGE, W])
 
 
 @triton.jit

@@ -17,7 +17,7 @@ import triton
 import triton.language as tl
 
 from torch_kvq.attention.triton.hadamard import walsh_hadamard
-from torch_kvq.attention.triton.helpers import INTERPRET, v_row
+from torch_kvq.attention.triton.helpers import INTERPRET, v_pos
 
 
 @triton.jit
@@ -34,8 +34,8 @@ def kv_dequant_pages_kernel(
     scale's low bits, ``signs_ptr`` [D] fp32 and ``inv_sqrt_b`` the rotation's sign vector and
     fp32(D ** -0.5). ``SLOTS`` 3 (``k8v4_per_token_head``): k's int8 codes as offset-binary
     bytes in slots 0 and 1 (``SPLIT_K``: channel d in slot d // (D / 2) at d % (D / 2);
-    ``quant.k8v4_k_slots``), v's int4 codes in slot 2. A uint8 cache's v codes sit in their own
-    row order (``helpers.v_row``)."""
+    ``quant.k8v4_k_slots``), v's int4 codes in slot 2. A uint8 cache's v codes sit at their own
+    positions (``helpers.v_pos``)."""
     i = tl.program_id(0).to(tl.int64)
     kv = tl.program_id(1) + KV0
     r = tl.program_id(2) * ROWS + tl.arange(0, ROWS)
@@ -48,9 +48,9 @@ def kv_dequant_pages_kernel(
     if INT4:  # channels first [D, ROWS]: the butterfly's layout (triton/hadamard.py)
         C: tl.constexpr = D // 2
         c = tl.arange(0, C)
-        if kv == 1:  # v: token t's codes at its row (``v_row``)
-            rows = v_row(t, PAGE, C) * KH + h
-            src = cache_ptr + slot * (PAGE * KH * C) + rows[None, :] * C + c[:, None]
+        if kv == 1:  # v: token t's codes at their positions (``v_pos``)
+            at, col = v_pos(t[None, :], c[:, None], PAGE, C)
+            src = cache_ptr + slot * (PAGE * KH * C) + (at * KH + h[None, :]) * C + col
         else:
             src = cache_ptr + slot * (PAGE * KH * C) + r[None, :] * C + c[:, None]
         codes = tl.load(src, mask=ok[None, :])
