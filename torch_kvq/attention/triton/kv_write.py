@@ -16,7 +16,7 @@ import triton
 import triton.language as tl
 
 from torch_kvq.attention.triton.hadamard import walsh_hadamard
-from torch_kvq.attention.triton.helpers import INTERPRET, v_pos
+from torch_kvq.attention.triton.helpers import INTERPRET, v_offsets
 
 _TWO_23 = tl.constexpr(8388608.0)  # 2^23 (0f4B000000): fp32's ulp is 1 in [2^23, 2^24)
 _TWO_23_HALF = tl.constexpr(12582912.0)  # 1.5 * 2^23: y + it rounds y to an integer, ties to even
@@ -265,7 +265,7 @@ def kv_write_int4_kernel(
     """Rows ``[BLOCK_R * program_id(0), ...)`` of the ``n_rows`` = T * KH (token, kv head) rows
     of k (``program_id(1)`` 0) or of v (1), each quantized by ``_int4_rows``: packed codes into
     ``cache[page, 0 / 1, offset, head]`` (D / 2 bytes), stored scales into ``scale[page, 0 / 1,
-    head, offset]``; side ``V_SIDE``'s codes (v's) at their own positions (``helpers.v_pos``).
+    head, offset]``; side ``V_SIDE``'s codes (v's) at their own positions (``helpers.v_offsets``).
     ``sign_ptr``: the rotation's signs [D] fp32; ``ratio_ptr``: the clip ratios [NUM_RATIOS]
     fp32. Any strides (``*_s*``: token / page, k-or-v, slot, head, dim).
 
@@ -307,10 +307,7 @@ def kv_write_int4_kernel(
                                FLOOR, NUM_RATIOS)  # fmt: skip
     j = tl.arange(0, BLOCK_D // 2)
     head = cache_ptr + kv * c_skv + (page * c_sp + h * c_sh)[None, :]
-    if kv == V_SIDE:
-        at, col = v_pos(offset[None, :], j[:, None], page_size, D // 2)
-        dst = head + at * c_ss + col * c_sd
-    else:
-        dst = head + offset[None, :] * c_ss + j[:, None] * c_sd
+    tok, col = v_offsets(offset, j, (kv == V_SIDE) & (page_size % 16 == 0), c_ss, c_sd, D // 2)
+    dst = head + tok[None, :] + col[:, None]
     tl.store(dst, codes, mask=(j[:, None] < D // 2) & row_ok[None, :])
     tl.store(scale_ptr + kv * s_skv + page * s_sp + offset * s_ss + h * s_sh, stored, mask=row_ok)
