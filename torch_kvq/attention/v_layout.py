@@ -31,21 +31,22 @@ def _group_positions(w: int) -> tuple[torch.Tensor, torch.Tensor]:
     t = torch.arange(V_GROUP)[:, None]
     c = torch.arange(w)[None, :]
     g, i = c // (w // 8), c % (w // 8)
-    f = (i // 4) * 512 + g * 64 + (t % 16 // 4) * 16 + (i % 4) * 4 + t % 4
+    f = (i // 4) * 512 + g * 64 + (t // 4) * 16 + (i % 4) * 4 + t % 4
     return f // w, f % w
 
 
 def v_positions(offsets: torch.Tensor, w: int, page: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(rows, columns) [T, w] in the page of the ``w`` code bytes of the tokens at page
     ``offsets`` [T]."""
-    cols = torch.arange(w, device=offsets.device).expand(offsets.shape[0], w)
     if not v_layout_applies(w, page):
+        cols = torch.arange(w, device=offsets.device).expand(offsets.shape[0], w)
         return offsets[:, None].expand(-1, w), cols
     rows, cols = (x.to(offsets.device) for x in _group_positions(w))
     j = offsets % V_GROUP
     return (offsets - j)[:, None] + rows[j], cols[j]
 
 
+@functools.cache
 def _flat_index(page: int, w: int) -> torch.Tensor | None:
     """Position (row * w + column) in a page's [page, w] bytes of each token-order byte, flat."""
     if not v_layout_applies(w, page):

@@ -51,10 +51,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 
 from torch_kvq.attention.quant import _walsh_hadamard, hadamard_block, hadamard_signs
 from torch_kvq.attention.triton.hadamard import hadamard_stage
-from torch_kvq.attention.triton.helpers import (
-    _LOG2E,
-    INTERPRET,
-)
+from torch_kvq.attention.triton.helpers import _LOG2E, INTERPRET
 
 # output columns per chunk of the epilogue's un-rotation (and q rows per prologue chunk); a jit
 # function reads only constexpr globals (Triton 3.6)
