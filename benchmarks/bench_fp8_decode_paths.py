@@ -96,7 +96,7 @@ class Case:
         scales) set as attributes. int4: packed codes [pages, 2, page, KH, D / 2] uint8 (rotated,
         MSE-clipped: ``quant.quantize_int4_rotated``), D / 2 code bytes per (token, kv head);
         k8v4: [pages, 3, page, KH, D / 2] uint8 (``quant.quantize_k8v4_pages``), D + D / 2."""
-        from torch_kvq.attention.quant import quantize_k8v4_pages, quantize_per_token_head
+        from torch_kvq.attention.quant import quantize_pages_per_token_head
 
         cache16 = self.bf16_cache()
         pages = cache16.shape[0]
@@ -109,7 +109,7 @@ class Case:
         step = 1024 if packed else 4096  # int4 tries 11 clip ratios: more temporaries
         for i in range(0, pages, step):
             x = cache16[i : i + step]
-            c, s = quantize_k8v4_pages(x) if mode == "k8v4" else quantize_per_token_head(x, mode)
+            c, s = quantize_pages_per_token_head(x, mode)
             codes[i : i + step], scales[i : i + step] = c, s.transpose(-1, -2)  # s [n, 2, page, KH]
         ref = self.reference(codes, 1.0, 1.0, scales)
         setattr(self, f"ref_{mode}", ref)
@@ -123,7 +123,7 @@ class Case:
         """fp32 dense attention, 4 sequences at a time (bounded memory); ``scales``: the
         per-(token, head) ones [pages, 2, KH, page] (a uint8 cache: int4, dequantized and
         un-rotated; with 3 slots k8v4, its v so)."""
-        from torch_kvq.attention.quant import dequantize_int4_rotated, dequantize_k8v4_pages
+        from torch_kvq.attention.quant import dequantize_int4_pages, dequantize_k8v4_pages
 
         out = torch.empty(self.batch, self.qh, self.d, device="cuda")
         g = self.qh // self.kh
@@ -134,7 +134,7 @@ class Case:
                 pages = dequantize_k8v4_pages(cache[flat], scales[flat].transpose(-1, -2))
                 pages = pages.unflatten(0, ids.shape)
             elif cache.dtype == torch.uint8 and scales is not None:
-                pages = dequantize_int4_rotated(cache[ids], scales[ids].transpose(-1, -2))
+                pages = dequantize_int4_pages(cache[ids], scales[ids].transpose(-1, -2))
             else:
                 pages = cache[ids].float()  # [b, n, 2, page, KH, D]
             if scales is not None and cache.dtype != torch.uint8:

@@ -21,7 +21,7 @@ from tests.support.passes import (
     qkv,
     run_passes,
 )
-from torch_kvq.attention import Attention, quant
+from torch_kvq.attention import Attention, quant, v_layout
 from torch_kvq.attention.kernels import FlashInferKernel, KernelUnsupportedError
 from torch_kvq.attention.kernels import capabilities as caps
 from torch_kvq.attention.kernels.kv_write_per_token_head import write_kv_per_token_head
@@ -266,5 +266,48 @@ def test_cpu_write_of_int4_is_the_aten_form() -> None:
     slots = torch.tensor([0, 1, 2])
     write_kv_per_token_head(cache, scale, k, k, slots, "int4")
     packed, stored = quant.quantize_int4_rotated(k)
-    assert torch.equal(cache[0, 0, :3], packed) and torch.equal(cache[0, 1, :3], packed)
+    v = v_layout.v_from_cache(cache[0, 1])  # v a token a row
+    assert torch.equal(cache[0, 0, :3], packed) and torch.equal(v[:3], packed)
+    assert not v[3:].any() and not cache[0, 0, 3:].any()
     assert torch.equal(scale[0, 0, :, :3], stored.T)
+
+
+@pytest.mark.parametrize("d", [64, 128, 256])
+@pytest.mark.parametrize("page", [8, 16, 32])
+def test_v_codes_sit_at_their_positions(d: int, page: int) -> None:
+    """A page's 4-bit v codes where the page is a multiple of 16 (head sizes 64, 128, 256): in
+    each 16 tokens, the four tokens 4t..4t+3 of a byte column in one 32-bit word, a column group's
+    four words in 16 contiguous bytes (the decode's operand words, docs/design/int4-branch.md);
+    else a token a row; k's codes always a token a row. The write lays them so and
+    ``v_from_cache`` undoes it."""
+    w = d // 2
+    assert v_layout.v_layout_applies(w, page) == (page % 16 == 0)
+    rows, cols = v_layout.v_positions(torch.arange(page), w, page)
+    pos = rows * w + cols  # [page, W] byte of each (token, column) in the page
+    assert sorted(pos.flatten().tolist()) == list(range(page * w))  # a permutation
+    if page % 16 == 0:
+        word = pos.unflatten(0, (page // 4, 4))  # [token / 4, 4, W]
+        assert torch.equal(word - word[:, :1], torch.arange(4)[None, :, None].expand_as(word))
+        assert (word[:, 0] % 4 == 0).all()  # four tokens of a column: one aligned word
+        lane = pos[::4].unflatten(1, (8, w // 32, 4))  # [token / 4, 8, W / 32, 4] words
+        assert torch.equal(lane - lane[..., :1], 4 * torch.arange(4).expand_as(lane))
+        assert (lane[..., 0] % 16 == 0).all()  # a lane's four words: 16 aligned bytes
+    else:
+        assert torch.equal(pos, torch.arange(page * w).view(page, w))
+    kh, t = 2, page + 3  # a second page, partly filled
+    cache = torch.zeros(2, 2, page, kh, d // 2, dtype=torch.uint8)
+    scale = torch.zeros(2, 2, kh, page)
+    x = torch.randn(t, kh, d)
+    write_kv_per_token_head(cache, scale, x, x, torch.arange(t), "int4")
+    packed, _ = quant.quantize_int4_rotated(x)
+    flat = cache.transpose(0, 1).reshape(2, 2 * page, kh, d // 2)  # [k / v, slots, KH, D / 2]
+    assert torch.equal(flat[0, :t], packed)  # k in token order
+    offs = torch.arange(t)
+    at, col = v_layout.v_positions(offs % page, w, page)  # [t, W]
+    v_pages = cache[:, 1]  # [pages, page, KH, W]
+    got = v_pages[(offs // page)[:, None, None], at[:, None], torch.arange(kh)[None, :, None],
+                  col[:, None]]  # fmt: skip
+    assert torch.equal(got, packed)  # v at its positions
+    back = v_layout.v_from_cache(v_pages).reshape(2 * page, kh, w)
+    assert torch.equal(back[:t], packed)
+    assert torch.equal(v_layout.v_to_cache(back.view(2, page, kh, w)), v_pages)

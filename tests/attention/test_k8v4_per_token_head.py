@@ -25,7 +25,7 @@ from tests.support.passes import (
     qkv,
     run_passes,
 )
-from torch_kvq.attention import Attention, ReferenceKernel, forward_context, quant
+from torch_kvq.attention import Attention, ReferenceKernel, forward_context, quant, v_layout
 from torch_kvq.attention.kernels import FlashInferKernel, KernelUnsupportedError
 from torch_kvq.attention.kernels import capabilities as caps
 from torch_kvq.attention.kernels.kv_write_per_token_head import write_kv_per_token_head
@@ -99,7 +99,7 @@ def test_write_then_read_is_int8_for_k_and_int4_for_v(setup) -> None:
     assert torch.equal((a.kv_cache[pages, 1, offs] ^ 0x80).view(torch.int8), kc[..., 16:])
     assert torch.equal(a.kv_scale[pages, 0, :, offs], ks)
     vc, vs = quant.quantize_int4_rotated(v)
-    assert torch.equal(a.kv_cache[pages, 2, offs], vc)
+    assert torch.equal(v_layout.v_from_cache(a.kv_cache[:, 2])[pages, offs], vc)  # v's layout
     assert torch.equal(a.kv_scale[pages, 1, :, offs], vs)
     # the int8 k is far closer to k than int4 would be
     assert (kv[pages, 0, offs] - k.float()).abs().max() < 0.02 * k.float().abs().max()
@@ -334,5 +334,5 @@ def test_cpu_write_of_k8v4_is_the_aten_form() -> None:
     kc, ks = quant.quantize_per_token_head(k, "int8")
     vc, vs = quant.quantize_int4_rotated(v)
     assert torch.equal(cache[0, :2, :3], quant.k8v4_k_slots(kc).movedim(0, 1))
-    assert torch.equal(cache[0, 2, :3], vc)
+    assert torch.equal(v_layout.v_from_cache(cache[0, 2])[:3], vc)  # v: its layout
     assert torch.equal(scale[0, 0, :, :3], ks.T) and torch.equal(scale[0, 1, :, :3], vs.T)

@@ -26,8 +26,7 @@ INTERPRETING = os.environ.get("TRITON_INTERPRET") == "1"
 from torch_kvq.attention.kernels.reference import ref_attention  # noqa: E402
 from torch_kvq.attention.quant import (  # noqa: E402
     dequantize_pages_per_token_head,
-    quantize_k8v4_pages,
-    quantize_per_token_head,
+    quantize_pages_per_token_head,
 )
 from torch_kvq.spec import FP8_DTYPE  # noqa: E402
 
@@ -83,18 +82,10 @@ class Case:
         return torch.cat(outs)
 
 
-def quantize_pages(x: torch.Tensor, fmt: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """Pages of k and v [P, 2, page, KH, D] quantized per (token, head) in the layer format
-    ``fmt`` ("int8" | "fp8" | "int4" | "k8v4"): (codes [P, slots, page, KH, D or D / 2], scales
-    [P, 2, page, KH]); "k8v4": k's int8 codes as bytes in slots 0 / 1, v's int4 ones in slot 2
-    (``quant.quantize_k8v4_pages``: as the aten write lays them)."""
-    return quantize_k8v4_pages(x) if fmt == "k8v4" else quantize_per_token_head(x, fmt)
-
-
 class ScaledCase(Case):
     """``Case`` with a per-(token, head) cache: the same shuffled pages of model-dtype values
-    (N(0, 1) times ``k_gain`` / ``v_gain``) quantized by ``quant.quantize_per_token_head``
-    (``mode`` "int8" | "fp8" | "int4" | "k8v4", ``quantize_pages``): codes in ``kv_cache``, scales
+    (N(0, 1) times ``k_gain`` / ``v_gain``) quantized as a cache holds them
+    (``mode`` "int8" | "fp8" | "int4" | "k8v4", ``quant.quantize_pages_per_token_head``): codes in ``kv_cache``, scales
     in ``kv_scale`` [P, 2, KH, page]; int4 (``quantize_int4_rotated``): packed codes [..., D / 2]
     uint8, rotated, the reference on the cache dequantized and un-rotated; k8v4: k int8 in
     slots 0 / 1, v int4 in slot 2."""
@@ -104,7 +95,7 @@ class ScaledCase(Case):
                  v_gain: float = 1.0) -> None:  # fmt: skip
         super().__init__(lens, qh, kh, d, page, torch.float32, "cpu", seed)
         real = self.kv_cache / 8 * torch.tensor([k_gain, v_gain]).view(2, 1, 1, 1)
-        codes, scales = quantize_pages(real.to(torch.bfloat16), mode)
+        codes, scales = quantize_pages_per_token_head(real.to(torch.bfloat16), mode)
         self.kv_cache = codes.to(device)
         self.kv_scale = scales.transpose(-1, -2).contiguous().to(device)  # [P, 2, KH, page]
         self.kv_indices, self.kv_indptr = self.kv_indices.to(device), self.kv_indptr.to(device)

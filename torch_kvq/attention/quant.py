@@ -24,7 +24,9 @@ reproduces it).
 4-bit per (token, kv head) (``INT4_PER_TOKEN_HEAD``, ``mode`` "int4"): rotated, asymmetric,
 MSE-clipped int4, two codes per byte (``quantize_int4_rotated`` / ``dequantize_int4_rotated``;
 the sections at the end of this module); codes [pages, 2, page, KH, D / 2] uint8, the same
-``kv_scale`` layout with each scale's zero point in its low mantissa bits.
+``kv_scale`` layout with each scale's zero point in its low mantissa bits. A page's 4-bit v codes
+sit in a layout of their own (``v_layout``: the decode's operand words; a token a row unless the
+page is a multiple of 16 tokens and D of 64).
 
 k int8, v int4 (``K8V4_PER_TOKEN_HEAD``, layer format "k8v4"): k quantized as "int8", v as
 "int4", each by its own math above; one uint8 cache [pages, 3, page, KH, D / 2] (slots 0 / 1: k's
@@ -39,6 +41,7 @@ from typing import Literal
 
 import torch
 
+from torch_kvq.attention.v_layout import v_from_cache, v_to_cache
 from torch_kvq.spec import FP8_DTYPE
 
 FP8_MAX = 448.0  # largest finite float8_e4m3fn value
@@ -135,15 +138,27 @@ def dequantize_pages_per_token_head(
     [pages, 2, KH, page]) dequantized into a compact [n, 2, page, KH, D] tensor of ``out_dtype``
     (fp32 values rounded once to it): page i of the result is cache page ``page_ids[i]``, so a page
     table over it counts 0..n-1. A uint8 cache is ``int4_per_token_head``'s (codes [pages, 2,
-    page, KH, D / 2]): ``dequantize_int4_rotated``, back in the model's basis; or, with 3 slots,
+    page, KH, D / 2]): ``dequantize_int4_pages``, back in the model's basis; or, with 3 slots,
     ``k8v4_per_token_head``'s (``dequantize_k8v4_pages``)."""
     ids = page_ids.long()
     scales = kv_scale[ids].transpose(-1, -2)  # [n, 2, page, KH]
     if kv_cache.shape[1] == 3:  # k8v4_per_token_head: k int8 in slots 0 / 1, v int4 in slot 2
         return dequantize_k8v4_pages(kv_cache[ids], scales).to(out_dtype)
     if kv_cache.dtype == torch.uint8:
-        return dequantize_int4_rotated(kv_cache[ids], scales).to(out_dtype)
+        return dequantize_int4_pages(kv_cache[ids], scales).to(out_dtype)
     return dequantize_per_token_head(kv_cache[ids], scales).to(out_dtype)
+
+
+def quantize_pages_per_token_head(x: torch.Tensor, fmt: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """Pages of k and v [n, 2, page, KH, D] quantized per (token, head) in the layer format
+    ``fmt`` ("int8" | "fp8" | "int4" | "k8v4") and laid out as a cache holds them: (codes [n,
+    slots, page, KH, D or D / 2], scales [n, 2, page, KH]); what ``dequantize_pages_per_token_head``
+    reads back (a cache built without the write op: tests, benchmarks)."""
+    if fmt == "k8v4":
+        return quantize_k8v4_pages(x)
+    if fmt == "int4":
+        return quantize_int4_pages(x)
+    return quantize_per_token_head(x, fmt)
 
 
 # -- 4-bit per (token, head), with a Hadamard rotation (issue 33: ``INT4_PER_TOKEN_HEAD``) --------
@@ -341,11 +356,29 @@ def dequantize_int4_rotated(packed: torch.Tensor, stored: torch.Tensor) -> torch
     return unrotate(dequantize_int4_per_token_head(packed, stored))
 
 
+def quantize_int4_pages(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Pages of k and v [n, 2, page, KH, D] -> (codes uint8 [n, 2, page, KH, D / 2], v's in
+    ``v_layout``'s positions; scales [n, 2, page, KH]): ``quantize_int4_rotated`` as a cache
+    holds it."""
+    codes, scales = quantize_int4_rotated(x)
+    return torch.stack((codes[:, 0], v_to_cache(codes[:, 1])), 1), scales
+
+
+def dequantize_int4_pages(codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """int4 cache pages, codes uint8 [..., 2, page, KH, D / 2] with scales [..., 2, page, KH], to
+    fp32 [..., 2, page, KH, D] in the model's basis (``quantize_int4_pages``' inverse up to the
+    quantization)."""
+    k = dequantize_int4_rotated(codes.select(-4, 0), scales.select(-3, 0))
+    v = dequantize_int4_rotated(v_from_cache(codes.select(-4, 1)), scales.select(-3, 1))
+    return torch.stack((k, v), -4)
+
+
 # -- K8V4_PER_TOKEN_HEAD ("k8v4"): k as "int8", v as "int4", in one uint8 cache -------------------
 #
 # The two formats' math is the functions above, unchanged; what is new is only where the codes
 # sit: k's int8 codes [..., D] as uint8 bit patterns split over slots 0 and 1 ([..., D / 2] each),
-# v's packed int4 codes in slot 2, so one uint8 tensor [pages, 3, page, KH, D / 2] holds both.
+# v's packed int4 codes in slot 2 (in ``v_layout``'s positions), so one uint8 tensor
+# [pages, 3, page, KH, D / 2] holds both.
 
 KV_FORMATS = {"k8v4": ("int8", "int4")}  # layer format -> (k's format, v's format)
 
@@ -384,12 +417,12 @@ def quantize_k8v4_pages(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     inverse up to the quantization)."""
     kc, ks = quantize_per_token_head(x[:, 0], "int8")
     vc, vs = quantize_int4_rotated(x[:, 1])
-    return torch.cat((k8v4_k_slots(kc), vc.unsqueeze(1)), 1), torch.stack((ks, vs), 1)
+    return torch.cat((k8v4_k_slots(kc), v_to_cache(vc).unsqueeze(1)), 1), torch.stack((ks, vs), 1)
 
 
 def dequantize_k8v4_pages(codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     """k8v4 cache pages, codes uint8 [n, 3, page, KH, D / 2] with scales [n, 2, page, KH], to fp32
     [n, 2, page, KH, D]: k ``dequantize_per_token_head``, v ``dequantize_int4_rotated``."""
     k = dequantize_per_token_head(k8v4_k_codes(codes[:, :2]), scales[:, 0])
-    v = dequantize_int4_rotated(codes[:, 2], scales[:, 1])
+    v = dequantize_int4_rotated(v_from_cache(codes[:, 2]), scales[:, 1])
     return torch.stack((k, v), 1)

@@ -8,11 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.support.triton_case import (  # sets the interpreter up first
-    HAS_CUDA,
-    INTERPRETING,
-    quantize_pages,
-)
+from tests.support.triton_case import HAS_CUDA, INTERPRETING  # sets the interpreter up first
 from torch_kvq.attention import quant
 from torch_kvq.attention.kernels.kv_dequant import dequantize_pages, dequantize_pages_triton
 from torch_kvq.spec import FP8_DTYPE
@@ -35,7 +31,7 @@ def cache_of(fmt: str, pages: int, page: int, kh: int, d: int, seed: int = 0):
         * 4
     )
     x[..., 3] += 20.0 * (torch.rand(pages, 2, page, kh, generator=g) > 0.9)
-    codes, scales = quantize_pages(x.bfloat16(), fmt)
+    codes, scales = quant.quantize_pages_per_token_head(x.bfloat16(), fmt)
     return codes.to(DEVICE), scales.transpose(-1, -2).contiguous().to(DEVICE)
 
 

@@ -114,6 +114,7 @@ def launch_int4_write(
         *k.stride(), *v.stride(), *kv_cache.stride(), *kv_scale.stride(), kv_cache.shape[2],
         KH=kh, D=d, BLOCK_R=block_r, BLOCK_D=block_d, LOG2B=b.bit_length() - 1,
         RSQRT_B=f32(b**-0.5), RCP15=f32(1.0 / INT4_LEVELS), FLOOR=f32(SCALE_FLOOR),
-        NUM_RATIOS=len(INT4_CLIP_RATIOS), ROWS_FIRST=rows_first, num_warps=INT4_WARPS,
+        NUM_RATIOS=len(INT4_CLIP_RATIOS), ROWS_FIRST=rows_first, V_SIDE=0 if v_only else 1,
+        num_warps=INT4_WARPS,
         enable_fp_fusion=False,
     )  # fmt: skip

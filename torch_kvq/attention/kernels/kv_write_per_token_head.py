@@ -41,6 +41,7 @@ from torch_kvq.attention.quant import (
     quantize_per_token_head,
 )
 from torch_kvq.attention.triton.decode_config import sm_count
+from torch_kvq.attention.v_layout import v_positions
 
 # The per-(token, head) write's launch: values of k (and of v) per program, and its warps
 WRITE_ROW_ELEMENTS = 2048
@@ -141,14 +142,20 @@ def put_per_token_head(
     """Put codes [T, KH, D] into ``kv_cache`` and their scales [T, KH] into ``kv_scale`` at
     ``slot_mapping`` [T] slots (no checks; ``kvq::cache_write_per_token_head`` and the aten
     write). A 3-slot cache is ``k8v4_per_token_head``'s: k's int8 codes into slots 0 and 1
-    (``quant.k8v4_k_slots``), v's packed codes into slot 2."""
+    (``quant.k8v4_k_slots``), v's packed codes into slot 2. A uint8 cache's v codes go to their
+    own positions (``v_layout.v_positions``)."""
     pages, offsets = pages_and_offsets(slot_mapping, kv_cache.shape[2])
     if kv_cache.shape[1] == 3:
         kv_cache[pages, :2, offsets] = k8v4_k_slots(k_codes)
-        kv_cache[pages, 2, offsets] = v_codes
     else:
         kv_cache[pages, 0, offsets] = k_codes
-        kv_cache[pages, 1, offsets] = v_codes
+    v_slot, page, w = kv_cache.shape[1] - 1, kv_cache.shape[2], kv_cache.shape[-1]
+    if kv_cache.dtype == torch.uint8:  # [T, KH, W] codes at [T, 1, W] rows and columns
+        rows, cols = (x[:, None] for x in v_positions(offsets, w, page))
+        heads = torch.arange(kv_cache.shape[3], device=offsets.device)[None, :, None]
+        kv_cache[pages[:, None, None], v_slot, rows, heads, cols] = v_codes
+    else:
+        kv_cache[pages, v_slot, offsets] = v_codes
     kv_scale[pages, 0, :, offsets] = k_scales  # [T, KH]
     kv_scale[pages, 1, :, offsets] = v_scales
 

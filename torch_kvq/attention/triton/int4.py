@@ -208,6 +208,21 @@ def scale_descriptor(kv_scale: torch.Tensor, heads: int = 1) -> TensorDescriptor
 
 
 @triton.jit
+def v_tile(v, PAGE: tl.constexpr, W: tl.constexpr):
+    """A page's 4-bit V codes as the cache lays them (``v_layout``) -> [PAGE, W], a token a row,
+    the columns in ``v_columns`` order. No data moves: where the layout applies (PAGE a multiple
+    of 16, W of 32) the labels make ``pv``'s operand (its transpose) hold in each register one
+    32-bit word of the tile (four consecutive tokens of one column) and each lane's four words of
+    a 16-token step 16 contiguous bytes, the eight lanes of a load phase on distinct banks."""
+    if PAGE % 16 == 0 and W % 32 == 0:
+        v = tl.reshape(v, [PAGE // 16, W // 32, 8, 4, 4, 4])  # s, h, g, t, w, j
+        v = tl.permute(v, [1, 4, 2, 0, 3, 5])  # column 32h + 8w + g, token 16s + 4t + j
+        return tl.trans(tl.reshape(v, [W, PAGE]))
+    else:
+        return tl.reshape(tl.permute(tl.reshape(v, [PAGE, 8, W // 8]), [0, 2, 1]), [PAGE, W])
+
+
+@triton.jit
 def page_scales(scale_desc, page, kh, PAGE: tl.constexpr):
     """Page ``page``'s stored k and v scales [PAGE] each of kv head ``kh`` (``scale_descriptor``)."""
     sc = tl.reshape(scale_desc.load([page, 0, kh * PAGE]), [2, PAGE])
@@ -234,8 +249,7 @@ def page_int4(
     page = tl.load(table + p, mask=ok, other=0)
     row = page * (2 * PAGE)
     k = kv_desc.load([row, col])  # [PAGE, W] uint8
-    v = kv_desc.load([row + PAGE, col])
-    v = tl.reshape(tl.permute(tl.reshape(v, [PAGE, 8, W // 8]), [0, 2, 1]), [PAGE, W])
+    v = v_tile(kv_desc.load([row + PAGE, col]), PAGE, W)
     k_stored, v_stored = page_scales(scale_desc, page, kh, PAGE)
     k_scale, k_zp = _split_scale(k_stored)
     v_scale, v_zp = _split_scale(v_stored)

@@ -33,6 +33,7 @@ from torch_kvq.attention.triton.int4 import (
     page_scales,
     pv_weighted,
     unpack,
+    v_tile,
 )
 from torch_kvq.attention.triton.k8v4 import _block_top, _weights
 
@@ -67,10 +68,8 @@ def page_pair(
     row = page * (2 * PAGE)
     k_a = kv_desc.load([row, col])  # [PAGE, W] uint8
     k_b = kv_desc.load([row, col + W])
-    v_a = kv_desc.load([row + PAGE, col])
-    v_b = kv_desc.load([row + PAGE, col + W])
-    v_a = tl.reshape(tl.permute(tl.reshape(v_a, [PAGE, 8, W // 8]), [0, 2, 1]), [PAGE, W])
-    v_b = tl.reshape(tl.permute(tl.reshape(v_b, [PAGE, 8, W // 8]), [0, 2, 1]), [PAGE, W])
+    v_a = v_tile(kv_desc.load([row + PAGE, col]), PAGE, W)
+    v_b = v_tile(kv_desc.load([row + PAGE, col + W]), PAGE, W)
     k_stored, v_stored = page_scales(scale_desc, page, pair, 2 * PAGE)  # both heads' pages
     k_scale, k_zp = _split_scale(k_stored)
     v_scale, v_zp = _split_scale(v_stored)

@@ -40,6 +40,7 @@ from torch_kvq.attention.triton.int4 import (
     pv,
     rescale,
     rotate_q,
+    v_tile,
 )
 
 
@@ -70,8 +71,7 @@ def page_k8v4(
     row = page * (3 * PAGE)
     k0 = kv_desc.load([row, col])  # [PAGE, W] offset-binary bytes
     k1 = kv_desc.load([row + PAGE, col])
-    v = kv_desc.load([row + 2 * PAGE, col])
-    v = tl.reshape(tl.permute(tl.reshape(v, [PAGE, 8, W // 8]), [0, 2, 1]), [PAGE, W])
+    v = v_tile(kv_desc.load([row + 2 * PAGE, col]), PAGE, W)
     k_scale, v_stored = page_scales(scale_desc, page, kh, PAGE)
     v_scale, v_zp = _split_scale(v_stored)
     # two MMA chains (as int4's), each started at q_base: half the offset term

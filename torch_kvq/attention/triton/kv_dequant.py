@@ -17,7 +17,7 @@ import triton
 import triton.language as tl
 
 from torch_kvq.attention.triton.hadamard import walsh_hadamard
-from torch_kvq.attention.triton.helpers import INTERPRET
+from torch_kvq.attention.triton.helpers import INTERPRET, v_offsets
 
 
 @triton.jit
@@ -34,7 +34,8 @@ def kv_dequant_pages_kernel(
     scale's low bits, ``signs_ptr`` [D] fp32 and ``inv_sqrt_b`` the rotation's sign vector and
     fp32(D ** -0.5). ``SLOTS`` 3 (``k8v4_per_token_head``): k's int8 codes as offset-binary
     bytes in slots 0 and 1 (``SPLIT_K``: channel d in slot d // (D / 2) at d % (D / 2);
-    ``quant.k8v4_k_slots``), v's int4 codes in slot 2."""
+    ``quant.k8v4_k_slots``), v's int4 codes in slot 2. A uint8 cache's v codes sit at their own
+    positions (``helpers.v_offsets``)."""
     i = tl.program_id(0).to(tl.int64)
     kv = tl.program_id(1) + KV0
     r = tl.program_id(2) * ROWS + tl.arange(0, ROWS)
@@ -47,7 +48,9 @@ def kv_dequant_pages_kernel(
     if INT4:  # channels first [D, ROWS]: the butterfly's layout (triton/hadamard.py)
         C: tl.constexpr = D // 2
         c = tl.arange(0, C)
-        src = cache_ptr + slot * (PAGE * KH * C) + r[None, :] * C + c[:, None]
+        # v: token t's codes at their positions (``v_offsets``), k a token a row
+        tok, col = v_offsets(t, c, (kv == 1) & (PAGE % 16 == 0), KH * C, 1, C)
+        src = cache_ptr + slot * (PAGE * KH * C) + (tok + h * C)[None, :] + col[:, None]
         codes = tl.load(src, mask=ok[None, :])
         bits = stored.to(tl.int32, bitcast=True)
         scale = (bits & ~0xF).to(tl.float32, bitcast=True)

@@ -16,7 +16,7 @@ import triton
 import triton.language as tl
 
 from torch_kvq.attention.triton.hadamard import walsh_hadamard
-from torch_kvq.attention.triton.helpers import INTERPRET
+from torch_kvq.attention.triton.helpers import INTERPRET, v_offsets
 
 _TWO_23 = tl.constexpr(8388608.0)  # 2^23 (0f4B000000): fp32's ulp is 1 in [2^23, 2^24)
 _TWO_23_HALF = tl.constexpr(12582912.0)  # 1.5 * 2^23: y + it rounds y to an integer, ties to even
@@ -260,13 +260,14 @@ def kv_write_int4_kernel(
     c_sp, c_skv, c_ss, c_sh, c_sd, s_sp, s_skv, s_sh, s_ss, page_size,
     KH: tl.constexpr, D: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr,
     LOG2B: tl.constexpr, RSQRT_B: tl.constexpr, RCP15: tl.constexpr, FLOOR: tl.constexpr,
-    NUM_RATIOS: tl.constexpr, ROWS_FIRST: tl.constexpr,
+    NUM_RATIOS: tl.constexpr, ROWS_FIRST: tl.constexpr, V_SIDE: tl.constexpr,
 ):  # fmt: skip
     """Rows ``[BLOCK_R * program_id(0), ...)`` of the ``n_rows`` = T * KH (token, kv head) rows
     of k (``program_id(1)`` 0) or of v (1), each quantized by ``_int4_rows``: packed codes into
     ``cache[page, 0 / 1, offset, head]`` (D / 2 bytes), stored scales into ``scale[page, 0 / 1,
-    head, offset]``. ``sign_ptr``: the rotation's signs [D] fp32; ``ratio_ptr``: the clip ratios
-    [NUM_RATIOS] fp32. Any strides (``*_s*``: token / page, k-or-v, slot, head, dim).
+    head, offset]``; side ``V_SIDE``'s codes (v's) at their own positions (``helpers.v_offsets``).
+    ``sign_ptr``: the rotation's signs [D] fp32; ``ratio_ptr``: the clip ratios [NUM_RATIOS]
+    fp32. Any strides (``*_s*``: token / page, k-or-v, slot, head, dim).
 
     The tiles are channels first, [BLOCK_D, BLOCK_R], and k / v's channel strides are not
     specialized (so not known to be 1): Triton then lays a tile out with the rows across the
@@ -305,6 +306,8 @@ def kv_write_int4_kernel(
     codes, stored = _int4_rows(x, signs, ratio_ptr, BLOCK_R, BLOCK_D, LOG2B, RSQRT_B, RCP15,
                                FLOOR, NUM_RATIOS)  # fmt: skip
     j = tl.arange(0, BLOCK_D // 2)
-    dst = cache_ptr + kv * c_skv + (page * c_sp + offset * c_ss + h * c_sh)[None, :]
-    tl.store(dst + j[:, None] * c_sd, codes, mask=(j[:, None] < D // 2) & row_ok[None, :])
+    head = cache_ptr + kv * c_skv + (page * c_sp + h * c_sh)[None, :]
+    tok, col = v_offsets(offset, j, (kv == V_SIDE) & (page_size % 16 == 0), c_ss, c_sd, D // 2)
+    dst = head + tok[None, :] + col[:, None]
+    tl.store(dst, codes, mask=(j[:, None] < D // 2) & row_ok[None, :])
     tl.store(scale_ptr + kv * s_skv + page * s_sp + offset * s_ss + h * s_sh, stored, mask=row_ok)
