@@ -25,6 +25,7 @@ every variant against bf16 / fa2 on the same weights and prompts (relative Frobe
 
     python benchmarks/bench_prefill_at_scale.py --models llama-3.1-8b gemma-3-12b
     python benchmarks/bench_prefill_at_scale.py --smoke      # CPU: tiny shapes, reference kernel
+    python benchmarks/bench_prefill_at_scale.py --models llama-3.1-8b --kv bf16 int4-recommended --prefills fa3 --page 32
 Writes $OUT/prefill_at_scale.json and prefill_at_scale.md.
 """
 
@@ -87,8 +88,8 @@ def prebuild_all(model, kvs: dict, variants: list[tuple[str, str]]) -> None:
 
 def run_model(name: str, args, env, save) -> list[dict]:
     device = "cpu" if args.smoke else "cuda"
-    kvs = {kv: kv_config(kv, name) for kv in dict.fromkeys(["bf16", *args.kv])}
-    pages = -(-args.len // PAGE) + 1
+    kvs = {kv: kv_config(kv, name, args.page) for kv in dict.fromkeys(["bf16", *args.kv])}
+    pages = -(-args.len // args.page) + 1
     torch.manual_seed(0)
     model = build(name, kvs["bf16"], ReferenceKernel(), device, args.smoke, pages, None)
     gen = torch.Generator().manual_seed(1)
@@ -102,7 +103,7 @@ def run_model(name: str, args, env, save) -> list[dict]:
     fn = model
     for kv_name, prefill_opt in variants:
         row = {"model": name, "kv_config": kv_name, "prefill": prefill_opt, "prompts": args.prompts,
-               "len": args.len, "date": env["date_utc"], "gpu": env.get("gpu", "cpu"),
+               "len": args.len, "page": args.page, "date": env["date_utc"], "gpu": env.get("gpu", "cpu"),
                "commit": args.commit, "mode": "eager" if args.eager else "kvq_backend"}  # fmt: skip
         try:
             model.kernel = (ReferenceKernel() if args.smoke
@@ -169,6 +170,7 @@ def main() -> None:
     ap.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
     ap.add_argument("--prompts", type=int, default=8)
     ap.add_argument("--len", type=int, default=16384)
+    ap.add_argument("--page", type=int, default=PAGE, help="tokens per cache page, every config")
     ap.add_argument("--smoke", action="store_true", help="CPU, tiny shapes, reference kernel")
     ap.add_argument("--eager", action="store_true", help="no torch.compile (bf16 variants only)")
     ap.add_argument("--prefills", nargs="+", default=PREFILLS, choices=PREFILLS)
