@@ -6,8 +6,8 @@ int4-branch.md, "Where the 4-bit decodes stall"). On the device machine:
       python3 scripts/ncu_decode.py int4 llama [num_stages=4 ...]
 
 MODE: int8 | fp8 | int4 | k8v4 (``bench_fp8_decode_paths.Case.per_token_head``); SHAPE: llama |
-gemma_global; then ``paged_decode_tma`` keyword arguments as KEY=INT. Three calls: compile, then
-two to skip."""
+gemma_global; then ``paged_decode_tma`` keyword arguments as KEY=INT (``page=N``: N tokens a cache
+page, not an argument; default 16). Three calls: compile, then two to skip."""
 
 from __future__ import annotations
 
@@ -27,7 +27,7 @@ def main() -> None:
 
     mode, shape = sys.argv[1], sys.argv[2]
     kw = {k: int(v) for k, v in (a.split("=") for a in sys.argv[3:])}
-    c = Case(shape, 32, 16384)
+    c = Case(shape, 32, 16384, kw.pop("page", 16))
     codes, scales = c.per_token_head(mode)
     for _ in range(3):
         paged_decode_tma(
