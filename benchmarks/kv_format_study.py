@@ -1,0 +1,428 @@
+"""Which 4-bit V (and K) format at the int4 mode's bytes (D/2 code bytes + one fp32 scale per
+(token, kv head)) buys greedy agreement on SmolLM2-135M (issue 33; docs/accuracy.md, "Which part
+of the 4-bit cache costs agreement"). A study, CPU only: it builds no mode.
+
+Like benchmarks/int4_study.py (c418a04): every layer's k and v go through a cache format and back
+(fake quantization in a pre-hook on each ``Attention`` layer, into the model-dtype fp32 cache), so
+prefill and decode read what the cache would hold; k and v have separate formats per layer.
+
+Measures per config:
+  (a) greedy agreement on kvq eval's 30-prompt settings (``measure`` with prompts=30,
+      prompt_tokens=32, new_tokens=32, window=2, windows=1, decode_tokens=0), as ``eval.row``;
+  (b) mean KL(ref || cand) of the next-token distributions at the 32 generated positions of
+      each prompt, teacher-forced on the reference's greedy tokens (one prefill of prompt +
+      reference tokens), plus the teacher-forced top-1 match there;
+  (c) optionally (--ppl) teacher-forced perplexity on kvq eval's default windows (4 x 1024,
+      prefill only; the decode phase is not run).
+Also (--mse) MSE per element of each format on real k / v rows (one 1024-token window, all layers).
+
+Formats (all but int8 / none after quant.rotate, then quant.unrotate):
+  fp8t           : FP8 e4m3 per tensor, scale 1.0 (kvq eval's --kv fp8; not rotated)
+  none, int8     : unquantized / int8 per (token, head) (quant.quantize_per_token_head, half away)
+  int4           : the mode's exact math (quant.quantize_int4_rotated / dequantize_int4_rotated)
+  nf4            : 16 Lloyd-Max levels of N(0, 1), symmetric, one fp32 scale per row, chosen among
+                   rms * NF_SCALE_GRID by least squared error (then one least-squares refit kept
+                   only where it lowers the error); scale's 4 low mantissa bits cleared
+  nf4a           : nf4 levels around a per-row offset: offset = (z - 8) * scale / 8, z in 0..15
+                   (4 bits, in the scale's low mantissa bits); z and scale by least squared error
+  u3 / u5        : the mode's asymmetric MSE-clipped uniform math with 7 / 31 levels (3 / 5 bits)
+  nf3 / nf5      : Lloyd-Max 8 / 32 levels, symmetric, as nf4
+  int4c          : K centred: k - mu through the int4 mode's math, + mu (mu: the mean k per layer,
+                   kv head and channel over the corpus's calibration split, 4 x 1024 tokens). A
+                   constant shift of every key leaves each query's softmax unchanged (q . mu is
+                   the same for every token), so a cache could hold the codes of k - mu as they are
+Config syntax: "K/V" on every layer (e.g. "int4/nf4"), or "rec:K/V": K as int8 on the preset's
+layers (SmolLM2 1, 3, 4, 6, 12, 13, 16, 22) and as K elsewhere, V everywhere.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from torch_kvq.attention import quant  # noqa: E402
+
+REC_LAYERS = (1, 3, 4, 6, 12, 13, 16, 22)
+NF_SCALE_GRID = tuple(0.70 + 0.05 * i for i in range(13))  # 0.70 .. 1.30 times the row rms
+
+
+# -- Lloyd-Max levels for N(0, 1) ---------------------------------------------------------------
+def lloyd_max_gaussian(n: int, iters: int = 2000) -> torch.Tensor:
+    phi = lambda t: torch.exp(-0.5 * t * t) / math.sqrt(2 * math.pi)  # noqa: E731
+    cdf = lambda t: 0.5 * (1 + torch.erf(t / math.sqrt(2)))  # noqa: E731
+    lv = torch.linspace(-2.5, 2.5, n, dtype=torch.float64)
+    for _ in range(iters):
+        b = torch.cat(
+            [
+                torch.tensor([-math.inf], dtype=torch.float64),
+                (lv[1:] + lv[:-1]) / 2,
+                torch.tensor([math.inf], dtype=torch.float64),
+            ]
+        )
+        pa, pb = phi(b[:-1]), phi(b[1:])
+        pa = torch.where(torch.isinf(b[:-1]), torch.zeros_like(pa), pa)
+        pb = torch.where(torch.isinf(b[1:]), torch.zeros_like(pb), pb)
+        lv = (pa - pb) / (cdf(b[1:]) - cdf(b[:-1]))
+    return lv
+
+
+LEVELS = {n: lloyd_max_gaussian(n).float() for n in (8, 16, 32)}
+
+
+def _clear_low(scale: torch.Tensor, bits: int = 4) -> torch.Tensor:
+    return (scale.view(torch.int32) & ~((1 << bits) - 1)).view(torch.float32)
+
+
+def _nearest(y: torch.Tensor, lv: torch.Tensor) -> torch.Tensor:
+    """Index of the nearest level of each element of y (lv ascending)."""
+    mids = (lv[1:] + lv[:-1]) / 2
+    return torch.bucketize(y, mids)
+
+
+def _nf_candidates(y, lv, s, z):
+    """Candidates s, z [C, *rows]: (out [C, *rows, D], L [C, *rows, D], err [C, *rows])."""
+    s = _clear_low(s.clamp(min=quant.SCALE_FLOOR))
+    off = (z / 8.0) * s
+    t = (y.unsqueeze(0) - off.unsqueeze(-1)) / s.unsqueeze(-1)
+    L = lv[_nearest(t, lv)]
+    out = L * s.unsqueeze(-1) + off.unsqueeze(-1)
+    err = (out - y.unsqueeze(0)).double().square().sum(-1)
+    return out, L, err
+
+
+def _pick(out, L, err):
+    """The first candidate of least error per row (as the mode's clipping: first on a tie)."""
+    i = err.argmin(0)  # first minimum
+    g = i.unsqueeze(0).unsqueeze(-1).expand(1, *out.shape[1:])
+    return out.gather(0, g)[0], L.gather(0, g)[0], err.gather(0, i.unsqueeze(0))[0]
+
+
+def nf_fake(y: torch.Tensor, n: int, asym: bool = False) -> torch.Tensor:
+    """Rows y [..., D] fp32 (rotated) through n Lloyd-Max levels with one scale per row (and for
+    asym a 4-bit offset code z: offset (z - 8) / 8 * scale) and back; the (scale, offset) of least
+    squared error among rms * NF_SCALE_GRID (x the 16 offsets for asym)."""
+    lv = LEVELS[n].to(y.device)
+    rms = y.square().mean(-1).sqrt().clamp(min=quant.SCALE_FLOOR)
+    grid = torch.tensor(NF_SCALE_GRID, dtype=torch.float32)
+    zs = torch.arange(-8, 8, dtype=torch.float32) if asym else torch.zeros(1)
+    cs, zz = torch.meshgrid(grid, zs, indexing="ij")
+    shape = (-1,) + (1,) * rms.dim()
+    s = rms.unsqueeze(0) * cs.reshape(shape)
+    z = zz.reshape(shape).expand_as(s)
+    out, L, err = _pick(*_nf_candidates(y, lv, s, z))
+    if not asym:  # one least-squares refit of the scale for the best codes, kept where better
+        s2 = (y * L).sum(-1) / L.square().sum(-1).clamp(min=1e-12)
+        o2, L2, e2 = _nf_candidates(y, lv, s2.unsqueeze(0), torch.zeros_like(s2).unsqueeze(0))
+        better = (e2[0] < err).unsqueeze(-1)
+        out = torch.where(better, o2[0], out)
+    return out
+
+
+def uniform_fake(y: torch.Tensor, levels: int) -> torch.Tensor:
+    """The mode's asymmetric MSE-clipped math (quant._int4_codes) with ``levels`` + 1 codes."""
+    best_err = best_out = None
+    bits = int(math.log2(levels + 1))
+    for r in quant.INT4_CLIP_RATIOS:
+        lo, hi = y.amin(-1).clamp(max=0.0) * r, y.amax(-1).clamp(min=0.0) * r
+        scale = ((hi - lo) * (1.0 / levels)).clamp(min=quant.SCALE_FLOOR)
+        scale = _clear_low(scale, bits)
+        zp = quant.round_half_away(-lo / scale).clamp(0, levels)
+        c = quant.round_half_away(y * torch.reciprocal(scale).unsqueeze(-1) + zp.unsqueeze(-1))
+        out = (c.clamp(0, levels) - zp.unsqueeze(-1)) * scale.unsqueeze(-1)
+        err = (out - y).double().square().sum(-1)
+        if best_err is None:
+            best_err, best_out = err, out
+        else:
+            better = err < best_err
+            best_out = torch.where(better.unsqueeze(-1), out, best_out)
+            best_err = torch.minimum(err, best_err)
+    return best_out
+
+
+def fake_quant(x: torch.Tensor, fmt: str) -> torch.Tensor:
+    """x [T, KH, D] through the cache format ``fmt`` and back, in x's dtype."""
+    if fmt == "none":
+        return x
+    if fmt == "int8":
+        codes, scales = quant.quantize_per_token_head(x, "int8")
+        return quant.dequantize_per_token_head(codes, scales).to(x.dtype)
+    if fmt == "fp8t":  # FP8 per tensor, scale 1.0 (kvq eval's "fp8"), not rotated
+        return quant.dequantize_fp8(quant.quantize_fp8(x, 1.0), 1.0).to(x.dtype)
+    if fmt == "int4":
+        return quant.dequantize_int4_rotated(*quant.quantize_int4_rotated(x)).to(x.dtype)
+    if fmt.startswith("int4c:"):
+        return centred_int4(x, int(fmt.split(":")[1]))
+    y = quant.rotate(x)
+    if fmt == "nf4":
+        y = nf_fake(y, 16)
+    elif fmt == "nf4a":
+        y = nf_fake(y, 16, asym=True)
+    elif fmt == "nf3":
+        y = nf_fake(y, 8)
+    elif fmt == "nf5":
+        y = nf_fake(y, 32)
+    elif fmt == "u3":
+        y = uniform_fake(y, 7)
+    elif fmt == "u5":
+        y = uniform_fake(y, 31)
+    elif fmt == "u4":  # check: must equal int4
+        y = uniform_fake(y, 15)
+    else:
+        raise ValueError(fmt)
+    return quant.unrotate(y).to(x.dtype)
+
+
+MU: dict[int, torch.Tensor] = {}  # int4c's mean k per layer [KH, D], from ``calibrate_mu``
+
+
+def centred_int4(x: torch.Tensor, layer: int) -> torch.Tensor:
+    """int4c: x - mu through the int4 mode's math, + mu."""
+    mu = MU[layer].to(x.dtype)
+    return (quant.dequantize_int4_rotated(*quant.quantize_int4_rotated(x - mu)) + mu).to(x.dtype)
+
+
+def layer_formats(config: str, n: int) -> list[tuple[str, str]]:
+    rec = config.startswith("rec:")
+    k, v = config.removeprefix("rec:").split("/")
+    return [("int8" if rec and i in REC_LAYERS else (f"int4c:{i}" if k == "int4c" else k), v)
+            for i in range(n)]  # fmt: skip
+
+
+def calibrate_mu(lm, tok, layers) -> None:
+    """``MU``: the mean k per layer, kv head and channel over the calibration split's windows."""
+    from torch_kvq.evaluation import corpus
+    from torch_kvq.evaluation.eval import EvalSettings, eval_data, teacher_forced_ppl
+
+    sums: dict[int, torch.Tensor] = {}
+    counts: dict[int, int] = {}
+
+    def catch(i, args):
+        k = args[1].detach().double()  # [T, KH, D]
+        sums[i] = sums.get(i, 0) + k.sum(0)
+        counts[i] = counts.get(i, 0) + k.shape[0]
+
+    hs = [m.register_forward_pre_hook(lambda mod, a, kw, i=i: catch(i, a), with_kwargs=True)
+          for i, m in enumerate(layers)]  # fmt: skip
+    try:
+        cal = eval_data(
+            tok, EvalSettings(decode_tokens=0, new_tokens=0), corpus.split("calibration")
+        )
+        teacher_forced_ppl(lm, cal.windows)
+    finally:
+        for h in hs:
+            h.remove()
+    MU.update({i: (sums[i] / counts[i]).float() for i in sums})
+    print(
+        f"int4c: mu over {counts[0]} calibration tokens; mean |mu| per layer "
+        f"{[round(float(MU[i].norm(dim=-1).mean()), 2) for i in sorted(MU)]}",
+        flush=True,
+    )
+
+
+def main() -> None:
+    from torch_kvq.attention.layer import Attention
+    from torch_kvq.evaluation import corpus
+    from torch_kvq.evaluation.eval import (
+        EvalSettings,
+        _Runner,
+        eval_data,
+        measure,
+        teacher_forced_ppl,
+    )
+    from torch_kvq.integrations.trained import load_trained
+    from torch_kvq.spec import KVCacheConfig
+
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", default="smollm2-135m")
+    ap.add_argument("--configs", nargs="+", default=["int4/int4", "int8/int8", "int8/int4"])
+    ap.add_argument("--ppl", action="store_true", help="also teacher-forced ppl on 4 x 1024")
+    ap.add_argument("--mse", action="store_true", help="MSE per element on real k / v rows")
+    ap.add_argument(
+        "--mse-formats",
+        nargs="+",
+        default=["int4", "u4", "nf4", "nf4a", "u3", "nf3", "u5", "nf5", "int8"],
+    )
+    ap.add_argument("--json", type=Path)
+    args = ap.parse_args()
+    torch.set_num_threads(1)
+    print("torch_kvq from", quant.__file__, flush=True)
+    print("nf4 levels", [round(float(a), 4) for a in LEVELS[16]], flush=True)
+
+    agree = EvalSettings(
+        window=2, windows=1, decode_tokens=0, prompts=30, prompt_tokens=32, new_tokens=32
+    )
+    dflt = EvalSettings(decode_tokens=0, new_tokens=0)  # 4 x 1024 windows, prefill ppl only
+    pages = max(agree.pages_needed(16), dflt.pages_needed(16))
+    lm, tok = load_trained(args.model, KVCacheConfig(), num_pages=pages)
+    texts = corpus.split("eval")
+    data = eval_data(tok, agree, texts)
+    pdata = eval_data(tok, dflt, texts) if (args.ppl or args.mse) else None
+    layers = [m for m in lm.modules() if isinstance(m, Attention)]
+    if any(c.removeprefix("rec:").startswith("int4c/") for c in args.configs):
+        calibrate_mu(lm, tok, layers)
+    out = dict(
+        model=args.model, settings=vars(agree), prompt_files=data.prompt_files, rows=[], mse=None
+    )
+
+    # -- MSE on real rows -----------------------------------------------------------------------
+    if args.mse:
+        caught = {}
+
+        def catch(mod, a, kw, i):
+            caught[i] = (a[1].detach().clone(), a[2].detach().clone())
+
+        hs = [
+            m.register_forward_pre_hook(
+                lambda mod, a, kw, i=i: catch(mod, a, kw, i), with_kwargs=True
+            )
+            for i, m in enumerate(layers)
+        ]
+        try:
+            teacher_forced_ppl(lm, pdata.windows[:1])
+        finally:
+            for h in hs:
+                h.remove()
+        mse = {}
+        for fmt in args.mse_formats:
+            t0 = time.perf_counter()
+            tot = {"k": 0.0, "v": 0.0}
+            per_layer = {"k": [], "v": []}
+            for i in range(len(layers)):
+                for name, x in zip("kv", caught[i]):
+                    e = (fake_quant(x, fmt).double() - x.double()).square().mean().item()
+                    per_layer[name].append(e)
+                    tot[name] += e
+            mse[fmt] = dict(
+                k_mean=tot["k"] / len(layers),
+                v_mean=tot["v"] / len(layers),
+                k_per_layer=per_layer["k"],
+                v_per_layer=per_layer["v"],
+            )
+            print(
+                f"mse {fmt:5s} k {mse[fmt]['k_mean']:.4e} v {mse[fmt]['v_mean']:.4e} "
+                f"({time.perf_counter() - t0:.1f}s)",
+                flush=True,
+            )
+        base = mse.get("int4")
+        if base:
+            for fmt, m in mse.items():
+                rk = sum(a / b for a, b in zip(m["k_per_layer"], base["k_per_layer"])) / len(layers)
+                rv = sum(a / b for a, b in zip(m["v_per_layer"], base["v_per_layer"])) / len(layers)
+                m["k_rel_int4"], m["v_rel_int4"] = rk, rv
+                print(
+                    f"mse {fmt:5s} relative to int4 (mean over layers of the ratio): k {rk:.3f} v {rv:.3f}",
+                    flush=True,
+                )
+        out["mse"] = mse
+        del caught
+
+    # -- reference ------------------------------------------------------------------------------
+    run = _Runner(lm, lm)
+
+    @torch.no_grad()
+    def tf_logprobs(tokens):
+        """log-softmax at the generated positions, teacher-forced on ``tokens`` [prompt][32]."""
+        res = []
+        for p, g in zip(data.prompts, tokens):
+            ids = list(p) + list(g[:-1])
+            seq = object()
+            try:
+                logits = run.step([(seq, ids)])
+            finally:
+                if seq in lm.allocator.sequences:
+                    lm.allocator.free(seq)
+            res.append(torch.log_softmax(logits[len(p) - 1 :].float(), -1))
+        return res
+
+    t0 = time.perf_counter()
+    ref = measure(lm, data, agree)
+    ref_lp = tf_logprobs(ref.tokens)
+    ref_ppl = teacher_forced_ppl(lm, pdata.windows) if args.ppl else None
+    tf_match_ref = sum(
+        int((lp.argmax(-1) == torch.tensor(g)).sum()) for lp, g in zip(ref_lp, ref.tokens)
+    )
+    print(
+        f"reference: {time.perf_counter() - t0:.1f}s ppl {ref_ppl} tf-top1 of the ref itself "
+        f"{tf_match_ref}/{30 * 32}",
+        flush=True,
+    )
+    out["reference"] = dict(ppl=ref_ppl, tokens=ref.tokens)
+
+    for config in args.configs:
+        fmts = layer_formats(config, len(layers))
+
+        def hook(mod, a, kw, f):
+            return (a[0], fake_quant(a[1], f[0]), fake_quant(a[2], f[1]), *a[3:]), kw
+
+        hs = [
+            m.register_forward_pre_hook(
+                lambda mod, a, kw, f=f: hook(mod, a, kw, f), with_kwargs=True
+            )
+            for m, f in zip(layers, fmts)
+        ]
+        t0 = time.perf_counter()
+        try:
+            got = measure(lm, data, agree)
+            t_agree = time.perf_counter() - t0
+            lp = tf_logprobs(ref.tokens)
+            slow = any("nf4a" in f for f in fmts)  # ~1.4 s per 1024-row call: no ppl
+            ppl = teacher_forced_ppl(lm, pdata.windows) if args.ppl and not slow else None
+        finally:
+            for h in hs:
+                h.remove()
+        pairs = [(a, b) for ta, tb in zip(got.tokens, ref.tokens) for a, b in zip(ta, tb)]
+        prefix = [
+            next((i for i, (a, b) in enumerate(zip(ta, tb)) if a != b), len(ta))
+            for ta, tb in zip(got.tokens, ref.tokens)
+        ]
+        kl = torch.cat([(r.exp() * (r - c)).sum(-1) for r, c in zip(ref_lp, lp)])
+        tf1 = sum(int((c.argmax(-1) == torch.tensor(g)).sum()) for c, g in zip(lp, ref.tokens)) / (
+            30 * 32
+        )
+        # first position where the teacher-forced argmax differs from the reference's token: what
+        # the greedy prefix would be if prefill (63 tokens at once) and decode read alike
+        tf_prefix = []
+        for c, g in zip(lp, ref.tokens):
+            m = (c.argmax(-1) != torch.tensor(g)).nonzero()
+            tf_prefix.append(int(m[0, 0]) if len(m) else len(g))
+        r = dict(
+            config=config,
+            formats=fmts,
+            tf_prefix=tf_prefix,
+            tf_mean_prefix=sum(tf_prefix) / len(tf_prefix),
+            agreement=sum(a == b for a, b in pairs) / len(pairs),
+            mean_prefix=sum(prefix) / len(prefix),
+            prefix=prefix,
+            full=sum(p == 32 for p in prefix),
+            kl_mean=float(kl.mean()),
+            kl_median=float(kl.median()),
+            tf_top1=tf1,
+            ppl=ppl,
+            ppl_delta_pct=(100 * (ppl / ref_ppl - 1) if ppl else None),
+            seconds_agreement=t_agree,
+            seconds=time.perf_counter() - t0,
+        )
+        out["rows"].append(r)
+        pp = f" ppl {ppl:.4f} ({r['ppl_delta_pct']:+.2f}%)" if ppl else ""
+        print(
+            f"{config:16s} agreement {100 * r['agreement']:.1f}% prefix {r['mean_prefix']:.2f} "
+            f"full {r['full']} KL {r['kl_mean']:.5f} (median {r['kl_median']:.5f}) tf-top1 "
+            f"{100 * tf1:.1f}% tf-prefix {r['tf_mean_prefix']:.2f}{pp} [{r['seconds']:.0f}s]",
+            flush=True,
+        )
+        if args.json:
+            args.json.write_text(json.dumps(out, indent=1) + "\n")
+    if args.json:
+        args.json.write_text(json.dumps(out, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,46 @@
+"""benchmarks/kv_format_study.py's formats: its uniform math is the int4 mode's bit for bit, the
+Lloyd-Max formats land on their levels, and K centred on a zero mean is the mode itself."""
+
+from __future__ import annotations
+
+import kv_format_study as kfs
+import torch
+
+from torch_kvq.attention import quant
+
+
+def _rows() -> torch.Tensor:
+    g = torch.Generator().manual_seed(0)
+    return torch.randn(64, 2, 64, generator=g) * torch.linspace(0.1, 3.0, 64)
+
+
+def test_uniform_four_bits_is_the_modes_math() -> None:
+    x = _rows()
+    assert torch.equal(kfs.fake_quant(x, "u4"), kfs.fake_quant(x, "int4"))
+    assert not torch.equal(kfs.fake_quant(x, "u5"), kfs.fake_quant(x, "int4"))
+
+
+def test_lloyd_max_rows_take_sixteen_levels_of_one_scale() -> None:
+    lv = kfs.LEVELS[16]
+    assert lv.shape == (16,) and torch.allclose(lv, -lv.flip(0)) and 2.7 < float(lv[-1]) < 2.8
+    y = kfs.nf_fake(quant.rotate(_rows()), 16)  # [64, 2, 64] rotated rows through nf4
+    for row in y.reshape(-1, 64)[:8]:
+        assert 2 <= row.unique().numel() <= 16
+        scale = row.abs().max() / lv[-1]  # the largest magnitude sits on a level times the scale
+        assert torch.allclose((row / scale).unsqueeze(-1).sub(lv).abs().min(-1).values,
+                              torch.zeros(64), atol=1e-4)  # fmt: skip
+
+
+def test_centred_keys_with_a_zero_mean_are_the_mode() -> None:
+    x = _rows()
+    kfs.MU[0] = torch.zeros(2, 64)
+    kfs.MU[1] = torch.full((2, 64), 5.0)
+    try:
+        assert torch.equal(kfs.fake_quant(x, "int4c:0"), kfs.fake_quant(x, "int4"))
+        shifted = kfs.fake_quant(x + 5.0, "int4c:1")
+        assert torch.allclose(shifted - 5.0, kfs.fake_quant(x, "int4"), atol=1e-5)
+        assert kfs.layer_formats("rec:int4c/int4", 3) == [
+            ("int4c:0", "int4"), ("int8", "int4"), ("int4c:2", "int4"),
+        ]  # fmt: skip
+    finally:
+        kfs.MU.clear()
