@@ -31,6 +31,10 @@ Formats (all but int8 / none after quant.rotate, then quant.unrotate):
                    kv head and channel over the corpus's calibration split, 4 x 1024 tokens). A
                    constant shift of every key leaves each query's softmax unchanged (q . mu is
                    the same for every token), so a cache could hold the codes of k - mu as they are
+  kc16 / kc32    : K per channel over groups of 16 / 32 consecutive tokens of a call (KIVI's keys):
+  kc32r            4-bit asymmetric, a scale and zero point per (group, kv head, channel), a partial
+                   group over its own rows; kc32r rotated first. Only the teacher-forced KL means
+                   anything for them: the greedy decode feeds one token a call (a group of one)
 Config syntax: "K/V" on every layer (e.g. "int4/nf4"), or "rec:K/V": K as int8 on the preset's
 layers (SmolLM2 1, 3, 4, 6, 12, 13, 16, 22) and as K elsewhere, V everywhere.
 """
@@ -160,6 +164,8 @@ def fake_quant(x: torch.Tensor, fmt: str) -> torch.Tensor:
         return quant.dequantize_int4_rotated(*quant.quantize_int4_rotated(x)).to(x.dtype)
     if fmt.startswith("int4c:"):
         return centred_int4(x, int(fmt.split(":")[1]))
+    if fmt in ("kc16", "kc32", "kc32r"):
+        return per_channel(x, 16 if fmt == "kc16" else 32, fmt == "kc32r")
     y = quant.rotate(x)
     if fmt == "nf4":
         y = nf_fake(y, 16)
@@ -187,6 +193,19 @@ def centred_int4(x: torch.Tensor, layer: int) -> torch.Tensor:
     """int4c: x - mu through the int4 mode's math, + mu."""
     mu = MU[layer].to(x.dtype)
     return (quant.dequantize_int4_rotated(*quant.quantize_int4_rotated(x - mu)) + mu).to(x.dtype)
+
+
+def per_channel(x: torch.Tensor, group: int, rot: bool) -> torch.Tensor:
+    """kc16 / kc32 / kc32r: x [T, KH, D] per channel over groups of ``group`` consecutive rows."""
+    y = quant.rotate(x) if rot else x.float()
+    out = torch.empty_like(y)
+    for s in range(0, y.shape[0], group):
+        c = y[s : s + group]
+        lo, hi = c.amin(0).clamp(max=0.0), c.amax(0).clamp(min=0.0)
+        scale = ((hi - lo) / 15).clamp(min=quant.SCALE_FLOOR)
+        zp = quant.round_half_away(-lo / scale).clamp(0, 15)
+        out[s : s + group] = (quant.round_half_away(c / scale + zp).clamp(0, 15) - zp) * scale
+    return (quant.unrotate(out) if rot else out).to(x.dtype)
 
 
 def layer_formats(config: str, n: int) -> list[tuple[str, str]]:

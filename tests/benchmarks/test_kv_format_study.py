@@ -44,3 +44,13 @@ def test_centred_keys_with_a_zero_mean_are_the_mode() -> None:
         ]  # fmt: skip
     finally:
         kfs.MU.clear()
+
+
+def test_keys_per_channel_follow_each_channels_range() -> None:
+    g = torch.Generator().manual_seed(1)
+    offsets = torch.randn(1, 2, 64, generator=g) * 8.0  # keys with large per-channel offsets
+    x = offsets + 0.1 * torch.randn(64, 2, 64, generator=g)
+    err = {f: (kfs.fake_quant(x, f) - x).square().mean() for f in ("kc32", "kc16", "int4")}
+    assert err["kc16"] <= err["kc32"] < err["int4"] / 4
+    y = kfs.per_channel(x, 32, rot=False)
+    assert all(y[s : s + 32, 0, c].unique().numel() <= 16 for s in (0, 32) for c in range(64))
