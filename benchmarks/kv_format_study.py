@@ -247,7 +247,6 @@ def calibrate_mu(lm, tok, layers) -> None:
 
 
 def main() -> None:
-    from torch_kvq.attention.layer import Attention
     from torch_kvq.evaluation import corpus
     from torch_kvq.evaluation.eval import (
         EvalSettings,
@@ -284,7 +283,7 @@ def main() -> None:
     texts = corpus.split("eval")
     data = eval_data(tok, agree, texts)
     pdata = eval_data(tok, dflt, texts) if (args.ppl or args.mse) else None
-    layers = [m for m in lm.modules() if isinstance(m, Attention)]
+    layers = lm.attention_layers
     if any(c.removeprefix("rec:").startswith("int4c/") for c in args.configs):
         calibrate_mu(lm, tok, layers)
     out = dict(

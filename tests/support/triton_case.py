@@ -84,11 +84,11 @@ class Case:
 
 class ScaledCase(Case):
     """``Case`` with a per-(token, head) cache: the same shuffled pages of model-dtype values
-    (N(0, 1) times ``k_gain`` / ``v_gain``) quantized as a cache holds them
-    (``mode`` "int8" | "fp8" | "int4" | "k8v4", ``quant.quantize_pages_per_token_head``): codes in ``kv_cache``, scales
-    in ``kv_scale`` [P, 2, KH, page]; int4 (``quantize_int4_rotated``): packed codes [..., D / 2]
-    uint8, rotated, the reference on the cache dequantized and un-rotated; k8v4: k int8 in
-    slots 0 / 1, v int4 in slot 2."""
+    (N(0, 1) times ``k_gain`` / ``v_gain``) quantized as a cache holds them (``mode`` "int8" |
+    "fp8" | "int4" | "k8v4", ``quant.quantize_pages_per_token_head``): codes in ``kv_cache``,
+    scales in ``kv_scale`` [P, 2, KH, page]; int4: packed codes [..., D / 2] uint8, rotated, v's
+    in ``v_layout``'s positions, the reference on the cache dequantized and un-rotated; k8v4: k
+    int8 in slots 0 / 1, v int4 in slot 2."""
 
     def __init__(self, lens: tuple[int, ...], qh: int, kh: int, d: int, mode: str = "int8",
                  page: int = 16, device: str = "cpu", seed: int = 0, k_gain: float = 1.0,

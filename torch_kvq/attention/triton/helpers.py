@@ -363,15 +363,17 @@ def combine_splits(
 
 
 @triton.jit
-def v_offsets(t, c, on, s_row, s_col, W: tl.constexpr):
+def v_offsets(t, c, is_v, page, s_row, s_col, W: tl.constexpr):
     """Where the code bytes of tokens at page offsets ``t`` [R] and byte columns ``c`` [C] sit, rows
     ``s_row`` and columns ``s_col`` apart: (a token part [R], a column part [C]) whose sum is each
-    byte's offset; where ``on`` (4-bit v codes in pages of a multiple of 16 tokens), at
-    ``v_layout.v_positions`` (``W`` bytes a token), else a token a row. The layout's
-    byte ``h * 512 + g * 64 + w * 4`` (the column's part) ``+ t' * 16 + j`` (the token's) never
-    carries into the next row (at most ``W - 1`` within one), so the row and column split into
-    the two parts and a tile's addresses cost one add per byte, as a token a row does."""
+    byte's offset; for 4-bit v codes (``is_v``) where ``v_layout.v_layout_applies`` (pages of
+    ``page`` tokens a multiple of 16, ``W`` bytes a token a multiple of 32), at
+    ``v_layout.v_positions``, else a token a row. The layout's byte ``h * 512 + g * 64 + w * 4``
+    (the column's part) ``+ t' * 16 + j`` (the token's) never carries into the next row (at most
+    ``W - 1`` within one), so the row and column split into the two parts and a tile's addresses
+    cost one add per byte, as a token a row does."""
     if W % 32 == 0:
+        on = is_v & (page % 16 == 0)
         i = c % (W // 8)
         a = (i // 4) * 512 + c // (W // 8) * 64 + (i % 4) * 4
         b = t % 16 // 4 * 16 + t % 4

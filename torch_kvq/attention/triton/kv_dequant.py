@@ -49,7 +49,7 @@ def kv_dequant_pages_kernel(
         C: tl.constexpr = D // 2
         c = tl.arange(0, C)
         # v: token t's codes at their positions (``v_offsets``), k a token a row
-        tok, col = v_offsets(t, c, (kv == 1) & (PAGE % 16 == 0), KH * C, 1, C)
+        tok, col = v_offsets(t, c, kv == 1, PAGE, KH * C, 1, C)
         src = cache_ptr + slot * (PAGE * KH * C) + (tok + h * C)[None, :] + col[:, None]
         codes = tl.load(src, mask=ok[None, :])
         bits = stored.to(tl.int32, bitcast=True)

@@ -307,7 +307,7 @@ def kv_write_int4_kernel(
                                FLOOR, NUM_RATIOS)  # fmt: skip
     j = tl.arange(0, BLOCK_D // 2)
     head = cache_ptr + kv * c_skv + (page * c_sp + h * c_sh)[None, :]
-    tok, col = v_offsets(offset, j, (kv == V_SIDE) & (page_size % 16 == 0), c_ss, c_sd, D // 2)
+    tok, col = v_offsets(offset, j, kv == V_SIDE, page_size, c_ss, c_sd, D // 2)
     dst = head + tok[None, :] + col[:, None]
     tl.store(dst, codes, mask=(j[:, None] < D // 2) & row_ok[None, :])
     tl.store(scale_ptr + kv * s_skv + page * s_sp + offset * s_ss + h * s_sh, stored, mask=row_ok)
