@@ -94,7 +94,8 @@ def sweep_shape(
     for (name, cfg), ts in times.items():
         ms = statistics.median(ts)
         pct = 100 * caches[name][4] / (ms * 1e-3) / 1e9 / copy_gbps
-        default = {**tuned(c.d, mode_cache_kind(name)), "num_splits": None, "programs_per_sm": None}
+        default = {**tuned(c.d, mode_cache_kind(name), page=page), "num_splits": None,
+                   "programs_per_sm": None}  # fmt: skip
         kw = dict(zip(KEYS, cfg))
         given = {**kw, "max_registers": kw["max_registers"] or None}
         mark = " (tuned)" if all(given[k] == v for k, v in default.items()) else ""

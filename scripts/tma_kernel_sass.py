@@ -222,7 +222,7 @@ def main() -> None:
 
     kind = mode_cache_kind(args.cache)
     for head in [args.head] if args.head else sorted(TUNED[kind]):
-        t = tuned(head, kind)
+        t = tuned(head, kind, page=args.page)
         regs = t["max_registers"] if args.max_registers is None else args.max_registers or None
         cfg = dict(
             head=head, group=args.group or (2 if head == 256 else 4),

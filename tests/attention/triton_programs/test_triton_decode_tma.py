@@ -105,6 +105,51 @@ def test_default_splits_and_tuned_configs() -> None:
     assert [dc.mode_cache_kind(m) for m in modes] == kinds
 
 
+def test_tuned_configs_follow_the_page_size() -> None:
+    """BY_PAGE's measured entries replace TUNED's at their page size; another page size takes
+    TUNED's with its pages per iteration cut to one iteration's tokens at 16-token pages."""
+    assert dc.tuned(256, "int4", page=16)["pages_per_iter"] == 2  # 32 tokens an iteration
+    assert dc.tuned(256, "int4", page=32)["pages_per_iter"] == 1  # two 32-token pages: half speed
+    assert dc.tuned(256, "int4", page=64)["pages_per_iter"] == 1  # not measured: the cut
+    assert dc.tuned(128, "k8v4", page=64)["num_stages"] == 4
+    assert dc.tuned(128, "k8v4", page=32)["num_stages"] == 6  # measured: 16's is fastest
+    assert dc.tuned(256, "k8v4", page=32)["num_stages"] == 4
+    assert dc.tuned(128, "int4", page=32) == dc.tuned(128, "int4")
+    for (kind, head, page), entry in dc.BY_PAGE.items():
+        assert dc.tuned_grid(head, kind, page) == entry[5]
+        assert dc.resolve_config(head, kind, page=page) == dc.tuned(head, kind, page=page)
+        assert page != 16 and kind in dc.TUNED  # 16-token pages are TUNED's own
+    with pytest.raises(ValueError, match="cache kind 'int3'"):
+        dc.tuned(128, "int3", page=32)
+    # the split grid aims at the page's entry: k8v4 at head 256 with 32-token pages
+    assert dc.default_schedule(32, 8, 16384, 32, 256, sms=132, kind="k8v4") == (
+        dc.default_num_splits(32, 8, 16384, 32, 132, dc.BY_PAGE["k8v4", 256, 32][5]),
+        None,
+    )
+
+
+def test_interpreter_defaults_follow_the_page_size(interp, monkeypatch) -> None:
+    """paged_decode_tma asks for its cache's page size's config: at 32-token pages with
+    pages_per_iter 2 in TUNED, the default runs one page per iteration, and equals it spelled
+    out (interpreter, fp32)."""
+    monkeypatch.setitem(dc.TUNED["codes"], 128, (1, 3, 2, False, None, 8))
+    asked = []
+    resolve = dc.resolve_config
+    monkeypatch.setattr(
+        "torch_kvq.attention.triton.decode_tma.resolve_config",
+        lambda *a, **kw: asked.append(a) or resolve(*a, **kw),
+    )
+    case = Case(LENS, 8, 2, 128, page=32)
+    outs = [torch.empty(case.q.shape, dtype=torch.float32) for _ in range(2)]
+    run_tma(case, interp, out=outs[0], dot_dtype=torch.float32, num_splits=3)
+    assert asked[0][3] == 32 and dc.tuned(128, page=32)["pages_per_iter"] == 1
+    run_tma(
+        case, interp, out=outs[1], dot_dtype=torch.float32, num_splits=3, **dc.tuned(128, page=32)
+    )
+    torch.testing.assert_close(outs[0], outs[1], rtol=0, atol=0)
+    assert rel_err(outs[0], case.ref(None, None)) < 5e-4
+
+
 def test_unset_config_takes_tuned_and_only_tuned_gets_the_register_cap(monkeypatch) -> None:
     """paged_decode_tma's config arguments left None are tuned(D)'s; BALANCED's register cap
     applies only to that config (pages_per_iter=2 spilled under it: 2.5x slower, run 54)."""

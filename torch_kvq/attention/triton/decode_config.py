@@ -1,8 +1,8 @@
 """What the TMA decode (``decode_tma.paged_decode_tma``) runs with where its caller does not say:
-per page loop (``cache_kind``) and head size, the loop's measured configuration (``TUNED``) and
-the schedule: the split grid's split count, or the balanced schedule (``BALANCED``). Host logic
-only (no Triton): the numbers behind each entry are in docs/design/fp8_decode_paths.md and
-docs/design/int4-branch.md.
+per page loop (``cache_kind``), head size and page size, the loop's measured configuration
+(``TUNED``, ``BY_PAGE``) and the schedule: the split grid's split count, or the balanced schedule
+(``BALANCED``). Host logic only (no Triton): the numbers behind each entry are in
+docs/design/fp8_decode_paths.md and docs/design/int4-branch.md.
 """
 
 from __future__ import annotations
@@ -28,6 +28,17 @@ TUNED = {
     "codes": {128: (1, 6, 1, True, None, 8), 256: (1, 6, 1, False, None, 8)},
     "int4": {128: (1, 6, 1, True, None, 10), 256: (1, 6, 2, False, None, 4)},
     "k8v4": {128: (1, 6, 1, True, None, 6), 256: (1, 6, 1, False, None, 4)},
+}
+# Entries measured faster than ``TUNED``'s at other page sizes (tokens a page), per (page loop,
+# head size, page): at 32 x 16k, int4 at head 256 with 32-token pages ran at half speed over two
+# pages an iteration; k8v4 with 6 stages of 64-token pages at head 128 (and of 32-token ones at
+# head 256) ran slower than with 4 (docs/design/int4-branch.md). A page size not listed takes
+# ``TUNED``'s entry with its pages per iteration cut to cover no more tokens than at 16-token
+# pages (at least one page).
+BY_PAGE = {
+    ("int4", 256, 32): (1, 6, 1, False, None, 4),
+    ("k8v4", 256, 32): (1, 4, 1, False, None, 4),
+    ("k8v4", 128, 64): (1, 4, 1, True, None, 6),
 }
 # The int4 page loop over two kv heads per program (``int4_pair``) per head size: (warps, stages,
 # pages per iteration, lazy rescale, max registers, the fewest and the most programs per SM its
@@ -59,27 +70,34 @@ def mode_cache_kind(mode: str) -> str:
     return {"int4_per_token_head": "int4", "k8v4_per_token_head": "k8v4"}.get(mode, "codes")
 
 
-def _entry(head_size: int, kind: str) -> tuple:
-    """``TUNED``'s entry for ``kind`` at ``head_size`` (head 128's where none). ValueError."""
+def _entry(head_size: int, kind: str, page: int = 16) -> tuple:
+    """The entry for ``kind`` at ``head_size`` and ``page`` tokens a page: ``BY_PAGE``'s, else
+    ``TUNED``'s (head 128's where none) with its pages per iteration cut to the tokens of one
+    iteration at 16-token pages. ValueError."""
     if kind not in TUNED:
         raise ValueError(f"tuned: cache kind {kind!r}; expected one of {sorted(TUNED)}")
-    return TUNED[kind].get(head_size, TUNED[kind][128])
+    if (kind, head_size, page) in BY_PAGE:
+        return BY_PAGE[kind, head_size, page]
+    entry = TUNED[kind].get(head_size, TUNED[kind][128])
+    ppi = max(1, entry[2] * 16 // page) if page > 16 else entry[2]
+    return (*entry[:2], ppi, *entry[3:])
 
 
 def tuned(
-    head_size: int, kind: str = "codes", paired: bool = False
+    head_size: int, kind: str = "codes", paired: bool = False, page: int = 16
 ) -> dict[str, int | bool | None]:
     """``paged_decode_tma`` keyword arguments measured best for ``head_size`` on a cache of
-    ``kind`` (``cache_kind``); ``paired``: for two kv heads per program (``PAIRED``)."""
-    entry = _pair_entry(head_size, kind) if paired else _entry(head_size, kind)
+    ``kind`` (``cache_kind``) with ``page`` tokens a page; ``paired``: for two kv heads per
+    program (``PAIRED``, measured at 16-token pages)."""
+    entry = _pair_entry(head_size, kind) if paired else _entry(head_size, kind, page)
     warps, stages, ppi, lazy, regs = entry[:5]
     return dict(num_warps=warps, num_stages=stages, pages_per_iter=ppi, lazy_rescale=lazy,
                 max_registers=regs)  # fmt: skip
 
 
-def tuned_grid(head_size: int, kind: str = "codes") -> int:
-    """The programs per SM the split grid aims at for ``kind`` at ``head_size`` (``TUNED``)."""
-    return _entry(head_size, kind)[5]
+def tuned_grid(head_size: int, kind: str = "codes", page: int = 16) -> int:
+    """The programs per SM the split grid aims at for ``kind`` at ``head_size`` and ``page``."""
+    return _entry(head_size, kind, page)[5]
 
 
 def _pair_entry(head_size: int, kind: str) -> tuple:
@@ -107,12 +125,16 @@ def paired_splits(
 
 
 def resolve_config(
-    head_size: int, kind: str = "codes", paired: bool = False, **given: int | bool | None
+    head_size: int,
+    kind: str = "codes",
+    paired: bool = False,
+    page: int = 16,
+    **given: int | bool | None,
 ) -> dict[str, int | bool | None]:
-    """``tuned(head_size, kind, paired)`` with each argument ``given`` as not None in its place;
-    its register cap only with the rest of its config (a cap is what one config compiles
+    """``tuned(head_size, kind, paired, page)`` with each argument ``given`` as not None in its
+    place; its register cap only with the rest of its config (a cap is what one config compiles
     spill-free under, not a setting of its own)."""
-    best = tuned(head_size, kind, paired)
+    best = tuned(head_size, kind, paired, page)
     given = {k: v for k, v in given.items() if v is not None}
     cfg = {**best, **given}
     if "max_registers" not in given and any(cfg[k] != best[k] for k in given):
@@ -125,12 +147,13 @@ def balanced_registers(
     cfg: dict[str, int | bool | None],
     cap: int | None,
     kind: str = "codes",
+    page: int = 16,
 ) -> int | None:
     """The register cap for the balanced schedule chosen by ``BALANCED``: its ``cap`` only at
-    ``tuned(head_size, kind)``, the configuration measured (and compiled spill-free) under
-    it; None (Triton's choice) for any other. Under the cap, other configurations can spill
-    registers (scripts/tma_kernel_sass.py) and run several times slower."""
-    return cap if cfg == tuned(head_size, kind) else None
+    ``tuned(head_size, kind, page=page)``, the configuration measured (and compiled spill-free)
+    under it; None (Triton's choice) for any other. Under the cap, other configurations can
+    spill registers (scripts/tma_kernel_sass.py) and run several times slower."""
+    return cap if cfg == tuned(head_size, kind, page=page) else None
 
 
 def default_num_splits(
@@ -166,7 +189,7 @@ def default_schedule(
     balanced = BALANCED.get(kind, {}).get(head_size)
     if splits <= 2 and balanced is not None:
         return splits, balanced
-    grid = tuned_grid(head_size, kind)
+    grid = tuned_grid(head_size, kind, page)
     return default_num_splits(batch, kv_heads, max_seq_len, page, sms, grid), None
 
 

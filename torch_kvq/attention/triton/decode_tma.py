@@ -194,7 +194,7 @@ def paged_decode_tma(
     reference max only when some row's max logit grew by more than 8 in base 2, so the softmax
     weights stay <= 2^8 (FlashAttention-4's trick). ``num_warps``, ``num_stages``,
     ``pages_per_iter``, ``lazy_rescale``, ``max_registers``: None takes
-    ``decode_config.tuned(D, cache_kind(kv_cache))``'s.
+    ``decode_config.tuned(D, cache_kind(kv_cache), page=page)``'s.
     ``programs_per_sm``: the balanced schedule (``decode_balanced``) with that many programs per
     SM (at most as many as fit) instead of the split grid; then ``num_splits`` must be None and
     ``workspace`` is (partial out [P, 2, QH / KH, D], lse [P, 2, QH / KH]) fp32 for P =
@@ -253,7 +253,7 @@ def paged_decode_tma(
             if taken:
                 nh, num_splits = 2, splits
     cfg = resolve_config(
-        d, kind, nh == 2 and int4, num_warps=num_warps, num_stages=num_stages,
+        d, kind, nh == 2 and int4, page, num_warps=num_warps, num_stages=num_stages,
         pages_per_iter=pages_per_iter, lazy_rescale=lazy_rescale, max_registers=max_registers,
     )  # fmt: skip
     num_warps, num_stages = cfg["num_warps"], cfg["num_stages"]
@@ -302,7 +302,7 @@ def paged_decode_tma(
         )  # fmt: skip
         if balanced is not None and workspace is None:
             programs_per_sm, cap = balanced
-            regs = balanced_registers(d, cfg, cap, kind)  # 4-bit too: spill-free (sm90)
+            regs = balanced_registers(d, cfg, cap, kind, page)  # 4-bit too: spill-free (sm90)
             if regs is not None:
                 common.setdefault("maxnreg", regs)
         else:
