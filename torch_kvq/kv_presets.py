@@ -27,7 +27,8 @@ from torch_kvq.spec import KVCacheConfig
 @dataclass(frozen=True)
 class KVPreset:
     """A named map: ``kv_cache_dtype`` everywhere no rule selects, ``rules`` on every model,
-    ``sensitive_mode`` on each model's ``measured`` layers (indices)."""
+    ``sensitive_mode`` on each model's ``measured`` layers (indices); ``page_size``: the tokens
+    a page its decode measured fastest at (the caller may pass another)."""
 
     name: str
     kv_cache_dtype: str
@@ -35,6 +36,7 @@ class KVPreset:
     sensitive_mode: str
     measured: Mapping[str, tuple[int, ...]]
     how_to_measure: str
+    page_size: int
 
 
 PRESETS: dict[str, KVPreset] = {
@@ -46,6 +48,9 @@ PRESETS: dict[str, KVPreset] = {
         # layers whose int4 delta alone exceeds 0.3% (docs/design/int4-branch.md, "Per layer")
         measured={"smollm2-135m": (1, 3, 4, 6, 12, 13, 16, 22), "gemma3-270m": (5, 11, 17)},
         how_to_measure="kvq accuracy --model M --mode int4_per_token_head --threshold-pct 0.3",
+        # the 4-bit decode reads 32-token pages closer to copy bandwidth than 16-token ones
+        # (docs/performance.md, "4-bit layers and the page size")
+        page_size=32,
     ),
 }
 
@@ -55,11 +60,12 @@ def kv_preset(
     *,
     model: str | None = None,
     sensitive_layers: Sequence[int] | None = None,
-    page_size: int = 16,
+    page_size: int | None = None,
 ) -> KVCacheConfig:
     """The ``KVCacheConfig`` of preset ``name`` for ``model`` (a shipped model's name, e.g.
-    ``smollm2-135m``), or for any model given its ``sensitive_layers``. ValueError naming the bad
-    value: an unknown preset, or a model with no measurement and no layers given."""
+    ``smollm2-135m``), or for any model given its ``sensitive_layers``; ``page_size`` None: the
+    preset's. ValueError naming the bad value: an unknown preset, or a model with no measurement
+    and no layers given."""
     if name not in PRESETS:
         raise ValueError(f"unknown KV preset {name!r}; expected one of {sorted(PRESETS)}")
     preset = PRESETS[name]
@@ -76,5 +82,5 @@ def kv_preset(
     return KVCacheConfig(
         kv_cache_dtype=preset.kv_cache_dtype,
         layer_modes=preset.rules + sensitive,
-        page_size=page_size,
+        page_size=preset.page_size if page_size is None else page_size,
     )

@@ -38,6 +38,15 @@ def test_int4_recommended_on_gemma3_keeps_sliding_layers() -> None:
     assert {s.mode.value for s in specs if s.is_quantized} == {"k8v4_per_token_head"}
 
 
+def test_preset_page_size_is_its_own_unless_given() -> None:
+    """int4-recommended's decode measured fastest at 32-token pages; a caller's page size wins."""
+    assert PRESETS["int4-recommended"].page_size == 32
+    assert kv_preset("int4-recommended", model="smollm2-135m").page_size == 32
+    assert kv_preset("int4-recommended", model="smollm2-135m", page_size=16).page_size == 16
+    with pytest.raises(ValueError, match="unsupported page_size 48"):
+        kv_preset("int4-recommended", model="smollm2-135m", page_size=48)
+
+
 def test_sensitive_layers_for_any_model() -> None:
     cfg = kv_preset("int4-recommended", sensitive_layers=[0, -1])
     specs = resolve_layer_specs(cfg, _smollm2())
@@ -57,7 +66,7 @@ def test_kv_arg_resolves_a_preset_per_model() -> None:
     kv = parse_kv("rec=int4-recommended")
     assert kv.name == "rec" and kv.preset == "int4-recommended"
     assert kv.config(16, model="smollm2-135m") == kv_preset(
-        "int4-recommended", model="smollm2-135m"
+        "int4-recommended", model="smollm2-135m", page_size=16
     )
     with pytest.raises(ValueError, match="no measured layers for model 'other'"):
         kv.config(16, model="other")
