@@ -31,12 +31,20 @@ Formats (all but int8 / none after quant.rotate, then quant.unrotate):
                    kv head and channel over the corpus's calibration split, 4 x 1024 tokens). A
                    constant shift of every key leaves each query's softmax unchanged (q . mu is
                    the same for every token), so a cache could hold the codes of k - mu as they are
+  int4s          : K scaled and centred: (k - mu) / s through the int4 mode's math, then * s + mu,
+                   s calibrated per (layer, kv head, channel) with mu: s_c = sqrt(rms(k_c) /
+                   rms(q_c)) (post-RoPE q and k, q over the kv head's query group, SmoothQuant's
+                   balance at alpha 0.5), scaled to a geometric mean of 1 per (layer, kv head). The
+                   kernel would multiply q by s ((q * s) . (k / s) = q . k): no cache bytes. With
+                   the rotation after the scaling the error is about isotropic in the scaled basis,
+                   and (sum_c q_c^2 s_c^2)(sum_c k_c^2 / s_c^2) is least at s_c^2 = rms(k_c) / rms(q_c)
+  int4s0         : K scaled only: k / s through the int4 mode's math, then * s (int4s's s)
   kc16 / kc32    : K per channel over groups of 16 / 32 consecutive tokens of a call (KIVI's keys):
   kc32r            4-bit asymmetric, a scale and zero point per (group, kv head, channel), a partial
                    group over its own rows; kc32r rotated first. Only the teacher-forced KL means
                    anything for them: the greedy decode feeds one token a call (a group of one)
 Config syntax: "K/V" on every layer (e.g. "int4/nf4"), or "rec:K/V": K as int8 on the preset's
-layers (SmolLM2 1, 3, 4, 6, 12, 13, 16, 22) and as K elsewhere, V everywhere.
+layers (SmolLM2 1, 3, 4, 6, 12, 13, 16, 22) and as K elsewhere, V everywhere (e.g. "rec:int4s/int4").
 """
 
 from __future__ import annotations
@@ -164,6 +172,9 @@ def fake_quant(x: torch.Tensor, fmt: str) -> torch.Tensor:
         return quant.dequantize_int4_rotated(*quant.quantize_int4_rotated(x)).to(x.dtype)
     if fmt.startswith("int4c:"):
         return centred_int4(x, int(fmt.split(":")[1]))
+    if fmt.startswith(("int4s:", "int4s0:")):
+        name, layer = fmt.split(":")
+        return scaled_int4(x, int(layer), centre=name == "int4s")
     if fmt in ("kc16", "kc32", "kc32r"):
         return per_channel(x, 16 if fmt == "kc16" else 32, fmt == "kc32r")
     y = quant.rotate(x)
@@ -187,12 +198,22 @@ def fake_quant(x: torch.Tensor, fmt: str) -> torch.Tensor:
 
 
 MU: dict[int, torch.Tensor] = {}  # int4c's mean k per layer [KH, D], from ``calibrate_mu``
+S: dict[int, torch.Tensor] = {}  # int4s's scale per layer [KH, D], from ``calibrate_mu``
+PER_LAYER_K = ("int4c", "int4s", "int4s0")  # K formats calibrated per layer: "fmt:layer"
 
 
 def centred_int4(x: torch.Tensor, layer: int) -> torch.Tensor:
     """int4c: x - mu through the int4 mode's math, + mu."""
     mu = MU[layer].to(x.dtype)
     return (quant.dequantize_int4_rotated(*quant.quantize_int4_rotated(x - mu)) + mu).to(x.dtype)
+
+
+def scaled_int4(x: torch.Tensor, layer: int, centre: bool) -> torch.Tensor:
+    """int4s / int4s0: (x - mu) / s through the int4 mode's math, then * s + mu (mu 0 for int4s0)."""
+    s = S[layer].to(x.dtype)
+    mu = MU[layer].to(x.dtype) if centre else torch.zeros_like(s)
+    y = quant.dequantize_int4_rotated(*quant.quantize_int4_rotated((x - mu) / s))
+    return (y * s + mu).to(x.dtype)
 
 
 def per_channel(x: torch.Tensor, group: int, rot: bool) -> torch.Tensor:
@@ -211,22 +232,36 @@ def per_channel(x: torch.Tensor, group: int, rot: bool) -> torch.Tensor:
 def layer_formats(config: str, n: int) -> list[tuple[str, str]]:
     rec = config.startswith("rec:")
     k, v = config.removeprefix("rec:").split("/")
-    return [("int8" if rec and i in REC_LAYERS else (f"int4c:{i}" if k == "int4c" else k), v)
+    return [("int8" if rec and i in REC_LAYERS else (f"{k}:{i}" if k in PER_LAYER_K else k), v)
             for i in range(n)]  # fmt: skip
 
 
-def calibrate_mu(lm, tok, layers) -> None:
-    """``MU``: the mean k per layer, kv head and channel over the calibration split's windows."""
+def calibrate_mu(lm, tok, layers) -> dict:
+    """``MU``: the mean k per layer, kv head and channel over the calibration split's windows;
+    ``S``: int4s's s_c = sqrt(rms(k_c) / rms(q_c)) per layer, kv head and channel over the same
+    windows (q over the kv head's query group), geometric mean 1 per (layer, kv head). The
+    pre-hook's args are the ``Attention`` layer's (q [T, H, D], k [T, KH, D], v), post-RoPE (the
+    transformers attention module applies RoPE before its attention interface call). Returns the
+    max / min of s per layer and kv head."""
     from torch_kvq.evaluation import corpus
     from torch_kvq.evaluation.eval import EvalSettings, eval_data, teacher_forced_ppl
 
     sums: dict[int, torch.Tensor] = {}
+    k_sq: dict[int, torch.Tensor] = {}
+    q_sq: dict[int, torch.Tensor] = {}
     counts: dict[int, int] = {}
+    groups: dict[int, int] = {}
 
     def catch(i, args):
+        q = args[0].detach().double()  # [T, H, D]
         k = args[1].detach().double()  # [T, KH, D]
+        t, kh, d = k.shape
         sums[i] = sums.get(i, 0) + k.sum(0)
-        counts[i] = counts.get(i, 0) + k.shape[0]
+        k_sq[i] = k_sq.get(i, 0) + k.square().sum(0)
+        # query head h reads kv head h // (H / KH): [T, KH, G, D], summed over tokens and group
+        q_sq[i] = q_sq.get(i, 0) + q.reshape(t, kh, -1, d).square().sum((0, 2))
+        counts[i] = counts.get(i, 0) + t
+        groups[i] = q.shape[1] // kh
 
     hs = [m.register_forward_pre_hook(lambda mod, a, kw, i=i: catch(i, a), with_kwargs=True)
           for i, m in enumerate(layers)]  # fmt: skip
@@ -244,6 +279,22 @@ def calibrate_mu(lm, tok, layers) -> None:
         f"{[round(float(MU[i].norm(dim=-1).mean()), 2) for i in sorted(MU)]}",
         flush=True,
     )
+    spread = {}
+    for i in sorted(k_sq):
+        rms_k = (k_sq[i] / counts[i]).sqrt()
+        rms_q = (q_sq[i] / (counts[i] * groups[i])).sqrt()
+        s = (rms_k / rms_q.clamp(min=1e-12)).clamp(min=1e-12).sqrt()  # [KH, D]
+        s = s / s.log().mean(-1, keepdim=True).exp()  # geometric mean 1 per kv head
+        S[i] = s.float()
+        spread[i] = (s.amax(-1) / s.amin(-1)).tolist()  # per kv head
+    print(
+        f"int4s: s over {counts[0]} calibration tokens (query group {groups[0]}); max / min of s per "
+        f"layer (the largest over kv heads) {[round(max(spread[i]), 1) for i in sorted(spread)]}; "
+        f"over all layers and heads {min(min(v) for v in spread.values()):.1f} .. "
+        f"{max(max(v) for v in spread.values()):.1f}",
+        flush=True,
+    )
+    return spread
 
 
 def main() -> None:
@@ -284,11 +335,14 @@ def main() -> None:
     data = eval_data(tok, agree, texts)
     pdata = eval_data(tok, dflt, texts) if (args.ppl or args.mse) else None
     layers = lm.attention_layers
-    if any(c.removeprefix("rec:").startswith("int4c/") for c in args.configs):
-        calibrate_mu(lm, tok, layers)
+    spread = None
+    if any(c.removeprefix("rec:").split("/")[0] in PER_LAYER_K for c in args.configs):
+        spread = calibrate_mu(lm, tok, layers)
     out = dict(
         model=args.model, settings=vars(agree), prompt_files=data.prompt_files, rows=[], mse=None
     )
+    if spread is not None:
+        out["int4s_s_max_over_min"] = {str(i): v for i, v in spread.items()}  # [layer][kv head]
 
     # -- MSE on real rows -----------------------------------------------------------------------
     if args.mse:

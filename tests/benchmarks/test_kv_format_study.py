@@ -54,3 +54,25 @@ def test_keys_per_channel_follow_each_channels_range() -> None:
     assert err["kc16"] <= err["kc32"] < err["int4"] / 4
     y = kfs.per_channel(x, 32, rot=False)
     assert all(y[s : s + 32, 0, c].unique().numel() <= 16 for s in (0, 32) for c in range(64))
+
+
+def test_scaled_keys_with_unit_scales_are_the_mode_and_lower_score_error() -> None:
+    """int4s0 with s = 1 is the mode; with s balanced on keys whose channels span 30x in
+    magnitude (and queries that do not) the score error q . (k_hat - k) drops."""
+    x = _rows()  # channel c's magnitude 0.1 .. 3.0
+    kfs.S[0] = torch.ones(2, 64)
+    kfs.S[1] = torch.linspace(0.1, 3.0, 64).sqrt().expand(2, 64)  # sqrt(rms(k_c) / rms(q_c))
+    kfs.MU[0] = kfs.MU[1] = torch.zeros(2, 64)
+    try:
+        assert torch.equal(kfs.fake_quant(x, "int4s0:0"), kfs.fake_quant(x, "int4"))
+        assert torch.equal(kfs.fake_quant(x, "int4s:0"), kfs.fake_quant(x, "int4"))
+        q = torch.randn(256, 2, 64, generator=torch.Generator().manual_seed(2))
+        err = {
+            f: torch.einsum("qhd,khd->hqk", q, kfs.fake_quant(x, f) - x).square().mean()
+            for f in ("int4", "int4s0:1")
+        }
+        assert err["int4s0:1"] < 0.8 * err["int4"]
+        assert kfs.layer_formats("rec:int4s/int4", 2) == [("int4s:0", "int4"), ("int8", "int4")]
+    finally:
+        kfs.S.clear()
+        kfs.MU.clear()
