@@ -1,6 +1,7 @@
 """Which 4-bit V (and K) format at the int4 mode's bytes (D/2 code bytes + one fp32 scale per
 (token, kv head)) buys greedy agreement on SmolLM2-135M (issue 33; docs/accuracy.md, "Which part
-of the 4-bit cache costs agreement"). A study, CPU only: it builds no mode.
+of the 4-bit cache costs agreement"); --model picks another trained model (e.g. gemma3-270m, with
+the "full:" prefix below). A study, CPU only: it builds no mode.
 
 Like benchmarks/int4_study.py (c418a04): every layer's k and v go through a cache format and back
 (fake quantization in a pre-hook on each ``Attention`` layer, into the model-dtype fp32 cache), so
@@ -39,12 +40,26 @@ Formats (all but int8 / none after quant.rotate, then quant.unrotate):
                    the rotation after the scaling the error is about isotropic in the scaled basis,
                    and (sum_c q_c^2 s_c^2)(sum_c k_c^2 / s_c^2) is least at s_c^2 = rms(k_c) / rms(q_c)
   int4s0         : K scaled only: k / s through the int4 mode's math, then * s (int4s's s)
+  int4s0aNN      : int4s0 / int4s with s_c = (rms(k_c) / rms(q_c))^alpha, alpha = NN / 100 (two
+  int4saNN         digits; int4s0 is alpha 0.5): derived from int4s's s as s^(2 alpha), which keeps
+                   the geometric mean 1 per (layer, kv head); alpha 0 is the int4 mode
+  int4s0p        : s tied across RoPE pairs: transformers' rotate_half RoPE (Llama, Gemma-3)
+  int4sp           rotates channel c with c + D/2 by one angle, so s_c = s_{c+D/2} = sqrt(s_c *
+  int4s0aNNp       s_{c+D/2}) (the geometric mean of the pair's s) commutes with RoPE: int4s0p's
+                   scaling could be folded into the q / k projections (or Gemma's q / k norm
+                   weights) before RoPE, with no change to the kernel. int4sp's mu would not fold
   kc16 / kc32    : K per channel over groups of 16 / 32 consecutive tokens of a call (KIVI's keys):
   kc32r            4-bit asymmetric, a scale and zero point per (group, kv head, channel), a partial
                    group over its own rows; kc32r rotated first. Only the teacher-forced KL means
                    anything for them: the greedy decode feeds one token a call (a group of one)
-Config syntax: "K/V" on every layer (e.g. "int4/nf4"), or "rec:K/V": K as int8 on the preset's
-layers (SmolLM2 1, 3, 4, 6, 12, 13, 16, 22) and as K elsewhere, V everywhere (e.g. "rec:int4s/int4").
+Config syntax: "K/V" on every layer (e.g. "int4/nf4"), with optional prefixes (see
+``layer_formats``): "full:K/V", K / V only on the full-attention layers (whose ``Attention`` spec
+has no ``sliding_window``), the sliding-window layers "none" (the model dtype) as the
+int4-recommended preset keeps them (e.g. Gemma-3's "full:int4s0/int4": layers 5, 11, 17; a model
+without sliding layers: the same as "K/V"); "rec:K/V", the preset's map: K as int8 on the preset's
+measured layers for the model (SmolLM2 1, 3, 4, 6, 12, 13, 16, 22; Gemma-3 5, 11, 17) and as K on
+the other full-attention layers, V on every full-attention layer, sliding layers "none" (e.g.
+"rec:int4s/int4"; Gemma-3's "rec:int4/int4" is "full:int8/int4").
 """
 
 from __future__ import annotations
@@ -52,6 +67,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import re
 import sys
 import time
 from pathlib import Path
@@ -172,9 +188,10 @@ def fake_quant(x: torch.Tensor, fmt: str) -> torch.Tensor:
         return quant.dequantize_int4_rotated(*quant.quantize_int4_rotated(x)).to(x.dtype)
     if fmt.startswith("int4c:"):
         return centred_int4(x, int(fmt.split(":")[1]))
-    if fmt.startswith(("int4s:", "int4s0:")):
-        name, layer = fmt.split(":")
-        return scaled_int4(x, int(layer), centre=name == "int4s")
+    if ":" in fmt and (m := K_SCALED.fullmatch(fmt.split(":")[0])):
+        alpha = 0.5 if m["alpha"] is None else int(m["alpha"]) / 100
+        layer = int(fmt.split(":")[1])
+        return scaled_int4(x, layer, centre=not m["only"], alpha=alpha, pairs=bool(m["pairs"]))
     if fmt in ("kc16", "kc32", "kc32r"):
         return per_channel(x, 16 if fmt == "kc16" else 32, fmt == "kc32r")
     y = quant.rotate(x)
@@ -198,8 +215,27 @@ def fake_quant(x: torch.Tensor, fmt: str) -> torch.Tensor:
 
 
 MU: dict[int, torch.Tensor] = {}  # int4c's mean k per layer [KH, D], from ``calibrate_mu``
-S: dict[int, torch.Tensor] = {}  # int4s's scale per layer [KH, D], from ``calibrate_mu``
-PER_LAYER_K = ("int4c", "int4s", "int4s0")  # K formats calibrated per layer: "fmt:layer"
+S: dict[int, torch.Tensor] = {}  # int4s's scale per layer [KH, D] (alpha 0.5), ``calibrate_mu``
+# the scaled K formats: int4s / int4s0 (only: not centred), alpha NN / 100, p: tied across RoPE pairs
+K_SCALED = re.compile(r"int4s(?P<only>0?)(?:a(?P<alpha>\d\d))?(?P<pairs>p?)")
+
+
+def per_layer_k(fmt: str) -> bool:
+    """Whether K format ``fmt`` is calibrated per layer (written "fmt:layer" per layer)."""
+    return fmt == "int4c" or K_SCALED.fullmatch(fmt) is not None
+
+
+def smooth_scale(s: torch.Tensor, alpha: float = 0.5, pairs: bool = False) -> torch.Tensor:
+    """The scale of alpha from int4s's s [..., D] (alpha 0.5, geometric mean 1 per row):
+    (rms(k_c) / rms(q_c))^alpha up to a constant per row is s^(2 alpha), whose geometric mean is
+    1 again; ``pairs``: channels c and c + D/2 (one RoPE pair under rotate_half) both take the
+    pair's geometric mean sqrt(s_c * s_{c+D/2}), which keeps the row's geometric mean 1."""
+    out = s.double().pow(2 * alpha)
+    if pairs:
+        h = out.shape[-1] // 2
+        g = (out[..., :h] * out[..., h:]).sqrt()
+        out = torch.cat([g, g], -1)
+    return out.float()
 
 
 def centred_int4(x: torch.Tensor, layer: int) -> torch.Tensor:
@@ -208,9 +244,13 @@ def centred_int4(x: torch.Tensor, layer: int) -> torch.Tensor:
     return (quant.dequantize_int4_rotated(*quant.quantize_int4_rotated(x - mu)) + mu).to(x.dtype)
 
 
-def scaled_int4(x: torch.Tensor, layer: int, centre: bool) -> torch.Tensor:
-    """int4s / int4s0: (x - mu) / s through the int4 mode's math, then * s + mu (mu 0 for int4s0)."""
-    s = S[layer].to(x.dtype)
+def scaled_int4(
+    x: torch.Tensor, layer: int, centre: bool, alpha: float = 0.5, pairs: bool = False
+) -> torch.Tensor:
+    """int4s / int4s0: (x - mu) / s through the int4 mode's math, then * s + mu (mu 0 for int4s0);
+    s = ``smooth_scale(S[layer], alpha, pairs)`` (S[layer] itself at alpha 0.5 untied)."""
+    s = S[layer] if (alpha, pairs) == (0.5, False) else smooth_scale(S[layer], alpha, pairs)
+    s = s.to(x.dtype)
     mu = MU[layer].to(x.dtype) if centre else torch.zeros_like(s)
     y = quant.dequantize_int4_rotated(*quant.quantize_int4_rotated((x - mu) / s))
     return (y * s + mu).to(x.dtype)
@@ -229,17 +269,41 @@ def per_channel(x: torch.Tensor, group: int, rot: bool) -> torch.Tensor:
     return (quant.unrotate(out) if rot else out).to(x.dtype)
 
 
-def layer_formats(config: str, n: int) -> list[tuple[str, str]]:
-    rec = config.startswith("rec:")
-    k, v = config.removeprefix("rec:").split("/")
-    return [("int8" if rec and i in REC_LAYERS else (f"{k}:{i}" if k in PER_LAYER_K else k), v)
+def parse_config(config: str) -> tuple[set[str], str, str]:
+    """("full:" / "rec:" prefixes, K, V) of a config such as "full:int4s0/int4"."""
+    prefixes = set()
+    while (head := config.split(":", 1)[0]) in ("full", "rec") and ":" in config:
+        prefixes.add(head)
+        config = config.split(":", 1)[1]
+    k, v = config.split("/")
+    return prefixes, k, v
+
+
+def layer_formats(
+    config: str,
+    n: int,
+    sliding: frozenset[int] | set[int] = frozenset(),
+    rec_layers: tuple[int, ...] = REC_LAYERS,
+) -> list[tuple[str, str]]:
+    """(K format, V format) for each of ``n`` layers; ``sliding``: the indices of the layers with a
+    sliding window. "K/V": every layer; "full:K/V": the layers not in ``sliding``, which stay
+    ("none", "none"); "rec:K/V": the int4-recommended preset's map, K as int8 on ``rec_layers``
+    (the preset's measured layers for the model) and as K on the other full-attention layers, V on
+    every full-attention layer, the sliding ones "none" (as the preset's "sliding_window: auto")."""
+    prefixes, k, v = parse_config(config)
+    rec = "rec" in prefixes
+    skip = sliding if prefixes else frozenset()
+    return [("none", "none") if i in skip else
+            ("int8" if rec and i in rec_layers else (f"{k}:{i}" if per_layer_k(k) else k), v)
             for i in range(n)]  # fmt: skip
 
 
 def calibrate_mu(lm, tok, layers) -> dict:
     """``MU``: the mean k per layer, kv head and channel over the calibration split's windows;
     ``S``: int4s's s_c = sqrt(rms(k_c) / rms(q_c)) per layer, kv head and channel over the same
-    windows (q over the kv head's query group), geometric mean 1 per (layer, kv head). The
+    windows (q over the kv head's query group), geometric mean 1 per (layer, kv head); a channel
+    whose q and k are both 0 (Gemma-3's layers 5 and 17 have a few) gets a tiny s from the clamps,
+    harmless (k_c / s = 0) but it dominates the printed max / min. The
     pre-hook's args are the ``Attention`` layer's (q [T, H, D], k [T, KH, D], v), post-RoPE (the
     transformers attention module applies RoPE before its attention interface call). Returns the
     max / min of s per layer and kv head."""
@@ -307,6 +371,7 @@ def main() -> None:
         teacher_forced_ppl,
     )
     from torch_kvq.integrations.trained import load_trained
+    from torch_kvq.kv_presets import PRESETS
     from torch_kvq.spec import KVCacheConfig
 
     ap = argparse.ArgumentParser()
@@ -335,11 +400,21 @@ def main() -> None:
     data = eval_data(tok, agree, texts)
     pdata = eval_data(tok, dflt, texts) if (args.ppl or args.mse) else None
     layers = lm.attention_layers
+    sliding = frozenset(i for i, m in enumerate(layers) if m.spec.sliding_window is not None)
+    rec_layers = PRESETS["int4-recommended"].measured.get(args.model)
+    if rec_layers is None and any("rec" in parse_config(c)[0] for c in args.configs):
+        raise SystemExit(f"rec: the int4-recommended preset has no layers for {args.model!r}")
+    print(f"{len(layers)} layers; sliding-window layers {sorted(sliding)}", flush=True)
     spread = None
-    if any(c.removeprefix("rec:").split("/")[0] in PER_LAYER_K for c in args.configs):
+    if any(per_layer_k(parse_config(c)[1]) for c in args.configs):
         spread = calibrate_mu(lm, tok, layers)
     out = dict(
-        model=args.model, settings=vars(agree), prompt_files=data.prompt_files, rows=[], mse=None
+        model=args.model,
+        settings=vars(agree),
+        prompt_files=data.prompt_files,
+        sliding_layers=sorted(sliding),
+        rows=[],
+        mse=None,
     )
     if spread is not None:
         out["int4s_s_max_over_min"] = {str(i): v for i, v in spread.items()}  # [layer][kv head]
@@ -429,7 +504,7 @@ def main() -> None:
     out["reference"] = dict(ppl=ref_ppl, tokens=ref.tokens)
 
     for config in args.configs:
-        fmts = layer_formats(config, len(layers))
+        fmts = layer_formats(config, len(layers), sliding, rec_layers or REC_LAYERS)
 
         def hook(mod, a, kw, f):
             return (a[0], fake_quant(a[1], f[0]), fake_quant(a[2], f[1]), *a[3:]), kw

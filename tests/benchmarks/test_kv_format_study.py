@@ -76,3 +76,54 @@ def test_scaled_keys_with_unit_scales_are_the_mode_and_lower_score_error() -> No
     finally:
         kfs.S.clear()
         kfs.MU.clear()
+
+
+def test_scale_variants_derive_from_the_balanced_scale() -> None:
+    """alpha 0 gives s = 1 (the mode); alpha scales log s by 2 alpha with the geometric mean kept
+    at 1; s tied across RoPE pairs is equal on c and c + D/2 and commutes with rotate_half."""
+    g = torch.Generator().manual_seed(3)
+    s = torch.rand(2, 64, generator=g) * 3 + 0.2
+    s = s / s.log().mean(-1, keepdim=True).exp()  # geometric mean 1 per kv head, as calibrated
+    kfs.S[0] = s
+    x = _rows()
+    try:
+        assert torch.equal(kfs.smooth_scale(s, 0.0), torch.ones(2, 64))
+        assert torch.equal(kfs.fake_quant(x, "int4s0a00:0"), kfs.fake_quant(x, "int4"))
+        assert torch.equal(kfs.fake_quant(x, "int4s0a50:0"), kfs.fake_quant(x, "int4s0:0"))
+        a35 = kfs.smooth_scale(s, 0.35)
+        assert torch.allclose(a35.log(), 0.7 * s.log(), atol=1e-5)
+        tied = kfs.smooth_scale(s, 0.5, pairs=True)
+        assert torch.equal(tied[:, :32], tied[:, 32:])
+        assert torch.allclose(tied[:, :32], (s[:, :32] * s[:, 32:]).sqrt(), atol=1e-6)
+        for v in (a35, tied):
+            assert torch.allclose(v.log().mean(-1), torch.zeros(2), atol=1e-5)
+
+        def rope(t: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:  # transformers' rotate_half
+            inv = 10000.0 ** (-torch.arange(32) / 32)
+            ang = torch.cat([pos[:, None] * inv] * 2, -1)[:, None, :]  # [T, 1, D]
+            return t * ang.cos() + torch.cat([-t[..., 32:], t[..., :32]], -1) * ang.sin()
+
+        pos = torch.arange(64.0)
+        assert torch.allclose(rope(x / tied, pos), rope(x, pos) / tied, atol=1e-5)
+        assert not torch.allclose(rope(x / s, pos), rope(x, pos) / s, atol=1e-2)
+        want = kfs.scaled_int4(x, 0, centre=False, alpha=0.5, pairs=True)
+        assert torch.equal(kfs.fake_quant(x, "int4s0p:0"), want)
+        named = ("int4s0a35", "int4sp", "int4s0a65p", "int4", "nf4", "int4s0a5")
+        assert [kfs.per_layer_k(f) for f in named] == [True, True, True, False, False, False]
+    finally:
+        kfs.S.clear()
+
+
+def test_full_prefix_leaves_sliding_layers_in_the_model_dtype() -> None:
+    """Gemma-3's layout: every 6th layer full attention. "full:" quantizes only those; "rec:" is
+    the preset's map (int8 K on its layers, sliding layers "none"); no prefix: every layer."""
+    sliding = frozenset(i for i in range(12) if i % 6 != 5)
+    fmts = kfs.layer_formats("full:int4s0/int4", 12, sliding)
+    assert [i for i, f in enumerate(fmts) if f != ("none", "none")] == [5, 11]
+    assert fmts[5] == ("int4s0:5", "int4") and fmts[11] == ("int4s0:11", "int4")
+    assert kfs.layer_formats("rec:int4/int4", 12, sliding, (5, 11)) == kfs.layer_formats(
+        "full:int8/int4", 12, sliding
+    )
+    assert kfs.layer_formats("int4/int4", 12, sliding) == [("int4", "int4")] * 12
+    assert kfs.layer_formats("full:int4/nf4", 3) == [("int4", "nf4")] * 3  # no sliding layers
+    assert kfs.parse_config("full:rec:int4s/int4") == ({"full", "rec"}, "int4s", "int4")
