@@ -28,8 +28,9 @@ Formats (all but int8 / none after quant.rotate, then quant.unrotate):
                    (4 bits, in the scale's low mantissa bits); z and scale by least squared error
   u3 / u5        : the mode's asymmetric MSE-clipped uniform math with 7 / 31 levels (3 / 5 bits)
   nf3 / nf5      : Lloyd-Max 8 / 32 levels, symmetric, as nf4
-  int4c          : K centred: k - mu through the int4 mode's math, + mu (mu: the mean k per layer,
-                   kv head and channel over the corpus's calibration split, 4 x 1024 tokens). A
+  int4c          : K centred (int4s at alpha 0): k - mu through the int4 mode's math, + mu (mu:
+                   the mean k per layer, kv head and channel over the corpus's calibration split,
+                   4 x 1024 tokens). A
                    constant shift of every key leaves each query's softmax unchanged (q . mu is
                    the same for every token), so a cache could hold the codes of k - mu as they are
   int4s          : K scaled and centred: (k - mu) / s through the int4 mode's math, then * s + mu,
@@ -186,8 +187,8 @@ def fake_quant(x: torch.Tensor, fmt: str) -> torch.Tensor:
         return quant.dequantize_fp8(quant.quantize_fp8(x, 1.0), 1.0).to(x.dtype)
     if fmt == "int4":
         return quant.dequantize_int4_rotated(*quant.quantize_int4_rotated(x)).to(x.dtype)
-    if fmt.startswith("int4c:"):
-        return centred_int4(x, int(fmt.split(":")[1]))
+    if fmt.startswith("int4c:"):  # centred only: int4s at alpha 0 (s = 1)
+        return scaled_int4(x, int(fmt.split(":")[1]), centre=True, alpha=0.0)
     if ":" in fmt and (m := K_SCALED.fullmatch(fmt.split(":")[0])):
         alpha = 0.5 if m["alpha"] is None else int(m["alpha"]) / 100
         layer = int(fmt.split(":")[1])
@@ -214,8 +215,8 @@ def fake_quant(x: torch.Tensor, fmt: str) -> torch.Tensor:
     return quant.unrotate(y).to(x.dtype)
 
 
-MU: dict[int, torch.Tensor] = {}  # int4c's mean k per layer [KH, D], from ``calibrate_mu``
-S: dict[int, torch.Tensor] = {}  # int4s's scale per layer [KH, D] (alpha 0.5), ``calibrate_mu``
+MU: dict[int, torch.Tensor] = {}  # int4c's mean k per layer [KH, D], from ``calibrate_k``
+S: dict[int, torch.Tensor] = {}  # int4s's scale per layer [KH, D] (alpha 0.5), ``calibrate_k``
 # the scaled K formats: int4s / int4s0 (only: not centred), alpha NN / 100, p: tied across RoPE pairs
 K_SCALED = re.compile(r"int4s(?P<only>0?)(?:a(?P<alpha>\d\d))?(?P<pairs>p?)")
 
@@ -238,19 +239,13 @@ def smooth_scale(s: torch.Tensor, alpha: float = 0.5, pairs: bool = False) -> to
     return out.float()
 
 
-def centred_int4(x: torch.Tensor, layer: int) -> torch.Tensor:
-    """int4c: x - mu through the int4 mode's math, + mu."""
-    mu = MU[layer].to(x.dtype)
-    return (quant.dequantize_int4_rotated(*quant.quantize_int4_rotated(x - mu)) + mu).to(x.dtype)
-
-
 def scaled_int4(
     x: torch.Tensor, layer: int, centre: bool, alpha: float = 0.5, pairs: bool = False
 ) -> torch.Tensor:
-    """int4s / int4s0: (x - mu) / s through the int4 mode's math, then * s + mu (mu 0 for int4s0);
-    s = ``smooth_scale(S[layer], alpha, pairs)`` (S[layer] itself at alpha 0.5 untied)."""
-    s = S[layer] if (alpha, pairs) == (0.5, False) else smooth_scale(S[layer], alpha, pairs)
-    s = s.to(x.dtype)
+    """int4s / int4s0 / int4c: (x - mu) / s through the int4 mode's math, then * s + mu (mu 0
+    for int4s0); s = ``smooth_scale(S[layer], alpha, pairs)`` (S[layer] itself at alpha 0.5
+    untied, exactly 1 at alpha 0)."""
+    s = smooth_scale(S[layer], alpha, pairs).to(x.dtype)
     mu = MU[layer].to(x.dtype) if centre else torch.zeros_like(s)
     y = quant.dequantize_int4_rotated(*quant.quantize_int4_rotated((x - mu) / s))
     return (y * s + mu).to(x.dtype)
@@ -298,7 +293,7 @@ def layer_formats(
             for i in range(n)]  # fmt: skip
 
 
-def calibrate_mu(lm, tok, layers) -> dict:
+def calibrate_k(lm, tok, layers) -> dict:
     """``MU``: the mean k per layer, kv head and channel over the calibration split's windows;
     ``S``: int4s's s_c = sqrt(rms(k_c) / rms(q_c)) per layer, kv head and channel over the same
     windows (q over the kv head's query group), geometric mean 1 per (layer, kv head); a channel
@@ -407,7 +402,7 @@ def main() -> None:
     print(f"{len(layers)} layers; sliding-window layers {sorted(sliding)}", flush=True)
     spread = None
     if any(per_layer_k(parse_config(c)[1]) for c in args.configs):
-        spread = calibrate_mu(lm, tok, layers)
+        spread = calibrate_k(lm, tok, layers)
     out = dict(
         model=args.model,
         settings=vars(agree),

@@ -35,6 +35,7 @@ def test_centred_keys_with_a_zero_mean_are_the_mode() -> None:
     x = _rows()
     kfs.MU[0] = torch.zeros(2, 64)
     kfs.MU[1] = torch.full((2, 64), 5.0)
+    kfs.S[0] = kfs.S[1] = torch.rand(2, 64) + 0.5  # int4c is int4s at alpha 0: s ignored
     try:
         assert torch.equal(kfs.fake_quant(x, "int4c:0"), kfs.fake_quant(x, "int4"))
         shifted = kfs.fake_quant(x + 5.0, "int4c:1")
@@ -44,6 +45,7 @@ def test_centred_keys_with_a_zero_mean_are_the_mode() -> None:
         ]  # fmt: skip
     finally:
         kfs.MU.clear()
+        kfs.S.clear()
 
 
 def test_keys_per_channel_follow_each_channels_range() -> None:
