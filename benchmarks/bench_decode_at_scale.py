@@ -43,6 +43,7 @@ import os
 import subprocess
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -63,7 +64,7 @@ from torch_kvq.kv_presets import kv_preset  # noqa: E402
 from torch_kvq.models.gemma3 import Gemma3Model  # noqa: E402
 from torch_kvq.models.llama import LlamaModel  # noqa: E402
 from torch_kvq.models.presets import tiny_gemma3_config, tiny_llama_config  # noqa: E402
-from torch_kvq.spec import KVCacheConfig  # noqa: E402
+from torch_kvq.spec import KChannelScale, KVCacheConfig  # noqa: E402
 
 PAGE = 16
 # --max-autotune-gemm: the GEMMs are 89% (Llama) / 84% (Gemma) of copy bandwidth on cuBLAS at batch
@@ -138,7 +139,8 @@ RECOMMENDED_LAYERS = {
 SMOKE_LAYERS = {"llama-3.1-8b": (1, 3), "gemma-3-12b": (5,)}
 KV_CONFIGS = ("bf16", "fp8", "int8_per_token_head", "fp8_per_token_head", "int4_per_token_head",
               "mixed", "int8_per_token_head-all", "fp8_per_token_head-all",
-              "int4_per_token_head-all", "int4-recommended")  # fmt: skip
+              "int4_per_token_head-all", "int4-recommended",
+              "int4_per_token_head-all+channels")  # fmt: skip
 
 
 def kv_configs(skip, page: int = PAGE) -> dict[str, KVCacheConfig]:
@@ -165,9 +167,28 @@ def kv_config(name: str, model_name: str, page: int = PAGE, smoke: bool = False)
         return kv_preset(name, sensitive_layers=layers, page_size=page)
     if name not in KV_CONFIGS:
         raise ValueError(f"unknown kv config {name!r}; expected one of {list(KV_CONFIGS)}")
+    if name.endswith("+channels"):  # every layer int4 with K channel scales (their cost)
+        return synthetic_channels(kv_config(name.removesuffix("+channels"), model_name, page, smoke),
+                                  model_name, smoke)  # fmt: skip
     if name.endswith("-all"):
         return KVCacheConfig(name.removesuffix("-all"), page_size=page)
     return KVCacheConfig(name, skip_layers=skip, page_size=page)
+
+
+def synthetic_channels(cfg: KVCacheConfig, model_name: str, smoke: bool) -> KVCacheConfig:
+    """``cfg`` (int4 on every layer) with K channel scales and means on every layer: seeded
+    values in a calibrated one's range (s 0.5..2), no trained weights to calibrate on; for the
+    step's cost, which does not depend on the values."""
+    _, config_fn, shape, _ = MODELS[model_name]
+    mc = config_fn(**(SMOKE[model_name] if smoke else shape))
+    kh = mc["num_key_value_heads"]
+    d = mc.get("head_dim") or mc["hidden_size"] // mc["num_attention_heads"]
+    g = torch.Generator().manual_seed(0)
+    channels = {
+        i: KChannelScale(torch.rand(kh, d, generator=g) * 1.5 + 0.5, torch.randn(kh, d, generator=g))
+        for i in range(mc["num_hidden_layers"])
+    }
+    return replace(cfg, k_channel_scales=channels)
 
 
 def make_kernel(name: str, smoke: bool):

@@ -1843,6 +1843,71 @@ def _() -> object:
     return parse_kv("int4-recommended:skip=0")
 
 
+def _channel(kh: int = KV_HEADS, d: int = 64, mean: bool = True) -> object:
+    from torch_kvq.spec import KChannelScale
+
+    return KChannelScale(torch.ones(kh, d), torch.zeros(kh, d) if mean else None)
+
+
+@case("modes.k-channels-wrong-mode")
+def _() -> object:
+    layer = AttentionLayerInfo(f"kc{next(_uid)}.attn", HEADS, KV_HEADS, 64)
+    return resolve_layer_specs(KVCacheConfig("fp8", k_channel_scales={0: _channel()}), [layer])
+
+
+@case("modes.k-channels-shape")
+def _() -> object:
+    layer = AttentionLayerInfo(f"kc{next(_uid)}.attn", HEADS, 2, 64)
+    cfg = KVCacheConfig("int4_per_token_head", k_channel_scales={0: _channel(2, 16)})
+    return resolve_layer_specs(cfg, [layer])
+
+
+@case("modes.k-channels-centred-soft-cap")
+def _() -> object:
+    layer = AttentionLayerInfo(f"kc{next(_uid)}.attn", HEADS, KV_HEADS, 64, logits_soft_cap=30.0)
+    cfg = KVCacheConfig("int4_per_token_head", k_channel_scales={0: _channel()})
+    return resolve_layer_specs(cfg, [layer])
+
+
+@case("modes.k-channels-bad-scale")
+def _() -> object:
+    from torch_kvq.spec import KChannelScale
+
+    return KChannelScale([[1.0, 0.0]])
+
+
+@case("modes.k-channels-missing-layer")
+def _() -> object:
+    model = _hf()
+    cfg = model.config
+    kh, d = cfg.num_key_value_heads, cfg.head_dim
+    only0 = {"model.layers.0.self_attn.k_channel_scale": torch.ones(kh, d)}
+    from torch_kvq.integrations.transformers import KVQCausalLM
+
+    return KVQCausalLM.from_hf(
+        model, KVCacheConfig("int4_per_token_head", page_size=4), num_pages=16,
+        k_channels_from=only0,
+    )  # fmt: skip
+
+
+@case("modes.k-channels-no-int4-layer")
+def _() -> object:
+    from torch_kvq.cli.eval import with_channels
+    from torch_kvq.evaluation.kv_arg import CALIBRATE, parse_kv
+
+    lm = _attach(_hf())
+    with _detached(lm):
+        kv = parse_kv("fp8:channels=calibrate")
+        return with_channels(lm, None, kv, kv.config(4), None, {CALIBRATE: {}})
+
+
+@case("modes.k-channels-no-file")
+def _() -> object:
+    from torch_kvq.evaluation.kv_arg import parse_kv
+
+    return parse_kv("int4_per_token_head:channels=/no/such.safetensors")
+
+
 @case("modes.int4-odd-head-size")
 def _() -> object:
     layer = AttentionLayerInfo(f"i4{next(_uid)}.attn", HEADS, KV_HEADS, 15)

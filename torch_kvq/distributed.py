@@ -231,7 +231,8 @@ def shard_linear_(parent: nn.Module, attr: str, tp: TensorParallel, name: str) -
 
 
 def shard_specs(specs: Sequence[LayerKVSpec], tp: TensorParallel | None) -> tuple[LayerKVSpec, ...]:
-    """The specs of this rank: the same as ``specs`` but for ``num_heads / N``, ``num_kv_heads / N``."""
+    """The specs of this rank: the same as ``specs`` but for ``num_heads / N``, ``num_kv_heads / N``
+    (and a ``k_channel`` of this rank's kv heads)."""
     if tp is None:
         return tuple(specs)
     return tuple(
@@ -239,6 +240,9 @@ def shard_specs(specs: Sequence[LayerKVSpec], tp: TensorParallel | None) -> tupl
             s,
             num_heads=tp.split(s.num_heads, f"layer {s.name!r}: num_heads"),
             num_kv_heads=tp.split(s.num_kv_heads, f"layer {s.name!r}: num_kv_heads"),
+            k_channel=None
+            if s.k_channel is None
+            else s.k_channel.heads(tp.part(s.num_kv_heads, f"layer {s.name!r}: num_kv_heads")),
         )
         for s in specs
     )

@@ -9,8 +9,9 @@ nothing reads a global cache dtype. ``spec_table`` prints the specs.
 from __future__ import annotations
 
 import enum
+import hashlib
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, fields
 
 import torch
@@ -125,6 +126,75 @@ _QMAX = {  # attention/quant.py's FP8_MAX / INT8_MAX (spec sits below it; a test
 SCALE_BYTES = 4  # one fp32 scale per (token, kv head), for k and for v, in per-(token, head) modes
 
 
+Rows = tuple[tuple[float, ...], ...]
+
+
+def _rows(value: object, what: str, positive: bool) -> Rows:
+    """``value`` ([KH][D] nested sequences or a 2-D tensor) as a rectangular tuple of float rows,
+    every value finite (and positive with ``positive``); ValueError naming ``what`` otherwise."""
+    if isinstance(value, torch.Tensor):
+        if value.dim() != 2:
+            raise ValueError(
+                f"{what} must be 2-D [num_kv_heads, head_size], got {tuple(value.shape)}"
+            )
+        value = value.detach().double().cpu().tolist()
+    if (
+        not isinstance(value, Sequence)
+        or not value
+        or not all(isinstance(r, Sequence) and not isinstance(r, str) and len(r) for r in value)
+    ):
+        raise ValueError(f"{what} must be [num_kv_heads][head_size] numbers, got {value!r:.80}")
+    rows = tuple(tuple(float(x) for x in r) for r in value)
+    if len({len(r) for r in rows}) != 1:
+        raise ValueError(f"{what} rows differ in length: {[len(r) for r in rows]}")
+    bad = [x for r in rows for x in r if not math.isfinite(x) or (positive and x <= 0.0)]
+    if bad:
+        need = "positive finite" if positive else "finite"
+        raise ValueError(f"{what} must be {need} everywhere, got {bad[0]!r}")
+    return rows
+
+
+@dataclass(frozen=True)
+class KChannelScale:
+    """K scaled per (kv head, channel) in a 4-bit layer: the cache holds the codes of
+    ``(k - mean) / scale`` and attention reads ``q * scale`` (its kv head's row), so every score
+    is unchanged in exact arithmetic (the mean shifts a query's scores by one constant, which the
+    softmax ignores), while each channel's range in the 4-bit codes is balanced against how much
+    q weighs it. ``scale`` [num_kv_heads][head_size], positive; ``mean`` the same shape, or None
+    (not centred). Tensors are accepted and stored as float tuples (the spec stays frozen and
+    hashable); ``kvq calibrate`` makes them (``attention/k_channels.py``: the math)."""
+
+    scale: Rows
+    mean: Rows | None = None
+
+    def __post_init__(self) -> None:
+        scale = _rows(self.scale, "k channel scale", positive=True)
+        object.__setattr__(self, "scale", scale)
+        if self.mean is not None:
+            mean = _rows(self.mean, "k channel mean", positive=False)
+            if (len(mean), len(mean[0])) != (len(scale), len(scale[0])):
+                raise ValueError(
+                    f"k channel mean is {len(mean)} x {len(mean[0])}, its scale "
+                    f"{len(scale)} x {len(scale[0])}; expected one shape"
+                )
+            object.__setattr__(self, "mean", mean)
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        """(num_kv_heads, head_size)."""
+        return len(self.scale), len(self.scale[0])
+
+    @property
+    def label(self) -> str:
+        """``scaled`` or ``scaled+centred``, with a digest of the values (tables, cache keys)."""
+        digest = hashlib.sha1(repr((self.scale, self.mean)).encode()).hexdigest()[:8]
+        return f"{'scaled+centred' if self.mean is not None else 'scaled'} {digest}"
+
+    def heads(self, part: slice) -> KChannelScale:
+        """The rows of kv heads ``part`` (a tensor-parallel rank's)."""
+        return KChannelScale(self.scale[part], None if self.mean is None else self.mean[part])
+
+
 _DTYPE_ALIASES: dict[str, tuple[KVQuantMode, torch.dtype | None]] = {
     "auto": (KVQuantMode.NONE, None),
     "bfloat16": (KVQuantMode.NONE, torch.bfloat16),
@@ -197,6 +267,10 @@ class KVCacheConfig:
         kv_scales: per-layer static ``(k_scale, v_scale)`` of ``fp8`` (per-tensor) layers, keyed
             by layer name or index; layers not listed use ``default_k_scale`` /
             ``default_v_scale``. Scales for a per-(token, head) layer are a ValueError.
+        k_channel_scales: per-layer ``KChannelScale`` of ``int4_per_token_head`` layers, keyed by
+            layer name or index: k scaled (and centred) per (kv head, channel) before the
+            layer's write, q scaled to match (``KChannelScale``). Layers not listed are not
+            scaled; an entry for a layer of another mode is a ValueError.
     """
 
     kv_cache_dtype: str = "auto"
@@ -206,6 +280,7 @@ class KVCacheConfig:
     default_k_scale: float = 1.0
     default_v_scale: float = 1.0
     layer_modes: tuple[tuple[int | str, str], ...] = ()
+    k_channel_scales: tuple[tuple[int | str, KChannelScale], ...] = ()
 
     def __post_init__(self) -> None:
         if isinstance(self.layer_modes, Mapping):
@@ -257,6 +332,27 @@ class KVCacheConfig:
                 )
             check_scale(pair[0], f"k_scale of layer {key!r}")
             check_scale(pair[1], f"v_scale of layer {key!r}")
+        if isinstance(self.k_channel_scales, Mapping):
+            object.__setattr__(self, "k_channel_scales", tuple(self.k_channel_scales.items()))
+        else:
+            object.__setattr__(
+                self, "k_channel_scales", tuple(tuple(kv) for kv in self.k_channel_scales)
+            )
+        keys = [item[0] for item in self.k_channel_scales]
+        dupes = sorted({repr(k) for k in keys if keys.count(k) > 1})
+        if dupes:
+            raise ValueError(f"k_channel_scales lists layer(s) {', '.join(dupes)} more than once")
+        for item in self.k_channel_scales:
+            if len(item) != 2 or isinstance(item[0], bool) or not isinstance(item[0], (int, str)):
+                raise ValueError(
+                    f"k_channel_scales entry {item!r:.80} must be a (layer index or name, "
+                    "KChannelScale) pair"
+                )
+            if not isinstance(item[1], KChannelScale):
+                raise ValueError(
+                    f"k_channel_scales[{item[0]!r}] must be a KChannelScale, got "
+                    f"{type(item[1]).__name__}"
+                )
 
     @property
     def mode_rules(self) -> tuple[tuple[int | str, str, str], ...]:
@@ -319,6 +415,7 @@ class LayerKVSpec:
     v_scale: float = 1.0
     skip_reason: str | None = None  # which skip rule kept this layer unquantized
     uncalibrated: bool = False  # a quantized layer on the default scales 1.0: nobody chose them
+    k_channel: KChannelScale | None = None  # int4 layers: k scaled per (kv head, channel)
 
     def __post_init__(self) -> None:
         if self.sm_scale is None:
@@ -365,9 +462,11 @@ class LayerKVSpec:
         out: dict[str, object] = {}
         for f in fields(self):
             v = getattr(self, f.name)
-            out[f.name] = (
-                v.value
-                if isinstance(v, KVQuantMode)
-                else (str(v) if isinstance(v, torch.dtype) else v)
-            )
+            if isinstance(v, KVQuantMode):
+                v = v.value
+            elif isinstance(v, torch.dtype):
+                v = str(v)
+            elif isinstance(v, KChannelScale):
+                v = v.label  # a digest, not [KH][D] numbers
+            out[f.name] = v
         return out

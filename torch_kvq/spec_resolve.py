@@ -15,6 +15,7 @@ from torch_kvq.spec import (
     MODEL_DTYPES,
     SKIP_RULE_FORMS,
     AttentionLayerInfo,
+    KChannelScale,
     KVCacheConfig,
     KVQuantMode,
     LayerKVSpec,
@@ -99,6 +100,7 @@ def resolve_layer_specs(
         _layer_mode(idx, info, len(layers), rule_modes, default) for idx, info in enumerate(layers)
     ]
     scales = _resolve_scales(config, layers, [m[0] for m, _ in modes])
+    channels = _resolve_k_channels(config, layers, [m[0] for m, _ in modes])
     any_quantized = default[0].is_quantized or any(m[0].is_quantized for _, m, _, _ in rule_modes)
     specs = []
     for idx, (info, ((mode, storage), reason)) in enumerate(zip(layers, modes)):
@@ -134,6 +136,7 @@ def resolve_layer_specs(
                 uncalibrated=per_tensor
                 and info.name not in scales
                 and (config.default_k_scale, config.default_v_scale) == (1.0, 1.0),
+                k_channel=channels.get(info.name),
             )
         )
     return tuple(specs)
@@ -204,22 +207,10 @@ def _check_layer_info(info: AttentionLayerInfo) -> None:
 def _resolve_scales(
     config: KVCacheConfig, layers: Sequence[AttentionLayerInfo], modes: Sequence[KVQuantMode]
 ) -> dict[str, tuple[float, float]]:
-    n = len(layers)
     names = [li.name for li in layers]
     out: dict[str, tuple[float, float]] = {}
     for key, pair in config.kv_scales:
-        if isinstance(key, int):
-            if not -n <= key < n:
-                raise ValueError(
-                    f"kv_scales index {key} is out of range; expected an int in [{-n}, {n - 1}]"
-                )
-            name = names[key]
-        elif key in names:
-            name = key
-        else:
-            raise ValueError(
-                f"kv_scales names unknown layer {key!r}; layer names look like {names[:2]}"
-            )
+        name = _layer_of_key(key, names, "kv_scales")
         if name in out:
             raise ValueError(f"kv_scales gives layer {name!r} twice (by index and by name)")
         mode = modes[names.index(name)]
@@ -230,4 +221,51 @@ def _resolve_scales(
                 "fp8 (per-tensor) layers"
             )
         out[name] = (float(pair[0]), float(pair[1]))
+    return out
+
+
+def _layer_of_key(key: int | str, names: Sequence[str], what: str) -> str:
+    """The layer name a ``kv_scales`` / ``k_channel_scales`` key (index or name) selects."""
+    n = len(names)
+    if isinstance(key, int):
+        if not -n <= key < n:
+            raise ValueError(
+                f"{what} index {key} is out of range; expected an int in [{-n}, {n - 1}]"
+            )
+        return names[key]
+    if key in names:
+        return key
+    raise ValueError(f"{what} names unknown layer {key!r}; layer names look like {list(names[:2])}")
+
+
+def _resolve_k_channels(
+    config: KVCacheConfig, layers: Sequence[AttentionLayerInfo], modes: Sequence[KVQuantMode]
+) -> dict[str, KChannelScale]:
+    """Layer name -> its ``KChannelScale``: int4 layers only, of the layer's [KH][D] shape, and
+    not centred where a soft cap makes the scores' constant shift matter."""
+    names = [li.name for li in layers]
+    out: dict[str, KChannelScale] = {}
+    for key, ch in config.k_channel_scales:
+        name = _layer_of_key(key, names, "k_channel_scales")
+        if name in out:
+            raise ValueError(f"k_channel_scales gives layer {name!r} twice (by index and by name)")
+        info, mode = layers[names.index(name)], modes[names.index(name)]
+        if mode is not KVQuantMode.INT4_PER_TOKEN_HEAD:
+            raise ValueError(
+                f"k_channel_scales gives layer {name!r}, whose mode is {mode.value!r}; K channel "
+                "scaling is an option of int4_per_token_head layers only (drop the entry or give "
+                "the layer that mode)"
+            )
+        if ch.shape != (info.num_kv_heads, info.head_size):
+            raise ValueError(
+                f"k_channel_scales for layer {name!r} is {ch.shape[0]} x {ch.shape[1]}; expected "
+                f"num_kv_heads x head_size = {info.num_kv_heads} x {info.head_size}"
+            )
+        if ch.mean is not None and info.logits_soft_cap is not None:
+            raise ValueError(
+                f"k_channel_scales centres k of layer {name!r}, which caps its logits "
+                f"(logits_soft_cap {info.logits_soft_cap}): the cap makes the shift of every "
+                "score by q . mean change the softmax; give that layer a scale without a mean"
+            )
+        out[name] = ch
     return out

@@ -113,7 +113,7 @@ def format_spec_table(
                 str(s.storage_dtype).replace("torch.", ""),
                 str(s.cache_bytes_per_token),
                 str(s.scale_bytes_per_token),
-                "per token" if s.mode.per_token_head else scale_cell(s, s.k_scale),
+                k_cell(s),
                 "per token" if s.mode.per_token_head else scale_cell(s, s.v_scale),
                 *[extra.get(s.name, {}).get(c, "") for c in extra_cols],
             ]
@@ -125,6 +125,14 @@ def format_spec_table(
     table = [line(header), line(["-" * w for w in widths]), *(line(r) for r in rows)]
     said = skip_rule_notes(skip_layers, specs, layer_modes) + scale_notes(specs) if notes else []
     return "\n".join(table + ([""] + said if said else []))
+
+
+def k_cell(spec: LayerKVSpec) -> str:
+    """The k_scale column: the per-tensor scale, ``per token``, or ``per token, channels`` and
+    how (``scaled`` / ``scaled+centred``) for an int4 layer with K channel scales."""
+    if spec.k_channel is not None:
+        return f"per token, channels {spec.k_channel.label.split()[0]}"
+    return "per token" if spec.mode.per_token_head else scale_cell(spec, spec.k_scale)
 
 
 def scale_cell(spec: LayerKVSpec, scale: float) -> str:

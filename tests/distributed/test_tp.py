@@ -174,6 +174,7 @@ MODES_4BIT = {
     "llama-tiny:k8v4": [K8V4] * 4,
     "llama-tiny:mixed": [INT4, K8V4, INT8, "none"],
     "gemma3-tiny:mixed": [INT8, "none", K8V4, INT4, INT4, K8V4],  # layers 2, 5: full attention
+    "llama-tiny:int4-channels": [INT4] * 4,  # layers 0, 2 with K channel scales
 }
 # per mode: (cache dtype, dim 1 (slots), last dim at head size 32)
 CACHE_4BIT = {INT4: ("torch.uint8", 2, 16), K8V4: ("torch.uint8", 3, 16),
@@ -192,7 +193,8 @@ def test_tp2_four_bit_modes(tmp_path):
     whose MSE clip ratio differed between the two runs would show as non-adjacent codes and a
     scale off by more than 1e-5: it fails. Measured (torch 2.13 CPU): no code flipped in any
     case, logits within 3e-6. Each rank's cache holds its one kv head: int4 uint8 [pages, 2,
-    page, 1, D / 2], k8v4 uint8 [pages, 3, page, 1, D / 2]."""
+    page, 1, D / 2], k8v4 uint8 [pages, 3, page, 1, D / 2]; with K channel scales, their
+    [1, D] row."""
     ranks = launch("modes4", tmp_path, timeout=300)
     check_modes(ranks)
     assert set(ranks[0]) - {"ok"} == set(MODES_4BIT)
@@ -207,6 +209,9 @@ def test_tp2_four_bit_modes(tmp_path):
                     name, mode, shape, dtype,
                 )  # fmt: skip
             assert row["values"] > 0, name  # k / v values written by its quantized layers
+            # K channel scales: each rank holds its one kv head's row
+            want = [[1, 32], None, [1, 32], None] if name.endswith("channels") else [None] * 4
+            assert row["k_channel_shapes"][:4] == want, (name, row["k_channel_shapes"])
 
 
 @pytest.mark.distributed

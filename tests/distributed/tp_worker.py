@@ -124,7 +124,22 @@ MAPS_4BIT = {
     "llama-tiny:k8v4": ("llama-tiny", K8V4, ()),
     "llama-tiny:mixed": ("llama-tiny", "auto", ((0, INT4), (1, K8V4), (2, INT8))),
     "gemma3-tiny:mixed": ("gemma3-tiny", INT4, (("full_attention", K8V4), (0, INT8), (1, "auto"))),
+    "llama-tiny:int4-channels": ("llama-tiny", INT4, ()),
 }
+# the layers given K channel scales (2 kv heads of 32, seeded: every rank builds the same)
+CHANNELS = {"llama-tiny:int4-channels": (0, 2)}
+
+
+def k_channels(label: str) -> dict:
+    from torch_kvq.spec import KChannelScale
+
+    out = {}
+    for i in CHANNELS.get(label, ()):
+        g = torch.Generator().manual_seed(100 + i)
+        out[i] = KChannelScale(
+            torch.rand(2, 32, generator=g) * 3 + 0.3, torch.randn(2, 32, generator=g)
+        )
+    return out
 
 
 def modes(tp, maps: dict) -> dict:
@@ -144,7 +159,8 @@ def modes(tp, maps: dict) -> dict:
     out: dict = {}
     for label, (name, default, layer_modes) in maps.items():
         scales = {0: (0.05, 0.05)} if maps is MAPS_8BIT else {}  # layer 0's fp8 per tensor
-        kv = KVCacheConfig(default, layer_modes=layer_modes, page_size=4, kv_scales=scales)
+        kv = KVCacheConfig(default, layer_modes=layer_modes, page_size=4, kv_scales=scales,
+                           k_channel_scales=k_channels(label))  # fmt: skip
         own = dict(num_pages=32, dtype=torch.float32)
         tag = label.replace(":", "_")  # layer names are unique per process
         single = build_model(name, kv, prefix=f"msingle_{tag}", **own)
@@ -203,6 +219,10 @@ def modes(tp, maps: dict) -> dict:
                 for a in shard.attention_layers
             ],
             "cache_shapes": [list(a.kv_cache.shape) for a in shard.attention_layers],
+            "k_channel_shapes": [
+                None if a.k_channel_scale is None else list(a.k_channel_scale.shape)
+                for a in shard.attention_layers
+            ],
             "cache_dtypes": [str(a.kv_cache.dtype) for a in shard.attention_layers],
             "scales_written": all(
                 a.kv_scale is None or bool(a.kv_scale.any()) for a in shard.attention_layers

@@ -107,3 +107,29 @@ def test_parse_kv_map_takes_the_rest_of_the_spec():
     assert cfg.layer_modes == kv.layer_modes and cfg.skip_layers == (1,)
     with pytest.raises(ValueError, match=r"--kv 'auto:map=0': map entry '0' is not RULE:MODE"):
         parse_kv("auto:map=0")
+
+
+def test_parse_kv_channels():
+    kv = parse_kv("s=int4_per_token_head:channels=calibrate:skip=0")
+    assert (kv.name, kv.channels, kv.skip_layers) == ("s", "calibrate", (0,))
+    kv = parse_kv("int4-recommended:channels=calibrate")
+    assert (kv.preset, kv.channels) == ("int4-recommended", "calibrate")
+    with pytest.raises(
+        ValueError, match="takes no option but one channels= \\(got 'channels=calibrate:skip=0'\\)"
+    ):
+        parse_kv("int4-recommended:channels=calibrate:skip=0")
+
+
+def test_eval_with_calibrated_k_channels(tmp_path, capsys):
+    """channels=calibrate: K channel scales calibrated on the calibration split, on the int4
+    layers of the config (a preset's too); the rows differ from plain int4's."""
+    out = tmp_path / "eval.json"
+    kvs = ["--kv", "int4_per_token_head", "--kv", "s=int4_per_token_head:channels=calibrate"]
+    kvs += ["--kv", "rs=int4-recommended:channels=calibrate"]
+    argv = ["--model", "smollm2-135m", *kvs, *SHORT, "--json", str(out)]
+    assert cli.main(["eval", *argv]) == 0
+    rows = {r["kv"]: r for r in json.loads(out.read_text())["rows"]}
+    plain, scaled, rec = rows["int4_per_token_head"], rows["s"], rows["rs"]
+    assert scaled["quantized_layers"] == plain["quantized_layers"] == 30
+    assert math.isfinite(scaled["ppl"]) and scaled["ppl"] != plain["ppl"]
+    assert rec["quantized_layers"] == 30 and math.isfinite(rec["ppl"])

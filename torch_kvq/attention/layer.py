@@ -15,6 +15,7 @@ from torch import nn
 from torch_kvq.attention import ops as _ops  # noqa: F401  (registers torch.ops.kvq.*)
 from torch_kvq.attention import ops_per_token_head as _ops_pth  # noqa: F401  (likewise)
 from torch_kvq.attention import registry
+from torch_kvq.attention.k_channels import scale_qk
 from torch_kvq.attention.quant import FP8_MAX, quantize_fp8, quantize_per_token_head
 from torch_kvq.spec import LayerKVSpec, check_positive_int
 
@@ -49,6 +50,11 @@ class Attention(nn.Module):
     (slots 0 / 1: k's int8 codes, first and second half of the channels; slot 2: v's packed
     codes), ``kv_scale`` as above (k's int8 scale, v's int4 scale with its zero point).
     ``quant_form="op"`` only, as int4.
+
+    An int4 layer with ``spec.k_channel`` (``spec.KChannelScale``) holds it in two more buffers,
+    ``k_channel_scale`` and ``k_channel_mean`` [KH, D] float32 (the mean None when not centred),
+    and starts its flow with ``k_channels.scale_qk``: q * s and (k - mean) / s, plain pointwise
+    ops that a compiled graph fuses into the ops that made q and k.
     """
 
     def __init__(
@@ -90,6 +96,12 @@ class Attention(nn.Module):
             else None,
             persistent=False,
         )
+        self.k_channel_scale: torch.Tensor | None
+        self.k_channel_mean: torch.Tensor | None
+        ch = spec.k_channel
+        for name, rows in (("scale", ch and ch.scale), ("mean", ch and ch.mean)):
+            value = None if rows is None else torch.tensor(rows, dtype=torch.float32, device=device)
+            self.register_buffer(f"k_channel_{name}", value, persistent=False)
         registry.register(self)
 
     def extra_repr(self) -> str:
@@ -97,6 +109,7 @@ class Attention(nn.Module):
         return (
             f"{s.name!r}, mode={s.mode.value}, cache={tuple(self.kv_cache.shape)} {s.storage_dtype}"
             + ("" if self.kv_scale is None else f", kv_scale={tuple(self.kv_scale.shape)}")
+            + ("" if s.k_channel is None else f", k_channel={s.k_channel.label}")
         )
 
     def _quantize(self, x: torch.Tensor, scale: float) -> torch.Tensor:
@@ -135,6 +148,8 @@ class Attention(nn.Module):
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         spec = self.spec
+        if self.k_channel_scale is not None:
+            q, k = scale_qk(q, k, self.k_channel_scale, self.k_channel_mean)
         if spec.mode.per_token_head:
             kc, ks = self._quantize_per_token_head(k, spec.mode.k_format)
             vc, vs = self._quantize_per_token_head(v, spec.mode.v_format)

@@ -1,13 +1,16 @@
 """``kvq calibrate``: static FP8 k/v scales of a trained model from the corpus's calibration split
 (``torch_kvq.evaluation.calibrate``), written where ``kv_scales_from=`` / ``--kv fp8:scales=``
-read them.
+read them; beside them, each layer's K channel scales for ``int4_per_token_head``
+(``P.k_channel_scale`` / ``P.k_channel_mean``, read by ``k_channels_from=`` /
+``--kv int4_per_token_head:channels=``), except with ``--stats-from`` (they need the model).
 
 Usage: ``kvq calibrate --model gemma3-270m --out gemma_kv_scales.safetensors``.
 
 Flags:
   --model SOURCE       a shipped model name (smollm2-135m, gemma3-270m), a .gguf file or a local
                        HF checkpoint folder (default gemma3-270m)
-  --out PATH           the safetensors file to write (``P.k_scale`` / ``P.v_scale`` per layer)
+  --out PATH           the safetensors file to write (``P.k_scale`` / ``P.v_scale`` per layer,
+                       ``P.k_channel_scale`` / ``P.k_channel_mean`` [KH, D])
   --statistic S        amax (default) or a percentile of |x|, e.g. p99.99
   --headroom H         multiply the statistic by H before dividing by 448 (default 2: room for
                        text the sample did not see; --headroom 1 --no-pow2 is plain amax / 448)
@@ -64,11 +67,11 @@ def add_parser(sub: Any) -> None:
     p.set_defaults(func=run)
 
 
-def _sample(args: argparse.Namespace, percentiles: list[str]):  # -> (stats, meta)
+def _sample(args: argparse.Namespace, percentiles: list[str]):  # -> (stats, meta, channels)
     """Run the model over the calibration windows: per-layer statistics and what they came from."""
     from torch_kvq.cli.sources import trained_for_text
     from torch_kvq.evaluation import corpus
-    from torch_kvq.evaluation.calibrate import kv_stats
+    from torch_kvq.evaluation.calibrate import k_channel_scales, kv_stats
     from torch_kvq.evaluation.eval import EvalSettings, eval_data
     from torch_kvq.progress import Progress
 
@@ -81,16 +84,18 @@ def _sample(args: argparse.Namespace, percentiles: list[str]):  # -> (stats, met
         data = eval_data(tok, settings, corpus.split("calibration"))
         bar.update(status=f"{args.windows} windows of {args.window} tokens through the model")
         stats = kv_stats(lm, data.windows, percentiles)
+        bar.update(status="the same windows for K channel scales")
+        channels = k_channel_scales(lm, data.windows)
     meta = {
         "model": str(args.model),
         "dtype": args.dtype,
         "calibration_texts": ",".join(data.window_files),
         "tokens_per_text": str(args.window),
     }
-    return stats, meta
+    return stats, meta, channels
 
 
-def _read_stats(path: Path):  # -> (stats, meta)
+def _read_stats(path: Path):  # -> (stats, meta, None)
     from torch_kvq.evaluation.calibrate import LayerStats
 
     try:
@@ -99,7 +104,7 @@ def _read_stats(path: Path):  # -> (stats, meta)
             p: LayerStats(k=d["k"], v=d["v"], clipped_at_1=tuple(d["clipped_at_1"]))
             for p, d in doc["layers"].items()
         }
-        return stats, dict(doc["meta"])
+        return stats, dict(doc["meta"]), None
     except (OSError, ValueError, KeyError, TypeError) as e:
         raise ValueError(f"--stats-from {str(path)!r}: not a --stats-json file ({e})") from None
 
@@ -112,10 +117,10 @@ def run(args: argparse.Namespace) -> int:
     check_scale(args.multiplier, "--multiplier")
     method = Method(args.statistic, args.headroom, args.pow2)
     if args.stats_from is not None:
-        stats, meta = _read_stats(args.stats_from)
+        stats, meta, channels = _read_stats(args.stats_from)
     else:
         percentiles = sorted({"p99.9", "p99.99"} | ({method.statistic} - {"amax"}))
-        stats, meta = _sample(args, percentiles)
+        stats, meta, channels = _sample(args, percentiles)
     scales = scales_from_stats(stats, method)
     scales = {
         p: (
@@ -130,7 +135,7 @@ def run(args: argparse.Namespace) -> int:
         "only": args.only or "k and v",
         "multiplier": repr(args.multiplier),
     }
-    write_scales(scales, args.out, written)
+    write_scales(scales, args.out, written, k_channels=channels)
     print(
         f"kvq calibrate: {meta['model']}, {method.label()}"
         f"{f', {args.only} only' if args.only else ''}"
@@ -142,6 +147,11 @@ def run(args: argparse.Namespace) -> int:
         print(
             f"  {path:40s} k_scale {k:.6g} (amax {st.k['amax']:.4g})  "
             f"v_scale {v:.6g} (amax {st.v['amax']:.4g})"
+        )
+    if channels:
+        print(
+            f"  K channel scales (int4_per_token_head), scaled and centred, for {len(channels)} "
+            "layers: s_c^2 = rms(k_c) / rms(q_c) per kv head and channel"
         )
     print(f"wrote {args.out}")
     if args.stats_json is not None:

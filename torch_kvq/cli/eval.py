@@ -7,7 +7,9 @@ Flags:
   --model SOURCE       a shipped model name (smollm2-135m, gemma3-270m), a .gguf file or a local
                        HF checkpoint folder; repeatable (default: both shipped models)
   --kv [NAME=]SPEC     a KV config (``evaluation/kv_arg.py``: ``fp8``, ``fp8:skip=sliding_window``,
-                       ``fp8:scales=PATH``, ``fp8:scale=2``); repeatable (default: ``fp8``). The
+                       ``fp8:scales=PATH``, ``fp8:scale=2``, ``int4_per_token_head:channels=
+                       calibrate``: K channel scales from 4 x 1024 tokens of the calibration
+                       split, as kvq calibrate's); repeatable (default: ``fp8``). The
                        model-dtype cache (``auto``) row is always measured first, as the reference
   --kernel NAME        reference (default), flashinfer, flashinfer-triton, flashinfer-xqa;
                        repeatable; each kernel gets its own reference row
@@ -100,6 +102,41 @@ def check_configs(lm: Any, source: object, texts: list[str], configs: list, kern
             raise ValueError(f"--kv {text!r} on {source}: {e}") from e
 
 
+def calibration_settings():  # -> EvalSettings
+    """``kvq calibrate``'s default sample: 4 windows of 1024 tokens of the calibration split."""
+    from torch_kvq.evaluation.eval import EvalSettings
+
+    return EvalSettings(decode_tokens=0, prompts=1, prompt_tokens=1)
+
+
+def with_channels(lm: Any, tok: Any, kv: Any, cfg: Any, bar: Any, memo: dict) -> Any:
+    """``cfg`` with the K channel scales ``kv``'s ``channels=`` names: read from its file, or
+    calibrated on ``calibration_settings``' sample (kept in ``memo``, one per model); ``cfg``
+    itself without the option."""
+    from torch_kvq.evaluation.kv_arg import CALIBRATE
+
+    if kv.channels is None:
+        return cfg
+    try:
+        if kv.channels == CALIBRATE:
+            if CALIBRATE not in memo:
+                from torch_kvq.evaluation import corpus
+                from torch_kvq.evaluation.calibrate import k_channel_scales
+                from torch_kvq.evaluation.eval import eval_data
+
+                bar.update(status="calibrating K channel scales")
+                data = eval_data(tok, calibration_settings(), corpus.split("calibration"))
+                memo[CALIBRATE] = k_channel_scales(lm, data.windows)
+            table = memo[CALIBRATE]
+        else:
+            from torch_kvq.integrations.hf_scales import checkpoint_k_channel_scales
+
+            table = checkpoint_k_channel_scales(kv.channels, list(lm.layer_paths.values()))
+        return lm.with_k_channels(cfg, table)
+    except ValueError as e:
+        raise ValueError(f"--kv {kv.spec!r}: {e}") from None
+
+
 def run(args: argparse.Namespace) -> int:
     import torch
 
@@ -114,6 +151,7 @@ def run(args: argparse.Namespace) -> int:
     check_out_paths(args.json, args.plot)
     kernels = args.kernel or ["reference"]
     kvs = [parse_kv(t) for t in (args.kv or ["fp8"])]
+    calibrate = any(kv.channels == "calibrate" for kv in kvs)
     settings = EvalSettings(**{name: getattr(args, name) for name in SETTINGS})
     gpu = any(k != "reference" for k in kernels)
     device = args.device or ("cuda" if gpu else "cpu")
@@ -130,13 +168,29 @@ def run(args: argparse.Namespace) -> int:
                 KVCacheConfig(page_size=args.page_size),
                 dtype=dtype,
                 device=device,
-                num_pages=settings.pages_needed(args.page_size),
+                num_pages=max(
+                    settings.pages_needed(args.page_size),
+                    calibration_settings().pages_needed(args.page_size) if calibrate else 0,
+                ),
                 kernel=make_kernel(kernels[0], args.prefill),
             )
             data[str(source)] = eval_data(tok, settings, texts)
             paths = list(lm.layer_paths.values())
+            memo: dict = {}  # this model's calibrated K channel scales
             configs = [
-                (kv.name, kv.spec, kv.config(args.page_size, paths, str(source))) for kv in kvs
+                (
+                    kv.name,
+                    kv.spec,
+                    with_channels(
+                        lm,
+                        tok,
+                        kv,
+                        kv.config(args.page_size, paths, str(source)),
+                        bar,
+                        memo,
+                    ),
+                )
+                for kv in kvs
             ]
             served = {name: make_kernel(name, args.prefill) for name in kernels}
             check_configs(lm, source, [kv.spec for kv in kvs], [c for _, _, c in configs], served)

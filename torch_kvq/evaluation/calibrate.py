@@ -15,6 +15,12 @@ shipped models: the headroom keeps text the sample did not see from clipping (se
 docs/accuracy.md).
 ``write_scales`` writes ``P.k_scale`` / ``P.v_scale`` float32 scalars (``P`` the HF attention path),
 which ``KVQCausalLM.from_hf(..., kv_scales_from=PATH)`` and ``kvq eval --kv fp8:scales=PATH`` read.
+
+``k_channel_scales(lm, windows)`` calibrates the K channel scales of 4-bit layers
+(``spec.KChannelScale``; the math in ``attention/k_channels.py``) on the same kind of sample;
+``write_scales(..., k_channels=)`` writes them beside the FP8 scales as ``P.k_channel_scale`` /
+``P.k_channel_mean``, which ``from_hf(..., k_channels_from=PATH)`` and ``--kv ...:channels=PATH``
+read.
 """
 
 from __future__ import annotations
@@ -26,10 +32,11 @@ from pathlib import Path
 
 import torch
 
+from torch_kvq.attention.k_channels import ChannelStats
 from torch_kvq.attention.layer import Attention
 from torch_kvq.attention.quant import FP8_MAX
 from torch_kvq.evaluation.eval import teacher_forced_ppl
-from torch_kvq.spec import KVCacheConfig
+from torch_kvq.spec import KChannelScale, KVCacheConfig
 
 
 @dataclass(frozen=True)
@@ -110,6 +117,32 @@ def kv_stats(
     return out
 
 
+@torch.no_grad()
+def k_channel_scales(
+    lm: torch.nn.Module, windows: Sequence[Sequence[int]], centred: bool = True
+) -> dict[str, KChannelScale]:
+    """HF attention path -> the layer's ``KChannelScale`` (``centred``: with k's mean), from
+    prefilling ``windows`` with a model-dtype cache; q and k as the ``Attention`` layer gets them
+    (post-RoPE)."""
+    lm.configure_kv(KVCacheConfig(page_size=lm.kv_config.page_size))
+    seen: dict[str, ChannelStats] = {}
+
+    def hook(mod: Attention, args: tuple[torch.Tensor, ...]) -> None:
+        seen.setdefault(mod.layer_name, ChannelStats()).add(args[0], args[1])
+
+    hooks = [m.register_forward_pre_hook(hook) for m in lm.attention_layers]
+    try:
+        teacher_forced_ppl(lm, windows)
+    finally:
+        for h in hooks:
+            h.remove()
+    out = {}
+    for name, path in lm.layer_paths.items():
+        scale, mean = seen[name].scale_and_mean()
+        out[path] = KChannelScale(scale, mean if centred else None)
+    return out
+
+
 def _summary(x: torch.Tensor, percentiles: Sequence[str]) -> dict[str, float]:
     out = {"amax": float(x.max())}
     srt = torch.sort(x).values
@@ -144,15 +177,23 @@ def scales_from_stats(
 
 
 def write_scales(
-    scales: Mapping[str, tuple[float, float]], path: str | Path, metadata: Mapping[str, str]
+    scales: Mapping[str, tuple[float, float]],
+    path: str | Path,
+    metadata: Mapping[str, str],
+    k_channels: Mapping[str, KChannelScale] | None = None,
 ) -> Path:
-    """Write ``P.k_scale`` / ``P.v_scale`` float32 scalars (compressed-tensors layout)."""
+    """Write ``P.k_scale`` / ``P.v_scale`` float32 scalars (compressed-tensors layout) and, with
+    ``k_channels``, ``P.k_channel_scale`` / ``P.k_channel_mean`` [KH, D] float32."""
     from safetensors.torch import save_file
 
     tensors = {}
     for p, (k, v) in scales.items():
         tensors[f"{p}.k_scale"] = torch.tensor(k, dtype=torch.float32)
         tensors[f"{p}.v_scale"] = torch.tensor(v, dtype=torch.float32)
+    for p, ch in (k_channels or {}).items():
+        tensors[f"{p}.k_channel_scale"] = torch.tensor(ch.scale, dtype=torch.float32)
+        if ch.mean is not None:
+            tensors[f"{p}.k_channel_mean"] = torch.tensor(ch.mean, dtype=torch.float32)
     out = Path(path)
     save_file(tensors, str(out), metadata=dict(metadata))
     return out
@@ -162,6 +203,7 @@ __all__ = [
     "DEFAULT_METHOD",
     "LayerStats",
     "Method",
+    "k_channel_scales",
     "kv_stats",
     "scale_of",
     "scales_from_stats",

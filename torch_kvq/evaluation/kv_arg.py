@@ -8,11 +8,16 @@
 - ``scales=PATH``: per-layer k/v scales from a safetensors file in the compressed-tensors layout
   (``P.k_scale`` / ``P.v_scale``; what ``kvq calibrate`` writes, read by ``kv_scales_from``);
 - ``scale=F``: every layer's default k and v scale; ``k_scale=F`` / ``v_scale=F``: one of them;
+- ``channels=PATH``: K channel scales of the ``int4_per_token_head`` layers (``spec.KChannelScale``)
+  from a safetensors file (``P.k_channel_scale`` / ``P.k_channel_mean``, what ``kvq calibrate``
+  writes); ``channels=calibrate``: calibrated on the corpus's calibration split first (``kvq
+  eval``). A config with no int4 layer refuses it;
 - ``map=RULE:MODE[,RULE:MODE...]``: a per-layer mode map (``parse_kv_map``; the last option: it
   takes the rest of ``SPEC``), e.g. ``auto:map=0:fp8,full_attention:int8_per_token_head``.
 
 A ``DTYPE`` may instead be a named preset of ``torch_kvq.kv_presets`` (``int4-recommended``), with
-no options: it is resolved per model when the model is known (``KVArg.config``'s ``model``).
+no option but ``channels=``: it is resolved per model when the model is known (``KVArg.config``'s
+``model``).
 
 ``NAME=`` is optional (the row's label; default: ``SPEC`` itself). Examples: ``fp8``,
 ``fp8-sliding-bf16=fp8:skip=sliding_window``, ``cal=fp8:scales=/tmp/kv_scales.safetensors``.
@@ -24,7 +29,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-OPTIONS = ("skip", "scales", "scale", "k_scale", "v_scale", "map")
+OPTIONS = ("skip", "scales", "scale", "k_scale", "v_scale", "channels", "map")
+CALIBRATE = "calibrate"  # channels=calibrate
 
 
 @dataclass(frozen=True)
@@ -41,6 +47,7 @@ class KVArg:
     default_k_scale: float = 1.0
     default_v_scale: float = 1.0
     preset: str | None = None  # a kv_presets name (then the fields above are unused)
+    channels: Path | str | None = None  # K channel scales: a file, or CALIBRATE
 
     def config(
         self, page_size: int, layer_paths: list[str] | None = None, model: str | None = None
@@ -118,6 +125,18 @@ def _float(what: str, value: str, spec: str) -> float:
     return f
 
 
+def _channels(value: str, spec: str) -> Path | str:
+    if value == CALIBRATE:
+        return CALIBRATE
+    path = Path(value).expanduser()
+    if not path.exists():
+        raise ValueError(
+            f"--kv {spec!r}: channels file {value!r} does not exist (expected a file kvq calibrate "
+            f"wrote, or channels={CALIBRATE})"
+        )
+    return path
+
+
 def parse_kv(text: str) -> KVArg:
     """Parse ``[NAME=]DTYPE[:OPTION...]`` (module docstring); ValueError naming the bad part."""
     from torch_kvq.spec import parse_kv_cache_dtype
@@ -134,14 +153,16 @@ def parse_kv(text: str) -> KVArg:
     from torch_kvq.kv_presets import PRESETS
 
     if dtype in PRESETS:
-        if opts:
+        other = [o for o in opts if not o.startswith("channels=")]
+        if other or len(opts) > 1:
             raise ValueError(
-                f"--kv {text!r}: the preset {dtype!r} takes no options (got {':'.join(opts)!r}); "
-                "write its map out with map= to change it"
+                f"--kv {text!r}: the preset {dtype!r} takes no option but one channels= (got "
+                f"{':'.join(opts)!r}); write its map out with map= to change it"
             )
         preset = PRESETS[dtype]
+        channels = _channels(opts[0].partition("=")[2], text) if opts else None
         return KVArg(name=name or spec, spec=spec, kv_cache_dtype=preset.kv_cache_dtype,
-                     preset=dtype)  # fmt: skip
+                     preset=dtype, channels=channels)  # fmt: skip
     import torch
 
     try:
@@ -176,6 +197,8 @@ def parse_kv(text: str) -> KVArg:
             if not path.exists():
                 raise ValueError(f"--kv {text!r}: scales file {value!r} does not exist")
             kw["scales"] = path
+        elif key == "channels":
+            kw["channels"] = _channels(value, text)
         elif key == "scale":
             kw["default_k_scale"] = kw["default_v_scale"] = _float(key, value, text)
         else:

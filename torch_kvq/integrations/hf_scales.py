@@ -10,6 +10,10 @@ Scalar tensors under each attention module (``P`` = its HF path, e.g. ``model.la
 
 A scale is the dequantization factor (``real = fp8 * scale``), the convention of
 ``LayerKVSpec.k_scale``. Only per-tensor scales (one element) are accepted.
+
+K channel scales of 4-bit layers (``spec.KChannelScale``), which ``kvq calibrate`` writes beside
+them: ``P.k_channel_scale`` [KH, D] and, when k is centred, ``P.k_channel_mean`` [KH, D]
+(``checkpoint_k_channel_scales``).
 """
 
 from __future__ import annotations
@@ -18,6 +22,8 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 import torch
+
+from torch_kvq.spec import KChannelScale
 
 ScaleSource = str | Path | Mapping[str, torch.Tensor]
 K_KEYS = ("k_scale", "k_proj.k_scale", "k_proj.output_scale", "attn.k_scale", "qkv_proj.k_scale")
@@ -85,5 +91,34 @@ def checkpoint_kv_scales(
         raise ValueError(
             f"no KV scales in the checkpoint for any attention layer; looked for keys like "
             f"{paths[0]}.k_scale / {paths[0]}.k_proj.output_scale / {paths[0]}.kv_scale"
+        )
+    return out
+
+
+def checkpoint_k_channel_scales(
+    source: ScaleSource, paths: Sequence[str]
+) -> dict[str, KChannelScale]:
+    """HF attention path -> ``KChannelScale`` for every path in ``paths`` with a
+    ``P.k_channel_scale`` (its ``P.k_channel_mean`` when present). ValueError if the checkpoint
+    has none, a mean without its scale, or values a ``KChannelScale`` refuses (named by key)."""
+    wanted = {f"{p}.k_channel_{w}" for p in paths for w in ("scale", "mean")}
+    found = _read(source, wanted)
+    out: dict[str, KChannelScale] = {}
+    for p in paths:
+        scale, mean = found.get(f"{p}.k_channel_scale"), found.get(f"{p}.k_channel_mean")
+        if scale is None and mean is not None:
+            raise ValueError(
+                f"layer {p!r}: the checkpoint has a k_channel_mean but no k_channel_scale"
+            )
+        if scale is None:
+            continue
+        try:
+            out[p] = KChannelScale(scale, mean)
+        except ValueError as e:
+            raise ValueError(f"checkpoint {p}.k_channel_scale / k_channel_mean: {e}") from None
+    if not out:
+        raise ValueError(
+            f"no K channel scales in the checkpoint for any attention layer; looked for keys like "
+            f"{paths[0]}.k_channel_scale (kvq calibrate writes them)"
         )
     return out

@@ -51,11 +51,16 @@ from torch_kvq.distributed import TensorParallel
 from torch_kvq.integrations import hf_attention as hfa
 from torch_kvq.integrations.hf_checks import check_layer, check_model
 from torch_kvq.integrations.hf_generate import KVQPagedCache, install_forward
-from torch_kvq.integrations.hf_scales import ScaleSource, checkpoint_kv_scales
+from torch_kvq.integrations.hf_scales import (
+    ScaleSource,
+    checkpoint_k_channel_scales,
+    checkpoint_kv_scales,
+)
 from torch_kvq.integrations.hf_tp import shard_hf_model_
 from torch_kvq.spec import (
     MODEL_DTYPES,
     AttentionLayerInfo,
+    KChannelScale,
     KVCacheConfig,
     KVQuantMode,
     check_positive_int,
@@ -128,6 +133,7 @@ class KVQCausalLM(PagedKV):
         prefix: str | None = None,
         quant_form: QuantForm = "op",
         kv_scales_from: ScaleSource | None = None,
+        k_channels_from: ScaleSource | None = None,
         window_pages: WindowPages = None,
         tp: TensorParallel | None = None,
     ) -> KVQCausalLM:
@@ -137,7 +143,10 @@ class KVQCausalLM(PagedKV):
 
         ``kv_scales_from``: a safetensors file, a folder of them, or a state dict holding FP8-KV
         checkpoint scales (``...self_attn.k_scale`` / ``v_scale``, ``k_proj.output_scale``, ...);
-        they become ``kv_config.kv_scales`` (which must then be empty). Raises ValueError naming
+        they become ``kv_config.kv_scales`` (which must then be empty). ``k_channels_from``: the
+        same kinds of source holding K channel scales (``P.k_channel_scale`` / ``k_channel_mean``,
+        what ``kvq calibrate`` writes); they become ``kv_config.k_channel_scales`` (then empty)
+        for the layers whose mode is ``int4_per_token_head`` (ValueError if none is). Raises ValueError naming
         the layer and the feature for what the paged cache cannot serve; nothing is attached then.
 
         ``tp``: shard the model in place for tensor parallelism (``hf_tp.py``: q/k/v and gate/up
@@ -175,8 +184,18 @@ class KVQCausalLM(PagedKV):
             if kv_config.kv_scales:
                 raise ValueError("give kv_config.kv_scales or kv_scales_from, not both")
             scales = checkpoint_kv_scales(kv_scales_from, paths)
-            kept = _per_tensor_paths(kv_config, calls, paths, prefix, hf_model.dtype)
+            kept = _mode_paths(
+                kv_config, calls, paths, prefix, hf_model.dtype, KVQuantMode.FP8_PER_TENSOR
+            )
             kv_config = _with_scales(kv_config, {p: s for p, s in scales.items() if p in kept})
+        if k_channels_from is not None:
+            if kv_config.k_channel_scales:
+                raise ValueError("give kv_config.k_channel_scales or k_channels_from, not both")
+            int4 = _mode_paths(
+                kv_config, calls, paths, prefix, hf_model.dtype, KVQuantMode.INT4_PER_TOKEN_HEAD
+            )
+            channels = checkpoint_k_channel_scales(k_channels_from, paths)
+            kv_config = replace(kv_config, k_channel_scales=_int4_channels(channels, int4))
         if tp is not None:
             shard_hf_model_(hf_model, calls, paths, tp)  # the dry run above saw the global heads
         lm = cls(
@@ -196,6 +215,18 @@ class KVQCausalLM(PagedKV):
 
     # --- KV cache (PagedDecoder's API) -------------------------------------------------------
 
+    def with_k_channels(
+        self, cfg: KVCacheConfig, channels: Mapping[str, KChannelScale]
+    ) -> KVCacheConfig:
+        """``cfg`` with ``channels`` (HF path -> ``KChannelScale``, e.g. ``kvq calibrate``'s) as
+        the K channel scales of its ``int4_per_token_head`` layers. ValueError if ``cfg`` has no
+        such layer or ``channels`` misses one of them."""
+        specs = self.resolve_kv_specs(replace(cfg, k_channel_scales=()))
+        int4 = {
+            self.layer_paths[s.name] for s in specs if s.mode is KVQuantMode.INT4_PER_TOKEN_HEAD
+        }
+        return replace(cfg, k_channel_scales=_int4_channels(channels, int4))
+
     def layer_infos(self) -> list[AttentionLayerInfo]:
         """What HF passed each attention layer in the dry run (no quantization choices)."""
         return [_layer_info(name, c) for name, c in zip(self.layer_paths, self._calls)]
@@ -212,7 +243,8 @@ class KVQCausalLM(PagedKV):
         if not by_path:
             return cfg
         scales = tuple((by_path.get(k, k), v) for k, v in cfg.kv_scales)  # type: ignore[arg-type]
-        return _with_scales(cfg, dict(scales))
+        channels = tuple((by_path.get(k, k), c) for k, c in cfg.k_channel_scales)  # type: ignore[arg-type]
+        return replace(_with_scales(cfg, dict(scales)), k_channel_scales=channels)
 
     # --- forward -----------------------------------------------------------------------------
 
@@ -297,18 +329,38 @@ def _layer_info(name: str, c: hfa.HFAttentionCall) -> AttentionLayerInfo:
     )
 
 
-def _per_tensor_paths(
+def _mode_paths(
     cfg: KVCacheConfig,
     calls: list[hfa.HFAttentionCall],
     paths: list[str],
     prefix: str | None,
     dtype: torch.dtype,
+    mode: KVQuantMode,
 ) -> set[str]:
-    """HF paths of the layers whose mode is fp8 per tensor: the checkpoint scales load for those
-    only (a per-(token, head) layer computes its own scales; kv_scales for one is a ValueError)."""
+    """HF paths of the layers whose mode is ``mode``: checkpoint scales load for those only (fp8
+    per tensor: a per-(token, head) layer computes its own scales, kv_scales for one is a
+    ValueError; int4: the only mode K channel scales apply to)."""
     infos = [_layer_info(n, c) for n, c in zip(_layer_names(paths, prefix), calls)]
-    specs = resolve_layer_specs(replace(cfg, kv_scales=()), infos, dtype)
-    return {p for p, s in zip(paths, specs) if s.mode is KVQuantMode.FP8_PER_TENSOR}
+    specs = resolve_layer_specs(replace(cfg, kv_scales=(), k_channel_scales=()), infos, dtype)
+    return {p for p, s in zip(paths, specs) if s.mode is mode}
+
+
+def _int4_channels(
+    channels: Mapping[str, KChannelScale], int4: set[str]
+) -> tuple[tuple[str, KChannelScale], ...]:
+    """The entries of ``channels`` for the int4 layers (HF paths ``int4``), every one of them."""
+    if not int4:
+        raise ValueError(
+            "K channel scales were given, but no layer of this KV config is int4_per_token_head "
+            "(the only mode they apply to)"
+        )
+    missing = sorted(int4 - set(channels))
+    if missing:
+        raise ValueError(
+            f"the K channel scales miss {len(missing)} of the {len(int4)} int4_per_token_head "
+            f"layers, e.g. {missing[0]!r}; calibrate them for this model (kvq calibrate)"
+        )
+    return tuple((p, c) for p, c in channels.items() if p in int4)
 
 
 def _with_scales(
