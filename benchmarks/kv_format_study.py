@@ -49,6 +49,9 @@ Formats (all but int8 / none after quant.rotate, then quant.unrotate):
   int4s0aNNp       s_{c+D/2}) (the geometric mean of the pair's s) commutes with RoPE: int4s0p's
                    scaling could be folded into the q / k projections (or Gemma's q / k norm
                    weights) before RoPE, with no change to the kernel. int4sp's mu would not fold
+  u5s / u5s0     : K as int4s / int4s0 but with 5-bit codes (u5's math: 31 levels), a format no
+                   mode has: 80 code bytes per (token, head) at D 128, so k5v4 would take 152
+                   bytes with the scales, within the 3.3x capacity budget (~155)
   kc16 / kc32    : K per channel over groups of 16 / 32 consecutive tokens of a call (KIVI's keys):
   kc32r            4-bit asymmetric, a scale and zero point per (group, kv head, channel), a partial
                    group over its own rows; kc32r rotated first. Only the teacher-forced KL means
@@ -60,7 +63,8 @@ int4-recommended preset keeps them (e.g. Gemma-3's "full:int4s0/int4": layers 5,
 without sliding layers: the same as "K/V"); "rec:K/V", the preset's map: K as int8 on the preset's
 measured layers for the model (SmolLM2 1, 3, 4, 6, 12, 13, 16, 22; Gemma-3 5, 11, 17) and as K on
 the other full-attention layers, V on every full-attention layer, sliding layers "none" (e.g.
-"rec:int4s/int4"; Gemma-3's "rec:int4/int4" is "full:int8/int4").
+"rec:int4s/int4"; Gemma-3's "rec:int4/int4" is "full:int8/int4"); "rec5:K/V" the same map with
+5-bit scaled K (u5s0) where "rec:" has int8.
 """
 
 from __future__ import annotations
@@ -189,6 +193,9 @@ def fake_quant(x: torch.Tensor, fmt: str) -> torch.Tensor:
         return quant.dequantize_int4_rotated(*quant.quantize_int4_rotated(x)).to(x.dtype)
     if fmt.startswith("int4c:"):  # centred only: int4s at alpha 0 (s = 1)
         return scaled_int4(x, int(fmt.split(":")[1]), centre=True, alpha=0.0)
+    if fmt.split(":")[0] in ("u5s", "u5s0"):  # 5-bit K, scaled (and centred) as int4s / int4s0
+        layer = int(fmt.split(":")[1])
+        return scaled_int4(x, layer, centre=fmt.startswith("u5s:"), levels=31)
     if ":" in fmt and (m := K_SCALED.fullmatch(fmt.split(":")[0])):
         alpha = 0.5 if m["alpha"] is None else int(m["alpha"]) / 100
         layer = int(fmt.split(":")[1])
@@ -223,7 +230,7 @@ K_SCALED = re.compile(r"int4s(?P<only>0?)(?:a(?P<alpha>\d\d))?(?P<pairs>p?)")
 
 def per_layer_k(fmt: str) -> bool:
     """Whether K format ``fmt`` is calibrated per layer (written "fmt:layer" per layer)."""
-    return fmt == "int4c" or K_SCALED.fullmatch(fmt) is not None
+    return fmt in ("int4c", "u5s", "u5s0") or K_SCALED.fullmatch(fmt) is not None
 
 
 def smooth_scale(s: torch.Tensor, alpha: float = 0.5, pairs: bool = False) -> torch.Tensor:
@@ -240,14 +247,23 @@ def smooth_scale(s: torch.Tensor, alpha: float = 0.5, pairs: bool = False) -> to
 
 
 def scaled_int4(
-    x: torch.Tensor, layer: int, centre: bool, alpha: float = 0.5, pairs: bool = False
+    x: torch.Tensor,
+    layer: int,
+    centre: bool,
+    alpha: float = 0.5,
+    pairs: bool = False,
+    levels: int = 15,
 ) -> torch.Tensor:
     """int4s / int4s0 / int4c: (x - mu) / s through the int4 mode's math, then * s + mu (mu 0
     for int4s0); s = ``smooth_scale(S[layer], alpha, pairs)`` (S[layer] itself at alpha 0.5
     untied, exactly 1 at alpha 0)."""
     s = smooth_scale(S[layer], alpha, pairs).to(x.dtype)
     mu = MU[layer].to(x.dtype) if centre else torch.zeros_like(s)
-    y = quant.dequantize_int4_rotated(*quant.quantize_int4_rotated((x - mu) / s))
+    z = (x - mu) / s
+    if levels == 15:  # the int4 mode's exact math
+        y = quant.dequantize_int4_rotated(*quant.quantize_int4_rotated(z))
+    else:  # u5s / u5s0: the same clipped uniform math with levels + 1 codes
+        y = quant.unrotate(uniform_fake(quant.rotate(z), levels))
     return (y * s + mu).to(x.dtype)
 
 
@@ -265,9 +281,9 @@ def per_channel(x: torch.Tensor, group: int, rot: bool) -> torch.Tensor:
 
 
 def parse_config(config: str) -> tuple[set[str], str, str]:
-    """("full:" / "rec:" prefixes, K, V) of a config such as "full:int4s0/int4"."""
+    """("full:" / "rec:" / "rec5:" prefixes, K, V) of a config such as "full:int4s0/int4"."""
     prefixes = set()
-    while (head := config.split(":", 1)[0]) in ("full", "rec") and ":" in config:
+    while (head := config.split(":", 1)[0]) in ("full", "rec", "rec5") and ":" in config:
         prefixes.add(head)
         config = config.split(":", 1)[1]
     k, v = config.split("/")
@@ -284,13 +300,17 @@ def layer_formats(
     sliding window. "K/V": every layer; "full:K/V": the layers not in ``sliding``, which stay
     ("none", "none"); "rec:K/V": the int4-recommended preset's map, K as int8 on ``rec_layers``
     (the preset's measured layers for the model) and as K on the other full-attention layers, V on
-    every full-attention layer, the sliding ones "none" (as the preset's "sliding_window: auto")."""
+    every full-attention layer, the sliding ones "none" (as the preset's "sliding_window: auto");
+    "rec5:K/V": the same with K as u5s0 (5-bit, scaled) instead of int8 on ``rec_layers``."""
     prefixes, k, v = parse_config(config)
-    rec = "rec" in prefixes
+    sens = "int8" if "rec" in prefixes else ("u5s0" if "rec5" in prefixes else None)
     skip = sliding if prefixes else frozenset()
-    return [("none", "none") if i in skip else
-            ("int8" if rec and i in rec_layers else (f"{k}:{i}" if per_layer_k(k) else k), v)
-            for i in range(n)]  # fmt: skip
+
+    def k_of(i: int) -> str:
+        f = sens if sens is not None and i in rec_layers else k
+        return f"{f}:{i}" if per_layer_k(f) else f
+
+    return [("none", "none") if i in skip else (k_of(i), v) for i in range(n)]
 
 
 def calibrate_k(lm, tok, layers) -> dict:

@@ -129,3 +129,24 @@ def test_full_prefix_leaves_sliding_layers_in_the_model_dtype() -> None:
     assert kfs.layer_formats("int4/int4", 12, sliding) == [("int4", "int4")] * 12
     assert kfs.layer_formats("full:int4/nf4", 3) == [("int4", "nf4")] * 3  # no sliding layers
     assert kfs.parse_config("full:rec:int4s/int4") == ({"full", "rec"}, "int4s", "int4")
+
+
+def test_five_bit_scaled_keys_err_less_than_four_bit_ones() -> None:
+    """u5s0 with s = 1 is u5 (the uniform math at 31 levels); u5s0 / u5s with a balanced s keep
+    int4s's scaling and err about 4x less than int4s0 (one more bit halves the step)."""
+    x = _rows()
+    kfs.S[0] = torch.ones(2, 64)
+    kfs.S[1] = torch.linspace(0.1, 3.0, 64).sqrt().expand(2, 64)
+    kfs.MU[0] = kfs.MU[1] = torch.zeros(2, 64)
+    try:
+        assert torch.equal(kfs.fake_quant(x, "u5s0:0"), kfs.fake_quant(x, "u5"))
+        err = {f: (kfs.fake_quant(x, f) - x).square().mean() for f in ("int4s0:1", "u5s0:1")}
+        assert 2.5 * err["u5s0:1"] < err["int4s0:1"] < 6 * err["u5s0:1"]
+        assert torch.equal(kfs.fake_quant(x, "u5s:1"), kfs.fake_quant(x, "u5s0:1"))  # mu = 0
+        assert [kfs.per_layer_k(f) for f in ("u5s", "u5s0", "u5")] == [True, True, False]
+        assert kfs.layer_formats("rec5:int4s/int4", 3, rec_layers=(1,)) == [
+            ("int4s:0", "int4"), ("u5s0:1", "int4"), ("int4s:2", "int4"),
+        ]  # fmt: skip
+    finally:
+        kfs.S.clear()
+        kfs.MU.clear()

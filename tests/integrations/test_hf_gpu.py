@@ -84,9 +84,12 @@ def test_gemma3_shaped_on_flashinfer_compiled_equals_eager() -> None:
 GPU_MAP_MODES = ["int4_per_token_head", "k8v4_per_token_head"]
 
 
-@pytest.mark.parametrize("mode", GPU_MAP_MODES)
-def test_gemma3_shaped_per_token_head_map_replays_in_cuda_graphs(mode: str) -> None:
-    """The Gemma-3-shaped model (head 256, window 1024) with its global layer in ``mode`` and
+@pytest.mark.parametrize(
+    "mode, channels", [(m, False) for m in GPU_MAP_MODES] + [("int4_per_token_head", True)]
+)
+def test_gemma3_shaped_per_token_head_map_replays_in_cuda_graphs(mode: str, channels: bool) -> None:
+    """The Gemma-3-shaped model (head 256, window 1024) with its global layer in ``mode`` (with
+    ``channels``: K channel scales on it, the scaling compiled into the graphs) and
     layer 0 (sliding) int8 per (token, head), compiled with the kvq passes (fullgraph, Inductor):
     generated through a capturing ``DecodeGraphRunner`` and through a ``capture=False`` one (the
     same padded batch of 4, buffers, plans and kernels, prefill on the compiled graph), two copies
@@ -103,10 +106,16 @@ def test_gemma3_shaped_per_token_head_map_replays_in_cuda_graphs(mode: str) -> N
     from torch_kvq.attention.graph_runner import DecodeGraphRunner
     from torch_kvq.attention.kernels import FlashInferKernel
     from torch_kvq.attention.kernels.flashinfer_jit import prebuild
+    from torch_kvq.spec import KChannelScale
 
-    kv = KVCacheConfig(
-        "auto", layer_modes=(("full_attention", mode), (0, "int8_per_token_head")), page_size=16
+    g = torch.Generator().manual_seed(2)
+    scale = KChannelScale(
+        torch.rand(2, 256, generator=g) * 3 + 0.3, torch.randn(2, 256, generator=g)
     )
+    kv = KVCacheConfig(
+        "auto", layer_modes=(("full_attention", mode), (0, "int8_per_token_head")), page_size=16,
+        k_channel_scales={5: scale} if channels else {},
+    )  # fmt: skip
     hf = gemma3_shaped()
     g = torch.Generator().manual_seed(1)
     prompts = [torch.randint(3, 512, (n,), generator=g).tolist() for n in PROMPT_LENS]
@@ -120,6 +129,7 @@ def test_gemma3_shaped_per_token_head_map_replays_in_cuda_graphs(mode: str) -> N
         assert [s.mode.value for s in lm.kv_specs] == ["int8_per_token_head"] + ["none"] * 4 + [
             mode
         ]
+        assert (lm.attention_layers[5].k_channel_scale is not None) == channels
         prebuild(kernel, lm.kv_specs)
         compiled = torch.compile(lm, backend=backend, fullgraph=True, dynamic=False)
         with DecodeGraphRunner(lm, compiled, batch_sizes=(4,), max_context=1200,
