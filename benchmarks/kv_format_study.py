@@ -52,6 +52,10 @@ Formats (all but int8 / none after quant.rotate, then quant.unrotate):
   u5s / u5s0     : K as int4s / int4s0 but with 5-bit codes (u5's math: 31 levels), a format no
                    mode has: 80 code bytes per (token, head) at D 128, so k5v4 would take 152
                    bytes with the scales, within the 3.3x capacity budget (~155)
+  int4w / int4w0 : K through a calibrated full transform M per (layer, kv head) instead of int4s's
+  u5w / u5w0       diagonal s (``k_transform``: the error model's optimum, M^T M the matrix
+                   geometric mean of C_k^-1 and C_q), centred (int4w) or not (int4w0), then the
+                   rotation and the int4 mode's math (u5w: 31 levels); a kernel would read M^-T q
   kc16 / kc32    : K per channel over groups of 16 / 32 consecutive tokens of a call (KIVI's keys):
   kc32r            4-bit asymmetric, a scale and zero point per (group, kv head, channel), a partial
                    group over its own rows; kc32r rotated first. Only the teacher-forced KL means
@@ -193,6 +197,9 @@ def fake_quant(x: torch.Tensor, fmt: str) -> torch.Tensor:
         return quant.dequantize_int4_rotated(*quant.quantize_int4_rotated(x)).to(x.dtype)
     if fmt.startswith("int4c:"):  # centred only: int4s at alpha 0 (s = 1)
         return scaled_int4(x, int(fmt.split(":")[1]), centre=True, alpha=0.0)
+    if fmt.split(":")[0] in ("int4w", "int4w0", "u5w", "u5w0"):  # K through a calibrated M
+        head, layer = fmt.split(":")
+        return transformed_k(x, int(layer), not head.endswith("0"), 15 if "4" in head else 31)
     if fmt.split(":")[0] in ("u5s", "u5s0"):  # 5-bit K, scaled (and centred) as int4s / int4s0
         layer = int(fmt.split(":")[1])
         return scaled_int4(x, layer, centre=fmt.startswith("u5s:"), levels=31)
@@ -224,13 +231,18 @@ def fake_quant(x: torch.Tensor, fmt: str) -> torch.Tensor:
 
 MU: dict[int, torch.Tensor] = {}  # int4c's mean k per layer [KH, D], from ``calibrate_k``
 S: dict[int, torch.Tensor] = {}  # int4s's scale per layer [KH, D] (alpha 0.5), ``calibrate_k``
+# int4w's K transform per layer and centring: (M, M^-1) [KH, D, D], ``calibrate_k`` (``k_transform``)
+W: dict[tuple[int, bool], tuple[torch.Tensor, torch.Tensor]] = {}
+KK: dict[int, torch.Tensor] = {}  # sum of k k^T per layer [KH, D, D] (float64), ``calibrate_k``
+QQ: dict[int, torch.Tensor] = {}  # sum of q q^T over each kv head's query group [KH, D, D]
 # the scaled K formats: int4s / int4s0 (only: not centred), alpha NN / 100, p: tied across RoPE pairs
 K_SCALED = re.compile(r"int4s(?P<only>0?)(?:a(?P<alpha>\d\d))?(?P<pairs>p?)")
 
 
 def per_layer_k(fmt: str) -> bool:
     """Whether K format ``fmt`` is calibrated per layer (written "fmt:layer" per layer)."""
-    return fmt in ("int4c", "u5s", "u5s0") or K_SCALED.fullmatch(fmt) is not None
+    named = ("int4c", "u5s", "u5s0", "int4w", "int4w0", "u5w", "u5w0")
+    return fmt in named or K_SCALED.fullmatch(fmt) is not None
 
 
 def smooth_scale(s: torch.Tensor, alpha: float = 0.5, pairs: bool = False) -> torch.Tensor:
@@ -265,6 +277,41 @@ def scaled_int4(
     else:  # u5s / u5s0: the same clipped uniform math with levels + 1 codes
         y = quant.unrotate(uniform_fake(quant.rotate(z), levels))
     return (y * s + mu).to(x.dtype)
+
+
+def _sqrtm(a: torch.Tensor) -> torch.Tensor:
+    w, v = torch.linalg.eigh(a)
+    return (v * w.clamp(min=0).sqrt().unsqueeze(-2)) @ v.transpose(-1, -2)
+
+
+def k_transform(ck: torch.Tensor, cq: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """int4w's (M, M^-1) [KH, D, D] from k's and q's second moments [KH, D, D] (float64): the
+    cache holds M k, the kernel would read M^-T q, (M^-T q) . (M k) = q . k. The error model of
+    int4s (isotropic error after the rotation, of variance ~ the row's energy) makes the score
+    error ~ tr(M C_k M^T) tr(M^-T C_q M^-1), least at M^T M = P, P C_k P = C_q (the matrix
+    geometric mean of C_k^-1 and C_q): M = P^1/2. Both moments get 1e-6 of their mean diagonal
+    on the diagonal (Gemma-3's channels that are 0 on the calibration split)."""
+    eye = torch.eye(ck.shape[-1], dtype=ck.dtype)
+    reg = lambda c: c + 1e-6 * c.diagonal(0, -2, -1).mean(-1)[:, None, None] * eye  # noqa: E731
+    ck, cq = reg(ck), reg(cq)
+    r = _sqrtm(ck)
+    r_inv = torch.linalg.inv(r)
+    p = r_inv @ _sqrtm(r @ cq @ r) @ r_inv
+    m = _sqrtm(p)
+    return m.float(), torch.linalg.inv(m).float()
+
+
+def transformed_k(x: torch.Tensor, layer: int, centre: bool, levels: int) -> torch.Tensor:
+    """int4w / int4w0 / u5w / u5w0: M (k - mu) through the rotation and the uniform math (the
+    int4 mode's at 15 levels), then M^-1 and + mu (mu 0 when not centred)."""
+    m, m_inv = W[(layer, centre)]
+    mu = MU[layer].to(x.dtype) if centre else torch.zeros_like(MU[layer])
+    z = torch.einsum("hde,the->thd", m, x.float() - mu)
+    if levels == 15:
+        y = quant.dequantize_int4_rotated(*quant.quantize_int4_rotated(z))
+    else:
+        y = quant.unrotate(uniform_fake(quant.rotate(z), levels))
+    return (torch.einsum("hde,the->thd", m_inv, y) + mu).to(x.dtype)
 
 
 def per_channel(x: torch.Tensor, group: int, rot: bool) -> torch.Tensor:
@@ -339,6 +386,8 @@ def calibrate_k(lm, tok, layers) -> dict:
         k_sq[i] = k_sq.get(i, 0) + k.square().sum(0)
         # query head h reads kv head h // (H / KH): [T, KH, G, D], summed over tokens and group
         q_sq[i] = q_sq.get(i, 0) + q.reshape(t, kh, -1, d).square().sum((0, 2))
+        KK[i] = KK.get(i, 0) + torch.einsum("thd,the->hde", k, k)
+        QQ[i] = QQ.get(i, 0) + torch.einsum("thgd,thge->hde", *[q.reshape(t, kh, -1, d)] * 2)
         counts[i] = counts.get(i, 0) + t
         groups[i] = q.shape[1] // kh
 
@@ -353,6 +402,13 @@ def calibrate_k(lm, tok, layers) -> dict:
         for h in hs:
             h.remove()
     MU.update({i: (sums[i] / counts[i]).float() for i in sums})
+    for i in sums:
+        for centre in (False, True):
+            ck = KK[i] / counts[i]
+            if centre:
+                mu = sums[i] / counts[i]
+                ck = ck - torch.einsum("hd,he->hde", mu, mu)
+            W[(i, centre)] = k_transform(ck, QQ[i] / (counts[i] * groups[i]))
     print(
         f"int4c: mu over {counts[0]} calibration tokens; mean |mu| per layer "
         f"{[round(float(MU[i].norm(dim=-1).mean()), 2) for i in sorted(MU)]}",

@@ -150,3 +150,24 @@ def test_five_bit_scaled_keys_err_less_than_four_bit_ones() -> None:
     finally:
         kfs.S.clear()
         kfs.MU.clear()
+
+
+def test_full_transform_of_diagonal_moments_is_the_channel_scale() -> None:
+    """int4w's M for diagonal second moments is diag(1 / s) with int4s's s = sqrt(rms(k_c) /
+    rms(q_c)) (up to one constant per kv head), and M^-1 inverts it; for a rotated basis M turns
+    with it (a full transform sees what a diagonal one cannot)."""
+    g = torch.Generator().manual_seed(4)
+    rk, rq = torch.rand(2, 16, generator=g) + 0.1, torch.rand(2, 16, generator=g) + 0.1
+    ck, cq = torch.diag_embed(rk.double().square()), torch.diag_embed(rq.double().square())
+    m, m_inv = kfs.k_transform(ck, cq)
+    s = (rk / rq).sqrt()
+    d = m.diagonal(0, -2, -1) * s  # constant per kv head
+    assert torch.allclose(d, d[:, :1].expand_as(d), rtol=1e-4)
+    assert torch.allclose(
+        m - torch.diag_embed(m.diagonal(0, -2, -1)), torch.zeros_like(m), atol=1e-6
+    )
+    assert torch.allclose(m @ m_inv, torch.eye(16).expand(2, 16, 16), atol=1e-5)
+    q, _ = torch.linalg.qr(torch.randn(16, 16, generator=g, dtype=torch.float64))
+    m2, _ = kfs.k_transform(q @ ck @ q.T, q @ cq @ q.T)
+    assert torch.allclose(m2.double(), q @ m.double() @ q.T, atol=1e-4)
+    assert kfs.per_layer_k("int4w") and kfs.per_layer_k("u5w0")
