@@ -17,13 +17,11 @@ import torch
 from tests.support.attention import opcheck, per_token_head_case
 from tests.support.passes import (
     AttnQuantModel,
-    capture_graph,
-    check_compiled_equals_eager,
+    check_layer0_fuses_and_equals_eager,
     make_batch,
     make_specs,
     pages_for,
     qkv,
-    run_passes,
 )
 from torch_kvq.attention import Attention, ReferenceKernel, forward_context, quant, v_layout
 from torch_kvq.attention.kernels import FlashInferKernel, KernelUnsupportedError
@@ -205,15 +203,7 @@ def test_ops_check_each_sides_codes_and_the_cache(setup) -> None:
 
 
 def test_compiled_fuses_and_equals_eager_bit_for_bit() -> None:
-    plan = [(0, 5), (3, 1), (0, 2)]
-    specs = make_specs(2, MODE, skip=(1,))
-    n = pages_for(plan)
-    model = AttnQuantModel(specs, n)
-    md, inputs = make_batch(plan, n), qkv(8, (8, 2), 32, torch.bfloat16)
-    passes = ("annotate", "fuse_quant_cache_write", "fuse_dequant_attention", "cleanup")
-    rep = run_passes(capture_graph(model, inputs, md), specs, passes).last
-    assert rep.fused(specs[0].name) == ("quant+write", "dequant+attn")
-    check_compiled_equals_eager(specs, model, md, inputs)
+    check_layer0_fuses_and_equals_eager(make_specs(2, MODE, skip=(1,)))
 
 
 def test_a_map_mixing_k8v4_int4_int8_and_bf16_runs_eagerly() -> None:

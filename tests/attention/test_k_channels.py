@@ -11,15 +11,12 @@ import pytest
 import torch
 
 from tests.support.passes import (
-    AttnQuantModel,
-    capture_graph,
-    check_compiled_equals_eager,
+    check_layer0_fuses_and_equals_eager,
     make_batch,
     make_specs,
     no_compile_caches,
     pages_for,
     qkv,
-    run_passes,
 )
 from torch_kvq.attention import Attention, quant
 from torch_kvq.attention.context import forward_context
@@ -102,15 +99,7 @@ def test_scaled_keys_lose_less_than_plain_int4_where_q_ignores_the_big_channels(
 
 
 def test_compiled_fuses_and_equals_eager_bit_for_bit() -> None:
-    plan = [(0, 5), (3, 1), (0, 2)]
-    specs = with_channels(make_specs(2, MODE, skip=(1,)), 0, channel())
-    n = pages_for(plan)
-    model = AttnQuantModel(specs, n)
-    md, inputs = make_batch(plan, n), qkv(8, (8, 2), 32, torch.bfloat16)
-    passes = ("annotate", "fuse_quant_cache_write", "fuse_dequant_attention", "cleanup")
-    rep = run_passes(capture_graph(model, inputs, md), specs, passes).last
-    assert rep.fused(specs[0].name) == ("quant+write", "dequant+attn")
-    check_compiled_equals_eager(specs, model, md, inputs)
+    check_layer0_fuses_and_equals_eager(with_channels(make_specs(2, MODE, skip=(1,)), 0, channel()))
 
 
 def test_inductor_fuses_the_scaling_into_the_kernels_before_it() -> None:

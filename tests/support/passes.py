@@ -333,3 +333,16 @@ class RecordingKernel:
         key = (q.dtype, kv_cache.dtype, output_scale is not None, kv_scale is not None)
         self.attended.setdefault(spec.name, set()).add(key)
         return self.inner.attend(ctx, spec, q, kv_cache, k_scale, v_scale, output_scale, kv_scale)
+
+
+def check_layer0_fuses_and_equals_eager(specs) -> None:
+    """``specs`` (layer 0 quantized) in ``AttnQuantModel`` on a batch of a prefill, a decode and a
+    short prefill: the passes fuse layer 0 both ways, and ``check_compiled_equals_eager``."""
+    plan = [(0, 5), (3, 1), (0, 2)]
+    n = pages_for(plan)
+    model = AttnQuantModel(specs, n)
+    md, inputs = make_batch(plan, n), qkv(8, (8, 2), 32, torch.bfloat16)
+    passes = ("annotate", "fuse_quant_cache_write", "fuse_dequant_attention", "cleanup")
+    rep = run_passes(capture_graph(model, inputs, md), specs, passes).last
+    assert rep.fused(specs[0].name) == ("quant+write", "dequant+attn")
+    check_compiled_equals_eager(specs, model, md, inputs)

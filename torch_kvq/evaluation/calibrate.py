@@ -26,7 +26,7 @@ read.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -79,6 +79,22 @@ class LayerStats:
     clipped_at_1: tuple[float, float]  # fraction of k / v elements with |x| > 448 (scale 1.0)
 
 
+def _prefill_with(
+    lm: torch.nn.Module,
+    windows: Sequence[Sequence[int]],
+    hook: Callable[[Attention, tuple[torch.Tensor, ...]], None],
+) -> None:
+    """Prefill ``windows`` with a model-dtype cache, ``hook`` seeing every ``Attention`` call's
+    (q, k, v, ...) as the layer receives them."""
+    lm.configure_kv(KVCacheConfig(page_size=lm.kv_config.page_size))
+    hooks = [m.register_forward_pre_hook(hook) for m in lm.attention_layers]
+    try:
+        teacher_forced_ppl(lm, windows)
+    finally:
+        for h in hooks:
+            h.remove()
+
+
 @torch.no_grad()
 def kv_stats(
     lm: torch.nn.Module,
@@ -88,7 +104,6 @@ def kv_stats(
     """HF attention path -> ``LayerStats`` from prefilling ``windows`` with a model-dtype cache."""
     for p in percentiles:
         _percentile(p)
-    lm.configure_kv(KVCacheConfig(page_size=lm.kv_config.page_size))
     seen: dict[str, tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
 
     def hook(mod: Attention, args: tuple[torch.Tensor, ...]) -> None:
@@ -97,12 +112,7 @@ def kv_stats(
         ks.append(k.detach().abs().float().flatten().cpu())
         vs.append(v.detach().abs().float().flatten().cpu())
 
-    hooks = [m.register_forward_pre_hook(hook) for m in lm.attention_layers]
-    try:
-        teacher_forced_ppl(lm, windows)
-    finally:
-        for h in hooks:
-            h.remove()
+    _prefill_with(lm, windows, hook)
     out = {}
     for name, path in lm.layer_paths.items():
         ks, vs = (torch.cat(x) for x in seen[name])
@@ -124,18 +134,12 @@ def k_channel_scales(
     """HF attention path -> the layer's ``KChannelScale`` (``centred``: with k's mean), from
     prefilling ``windows`` with a model-dtype cache; q and k as the ``Attention`` layer gets them
     (post-RoPE)."""
-    lm.configure_kv(KVCacheConfig(page_size=lm.kv_config.page_size))
     seen: dict[str, ChannelStats] = {}
 
     def hook(mod: Attention, args: tuple[torch.Tensor, ...]) -> None:
         seen.setdefault(mod.layer_name, ChannelStats()).add(args[0], args[1])
 
-    hooks = [m.register_forward_pre_hook(hook) for m in lm.attention_layers]
-    try:
-        teacher_forced_ppl(lm, windows)
-    finally:
-        for h in hooks:
-            h.remove()
+    _prefill_with(lm, windows, hook)
     out = {}
     for name, path in lm.layer_paths.items():
         scale, mean = seen[name].scale_and_mean()
