@@ -9,7 +9,8 @@ prefill and decode read what the cache would hold; k and v have separate formats
 
 Measures per config:
   (a) greedy agreement on kvq eval's 30-prompt settings (``measure`` with prompts=30,
-      prompt_tokens=32, new_tokens=32, window=2, windows=1, decode_tokens=0), as ``eval.row``;
+      prompt_tokens=32, new_tokens=32, window=2, windows=1, decode_tokens=0), as ``eval.row``
+      (``--prompt-offsets N``: N prompts per eval text, at tokens 0, 256, ...);
   (b) mean KL(ref || cand) of the next-token distributions at the 32 generated positions of
       each prompt, teacher-forced on the reference's greedy tokens (one prefill of prompt +
       reference tokens), plus the teacher-forced top-1 match there;
@@ -56,6 +57,9 @@ Formats (all but int8 / none after quant.rotate, then quant.unrotate):
   u5w / u5w0       diagonal s (``k_transform``: the error model's optimum, M^T M the matrix
                    geometric mean of C_k^-1 and C_q), centred (int4w) or not (int4w0), then the
                    rotation and the int4 mode's math (u5w: 31 levels); a kernel would read M^-T q
+  int4vs /       : V (a V format) scaled per (layer, kv head, channel) against the o_proj columns
+  int4vs0          that read it (``v_channel_scales``: s_c^2 = rms(v_c) / w_c), centred or not,
+                   through the int4 mode's math: foldable into W_v and W_o, no kernel
   kc16 / kc32    : K per channel over groups of 16 / 32 consecutive tokens of a call (KIVI's keys):
   kc32r            4-bit asymmetric, a scale and zero point per (group, kv head, channel), a partial
                    group over its own rows; kc32r rotated first. Only the teacher-forced KL means
@@ -197,6 +201,9 @@ def fake_quant(x: torch.Tensor, fmt: str) -> torch.Tensor:
         return quant.dequantize_int4_rotated(*quant.quantize_int4_rotated(x)).to(x.dtype)
     if fmt.startswith("int4c:"):  # centred only: int4s at alpha 0 (s = 1)
         return scaled_int4(x, int(fmt.split(":")[1]), centre=True, alpha=0.0)
+    if fmt.split(":")[0] in ("int4vs", "int4vs0"):  # V scaled against o_proj (and centred)
+        head, layer = fmt.split(":")
+        return scaled_v(x, int(layer), head == "int4vs")
     if fmt.split(":")[0] in ("int4w", "int4w0", "u5w", "u5w0"):  # K through a calibrated M
         head, layer = fmt.split(":")
         return transformed_k(x, int(layer), not head.endswith("0"), 15 if "4" in head else 31)
@@ -233,10 +240,18 @@ MU: dict[int, torch.Tensor] = {}  # int4c's mean k per layer [KH, D], from ``cal
 S: dict[int, torch.Tensor] = {}  # int4s's scale per layer [KH, D] (alpha 0.5), ``calibrate_k``
 # int4w's K transform per layer and centring: (M, M^-1) [KH, D, D], ``calibrate_k`` (``k_transform``)
 W: dict[tuple[int, bool], tuple[torch.Tensor, torch.Tensor]] = {}
+# int4vs's V scale and mean per layer [KH, D], ``v_channel_scales``; the sums it starts from
+SV: dict[int, torch.Tensor] = {}
+MUV: dict[int, torch.Tensor] = {}
+V_SUMS: dict[int, torch.Tensor] = {}
+V_SQ: dict[int, torch.Tensor] = {}
 KK: dict[int, torch.Tensor] = {}  # sum of k k^T per layer [KH, D, D] (float64), ``calibrate_k``
 QQ: dict[int, torch.Tensor] = {}  # sum of q q^T over each kv head's query group [KH, D, D]
 # the scaled K formats: int4s / int4s0 (only: not centred), alpha NN / 100, p: tied across RoPE pairs
 K_SCALED = re.compile(r"int4s(?P<only>0?)(?:a(?P<alpha>\d\d))?(?P<pairs>p?)")
+
+
+PER_LAYER_V = ("int4vs", "int4vs0")  # V formats calibrated per layer ("fmt:layer")
 
 
 def per_layer_k(fmt: str) -> bool:
@@ -301,6 +316,34 @@ def k_transform(ck: torch.Tensor, cq: torch.Tensor) -> tuple[torch.Tensor, torch
     return m.float(), torch.linalg.inv(m).float()
 
 
+def v_channel_scales(lm, layers, counts) -> None:
+    """``SV`` / ``MUV``: V's balance against the o_proj columns that read it. V's error, about
+    isotropic after the rotation in the scaled basis, reaches the next layer as W_o diag(s) e, so
+    its size goes as (sum_c w_c^2 s_c^2)(sum_c v_c^2 / s_c^2), least at s_c^2 = rms(v_c) / w_c,
+    w_c^2 the squared norms of the o_proj columns of channel c summed over the kv head's query
+    heads. A model could fold both into its weights (v / s into W_v's rows, s into W_o's columns,
+    the mean into o_proj's bias): no kernel. Geometric mean 1 per kv head."""
+    for i, layer in enumerate(layers):
+        path = lm.layer_paths[layer.layer_name]
+        w = lm.hf.get_submodule(path).o_proj.weight.detach().double()  # [hidden, H * D]
+        kh, d = V_SQ[i].shape
+        h = w.shape[1] // d
+        col = w.square().sum(0).reshape(kh, h // kh, d).sum(1).sqrt()  # [KH, D]
+        rms_v = (V_SQ[i] / counts[i]).sqrt()
+        live = (rms_v > 0) & (col > 0)
+        sv = torch.where(live, (rms_v / torch.where(live, col, 1.0)).sqrt(), 1.0)
+        SV[i] = (sv / sv.log().mean(-1, keepdim=True).exp()).float()
+        MUV[i] = (V_SUMS[i] / counts[i]).float()
+
+
+def scaled_v(x: torch.Tensor, layer: int, centre: bool) -> torch.Tensor:
+    """int4vs / int4vs0: (v - mean) / s through the int4 mode's math, then * s + mean."""
+    s = SV[layer].to(x.dtype)
+    mu = MUV[layer].to(x.dtype) if centre else torch.zeros_like(s)
+    y = quant.dequantize_int4_rotated(*quant.quantize_int4_rotated((x - mu) / s))
+    return (y * s + mu).to(x.dtype)
+
+
 def transformed_k(x: torch.Tensor, layer: int, centre: bool, levels: int) -> torch.Tensor:
     """int4w / int4w0 / u5w / u5w0: M (k - mu) through the rotation and the uniform math (the
     int4 mode's at 15 levels), then M^-1 and + mu (mu 0 when not centred)."""
@@ -357,7 +400,8 @@ def layer_formats(
         f = sens if sens is not None and i in rec_layers else k
         return f"{f}:{i}" if per_layer_k(f) else f
 
-    return [("none", "none") if i in skip else (k_of(i), v) for i in range(n)]
+    v_of = lambda i: f"{v}:{i}" if v in PER_LAYER_V else v  # noqa: E731
+    return [("none", "none") if i in skip else (k_of(i), v_of(i)) for i in range(n)]
 
 
 def calibrate_k(lm, tok, layers) -> dict:
@@ -383,6 +427,9 @@ def calibrate_k(lm, tok, layers) -> dict:
         k = args[1].detach().double()  # [T, KH, D]
         t, kh, d = k.shape
         sums[i] = sums.get(i, 0) + k.sum(0)
+        v = args[2].detach().double()  # [T, KH, D]
+        V_SUMS[i] = V_SUMS.get(i, 0) + v.sum(0)
+        V_SQ[i] = V_SQ.get(i, 0) + v.square().sum(0)
         k_sq[i] = k_sq.get(i, 0) + k.square().sum(0)
         # query head h reads kv head h // (H / KH): [T, KH, G, D], summed over tokens and group
         q_sq[i] = q_sq.get(i, 0) + q.reshape(t, kh, -1, d).square().sum((0, 2))
@@ -402,6 +449,7 @@ def calibrate_k(lm, tok, layers) -> dict:
         for h in hs:
             h.remove()
     MU.update({i: (sums[i] / counts[i]).float() for i in sums})
+    v_channel_scales(lm, layers, counts)
     for i in sums:
         for centre in (False, True):
             ck = KK[i] / counts[i]
@@ -432,6 +480,22 @@ def calibrate_k(lm, tok, layers) -> dict:
     return spread
 
 
+def offset_prompts(tok, texts, data, n: int, stride: int = 256):
+    """``data`` with its prompts replaced by ``n`` per eval text, 32 tokens at token offsets 0,
+    ``stride``, 2 ``stride``, ... (where the text is long enough): more prompts, less of the
+    agreement metric's noise (one near-tie moves a 30-prompt row by up to ~10 points)."""
+    from dataclasses import replace
+
+    prompts, files = [], []
+    for fid, text in texts:
+        ids = tok(text)["input_ids"]
+        for j in range(n):
+            if len(ids) >= j * stride + 32:
+                prompts.append(tuple(ids[j * stride : j * stride + 32]))
+                files.append(f"{fid}@{j * stride}")
+    return replace(data, prompts=tuple(prompts), prompt_files=tuple(files))
+
+
 def main() -> None:
     from torch_kvq.evaluation import corpus
     from torch_kvq.evaluation.eval import (
@@ -455,6 +519,8 @@ def main() -> None:
         nargs="+",
         default=["int4", "u4", "nf4", "nf4a", "u3", "nf3", "u5", "nf5", "int8"],
     )
+    ap.add_argument("--prompt-offsets", type=int, default=1,
+                    help="prompts per eval text, at tokens 0, 256, 512, ... (default 1: kvq eval's)")
     ap.add_argument("--json", type=Path)
     args = ap.parse_args()
     torch.set_num_threads(1)
@@ -462,13 +528,16 @@ def main() -> None:
     print("nf4 levels", [round(float(a), 4) for a in LEVELS[16]], flush=True)
 
     agree = EvalSettings(
-        window=2, windows=1, decode_tokens=0, prompts=30, prompt_tokens=32, new_tokens=32
-    )
+        window=2, windows=1, decode_tokens=0, prompts=30 * args.prompt_offsets, prompt_tokens=32,
+        new_tokens=32,
+    )  # fmt: skip
     dflt = EvalSettings(decode_tokens=0, new_tokens=0)  # 4 x 1024 windows, prefill ppl only
     pages = max(agree.pages_needed(16), dflt.pages_needed(16))
     lm, tok = load_trained(args.model, KVCacheConfig(), num_pages=pages)
     texts = corpus.split("eval")
     data = eval_data(tok, agree, texts)
+    if args.prompt_offsets > 1:
+        data = offset_prompts(tok, texts, data, args.prompt_offsets)
     pdata = eval_data(tok, dflt, texts) if (args.ppl or args.mse) else None
     layers = lm.attention_layers
     sliding = frozenset(i for i, m in enumerate(layers) if m.spec.sliding_window is not None)
@@ -477,7 +546,8 @@ def main() -> None:
         raise SystemExit(f"rec: the int4-recommended preset has no layers for {args.model!r}")
     print(f"{len(layers)} layers; sliding-window layers {sorted(sliding)}", flush=True)
     spread = None
-    if any(per_layer_k(parse_config(c)[1]) for c in args.configs):
+    if any(per_layer_k(parse_config(c)[1]) or parse_config(c)[2] in PER_LAYER_V
+           for c in args.configs):  # fmt: skip
         spread = calibrate_k(lm, tok, layers)
     out = dict(
         model=args.model,
@@ -569,7 +639,7 @@ def main() -> None:
     )
     print(
         f"reference: {time.perf_counter() - t0:.1f}s ppl {ref_ppl} tf-top1 of the ref itself "
-        f"{tf_match_ref}/{30 * 32}",
+        f"{tf_match_ref}/{len(data.prompts) * 32}",
         flush=True,
     )
     out["reference"] = dict(ppl=ref_ppl, tokens=ref.tokens)
@@ -603,7 +673,7 @@ def main() -> None:
         ]
         kl = torch.cat([(r.exp() * (r - c)).sum(-1) for r, c in zip(ref_lp, lp)])
         tf1 = sum(int((c.argmax(-1) == torch.tensor(g)).sum()) for c, g in zip(lp, ref.tokens)) / (
-            30 * 32
+            len(data.prompts) * 32
         )
         # first position where the teacher-forced argmax differs from the reference's token: what
         # the greedy prefix would be if prefill (63 tokens at once) and decode read alike

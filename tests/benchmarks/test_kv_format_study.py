@@ -171,3 +171,19 @@ def test_full_transform_of_diagonal_moments_is_the_channel_scale() -> None:
     m2, _ = kfs.k_transform(q @ ck @ q.T, q @ cq @ q.T)
     assert torch.allclose(m2.double(), q @ m.double() @ q.T, atol=1e-4)
     assert kfs.per_layer_k("int4w") and kfs.per_layer_k("u5w0")
+
+
+def test_scaled_values_with_unit_scales_are_the_mode() -> None:
+    """int4vs0 with s = 1 is int4; int4vs shifts by its mean exactly as int4c does for K; V formats
+    calibrated per layer are written "fmt:layer" by layer_formats."""
+    x = _rows()
+    kfs.SV[0] = torch.ones(2, 64)
+    kfs.MUV[0] = torch.full((2, 64), 5.0)
+    try:
+        assert torch.equal(kfs.fake_quant(x, "int4vs0:0"), kfs.fake_quant(x, "int4"))
+        shifted = kfs.fake_quant(x + 5.0, "int4vs:0")
+        assert torch.allclose(shifted - 5.0, kfs.fake_quant(x, "int4"), atol=1e-5)
+        assert kfs.layer_formats("int8/int4vs", 2) == [("int8", "int4vs:0"), ("int8", "int4vs:1")]
+    finally:
+        kfs.SV.clear()
+        kfs.MUV.clear()

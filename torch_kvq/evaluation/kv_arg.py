@@ -36,7 +36,10 @@ CALIBRATE = "calibrate"  # channels=calibrate
 @dataclass(frozen=True)
 class KVArg:
     """A parsed ``--kv``: the label, the text, and the ``KVCacheConfig`` fields it sets
-    (``scales``: a file to read per model, once its layer paths are known)."""
+    (``scales``: a file to read per model, once its layer paths are known; ``channels``: K channel
+    scales, which ``config`` does not apply: they need the model's int4 layers, and calibration
+    the model itself, so ``kvq eval`` applies them to ``config``'s result (``cli.eval.
+    with_channels``))."""
 
     name: str
     spec: str
