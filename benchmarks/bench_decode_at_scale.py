@@ -64,7 +64,8 @@ from torch_kvq.kv_presets import kv_preset  # noqa: E402
 from torch_kvq.models.gemma3 import Gemma3Model  # noqa: E402
 from torch_kvq.models.llama import LlamaModel  # noqa: E402
 from torch_kvq.models.presets import tiny_gemma3_config, tiny_llama_config  # noqa: E402
-from torch_kvq.spec import KChannelScale, KVCacheConfig  # noqa: E402
+from torch_kvq.spec import KVCacheConfig  # noqa: E402
+from torch_kvq.spec_channels import KChannelScale  # noqa: E402
 
 PAGE = 16
 # --max-autotune-gemm: the GEMMs are 89% (Llama) / 84% (Gemma) of copy bandwidth on cuBLAS at batch

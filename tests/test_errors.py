@@ -1844,7 +1844,7 @@ def _() -> object:
 
 
 def _channel(kh: int = KV_HEADS, d: int = 64, mean: bool = True) -> object:
-    from torch_kvq.spec import KChannelScale
+    from torch_kvq.spec_channels import KChannelScale
 
     return KChannelScale(torch.ones(kh, d), torch.zeros(kh, d) if mean else None)
 
@@ -1871,7 +1871,7 @@ def _() -> object:
 
 @case("modes.k-channels-bad-scale")
 def _() -> object:
-    from torch_kvq.spec import KChannelScale
+    from torch_kvq.spec_channels import KChannelScale
 
     return KChannelScale([[1.0, 0.0]])
 

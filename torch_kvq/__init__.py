@@ -17,6 +17,7 @@ _LAZY: dict[str, str] = {  # public name -> the module it comes from
     "PageAllocator": "torch_kvq.attention",
     "forward_context": "torch_kvq.attention",
     "AttentionLayerInfo": "torch_kvq.spec",
+    "KChannelScale": "torch_kvq.spec_channels",
     "KVCacheConfig": "torch_kvq.spec",
     "KVQuantMode": "torch_kvq.spec",
     "LayerKVSpec": "torch_kvq.spec",
@@ -31,6 +32,7 @@ if TYPE_CHECKING:
     from torch_kvq.attention import Attention, BatchMetadata, PageAllocator, forward_context
     from torch_kvq.passes.backend import kvq_backend, make_kvq_backend
     from torch_kvq.spec import AttentionLayerInfo, KVCacheConfig, KVQuantMode, LayerKVSpec
+    from torch_kvq.spec_channels import KChannelScale
     from torch_kvq.spec_resolve import resolve_layer_specs
     from torch_kvq.spec_table import format_spec_table
 
@@ -52,6 +54,7 @@ __all__ = [
     "Attention",
     "AttentionLayerInfo",
     "BatchMetadata",
+    "KChannelScale",
     "KVCacheConfig",
     "KVQuantMode",
     "LayerKVSpec",

@@ -9,12 +9,13 @@ nothing reads a global cache dtype. ``spec_table`` prints the specs.
 from __future__ import annotations
 
 import enum
-import hashlib
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass, fields
 
 import torch
+
+from torch_kvq.spec_channels import KChannelScale
 
 FP8_DTYPE = torch.float8_e4m3fn  # what the FP8 modes store; their math: attention/quant.py
 SUPPORTED_PAGE_SIZES = (1, 2, 4, 8, 16, 32, 64, 128)
@@ -124,75 +125,6 @@ _QMAX = {  # attention/quant.py's FP8_MAX / INT8_MAX (spec sits below it; a test
     KVQuantMode.INT4_PER_TOKEN_HEAD: 15.0,  # asymmetric: the codes 0..15 span [lo, hi]
 }
 SCALE_BYTES = 4  # one fp32 scale per (token, kv head), for k and for v, in per-(token, head) modes
-
-
-Rows = tuple[tuple[float, ...], ...]
-
-
-def _rows(value: object, what: str, positive: bool) -> Rows:
-    """``value`` ([KH][D] nested sequences or a 2-D tensor) as a rectangular tuple of float rows,
-    every value finite (and positive with ``positive``); ValueError naming ``what`` otherwise."""
-    if isinstance(value, torch.Tensor):
-        if value.dim() != 2:
-            raise ValueError(
-                f"{what} must be 2-D [num_kv_heads, head_size], got {tuple(value.shape)}"
-            )
-        value = value.detach().double().cpu().tolist()
-    if (
-        not isinstance(value, Sequence)
-        or not value
-        or not all(isinstance(r, Sequence) and not isinstance(r, str) and len(r) for r in value)
-    ):
-        raise ValueError(f"{what} must be [num_kv_heads][head_size] numbers, got {value!r:.80}")
-    rows = tuple(tuple(float(x) for x in r) for r in value)
-    if len({len(r) for r in rows}) != 1:
-        raise ValueError(f"{what} rows differ in length: {[len(r) for r in rows]}")
-    bad = [x for r in rows for x in r if not math.isfinite(x) or (positive and x <= 0.0)]
-    if bad:
-        need = "positive finite" if positive else "finite"
-        raise ValueError(f"{what} must be {need} everywhere, got {bad[0]!r}")
-    return rows
-
-
-@dataclass(frozen=True)
-class KChannelScale:
-    """K scaled per (kv head, channel) in a 4-bit layer: the cache holds the codes of
-    ``(k - mean) / scale`` and attention reads ``q * scale`` (its kv head's row), so every score
-    is unchanged in exact arithmetic (the mean shifts a query's scores by one constant, which the
-    softmax ignores), while each channel's range in the 4-bit codes is balanced against how much
-    q weighs it. ``scale`` [num_kv_heads][head_size], positive; ``mean`` the same shape, or None
-    (not centred). Tensors are accepted and stored as float tuples (the spec stays frozen and
-    hashable); ``kvq calibrate`` makes them (``attention/k_channels.py``: the math)."""
-
-    scale: Rows
-    mean: Rows | None = None
-
-    def __post_init__(self) -> None:
-        scale = _rows(self.scale, "k channel scale", positive=True)
-        object.__setattr__(self, "scale", scale)
-        if self.mean is not None:
-            mean = _rows(self.mean, "k channel mean", positive=False)
-            if (len(mean), len(mean[0])) != (len(scale), len(scale[0])):
-                raise ValueError(
-                    f"k channel mean is {len(mean)} x {len(mean[0])}, its scale "
-                    f"{len(scale)} x {len(scale[0])}; expected one shape"
-                )
-            object.__setattr__(self, "mean", mean)
-
-    @property
-    def shape(self) -> tuple[int, int]:
-        """(num_kv_heads, head_size)."""
-        return len(self.scale), len(self.scale[0])
-
-    @property
-    def label(self) -> str:
-        """``scaled`` or ``scaled+centred``, with a digest of the values (tables, cache keys)."""
-        digest = hashlib.sha1(repr((self.scale, self.mean)).encode()).hexdigest()[:8]
-        return f"{'scaled+centred' if self.mean is not None else 'scaled'} {digest}"
-
-    def heads(self, part: slice) -> KChannelScale:
-        """The rows of kv heads ``part`` (a tensor-parallel rank's)."""
-        return KChannelScale(self.scale[part], None if self.mean is None else self.mean[part])
 
 
 _DTYPE_ALIASES: dict[str, tuple[KVQuantMode, torch.dtype | None]] = {

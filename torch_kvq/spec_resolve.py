@@ -15,13 +15,13 @@ from torch_kvq.spec import (
     MODEL_DTYPES,
     SKIP_RULE_FORMS,
     AttentionLayerInfo,
-    KChannelScale,
     KVCacheConfig,
     KVQuantMode,
     LayerKVSpec,
     check_scale,
     parse_kv_cache_dtype,
 )
+from torch_kvq.spec_channels import KChannelScale
 
 
 def _rule_matches(rule: int | str, idx: int, info: AttentionLayerInfo, n: int) -> bool:

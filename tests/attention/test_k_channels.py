@@ -25,7 +25,8 @@ from torch_kvq.attention.kernels.reference import ReferenceKernel
 from torch_kvq.distributed import shard_specs
 from torch_kvq.models import build_model, generate
 from torch_kvq.passes import make_kvq_backend
-from torch_kvq.spec import AttentionLayerInfo, KChannelScale, KVCacheConfig
+from torch_kvq.spec import AttentionLayerInfo, KVCacheConfig
+from torch_kvq.spec_channels import KChannelScale
 from torch_kvq.spec_resolve import resolve_layer_specs
 
 MODE = "int4_per_token_head"

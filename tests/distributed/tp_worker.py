@@ -131,7 +131,7 @@ CHANNELS = {"llama-tiny:int4-channels": (0, 2)}
 
 
 def k_channels(label: str) -> dict:
-    from torch_kvq.spec import KChannelScale
+    from torch_kvq.spec_channels import KChannelScale
 
     out = {}
     for i in CHANNELS.get(label, ()):

@@ -106,7 +106,7 @@ def test_gemma3_shaped_per_token_head_map_replays_in_cuda_graphs(mode: str, chan
     from torch_kvq.attention.graph_runner import DecodeGraphRunner
     from torch_kvq.attention.kernels import FlashInferKernel
     from torch_kvq.attention.kernels.flashinfer_jit import prebuild
-    from torch_kvq.spec import KChannelScale
+    from torch_kvq.spec_channels import KChannelScale
 
     g = torch.Generator().manual_seed(2)
     scale = KChannelScale(

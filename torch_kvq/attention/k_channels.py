@@ -1,4 +1,4 @@
-"""K channel scaling of 4-bit layers: the math of ``spec.KChannelScale``, apply and calibrate.
+"""K channel scaling of 4-bit layers: the math of ``spec_channels.KChannelScale``, apply and calibrate.
 
 A 4-bit layer's per-(token, head) codes spend their range on the channels of k with the largest
 values, whether or not q weighs them. Dividing k by a scale s per (kv head, channel) before the

@@ -51,7 +51,7 @@ class Attention(nn.Module):
     codes), ``kv_scale`` as above (k's int8 scale, v's int4 scale with its zero point).
     ``quant_form="op"`` only, as int4.
 
-    An int4 layer with ``spec.k_channel`` (``spec.KChannelScale``) holds it in two more buffers,
+    An int4 layer with ``spec.k_channel`` (``spec_channels.KChannelScale``) holds it in two more buffers,
     ``k_channel_scale`` and ``k_channel_mean`` [KH, D] float32 (the mean None when not centred),
     and starts its flow with ``k_channels.scale_qk``: q * s and (k - mean) / s, plain pointwise
     ops that a compiled graph fuses into the ops that made q and k.

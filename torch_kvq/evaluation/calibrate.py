@@ -17,7 +17,7 @@ docs/accuracy.md).
 which ``KVQCausalLM.from_hf(..., kv_scales_from=PATH)`` and ``kvq eval --kv fp8:scales=PATH`` read.
 
 ``k_channel_scales(lm, windows)`` calibrates the K channel scales of 4-bit layers
-(``spec.KChannelScale``; the math in ``attention/k_channels.py``) on the same kind of sample;
+(``spec_channels.KChannelScale``; the math in ``attention/k_channels.py``) on the same kind of sample;
 ``write_scales(..., k_channels=)`` writes them beside the FP8 scales as ``P.k_channel_scale`` /
 ``P.k_channel_mean``, which ``from_hf(..., k_channels_from=PATH)`` and ``--kv ...:channels=PATH``
 read.
@@ -36,7 +36,8 @@ from torch_kvq.attention.k_channels import ChannelStats
 from torch_kvq.attention.layer import Attention
 from torch_kvq.attention.quant import FP8_MAX
 from torch_kvq.evaluation.eval import teacher_forced_ppl
-from torch_kvq.spec import KChannelScale, KVCacheConfig
+from torch_kvq.spec import KVCacheConfig
+from torch_kvq.spec_channels import KChannelScale
 
 
 @dataclass(frozen=True)

@@ -8,7 +8,7 @@
 - ``scales=PATH``: per-layer k/v scales from a safetensors file in the compressed-tensors layout
   (``P.k_scale`` / ``P.v_scale``; what ``kvq calibrate`` writes, read by ``kv_scales_from``);
 - ``scale=F``: every layer's default k and v scale; ``k_scale=F`` / ``v_scale=F``: one of them;
-- ``channels=PATH``: K channel scales of the ``int4_per_token_head`` layers (``spec.KChannelScale``)
+- ``channels=PATH``: K channel scales of the ``int4_per_token_head`` layers (``spec_channels.KChannelScale``)
   from a safetensors file (``P.k_channel_scale`` / ``P.k_channel_mean``, what ``kvq calibrate``
   writes); ``channels=calibrate``: calibrated on the corpus's calibration split first (``kvq
   eval``). A config with no int4 layer refuses it;

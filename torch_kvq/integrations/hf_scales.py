@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-from torch_kvq.spec import KChannelScale
+from torch_kvq.spec_channels import KChannelScale
 
 ScaleSource = str | Path | Mapping[str, torch.Tensor]
 K_KEYS = ("k_scale", "k_proj.k_scale", "k_proj.output_scale", "attn.k_scale", "qkv_proj.k_scale")

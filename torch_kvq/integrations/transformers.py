@@ -60,11 +60,11 @@ from torch_kvq.integrations.hf_tp import shard_hf_model_
 from torch_kvq.spec import (
     MODEL_DTYPES,
     AttentionLayerInfo,
-    KChannelScale,
     KVCacheConfig,
     KVQuantMode,
     check_positive_int,
 )
+from torch_kvq.spec_channels import KChannelScale
 from torch_kvq.spec_resolve import resolve_layer_specs
 
 
