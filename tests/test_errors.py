@@ -972,11 +972,14 @@ def _() -> object:
 
 @functools.cache
 def tiny_llama():
+    """Built once and kept for the process, so under a prefix of its own: with the default one it
+    would hold the name "model" and every later model in the process would take "model_1"."""
     from torch_kvq.models import build_model
 
     return build_model(
-        "llama-tiny", KVCacheConfig("fp8", page_size=4), num_pages=8, num_hidden_layers=1
-    )
+        "llama-tiny", KVCacheConfig("fp8", page_size=4), num_pages=8, num_hidden_layers=1,
+        prefix="errors_tiny",
+    )  # fmt: skip
 
 
 def build(*args, **kwargs) -> object:
