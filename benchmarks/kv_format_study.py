@@ -286,12 +286,15 @@ def scaled_int4(
     untied, exactly 1 at alpha 0)."""
     s = smooth_scale(S[layer], alpha, pairs).to(x.dtype)
     mu = MU[layer].to(x.dtype) if centre else torch.zeros_like(s)
-    z = (x - mu) / s
-    if levels == 15:  # the int4 mode's exact math
-        y = quant.dequantize_int4_rotated(*quant.quantize_int4_rotated(z))
-    else:  # u5s / u5s0: the same clipped uniform math with levels + 1 codes
-        y = quant.unrotate(uniform_fake(quant.rotate(z), levels))
-    return (y * s + mu).to(x.dtype)
+    return (rotated_round_trip((x - mu) / s, levels) * s + mu).to(x.dtype)
+
+
+def rotated_round_trip(z: torch.Tensor, levels: int = 15) -> torch.Tensor:
+    """z through the rotation, the clipped uniform math with ``levels`` + 1 codes and back: at 15
+    the int4 mode's exact math, else ``uniform_fake`` (u5s, u5w: 31)."""
+    if levels == 15:
+        return quant.dequantize_int4_rotated(*quant.quantize_int4_rotated(z))
+    return quant.unrotate(uniform_fake(quant.rotate(z), levels))
 
 
 def _sqrtm(a: torch.Tensor) -> torch.Tensor:
@@ -340,8 +343,7 @@ def scaled_v(x: torch.Tensor, layer: int, centre: bool) -> torch.Tensor:
     """int4vs / int4vs0: (v - mean) / s through the int4 mode's math, then * s + mean."""
     s = SV[layer].to(x.dtype)
     mu = MUV[layer].to(x.dtype) if centre else torch.zeros_like(s)
-    y = quant.dequantize_int4_rotated(*quant.quantize_int4_rotated((x - mu) / s))
-    return (y * s + mu).to(x.dtype)
+    return (rotated_round_trip((x - mu) / s) * s + mu).to(x.dtype)
 
 
 def transformed_k(x: torch.Tensor, layer: int, centre: bool, levels: int) -> torch.Tensor:
@@ -349,11 +351,7 @@ def transformed_k(x: torch.Tensor, layer: int, centre: bool, levels: int) -> tor
     int4 mode's at 15 levels), then M^-1 and + mu (mu 0 when not centred)."""
     m, m_inv = W[(layer, centre)]
     mu = MU[layer].to(x.dtype) if centre else torch.zeros_like(MU[layer])
-    z = torch.einsum("hde,the->thd", m, x.float() - mu)
-    if levels == 15:
-        y = quant.dequantize_int4_rotated(*quant.quantize_int4_rotated(z))
-    else:
-        y = quant.unrotate(uniform_fake(quant.rotate(z), levels))
+    y = rotated_round_trip(torch.einsum("hde,the->thd", m, x.float() - mu), levels)
     return (torch.einsum("hde,the->thd", m_inv, y) + mu).to(x.dtype)
 
 

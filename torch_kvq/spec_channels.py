@@ -6,6 +6,7 @@ Apart from ``spec`` so that the data types stay small; ``spec.KVCacheConfig.k_ch
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import math
 from collections.abc import Sequence
@@ -72,10 +73,15 @@ class KChannelScale:
         return len(self.scale), len(self.scale[0])
 
     @property
+    def kind(self) -> str:
+        """``scaled``, or ``scaled+centred`` with a mean."""
+        return "scaled" if self.mean is None else "scaled+centred"
+
+    @functools.cached_property
     def label(self) -> str:
-        """``scaled`` or ``scaled+centred``, with a digest of the values (tables, cache keys)."""
+        """``kind`` with a digest of the values (tables, cache keys), hashed once."""
         digest = hashlib.sha1(repr((self.scale, self.mean)).encode()).hexdigest()[:8]
-        return f"{'scaled+centred' if self.mean is not None else 'scaled'} {digest}"
+        return f"{self.kind} {digest}"
 
     def heads(self, part: slice) -> KChannelScale:
         """The rows of kv heads ``part`` (a tensor-parallel rank's)."""

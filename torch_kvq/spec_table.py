@@ -131,7 +131,7 @@ def k_cell(spec: LayerKVSpec) -> str:
     """The k_scale column: the per-tensor scale, ``per token``, or ``per token, channels`` and
     how (``scaled`` / ``scaled+centred``) for an int4 layer with K channel scales."""
     if spec.k_channel is not None:
-        return f"per token, channels {spec.k_channel.label.split()[0]}"
+        return f"per token, channels {spec.k_channel.kind}"
     return "per token" if spec.mode.per_token_head else scale_cell(spec, spec.k_scale)
 
 

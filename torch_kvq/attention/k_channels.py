@@ -33,9 +33,9 @@ class ChannelStats:
     kv head's query group), all post-RoPE (what the ``Attention`` layer receives)."""
 
     def __init__(self) -> None:
-        self.k_sum: torch.Tensor | None = None
-        self.k_sq: torch.Tensor | None = None
-        self.q_sq: torch.Tensor | None = None
+        self.k_sum: torch.Tensor | float = 0.0
+        self.k_sq: torch.Tensor | float = 0.0
+        self.q_sq: torch.Tensor | float = 0.0
         self.tokens = 0
         self.group = 0
 
@@ -43,31 +43,24 @@ class ChannelStats:
         """Add q [T, H, D] and k [T, KH, D] (summed in float64)."""
         t, kh, d = k.shape
         qd, kd = q.detach().double().cpu(), k.detach().double().cpu()
-        sums = (kd.sum(0), kd.square().sum(0), qd.reshape(t, kh, -1, d).square().sum((0, 2)))
-        if self.k_sum is None:
-            self.k_sum, self.k_sq, self.q_sq = sums
-        else:
-            self.k_sum, self.k_sq, self.q_sq = (a + b for a, b in zip(self.sums(), sums))
+        self.k_sum = self.k_sum + kd.sum(0)
+        self.k_sq = self.k_sq + kd.square().sum(0)
+        self.q_sq = self.q_sq + qd.reshape(t, kh, -1, d).square().sum((0, 2))
         self.tokens += t
         self.group = q.shape[1] // kh
-
-    def sums(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        if self.k_sum is None or self.k_sq is None or self.q_sq is None:
-            raise ValueError("no calibration tokens were seen")
-        return self.k_sum, self.k_sq, self.q_sq
 
     def scale_and_mean(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(s, mean) [KH, D] float32: s_c = sqrt(rms(k_c) / rms(q_c)), scaled to a geometric mean
         of 1 per kv head; a channel whose k or q was exactly 0 on every token takes s = 1 (no
         balance to strike; a clamp there would make s depend on the clamp)."""
-        k_sum, k_sq, q_sq = self.sums()
-        rms_k = (k_sq / self.tokens).sqrt()
-        rms_q = (q_sq / (self.tokens * self.group)).sqrt()
+        if not self.tokens:
+            raise ValueError("no calibration tokens were seen")
+        rms_k = (self.k_sq / self.tokens).sqrt()
+        rms_q = (self.q_sq / (self.tokens * self.group)).sqrt()
         live = (rms_k > 0) & (rms_q > 0)
-        ratio = torch.where(live, rms_k / torch.where(live, rms_q, 1.0), 1.0)
-        s = torch.where(live, ratio.sqrt(), 1.0)
+        s = torch.where(live, rms_k / torch.where(live, rms_q, 1.0), 1.0).sqrt()
         s = s / s.log().mean(-1, keepdim=True).exp()
-        return s.float(), (k_sum / self.tokens).float()
+        return s.float(), (self.k_sum / self.tokens).float()
 
 
 __all__ = ["ChannelStats", "scale_qk"]

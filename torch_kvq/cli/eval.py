@@ -143,7 +143,7 @@ def run(args: argparse.Namespace) -> int:
     from torch_kvq.evaluation import corpus
     from torch_kvq.evaluation.eval import EvalSettings, eval_data, evaluate
     from torch_kvq.evaluation.eval_report import format_table, plot, to_json
-    from torch_kvq.evaluation.kv_arg import parse_kv
+    from torch_kvq.evaluation.kv_arg import CALIBRATE, parse_kv
     from torch_kvq.integrations.trained import load_trained
     from torch_kvq.progress import Progress
     from torch_kvq.spec import KVCacheConfig
@@ -151,7 +151,7 @@ def run(args: argparse.Namespace) -> int:
     check_out_paths(args.json, args.plot)
     kernels = args.kernel or ["reference"]
     kvs = [parse_kv(t) for t in (args.kv or ["fp8"])]
-    calibrate = any(kv.channels == "calibrate" for kv in kvs)
+    calibrate = any(kv.channels == CALIBRATE for kv in kvs)
     settings = EvalSettings(**{name: getattr(args, name) for name in SETTINGS})
     gpu = any(k != "reference" for k in kernels)
     device = args.device or ("cuda" if gpu else "cpu")

@@ -11,7 +11,7 @@ Scalar tensors under each attention module (``P`` = its HF path, e.g. ``model.la
 A scale is the dequantization factor (``real = fp8 * scale``), the convention of
 ``LayerKVSpec.k_scale``. Only per-tensor scales (one element) are accepted.
 
-K channel scales of 4-bit layers (``spec.KChannelScale``), which ``kvq calibrate`` writes beside
+K channel scales of 4-bit layers (``spec_channels.KChannelScale``), which ``kvq calibrate`` writes beside
 them: ``P.k_channel_scale`` [KH, D] and, when k is centred, ``P.k_channel_mean`` [KH, D]
 (``checkpoint_k_channel_scales``).
 """
