@@ -64,6 +64,10 @@ Formats (all but int8 / none after quant.rotate, then quant.unrotate):
   kc32r            4-bit asymmetric, a scale and zero point per (group, kv head, channel), a partial
                    group over its own rows; kc32r rotated first. Only the teacher-forced KL means
                    anything for them: the greedy decode feeds one token a call (a group of one)
+  tc<plan> /     : transform coding (``kv_transform_coding.py``): K in a calibrated basis (tc: full,
+  tcd<plan> /      tcd: the K channel scales' diagonal with the channels sorted), bits by the
+  tcw<NNN>         coordinates' weight per its plan (tcw: water-filled per kv head, NNN / 100 bits
+  tcv<plan>        a coordinate); tcv: V in its basis against o_proj
 Config syntax: "K/V" on every layer (e.g. "int4/nf4"), with optional prefixes (see
 ``layer_formats``): "full:K/V", K / V only on the full-attention layers (whose ``Attention`` spec
 has no ``sliding_window``), the sliding-window layers "none" (the model dtype) as the
@@ -88,6 +92,8 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import kv_transform_coding as tc  # noqa: E402
 
 from torch_kvq.attention import quant  # noqa: E402
 
@@ -199,6 +205,9 @@ def fake_quant(x: torch.Tensor, fmt: str) -> torch.Tensor:
         return quant.dequantize_fp8(quant.quantize_fp8(x, 1.0), 1.0).to(x.dtype)
     if fmt == "int4":
         return quant.dequantize_int4_rotated(*quant.quantize_int4_rotated(x)).to(x.dtype)
+    if ":" in fmt and tc.split_format(fmt.split(":")[0]):  # transform coding
+        head, layer = fmt.split(":")
+        return tc.alloc_fake(x, head, int(layer), uniform_fake)
     if fmt.startswith("int4c:"):  # centred only: int4s at alpha 0 (s = 1)
         return scaled_int4(x, int(fmt.split(":")[1]), centre=True, alpha=0.0)
     if fmt.split(":")[0] in ("int4vs", "int4vs0"):  # V scaled against o_proj (and centred)
@@ -245,6 +254,7 @@ SV: dict[int, torch.Tensor] = {}
 MUV: dict[int, torch.Tensor] = {}
 V_SUMS: dict[int, torch.Tensor] = {}
 V_SQ: dict[int, torch.Tensor] = {}
+VV: dict[int, torch.Tensor] = {}  # sum of v v^T per layer [KH, D, D] (float64), ``calibrate_k``
 KK: dict[int, torch.Tensor] = {}  # sum of k k^T per layer [KH, D, D] (float64), ``calibrate_k``
 QQ: dict[int, torch.Tensor] = {}  # sum of q q^T over each kv head's query group [KH, D, D]
 # the scaled K formats: int4s / int4s0 (only: not centred), alpha NN / 100, p: tied across RoPE pairs
@@ -257,7 +267,13 @@ PER_LAYER_V = ("int4vs", "int4vs0")  # V formats calibrated per layer ("fmt:laye
 def per_layer_k(fmt: str) -> bool:
     """Whether K format ``fmt`` is calibrated per layer (written "fmt:layer" per layer)."""
     named = ("int4c", "u5s", "u5s0", "int4w", "int4w0", "u5w", "u5w0")
-    return fmt in named or K_SCALED.fullmatch(fmt) is not None
+    kind = (tc.split_format(fmt) or ("",))[0]
+    return fmt in named or K_SCALED.fullmatch(fmt) is not None or kind in ("tc", "tcd", "tcw")
+
+
+def per_layer_v(fmt: str) -> bool:
+    """Whether V format ``fmt`` is calibrated per layer."""
+    return fmt in PER_LAYER_V or (tc.split_format(fmt) or ("",))[0] == "tcv"
 
 
 def smooth_scale(s: torch.Tensor, alpha: float = 0.5, pairs: bool = False) -> torch.Tensor:
@@ -339,6 +355,35 @@ def v_channel_scales(lm, layers, counts) -> None:
         MUV[i] = (V_SUMS[i] / counts[i]).float()
 
 
+def transform_bases(lm, layers, counts) -> None:
+    """``tc.BASES`` per layer: "tc" K's sorted balanced basis (from int4w0's M), "tcd" the
+    diagonal one (int4s0's s), "tcv" V's against the o_proj metric; prints the spectra's
+    high-resolution gains (``tc.spectrum``), mean over layers and kv heads."""
+    gains: dict[str, list[float]] = {"tc": [], "tcv": []}
+    for i, layer in enumerate(layers):
+        ck = KK[i] / counts[i]
+        t, t_inv, sig = tc.sorted_basis(*W[(i, False)], ck)
+        tc.BASES[("tc", i)] = (t, t_inv)
+        for mean in (350, 375, 400):
+            tc.WATER[(i, mean)] = [tc.water_fill(r, mean / 100) for r in sig]
+        tc.BASES[("tcd", i)] = tc.diag_basis(S[i], ck)
+        w = lm.hf.get_submodule(lm.layer_paths[layer.layer_name]).o_proj.weight.detach()
+        cv = VV[i] / counts[i]
+        g = tc.o_proj_metric(w, *cv.shape[:2])
+        tv, tv_inv, sig_v = tc.sorted_basis(*k_transform(cv, g), cv)
+        tc.BASES[("tcv", i)] = (tv, tv_inv)
+        gains["tc"] += [tc.spectrum(r) for r in sig]
+        gains["tcv"] += [tc.spectrum(r) for r in sig_v]
+    plans = [p for v in tc.WATER.values() for p in v]
+    print(f"tcw: groups per kv head {sum(map(len, plans)) / len(plans):.2f} (mean), up to "
+          f"{max(map(len, plans))}; e.g. layer 0 at 3.75 {tc.WATER[(0, 375)][0]}", flush=True)
+    print(
+        "transform coding, high-resolution gain of bits by sigma (mean over layers and kv heads): "
+        + ", ".join(f"{k} {sum(v) / len(v):.2f}" for k, v in gains.items()),
+        flush=True,
+    )
+
+
 def scaled_v(x: torch.Tensor, layer: int, centre: bool) -> torch.Tensor:
     """int4vs / int4vs0: (v - mean) / s through the int4 mode's math, then * s + mean."""
     s = SV[layer].to(x.dtype)
@@ -398,7 +443,7 @@ def layer_formats(
         f = sens if sens is not None and i in rec_layers else k
         return f"{f}:{i}" if per_layer_k(f) else f
 
-    v_of = lambda i: f"{v}:{i}" if v in PER_LAYER_V else v  # noqa: E731
+    v_of = lambda i: f"{v}:{i}" if per_layer_v(v) else v  # noqa: E731
     return [("none", "none") if i in skip else (k_of(i), v_of(i)) for i in range(n)]
 
 
@@ -428,6 +473,7 @@ def calibrate_k(lm, tok, layers) -> dict:
         v = args[2].detach().double()  # [T, KH, D]
         V_SUMS[i] = V_SUMS.get(i, 0) + v.sum(0)
         V_SQ[i] = V_SQ.get(i, 0) + v.square().sum(0)
+        VV[i] = VV.get(i, 0) + torch.einsum("thd,the->hde", v, v)
         k_sq[i] = k_sq.get(i, 0) + k.square().sum(0)
         # query head h reads kv head h // (H / KH): [T, KH, G, D], summed over tokens and group
         q_sq[i] = q_sq.get(i, 0) + q.reshape(t, kh, -1, d).square().sum((0, 2))
@@ -468,6 +514,7 @@ def calibrate_k(lm, tok, layers) -> dict:
         s = s / s.log().mean(-1, keepdim=True).exp()  # geometric mean 1 per kv head
         S[i] = s.float()
         spread[i] = (s.amax(-1) / s.amin(-1)).tolist()  # per kv head
+    transform_bases(lm, layers, counts)
     print(
         f"int4s: s over {counts[0]} calibration tokens (query group {groups[0]}); max / min of s per "
         f"layer (the largest over kv heads) {[round(max(spread[i]), 1) for i in sorted(spread)]}; "
@@ -544,7 +591,7 @@ def main() -> None:
         raise SystemExit(f"rec: the int4-recommended preset has no layers for {args.model!r}")
     print(f"{len(layers)} layers; sliding-window layers {sorted(sliding)}", flush=True)
     spread = None
-    if any(per_layer_k(parse_config(c)[1]) or parse_config(c)[2] in PER_LAYER_V
+    if any(per_layer_k(parse_config(c)[1]) or per_layer_v(parse_config(c)[2])
            for c in args.configs):  # fmt: skip
         spread = calibrate_k(lm, tok, layers)
     out = dict(
