@@ -38,9 +38,11 @@ from torch_kvq.attention.triton.decode_config import sm_count
 # without shuffles, and the per-row scale math once per row)
 INT4_WARPS = 1
 INT4_ROWS = 32 * INT4_WARPS
-# fewer rows than this per SM: one row per program, its channels across one warp's lanes
-# (``ROWS_FIRST``), so that a decode step's few tokens spread over the SMs
+# fewer rows than this per SM: one row per program (``ROWS_FIRST``), its channels times the clip
+# ratios across the program's warps, so that a decode step's few tokens spread over the SMs and
+# each row's ratios run side by side
 INT4_ROWS_FIRST_BELOW = 32
+INT4_ROWS_FIRST_WARPS = 4
 
 
 @functools.cache
@@ -115,6 +117,7 @@ def launch_int4_write(
         KH=kh, D=d, BLOCK_R=block_r, BLOCK_D=block_d, LOG2B=b.bit_length() - 1,
         RSQRT_B=f32(b**-0.5), RCP15=f32(1.0 / INT4_LEVELS), FLOOR=f32(SCALE_FLOOR),
         NUM_RATIOS=len(INT4_CLIP_RATIOS), ROWS_FIRST=rows_first, V_SIDE=0 if v_only else 1,
-        num_warps=INT4_WARPS,
+        RATIOS_PAD=next_pow2(len(INT4_CLIP_RATIOS)),
+        num_warps=INT4_ROWS_FIRST_WARPS if rows_first else INT4_WARPS,
         enable_fp_fusion=False,
     )  # fmt: skip

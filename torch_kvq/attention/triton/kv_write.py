@@ -245,12 +245,52 @@ def _int4_rows(x, signs, ratio_ptr, R: tl.constexpr, BLOCK_D: tl.constexpr,
         best_scale = tl.where(better, scale, best_scale)
         best_inv = tl.where(better, inv, best_inv)
         best_zp = tl.where(better, zp, best_zp)
-    codes = _round_clamp15(xf * best_inv[None, :] + best_zp[None, :])
+    return _int4_pack(xf, best_scale, best_inv, best_zp, R, BLOCK_D)
+
+
+@triton.jit
+def _int4_pack(xf, scale, inv, zp, R: tl.constexpr, BLOCK_D: tl.constexpr):
+    """Rotated rows xf [BLOCK_D, R] and each row's chosen (scale, 1 / scale, zero point) [R] ->
+    (packed codes [BLOCK_D / 2, R] uint8, stored scales [R] fp32, the zero point in the low
+    bits)."""
+    codes = _round_clamp15(xf * inv[None, :] + zp[None, :])
     codes = tl.permute(tl.reshape(codes, [BLOCK_D // 2, 2, R]), [0, 2, 1])
     even, odd = tl.split(codes)  # [BLOCK_D / 2, R] each
     packed = (even + odd * 16.0).to(tl.int32).to(tl.uint8)
-    stored = best_scale.to(tl.int32, bitcast=True) | best_zp.to(tl.int32)
+    stored = scale.to(tl.int32, bitcast=True) | zp.to(tl.int32)
     return packed, stored.to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _int4_row(x, signs, ratio_ptr, BLOCK_D: tl.constexpr, LOG2B: tl.constexpr,
+              RSQRT_B: tl.constexpr, RCP15: tl.constexpr, FLOOR: tl.constexpr,
+              NUM_RATIOS: tl.constexpr, RATIOS_PAD: tl.constexpr):  # fmt: skip
+    """``_int4_rows`` for one row x [BLOCK_D, 1] with every clip ratio at once: the candidates
+    are the tile's second axis, [BLOCK_D, RATIOS_PAD], so their error sums run side by side
+    rather than one after another (a decode step's write is a few rows a program: its latency is
+    the chain of the ratios' reductions). The same fp32 operations per candidate as
+    ``_int4_rows``; the first ratio of least error kept (padding ratios: an infinite error)."""
+    xf = x.to(tl.float32) * signs[:, None]
+    xf = walsh_hadamard(xf, BLOCK_D, 1, LOG2B) * RSQRT_B
+    lo0 = tl.minimum(tl.min(xf, axis=0), 0.0)  # [1]
+    hi0 = tl.maximum(tl.max(xf, axis=0), 0.0)
+    i = tl.arange(0, RATIOS_PAD)
+    ratio = tl.load(ratio_ptr + i, mask=i < NUM_RATIOS, other=1.0)
+    lo = lo0 * ratio  # [RATIOS_PAD]
+    scale = tl.maximum((hi0 * ratio - lo) * RCP15, FLOOR)
+    scale = (scale.to(tl.int32, bitcast=True) & -16).to(tl.float32, bitcast=True)
+    zp = _round_clamp15(tl.math.div_rn(-lo, scale))
+    inv = tl.math.div_rn(tl.full([RATIOS_PAD], 1.0, tl.float32), scale)
+    codes = _round_clamp15(xf * inv[None, :] + zp[None, :])  # [BLOCK_D, RATIOS_PAD]
+    diff = ((codes - zp[None, :]) * scale[None, :] - xf).to(tl.float64)
+    err = tl.where(i < NUM_RATIOS, tl.sum(diff * diff, axis=0), float("inf"))
+    first = tl.min(tl.where(err == tl.min(err, axis=0), i, RATIOS_PAD), axis=0)
+    pick = i == first
+    one = tl.zeros([1], tl.float32)
+    best_scale = one + tl.sum(tl.where(pick, scale, 0.0), axis=0)  # exact: one term is nonzero
+    best_inv = one + tl.sum(tl.where(pick, inv, 0.0), axis=0)
+    best_zp = one + tl.sum(tl.where(pick, zp, 0.0), axis=0)
+    return _int4_pack(xf, best_scale, best_inv, best_zp, 1, BLOCK_D)
 
 
 @triton.jit(do_not_specialize=["k_sd", "v_sd"])
@@ -261,6 +301,7 @@ def kv_write_int4_kernel(
     KH: tl.constexpr, D: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr,
     LOG2B: tl.constexpr, RSQRT_B: tl.constexpr, RCP15: tl.constexpr, FLOOR: tl.constexpr,
     NUM_RATIOS: tl.constexpr, ROWS_FIRST: tl.constexpr, V_SIDE: tl.constexpr,
+    RATIOS_PAD: tl.constexpr,
 ):  # fmt: skip
     """Rows ``[BLOCK_R * program_id(0), ...)`` of the ``n_rows`` = T * KH (token, kv head) rows
     of k (``program_id(1)`` 0) or of v (1), each quantized by ``_int4_rows``: packed codes into
@@ -279,7 +320,8 @@ def kv_write_int4_kernel(
     every SM a program that way, a decode step's): the tile is loaded rows first, one row's
     channels across the lanes, and transposed: more instructions per value, many more programs
     at once, so a few tokens are written in a few microseconds rather than one thread's whole
-    serial row of work."""
+    serial row of work; its clip ratios are tried side by side (``_int4_row``), not in turn.
+    ``RATIOS_PAD``: NUM_RATIOS to a power of two (``ROWS_FIRST``'s tile width)."""
     row = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
     kv = tl.program_id(1)
     row_ok = row < n_rows
@@ -303,8 +345,12 @@ def kv_write_int4_kernel(
     else:
         x = tl.load(src[None, :] + d[:, None] * sd, mask=(d[:, None] < D) & row_ok[None, :],
                     other=0.0)  # fmt: skip
-    codes, stored = _int4_rows(x, signs, ratio_ptr, BLOCK_R, BLOCK_D, LOG2B, RSQRT_B, RCP15,
-                               FLOOR, NUM_RATIOS)  # fmt: skip
+    if ROWS_FIRST:
+        codes, stored = _int4_row(x, signs, ratio_ptr, BLOCK_D, LOG2B, RSQRT_B, RCP15, FLOOR,
+                                  NUM_RATIOS, RATIOS_PAD)  # fmt: skip
+    else:
+        codes, stored = _int4_rows(x, signs, ratio_ptr, BLOCK_R, BLOCK_D, LOG2B, RSQRT_B, RCP15,
+                                   FLOOR, NUM_RATIOS)  # fmt: skip
     j = tl.arange(0, BLOCK_D // 2)
     head = cache_ptr + kv * c_skv + (page * c_sp + h * c_sh)[None, :]
     tok, col = v_offsets(offset, j, kv == V_SIDE, page_size, c_ss, c_sd, D // 2)
