@@ -43,6 +43,10 @@ INT4_ROWS = 32 * INT4_WARPS
 # each row's ratios run side by side
 INT4_ROWS_FIRST_BELOW = 32
 INT4_ROWS_FIRST_WARPS = 4
+# ``ROWS_FIRST``'s clip ratios in turn (``_int4_rows``, one warp: measured, the default) or side by
+# side (``_int4_row``, ``INT4_ROWS_FIRST_WARPS``); both write the same bytes. Which is faster is
+# for benchmarks/sweep_kv_write_launch.py --int4 on a GPU (not run yet); the loser goes then
+INT4_RATIOS_AT_ONCE = False
 
 
 @functools.cache
@@ -109,6 +113,7 @@ def launch_int4_write(
     n_rows = t * kh
     sms = sm_count(kv_cache.device)
     rows_first = n_rows < INT4_ROWS_FIRST_BELOW * sms
+    at_once = rows_first and INT4_RATIOS_AT_ONCE
     block_r = 1 if rows_first else INT4_ROWS  # a power of two
     return program[(-(-n_rows // block_r), sides)](
         k, v, kv_cache, kv_scale, slot_mapping, rotation_signs(d, kv_cache.device),
@@ -117,7 +122,7 @@ def launch_int4_write(
         KH=kh, D=d, BLOCK_R=block_r, BLOCK_D=block_d, LOG2B=b.bit_length() - 1,
         RSQRT_B=f32(b**-0.5), RCP15=f32(1.0 / INT4_LEVELS), FLOOR=f32(SCALE_FLOOR),
         NUM_RATIOS=len(INT4_CLIP_RATIOS), ROWS_FIRST=rows_first, V_SIDE=0 if v_only else 1,
-        RATIOS_PAD=next_pow2(len(INT4_CLIP_RATIOS)),
-        num_warps=INT4_ROWS_FIRST_WARPS if rows_first else INT4_WARPS,
+        RATIOS_PAD=next_pow2(len(INT4_CLIP_RATIOS)), AT_ONCE=at_once,
+        num_warps=INT4_ROWS_FIRST_WARPS if at_once else INT4_WARPS,
         enable_fp_fusion=False,
     )  # fmt: skip
