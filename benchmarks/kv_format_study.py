@@ -173,14 +173,16 @@ def nf_fake(y: torch.Tensor, n: int, asym: bool = False) -> torch.Tensor:
     return out
 
 
-def uniform_fake(y: torch.Tensor, levels: int) -> torch.Tensor:
-    """The mode's asymmetric MSE-clipped math (quant._int4_codes) with ``levels`` + 1 codes."""
+def uniform_fake(y: torch.Tensor, levels: int, half_scale: bool = False) -> torch.Tensor:
+    """The mode's asymmetric MSE-clipped math (quant._int4_codes) with ``levels`` + 1 codes;
+    ``half_scale``: the scale rounded to fp16 (the zero point in a byte of its own) instead of
+    fp32 with the zero point in its low mantissa bits."""
     best_err = best_out = None
     bits = int(math.log2(levels + 1))
     for r in quant.INT4_CLIP_RATIOS:
         lo, hi = y.amin(-1).clamp(max=0.0) * r, y.amax(-1).clamp(min=0.0) * r
         scale = ((hi - lo) * (1.0 / levels)).clamp(min=quant.SCALE_FLOOR)
-        scale = _clear_low(scale, bits)
+        scale = scale.half().float().clamp(min=6.2e-5) if half_scale else _clear_low(scale, bits)
         zp = quant.round_half_away(-lo / scale).clamp(0, levels)
         c = quant.round_half_away(y * torch.reciprocal(scale).unsqueeze(-1) + zp.unsqueeze(-1))
         out = (c.clamp(0, levels) - zp.unsqueeze(-1)) * scale.unsqueeze(-1)
@@ -268,12 +270,12 @@ def per_layer_k(fmt: str) -> bool:
     """Whether K format ``fmt`` is calibrated per layer (written "fmt:layer" per layer)."""
     named = ("int4c", "u5s", "u5s0", "int4w", "int4w0", "u5w", "u5w0")
     kind = (tc.split_format(fmt) or ("",))[0]
-    return fmt in named or K_SCALED.fullmatch(fmt) is not None or kind in ("tc", "tcd", "tcw")
+    return fmt in named or K_SCALED.fullmatch(fmt) is not None or kind in ("tc", "tcd", "tcw", "tch")
 
 
 def per_layer_v(fmt: str) -> bool:
     """Whether V format ``fmt`` is calibrated per layer."""
-    return fmt in PER_LAYER_V or (tc.split_format(fmt) or ("",))[0] == "tcv"
+    return fmt in PER_LAYER_V or (tc.split_format(fmt) or ("",))[0] in ("tcv", "tcvh")
 
 
 def smooth_scale(s: torch.Tensor, alpha: float = 0.5, pairs: bool = False) -> torch.Tensor:

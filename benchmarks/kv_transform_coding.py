@@ -38,8 +38,10 @@ PLANS: dict[str, tuple[tuple[float, int], ...]] = {
     # below 4 bits a coordinate: room for 5-bit V in the 3.3x capacity budget
     "543": ((0.25, 5), (0.25, 4), (0.5, 3)),
     "533": ((0.25, 5), (0.75, 3)),
+    # above: V's 4.75 bits a coordinate in its own basis
+    "5554": ((0.75, 5), (0.25, 4)),
 }
-FORMATS = ("tc", "tcd", "tcv", "tcw")
+FORMATS = ("tc", "tcd", "tcv", "tcw", "tch", "tcvh")  # "h": fp16 group scales (``alloc_fake``)
 # tcw<NNN>: bits per (layer, kv head) from its own sigma (``water_fill``), NNN / 100 a coordinate
 # relative squared error of a rotated group at b bits per coordinate, b = 0..8 (0: dropped)
 REL_ERR = (1.0, 0.45, 0.14, 0.04, 0.0105, 0.0027, 0.0007, 0.00018, 0.000045)
@@ -119,6 +121,8 @@ def plan_bytes(plan: str, d: int) -> float:
 def alloc_fake(x: torch.Tensor, fmt: str, layer: int, uniform_fake) -> torch.Tensor:
     """x [T, KH, D] through ``fmt`` (a ``split_format`` name) of ``layer`` and back."""
     kind, plan = split_format(fmt)
+    half = kind.endswith("h")  # an fp16 scale and a zero-point byte per group: 3 bytes, not 4
+    kind = kind.removesuffix("h")
     t, t_inv = BASES[("tc" if kind == "tcw" else kind, layer)]
     y = torch.einsum("hde,the->thd", t, x.float())
     out = torch.zeros_like(y)
@@ -130,7 +134,8 @@ def alloc_fake(x: torch.Tensor, fmt: str, layer: int, uniform_fake) -> torch.Ten
             n = round(d * frac)
             if bits:
                 g = quant.rotate(y[:, h, start : start + n])
-                out[:, h, start : start + n] = quant.unrotate(uniform_fake(g, 2**bits - 1))
+                y_hat = uniform_fake(g, 2**bits - 1, half) if half else uniform_fake(g, 2**bits - 1)
+                out[:, h, start : start + n] = quant.unrotate(y_hat)
             start += n
         if start != d:
             raise ValueError(f"plan {groups!r} covers {start} of {d} channels")

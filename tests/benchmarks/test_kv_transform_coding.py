@@ -102,3 +102,16 @@ def test_water_fill_spends_the_mean_and_favours_large_sigma() -> None:
     bits = [b for _, b in plan]
     assert bits == sorted(bits, reverse=True) and bits[0] > 4 > bits[-1]
     assert tc.split_format("tcw375") == ("tcw", "375") and kfs.per_layer_k("tcw375")
+
+
+def test_half_scales_are_fp16_values_and_cost_little() -> None:
+    _, k = _keys(64)
+    y = quant.rotate(k)
+    out = kfs.uniform_fake(y, 15, half_scale=True)
+    for row in out.reshape(-1, 64)[:8]:
+        step = row.unique().diff().min()  # one code step: the row's scale
+        assert step == step.half().float()
+    full = (kfs.uniform_fake(y, 15) - y).square().mean()
+    half = (out - y).square().mean()
+    assert half < 1.01 * full
+    assert tc.split_format("tch643") == ("tch", "643") and kfs.per_layer_v("tcvh5554")
