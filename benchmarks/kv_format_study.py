@@ -416,9 +416,10 @@ def per_channel(x: torch.Tensor, group: int, rot: bool) -> torch.Tensor:
 
 
 def parse_config(config: str) -> tuple[set[str], str, str]:
-    """("full:" / "rec:" / "rec5:" prefixes, K, V) of a config such as "full:int4s0/int4"."""
+    """("full:" / "rec:" / "rec5:" / "rectc:" prefixes, K, V) of a config such as
+    "full:int4s0/int4"."""
     prefixes = set()
-    while (head := config.split(":", 1)[0]) in ("full", "rec", "rec5") and ":" in config:
+    while (head := config.split(":", 1)[0]) in ("full", "rec", "rec5", "rectc") and ":" in config:
         prefixes.add(head)
         config = config.split(":", 1)[1]
     k, v = config.split("/")
@@ -436,10 +437,17 @@ def layer_formats(
     ("none", "none"); "rec:K/V": the int4-recommended preset's map, K as int8 on ``rec_layers``
     (the preset's measured layers for the model) and as K on the other full-attention layers, V on
     every full-attention layer, the sliding ones "none" (as the preset's "sliding_window: auto");
-    "rec5:K/V": the same with K as u5s0 (5-bit, scaled) instead of int8 on ``rec_layers``."""
+    "rec5:K/V": the same with K as u5s0 (5-bit, scaled) instead of int8 on ``rec_layers``;
+    "rectc:K/V": K / V on every full-attention layer but ``rec_layers``, which take the
+    transform-coded candidate tc643 / tcv5554 (K and V)."""
     prefixes, k, v = parse_config(config)
     sens = "int8" if "rec" in prefixes else ("u5s0" if "rec5" in prefixes else None)
     skip = sliding if prefixes else frozenset()
+    if "rectc" in prefixes:
+        cand = lambda i: (f"tc643:{i}", f"tcv5554:{i}")  # noqa: E731
+        other = layer_formats(f"{k}/{v}", n)
+        return [("none", "none") if i in skip else cand(i) if i in rec_layers else other[i]
+                for i in range(n)]  # fmt: skip
 
     def k_of(i: int) -> str:
         f = sens if sens is not None and i in rec_layers else k
@@ -594,7 +602,7 @@ def main() -> None:
     print(f"{len(layers)} layers; sliding-window layers {sorted(sliding)}", flush=True)
     spread = None
     if any(per_layer_k(parse_config(c)[1]) or per_layer_v(parse_config(c)[2])
-           for c in args.configs):  # fmt: skip
+           or "rectc" in parse_config(c)[0] for c in args.configs):  # fmt: skip
         spread = calibrate_k(lm, tok, layers)
     out = dict(
         model=args.model,

@@ -115,3 +115,9 @@ def test_half_scales_are_fp16_values_and_cost_little() -> None:
     half = (out - y).square().mean()
     assert half < 1.01 * full
     assert tc.split_format("tch643") == ("tch", "643") and kfs.per_layer_v("tcvh5554")
+
+
+def test_rectc_gives_the_candidate_to_the_measured_layers_only() -> None:
+    got = kfs.layer_formats("rectc:int4s0/int4", 4, sliding={3}, rec_layers=(1,))
+    assert got == [("int4s0:0", "int4"), ("tc643:1", "tcv5554:1"), ("int4s0:2", "int4"),
+                   ("none", "none")]  # fmt: skip
