@@ -38,8 +38,9 @@ PLANS: dict[str, tuple[tuple[float, int], ...]] = {
     # below 4 bits a coordinate: room for 5-bit V in the 3.3x capacity budget
     "543": ((0.25, 5), (0.25, 4), (0.5, 3)),
     "533": ((0.25, 5), (0.75, 3)),
-    # above: V's 4.75 bits a coordinate in its own basis
+    # above: V's 4.75 / 4.5 bits a coordinate in its own basis
     "5554": ((0.75, 5), (0.25, 4)),
+    "54": ((0.5, 5), (0.5, 4)),
 }
 FORMATS = ("tc", "tcd", "tcv", "tcw", "tch", "tcvh")  # "h": fp16 group scales (``alloc_fake``)
 # tcw<NNN>: bits per (layer, kv head) from its own sigma (``water_fill``), NNN / 100 a coordinate
