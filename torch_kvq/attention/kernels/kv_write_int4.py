@@ -38,15 +38,15 @@ from torch_kvq.attention.triton.decode_config import sm_count
 # without shuffles, and the per-row scale math once per row)
 INT4_WARPS = 1
 INT4_ROWS = 32 * INT4_WARPS
-# fewer rows than this per SM: one row per program (``ROWS_FIRST``), its channels times the clip
-# ratios across the program's warps, so that a decode step's few tokens spread over the SMs and
-# each row's ratios run side by side
+# fewer rows than this per SM: one row per program, its channels across one warp's lanes
+# (``ROWS_FIRST``), so that a decode step's few tokens spread over the SMs
 INT4_ROWS_FIRST_BELOW = 32
-INT4_ROWS_FIRST_WARPS = 4
-# ``ROWS_FIRST``'s clip ratios in turn (``_int4_rows``, one warp: measured, the default) or side by
-# side (``_int4_row``, ``INT4_ROWS_FIRST_WARPS``); both write the same bytes. Which is faster is
-# for benchmarks/sweep_kv_write_launch.py --int4 on a GPU (not run yet); the loser goes then
+# ``ROWS_FIRST``'s clip ratios in turn (``_int4_rows``, one warp: the default, the one timed so
+# far) or side by side (``_int4_row``, on ``INT4_ROWS_FIRST_WARPS`` warps); both write the same
+# bytes. Which is faster is for benchmarks/sweep_kv_write_launch.py --int4 on a GPU (not run
+# yet: docs/design/int4-branch.md); the slower one goes then
 INT4_RATIOS_AT_ONCE = False
+INT4_ROWS_FIRST_WARPS = 4
 
 
 @functools.cache
