@@ -182,6 +182,7 @@ def uniform_fake(y: torch.Tensor, levels: int, half_scale: bool = False) -> torc
     for r in quant.INT4_CLIP_RATIOS:
         lo, hi = y.amin(-1).clamp(max=0.0) * r, y.amax(-1).clamp(min=0.0) * r
         scale = ((hi - lo) * (1.0 / levels)).clamp(min=quant.SCALE_FLOOR)
+        # (fp16's smallest normal is 6.1e-5: no subnormal scale)
         scale = scale.half().float().clamp(min=6.2e-5) if half_scale else _clear_low(scale, bits)
         zp = quant.round_half_away(-lo / scale).clamp(0, levels)
         c = quant.round_half_away(y * torch.reciprocal(scale).unsqueeze(-1) + zp.unsqueeze(-1))
@@ -270,12 +271,12 @@ def per_layer_k(fmt: str) -> bool:
     """Whether K format ``fmt`` is calibrated per layer (written "fmt:layer" per layer)."""
     named = ("int4c", "u5s", "u5s0", "int4w", "int4w0", "u5w", "u5w0")
     kind = (tc.split_format(fmt) or ("",))[0]
-    return fmt in named or K_SCALED.fullmatch(fmt) is not None or kind in ("tc", "tcd", "tcw", "tch")
+    return fmt in named or K_SCALED.fullmatch(fmt) is not None or kind in tc.K_KINDS
 
 
 def per_layer_v(fmt: str) -> bool:
     """Whether V format ``fmt`` is calibrated per layer."""
-    return fmt in PER_LAYER_V or (tc.split_format(fmt) or ("",))[0] in ("tcv", "tcvh")
+    return fmt in PER_LAYER_V or (tc.split_format(fmt) or ("",))[0] in tc.V_KINDS
 
 
 def smooth_scale(s: torch.Tensor, alpha: float = 0.5, pairs: bool = False) -> torch.Tensor:

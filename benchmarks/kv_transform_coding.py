@@ -17,9 +17,10 @@ rotated by its own Hadamard and quantized per (token, kv head, group) by the int
 asymmetric uniform math with 2^bits - 1 steps (``kv_format_study.uniform_fake``), 0 bits drops
 the group. Bytes per (token, kv head): sum(fraction * bits) * D / 8 of codes plus one scale and
 zero point per group (the int4 mode: one fp32 with the zero point in its low bits).
-Formats (K, per layer, "fmt:layer"): ``tc<plan>`` the full basis, ``tcd<plan>`` a diagonal one
-(the K channel scales' s, channels sorted by their balanced variance: no matrix in a kernel);
-(V): ``tcv<plan>``.
+Formats (per layer, "fmt:layer"). K: ``tc<plan>`` the full basis, ``tcd<plan>`` a diagonal one
+(the K channel scales' s, channels sorted by their balanced variance: no matrix in a kernel),
+``tcw<NNN>`` the full basis with bits water-filled per kv head (``water_fill``, NNN / 100 bits a
+coordinate), ``tch<plan>`` as tc with fp16 group scales. V: ``tcv<plan>``, ``tcvh<plan>`` (fp16).
 """
 
 from __future__ import annotations
@@ -42,23 +43,24 @@ PLANS: dict[str, tuple[tuple[float, int], ...]] = {
     "5554": ((0.75, 5), (0.25, 4)),
     "54": ((0.5, 5), (0.5, 4)),
 }
-FORMATS = ("tc", "tcd", "tcv", "tcw", "tch", "tcvh")  # "h": fp16 group scales (``alloc_fake``)
-# tcw<NNN>: bits per (layer, kv head) from its own sigma (``water_fill``), NNN / 100 a coordinate
+K_KINDS = ("tc", "tcd", "tcw", "tch")  # "h": fp16 group scales and a zero-point byte
+V_KINDS = ("tcv", "tcvh")
 # relative squared error of a rotated group at b bits per coordinate, b = 0..8 (0: dropped)
 REL_ERR = (1.0, 0.45, 0.14, 0.04, 0.0105, 0.0027, 0.0007, 0.00018, 0.000045)
 BLOCK = 8  # tcw spends bits on blocks of this many sorted coordinates
-# tcw's plans per (layer, mean bits x 100): one per kv head, as PLANS' tuples; ``calibrate``
+# tcw's plans per (layer, mean bits x 100): one per kv head, as PLANS' tuples
 WATER: dict[tuple[int, int], list[tuple[tuple[float, int], ...]]] = {}
-
-# basis per (format kind, layer): (T [KH, D, D], T^-1 [KH, D, D]) fp32; filled by ``calibrate``
+# basis per (kind without "h" / "w", layer): (T [KH, D, D], T^-1 [KH, D, D]) fp32
 BASES: dict[tuple[str, int], tuple[torch.Tensor, torch.Tensor]] = {}
+# (both filled by ``kv_format_study.transform_bases`` from the calibration split)
 
 
 def split_format(fmt: str) -> tuple[str, str] | None:
-    """("tc" / "tcd" / "tcv", plan name) of a transform-coding format name, else None."""
+    """(kind of ``K_KINDS`` / ``V_KINDS``, plan name) of a transform-coding format name, else
+    None."""
     if fmt.startswith("tcw") and fmt[3:].isdigit() and len(fmt) == 6:
         return "tcw", fmt[3:]
-    for kind in sorted(FORMATS, key=len, reverse=True):
+    for kind in sorted(K_KINDS + V_KINDS, key=len, reverse=True):
         if fmt.startswith(kind) and fmt[len(kind) :] in PLANS:
             return kind, fmt[len(kind) :]
     return None
@@ -128,15 +130,20 @@ def alloc_fake(x: torch.Tensor, fmt: str, layer: int, uniform_fake) -> torch.Ten
     y = torch.einsum("hde,the->thd", t, x.float())
     out = torch.zeros_like(y)
     d = y.shape[-1]
-    plans = WATER[(layer, int(plan))] if kind == "tcw" else [PLANS[plan]] * y.shape[1]
-    for h, groups in enumerate(plans):
+    # (kv heads, plan): tcw's differ per head, a named plan serves every head in one pass
+    if kind == "tcw":
+        plans = list(enumerate(WATER[(layer, int(plan))]))
+    else:
+        plans = [(slice(None), PLANS[plan])]
+    for heads, groups in plans:
         start = 0
         for frac, bits in groups:
             n = round(d * frac)
             if bits:
-                g = quant.rotate(y[:, h, start : start + n])
-                y_hat = uniform_fake(g, 2**bits - 1, half) if half else uniform_fake(g, 2**bits - 1)
-                out[:, h, start : start + n] = quant.unrotate(y_hat)
+                g = quant.rotate(y[:, heads, start : start + n])
+                out[:, heads, start : start + n] = quant.unrotate(
+                    uniform_fake(g, 2**bits - 1, half)
+                )
             start += n
         if start != d:
             raise ValueError(f"plan {groups!r} covers {start} of {d} channels")

@@ -4,9 +4,18 @@ Lloyd-Max formats land on their levels, and K centred on a zero mean is the mode
 from __future__ import annotations
 
 import kv_format_study as kfs
+import pytest
 import torch
 
 from torch_kvq.attention import quant
+
+
+@pytest.fixture(autouse=True)
+def _calibration_cleared():
+    """The study's calibration tables (module globals a test fills) empty again after it."""
+    yield
+    for table in (kfs.MU, kfs.S, kfs.SV, kfs.MUV):
+        table.clear()
 
 
 def _rows() -> torch.Tensor:
@@ -36,16 +45,12 @@ def test_centred_keys_with_a_zero_mean_are_the_mode() -> None:
     kfs.MU[0] = torch.zeros(2, 64)
     kfs.MU[1] = torch.full((2, 64), 5.0)
     kfs.S[0] = kfs.S[1] = torch.rand(2, 64) + 0.5  # int4c is int4s at alpha 0: s ignored
-    try:
-        assert torch.equal(kfs.fake_quant(x, "int4c:0"), kfs.fake_quant(x, "int4"))
-        shifted = kfs.fake_quant(x + 5.0, "int4c:1")
-        assert torch.allclose(shifted - 5.0, kfs.fake_quant(x, "int4"), atol=1e-5)
-        assert kfs.layer_formats("rec:int4c/int4", 3) == [
-            ("int4c:0", "int4"), ("int8", "int4"), ("int4c:2", "int4"),
-        ]  # fmt: skip
-    finally:
-        kfs.MU.clear()
-        kfs.S.clear()
+    assert torch.equal(kfs.fake_quant(x, "int4c:0"), kfs.fake_quant(x, "int4"))
+    shifted = kfs.fake_quant(x + 5.0, "int4c:1")
+    assert torch.allclose(shifted - 5.0, kfs.fake_quant(x, "int4"), atol=1e-5)
+    assert kfs.layer_formats("rec:int4c/int4", 3) == [
+        ("int4c:0", "int4"), ("int8", "int4"), ("int4c:2", "int4"),
+    ]  # fmt: skip
 
 
 def test_keys_per_channel_follow_each_channels_range() -> None:
@@ -65,19 +70,15 @@ def test_scaled_keys_with_unit_scales_are_the_mode_and_lower_score_error() -> No
     kfs.S[0] = torch.ones(2, 64)
     kfs.S[1] = torch.linspace(0.1, 3.0, 64).sqrt().expand(2, 64)  # sqrt(rms(k_c) / rms(q_c))
     kfs.MU[0] = kfs.MU[1] = torch.zeros(2, 64)
-    try:
-        assert torch.equal(kfs.fake_quant(x, "int4s0:0"), kfs.fake_quant(x, "int4"))
-        assert torch.equal(kfs.fake_quant(x, "int4s:0"), kfs.fake_quant(x, "int4"))
-        q = torch.randn(256, 2, 64, generator=torch.Generator().manual_seed(2))
-        err = {
-            f: torch.einsum("qhd,khd->hqk", q, kfs.fake_quant(x, f) - x).square().mean()
-            for f in ("int4", "int4s0:1")
-        }
-        assert err["int4s0:1"] < 0.8 * err["int4"]
-        assert kfs.layer_formats("rec:int4s/int4", 2) == [("int4s:0", "int4"), ("int8", "int4")]
-    finally:
-        kfs.S.clear()
-        kfs.MU.clear()
+    assert torch.equal(kfs.fake_quant(x, "int4s0:0"), kfs.fake_quant(x, "int4"))
+    assert torch.equal(kfs.fake_quant(x, "int4s:0"), kfs.fake_quant(x, "int4"))
+    q = torch.randn(256, 2, 64, generator=torch.Generator().manual_seed(2))
+    err = {
+        f: torch.einsum("qhd,khd->hqk", q, kfs.fake_quant(x, f) - x).square().mean()
+        for f in ("int4", "int4s0:1")
+    }
+    assert err["int4s0:1"] < 0.8 * err["int4"]
+    assert kfs.layer_formats("rec:int4s/int4", 2) == [("int4s:0", "int4"), ("int8", "int4")]
 
 
 def test_scale_variants_derive_from_the_balanced_scale() -> None:
@@ -88,32 +89,29 @@ def test_scale_variants_derive_from_the_balanced_scale() -> None:
     s = s / s.log().mean(-1, keepdim=True).exp()  # geometric mean 1 per kv head, as calibrated
     kfs.S[0] = s
     x = _rows()
-    try:
-        assert torch.equal(kfs.smooth_scale(s, 0.0), torch.ones(2, 64))
-        assert torch.equal(kfs.fake_quant(x, "int4s0a00:0"), kfs.fake_quant(x, "int4"))
-        assert torch.equal(kfs.fake_quant(x, "int4s0a50:0"), kfs.fake_quant(x, "int4s0:0"))
-        a35 = kfs.smooth_scale(s, 0.35)
-        assert torch.allclose(a35.log(), 0.7 * s.log(), atol=1e-5)
-        tied = kfs.smooth_scale(s, 0.5, pairs=True)
-        assert torch.equal(tied[:, :32], tied[:, 32:])
-        assert torch.allclose(tied[:, :32], (s[:, :32] * s[:, 32:]).sqrt(), atol=1e-6)
-        for v in (a35, tied):
-            assert torch.allclose(v.log().mean(-1), torch.zeros(2), atol=1e-5)
+    assert torch.equal(kfs.smooth_scale(s, 0.0), torch.ones(2, 64))
+    assert torch.equal(kfs.fake_quant(x, "int4s0a00:0"), kfs.fake_quant(x, "int4"))
+    assert torch.equal(kfs.fake_quant(x, "int4s0a50:0"), kfs.fake_quant(x, "int4s0:0"))
+    a35 = kfs.smooth_scale(s, 0.35)
+    assert torch.allclose(a35.log(), 0.7 * s.log(), atol=1e-5)
+    tied = kfs.smooth_scale(s, 0.5, pairs=True)
+    assert torch.equal(tied[:, :32], tied[:, 32:])
+    assert torch.allclose(tied[:, :32], (s[:, :32] * s[:, 32:]).sqrt(), atol=1e-6)
+    for v in (a35, tied):
+        assert torch.allclose(v.log().mean(-1), torch.zeros(2), atol=1e-5)
 
-        def rope(t: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:  # transformers' rotate_half
-            inv = 10000.0 ** (-torch.arange(32) / 32)
-            ang = torch.cat([pos[:, None] * inv] * 2, -1)[:, None, :]  # [T, 1, D]
-            return t * ang.cos() + torch.cat([-t[..., 32:], t[..., :32]], -1) * ang.sin()
+    def rope(t: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:  # transformers' rotate_half
+        inv = 10000.0 ** (-torch.arange(32) / 32)
+        ang = torch.cat([pos[:, None] * inv] * 2, -1)[:, None, :]  # [T, 1, D]
+        return t * ang.cos() + torch.cat([-t[..., 32:], t[..., :32]], -1) * ang.sin()
 
-        pos = torch.arange(64.0)
-        assert torch.allclose(rope(x / tied, pos), rope(x, pos) / tied, atol=1e-5)
-        assert not torch.allclose(rope(x / s, pos), rope(x, pos) / s, atol=1e-2)
-        want = kfs.scaled_int4(x, 0, centre=False, alpha=0.5, pairs=True)
-        assert torch.equal(kfs.fake_quant(x, "int4s0p:0"), want)
-        named = ("int4s0a35", "int4sp", "int4s0a65p", "int4", "nf4", "int4s0a5")
-        assert [kfs.per_layer_k(f) for f in named] == [True, True, True, False, False, False]
-    finally:
-        kfs.S.clear()
+    pos = torch.arange(64.0)
+    assert torch.allclose(rope(x / tied, pos), rope(x, pos) / tied, atol=1e-5)
+    assert not torch.allclose(rope(x / s, pos), rope(x, pos) / s, atol=1e-2)
+    want = kfs.scaled_int4(x, 0, centre=False, alpha=0.5, pairs=True)
+    assert torch.equal(kfs.fake_quant(x, "int4s0p:0"), want)
+    named = ("int4s0a35", "int4sp", "int4s0a65p", "int4", "nf4", "int4s0a5")
+    assert [kfs.per_layer_k(f) for f in named] == [True, True, True, False, False, False]
 
 
 def test_full_prefix_leaves_sliding_layers_in_the_model_dtype() -> None:
@@ -138,18 +136,14 @@ def test_five_bit_scaled_keys_err_less_than_four_bit_ones() -> None:
     kfs.S[0] = torch.ones(2, 64)
     kfs.S[1] = torch.linspace(0.1, 3.0, 64).sqrt().expand(2, 64)
     kfs.MU[0] = kfs.MU[1] = torch.zeros(2, 64)
-    try:
-        assert torch.equal(kfs.fake_quant(x, "u5s0:0"), kfs.fake_quant(x, "u5"))
-        err = {f: (kfs.fake_quant(x, f) - x).square().mean() for f in ("int4s0:1", "u5s0:1")}
-        assert 2.5 * err["u5s0:1"] < err["int4s0:1"] < 6 * err["u5s0:1"]
-        assert torch.equal(kfs.fake_quant(x, "u5s:1"), kfs.fake_quant(x, "u5s0:1"))  # mu = 0
-        assert [kfs.per_layer_k(f) for f in ("u5s", "u5s0", "u5")] == [True, True, False]
-        assert kfs.layer_formats("rec5:int4s/int4", 3, rec_layers=(1,)) == [
-            ("int4s:0", "int4"), ("u5s0:1", "int4"), ("int4s:2", "int4"),
-        ]  # fmt: skip
-    finally:
-        kfs.S.clear()
-        kfs.MU.clear()
+    assert torch.equal(kfs.fake_quant(x, "u5s0:0"), kfs.fake_quant(x, "u5"))
+    err = {f: (kfs.fake_quant(x, f) - x).square().mean() for f in ("int4s0:1", "u5s0:1")}
+    assert 2.5 * err["u5s0:1"] < err["int4s0:1"] < 6 * err["u5s0:1"]
+    assert torch.equal(kfs.fake_quant(x, "u5s:1"), kfs.fake_quant(x, "u5s0:1"))  # mu = 0
+    assert [kfs.per_layer_k(f) for f in ("u5s", "u5s0", "u5")] == [True, True, False]
+    assert kfs.layer_formats("rec5:int4s/int4", 3, rec_layers=(1,)) == [
+        ("int4s:0", "int4"), ("u5s0:1", "int4"), ("int4s:2", "int4"),
+    ]  # fmt: skip
 
 
 def test_full_transform_of_diagonal_moments_is_the_channel_scale() -> None:
@@ -179,11 +173,7 @@ def test_scaled_values_with_unit_scales_are_the_mode() -> None:
     x = _rows()
     kfs.SV[0] = torch.ones(2, 64)
     kfs.MUV[0] = torch.full((2, 64), 5.0)
-    try:
-        assert torch.equal(kfs.fake_quant(x, "int4vs0:0"), kfs.fake_quant(x, "int4"))
-        shifted = kfs.fake_quant(x + 5.0, "int4vs:0")
-        assert torch.allclose(shifted - 5.0, kfs.fake_quant(x, "int4"), atol=1e-5)
-        assert kfs.layer_formats("int8/int4vs", 2) == [("int8", "int4vs:0"), ("int8", "int4vs:1")]
-    finally:
-        kfs.SV.clear()
-        kfs.MUV.clear()
+    assert torch.equal(kfs.fake_quant(x, "int4vs0:0"), kfs.fake_quant(x, "int4"))
+    shifted = kfs.fake_quant(x + 5.0, "int4vs:0")
+    assert torch.allclose(shifted - 5.0, kfs.fake_quant(x, "int4"), atol=1e-5)
+    assert kfs.layer_formats("int8/int4vs", 2) == [("int8", "int4vs:0"), ("int8", "int4vs:1")]

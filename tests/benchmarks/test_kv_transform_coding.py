@@ -12,6 +12,13 @@ import torch
 from torch_kvq.attention import quant
 
 
+@pytest.fixture(autouse=True)
+def _bases_cleared():
+    """``tc.BASES`` (a module global a test fills) empty again after it."""
+    yield
+    tc.BASES.clear()
+
+
 def _keys(n: int = 512) -> tuple[torch.Tensor, torch.Tensor]:
     """(q [n, 2, 64], k [n, 2, 64]): channels of very unequal size, correlated by a mixing."""
     g = torch.Generator().manual_seed(3)
@@ -43,13 +50,10 @@ def test_one_group_in_the_identity_basis_is_the_rotated_uniform_math() -> None:
     _, k = _keys(64)
     eye = torch.eye(64).expand(2, 64, 64).contiguous()
     tc.BASES[("tc", 0)] = (eye, eye)
-    try:
-        got = tc.alloc_fake(k, "tc4", 0, kfs.uniform_fake)
-        want = quant.unrotate(kfs.uniform_fake(quant.rotate(k), 15))
-        assert torch.equal(got, want)
-        assert kfs.fake_quant(k, "tc4:0").equal(want)
-    finally:
-        tc.BASES.clear()
+    got = tc.alloc_fake(k, "tc4", 0, kfs.uniform_fake)
+    want = quant.unrotate(kfs.uniform_fake(quant.rotate(k), 15))
+    assert torch.equal(got, want)
+    assert kfs.fake_quant(k, "tc4:0").equal(want)
 
 
 def test_bits_by_sigma_lower_the_score_error_at_the_same_bytes() -> None:
@@ -57,15 +61,12 @@ def test_bits_by_sigma_lower_the_score_error_at_the_same_bytes() -> None:
     ck, cq = _moments(k), _moments(q)
     t, t_inv, _ = tc.sorted_basis(*kfs.k_transform(ck, cq), ck)
     tc.BASES[("tc", 0)] = (t, t_inv)
-    try:
-        err = {}
-        for fmt in ("tc4", "tc643"):
-            kq = tc.alloc_fake(k, fmt, 0, kfs.uniform_fake)
-            err[fmt] = (torch.einsum("thd,thd->th", q, kq - k)).square().mean()
-        assert tc.plan_bytes("643", 64) == tc.plan_bytes("4", 64) == 32
-        assert err["tc643"] < err["tc4"] / 2
-    finally:
-        tc.BASES.clear()
+    err = {}
+    for fmt in ("tc4", "tc643"):
+        kq = tc.alloc_fake(k, fmt, 0, kfs.uniform_fake)
+        err[fmt] = (torch.einsum("thd,thd->th", q, kq - k)).square().mean()
+    assert tc.plan_bytes("643", 64) == tc.plan_bytes("4", 64) == 32
+    assert err["tc643"] < err["tc4"] / 2
 
 
 def test_diagonal_basis_sorts_scaled_channels() -> None:
