@@ -5,7 +5,7 @@ Chooses ``kernels/kv_write_per_token_head.WRITE_ROW_ELEMENTS`` / ``WRITE_WARPS``
 
     python benchmarks/sweep_kv_write_launch.py     # prints one line per (shape, tokens, mode, launch)
     python benchmarks/sweep_kv_write_launch.py --int4   # the int4 write at decode sizes: its
-        # rows-first clip ratios in turn (one warp) against side by side (1, 2, 4 warps)
+        # rows-first program (clip ratios side by side) on 1, 2 and 4 warps
 """
 
 from __future__ import annotations
@@ -21,22 +21,23 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 
 def int4_rows_first() -> None:
-    """``kernels/kv_write_int4``'s ``INT4_RATIOS_AT_ONCE`` / ``INT4_ROWS_FIRST_WARPS`` at a
-    decode step's token counts (all ``ROWS_FIRST`` on an H200), one line per launch."""
+    """``kernels/kv_write_int4.rows_first_warps`` at a decode step's token counts (all
+    ``ROWS_FIRST`` on an H200), one line per launch."""
     from bench_kv_write import SHAPES, graph_ms, make_write
 
     from torch_kvq.attention.kernels import kv_write_int4
 
+    default = kv_write_int4.rows_first_warps
     for shape in ("llama", "gemma_global"):
         kh, d = SHAPES[shape]
         for tokens in (8, 32, 64):
             w = make_write("int4_per_token_head", kh, d, tokens, "cuda", "tokens")
-            for at_once, warps in ((False, 1), (True, 1), (True, 2), (True, 4)):
-                kv_write_int4.INT4_RATIOS_AT_ONCE = at_once
-                kv_write_int4.INT4_ROWS_FIRST_WARPS = warps
+            for warps in (1, 2, 4):
+                kv_write_int4.rows_first_warps = lambda _d, n=warps: n
                 us = 1e3 * statistics.median(graph_ms(w.call, 4, 5))
-                how = f"side by side, {warps} warps" if at_once else "in turn, 1 warp"
-                print(f"{shape} {tokens} tokens int4, ratios {how}: {us:.2f} us", flush=True)
+                mark = " (default)" if warps == default(d) else ""
+                print(f"{shape} {tokens} tokens int4, {warps} warps: {us:.2f} us{mark}", flush=True)
+            kv_write_int4.rows_first_warps = default
             del w
             torch.cuda.empty_cache()
 

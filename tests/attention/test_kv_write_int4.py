@@ -165,13 +165,11 @@ INTERPRETER_CASES = [
 ]
 
 
-@pytest.fixture(params=["channels_first", "rows_first", "rows_first_in_turn"])
+@pytest.fixture(params=["channels_first", "rows_first"])
 def variant(request, monkeypatch) -> str:
-    """Either tile of the program, whatever the batch size would pick (``ROWS_FIRST``), and the
-    rows-first tile with its clip ratios side by side or in turn (the default)."""
+    """Either tile of the program, whatever the batch size would pick (``ROWS_FIRST``)."""
     below = 0 if request.param == "channels_first" else 1 << 30
     monkeypatch.setattr(kv_write_int4, "INT4_ROWS_FIRST_BELOW", below)
-    monkeypatch.setattr(kv_write_int4, "INT4_RATIOS_AT_ONCE", request.param == "rows_first")
     return request.param
 
 

@@ -38,15 +38,16 @@ from torch_kvq.attention.triton.decode_config import sm_count
 # without shuffles, and the per-row scale math once per row)
 INT4_WARPS = 1
 INT4_ROWS = 32 * INT4_WARPS
-# fewer rows than this per SM: one row per program, its channels across one warp's lanes
+# fewer rows than this per SM: one row per program, its channels across the lanes
 # (``ROWS_FIRST``), so that a decode step's few tokens spread over the SMs
 INT4_ROWS_FIRST_BELOW = 32
-# ``ROWS_FIRST``'s clip ratios in turn (``_int4_rows``, one warp: the default, the one timed so
-# far) or side by side (``_int4_row``, on ``INT4_ROWS_FIRST_WARPS`` warps); both write the same
-# bytes. Which is faster is for benchmarks/sweep_kv_write_launch.py --int4 on a GPU (not run
-# yet: docs/design/int4-branch.md); the slower one goes then
-INT4_RATIOS_AT_ONCE = False
-INT4_ROWS_FIRST_WARPS = 4
+
+
+def rows_first_warps(block_d: int) -> int:
+    """Warps of a ``ROWS_FIRST`` program (one row, its clip ratios side by side: ``_int4_row``):
+    one for rows of up to 128 channels, two above, as timed fastest on an H200
+    (``benchmarks/sweep_kv_write_launch.py --int4``; numbers in docs/performance.md)."""
+    return 1 if block_d <= 128 else 2
 
 
 @functools.cache
@@ -113,7 +114,6 @@ def launch_int4_write(
     n_rows = t * kh
     sms = sm_count(kv_cache.device)
     rows_first = n_rows < INT4_ROWS_FIRST_BELOW * sms
-    at_once = rows_first and INT4_RATIOS_AT_ONCE
     block_r = 1 if rows_first else INT4_ROWS  # a power of two
     return program[(-(-n_rows // block_r), sides)](
         k, v, kv_cache, kv_scale, slot_mapping, rotation_signs(d, kv_cache.device),
@@ -122,7 +122,7 @@ def launch_int4_write(
         KH=kh, D=d, BLOCK_R=block_r, BLOCK_D=block_d, LOG2B=b.bit_length() - 1,
         RSQRT_B=f32(b**-0.5), RCP15=f32(1.0 / INT4_LEVELS), FLOOR=f32(SCALE_FLOOR),
         NUM_RATIOS=len(INT4_CLIP_RATIOS), ROWS_FIRST=rows_first, V_SIDE=0 if v_only else 1,
-        RATIOS_PAD=next_pow2(len(INT4_CLIP_RATIOS)), AT_ONCE=at_once,
-        num_warps=INT4_ROWS_FIRST_WARPS if at_once else INT4_WARPS,
+        RATIOS_PAD=next_pow2(len(INT4_CLIP_RATIOS)),
+        num_warps=rows_first_warps(block_d) if rows_first else INT4_WARPS,
         enable_fp_fusion=False,
     )  # fmt: skip

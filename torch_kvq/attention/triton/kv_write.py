@@ -301,10 +301,11 @@ def kv_write_int4_kernel(
     KH: tl.constexpr, D: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr,
     LOG2B: tl.constexpr, RSQRT_B: tl.constexpr, RCP15: tl.constexpr, FLOOR: tl.constexpr,
     NUM_RATIOS: tl.constexpr, ROWS_FIRST: tl.constexpr, V_SIDE: tl.constexpr,
-    RATIOS_PAD: tl.constexpr, AT_ONCE: tl.constexpr,
+    RATIOS_PAD: tl.constexpr,
 ):  # fmt: skip
     """Rows ``[BLOCK_R * program_id(0), ...)`` of the ``n_rows`` = T * KH (token, kv head) rows
-    of k (``program_id(1)`` 0) or of v (1), each quantized by ``_int4_rows``: packed codes into
+    of k (``program_id(1)`` 0) or of v (1), each quantized by ``_int4_rows`` (``_int4_row``
+    when ``ROWS_FIRST``): packed codes into
     ``cache[page, 0 / 1, offset, head]`` (D / 2 bytes), stored scales into ``scale[page, 0 / 1,
     head, offset]``; side ``V_SIDE``'s codes (v's) at their own positions (``helpers.v_offsets``).
     ``sign_ptr``: the rotation's signs [D] fp32; ``ratio_ptr``: the clip ratios [NUM_RATIOS]
@@ -320,8 +321,8 @@ def kv_write_int4_kernel(
     every SM a program that way, a decode step's): the tile is loaded rows first, one row's
     channels across the lanes, and transposed: more instructions per value, many more programs
     at once, so a few tokens are written in a few microseconds rather than one thread's whole
-    serial row of work. ``AT_ONCE`` (``ROWS_FIRST`` only): the clip ratios side by side
-    (``_int4_row``, a tile RATIOS_PAD = NUM_RATIOS to a power of two wide), not in turn."""
+    serial row of work; its clip ratios side by side (``_int4_row``, a tile RATIOS_PAD =
+    NUM_RATIOS to a power of two wide), not in turn: a decode step's write is latency-bound."""
     row = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
     kv = tl.program_id(1)
     row_ok = row < n_rows
@@ -345,7 +346,7 @@ def kv_write_int4_kernel(
     else:
         x = tl.load(src[None, :] + d[:, None] * sd, mask=(d[:, None] < D) & row_ok[None, :],
                     other=0.0)  # fmt: skip
-    if AT_ONCE:
+    if ROWS_FIRST:
         codes, stored = _int4_row(x, signs, ratio_ptr, BLOCK_D, LOG2B, RSQRT_B, RCP15, FLOOR,
                                   NUM_RATIOS, RATIOS_PAD)  # fmt: skip
     else:
