@@ -84,6 +84,31 @@ def test_gemma3_shaped_on_flashinfer_compiled_equals_eager() -> None:
 GPU_MAP_MODES = ["int4_per_token_head", "k8v4_per_token_head"]
 
 
+def _differences(want, got, lms) -> list[str]:
+    """Where two runs of two model copies part, prefill first (no CUDA graph touches it): per
+    prompt the first prompt position whose logits differ, every layer whose cache bytes or
+    scales differ, every decode step whose logits differ; empty when they are equal bit for bit.
+    The GPU suite has seen the prefill part in the last bits (docs/design/int4-branch.md), so a
+    failure says where."""
+    out = []
+    for i, (a, b) in enumerate(zip(want.prefill_logits, got.prefill_logits)):
+        rows = (a != b).any(-1).nonzero()
+        if len(rows):
+            gap = (a.float() - b.float()).abs().max().item()
+            out.append(
+                f"prompt {i} prefill logits from position {int(rows[0])} of {len(a)} (max {gap:.3g})"
+            )
+    for a, b in zip(*(lm.attention_layers for lm in lms)):
+        if not torch.equal(b.kv_cache.view(torch.uint8), a.kv_cache.view(torch.uint8)):
+            out.append(f"{b.spec.name} cache bytes")
+        if a.kv_scale is not None and not torch.equal(b.kv_scale, a.kv_scale):
+            out.append(f"{b.spec.name} cache scales")
+    steps = (want.logits != got.logits).flatten(2).any(-1).any(0).nonzero().flatten().tolist()
+    if steps:
+        out.append(f"logits of steps {steps} (0: the prefill's last position)")
+    return out
+
+
 @pytest.mark.parametrize(
     "mode, channels", [(m, False) for m in GPU_MAP_MODES] + [("int4_per_token_head", True)]
 )
@@ -97,10 +122,10 @@ def test_gemma3_shaped_per_token_head_map_replays_in_cuda_graphs(mode: str, chan
     exactly the quantized layers. Both copies compile from the same Dynamo state (reset first,
     static shapes): otherwise the first copy's prefill compiles for static shapes and the
     second's, after the first's decode marked the batch dims dynamic, for dynamic ones (other
-    generated code; what the process compiled before changes it again). In the GPU suite of
-    2026-12-03 the copies' prefill logits differed in the last bits; that did not reproduce
-    outside the full suite, so whether this was its cause is not known
-    (docs/design/int4-branch.md)."""
+    generated code; what the process compiled before changes it again). In the GPU suites of
+    2026-12-03 and 2026-12-05 (k8v4) the copies' prefill logits differed in the last bits; that
+    did not reproduce outside the full suite, so its cause is not known
+    (docs/design/int4-branch.md); ``_differences`` says where a failure parts."""
     import copy
 
     from torch_kvq.attention.graph_runner import DecodeGraphRunner
@@ -138,12 +163,8 @@ def test_gemma3_shaped_per_token_head_map_replays_in_cuda_graphs(mode: str, chan
             assert runner.captured_sizes == ((4,) if capture else ())
         lms.append(lm)
     uncaptured, graphed = runs
+    assert not (where := _differences(uncaptured, graphed, lms)), where
     assert graphed.tokens == uncaptured.tokens
-    assert torch.equal(graphed.logits, uncaptured.logits)
-    assert all(map(torch.equal, graphed.prefill_logits, uncaptured.prefill_logits))
-    for a, b in zip(*(lm.attention_layers for lm in lms)):
-        assert torch.equal(b.kv_cache.view(torch.uint8), a.kv_cache.view(torch.uint8)), b.spec.name
-        assert a.kv_scale is None or torch.equal(b.kv_scale, a.kv_scale), b.spec.name
     quantized = {s.name for lm in lms for s in lm.kv_specs if s.is_quantized}
     assert backend.managers
     for manager in backend.managers:
