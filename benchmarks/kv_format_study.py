@@ -76,7 +76,9 @@ without sliding layers: the same as "K/V"); "rec:K/V", the preset's map: K as in
 measured layers for the model (SmolLM2 1, 3, 4, 6, 12, 13, 16, 22; Gemma-3 5, 11, 17) and as K on
 the other full-attention layers, V on every full-attention layer, sliding layers "none" (e.g.
 "rec:int4s/int4"; Gemma-3's "rec:int4/int4" is "full:int8/int4"); "rec5:K/V" the same map with
-5-bit scaled K (u5s0) where "rec:" has int8.
+5-bit scaled K (u5s0) where "rec:" has int8. A leading "sinkN:" keeps each sequence's first N
+positions (the attention sinks) in the model dtype, "midN:" positions 16 .. 16 + N - 1 (the
+control), e.g. "sink4:int4/int4"; "ksinkN:" / "vsinkN:" k or v alone.
 """
 
 from __future__ import annotations
@@ -416,6 +418,39 @@ def per_channel(x: torch.Tensor, group: int, rot: bool) -> torch.Tensor:
     return (quant.unrotate(out) if rot else out).to(x.dtype)
 
 
+EXACT = re.compile(r"(?P<side>[kv]?)(?P<where>sink|mid)(?P<n>\d+):")
+
+
+def exact_positions(config: str) -> tuple[tuple[int, int, str] | None, str]:
+    """A leading "sinkN:" (positions 0 .. N-1 of every sequence, the attention sinks, kept in the
+    model dtype: a cache would hold them apart, N tokens a sequence) or "midN:" (positions 16 ..
+    16 + N - 1, the control: as many exact tokens where no sink is), "k" or "v" before it for k
+    or v alone ("ksink1:") -> ((first, end, "kv" | "k" | "v"), the rest of the config); (None,
+    config) without one."""
+    if (m := EXACT.match(config)) is None:
+        return None, config
+    first = 0 if m["where"] == "sink" else 16
+    return (first, first + int(m["n"]), m["side"] or "kv"), config[m.end() :]
+
+
+def cache_pre_hook(fmts: tuple[str, str], exact: tuple[int, int, str] | None = None):
+    """A forward pre-hook for an ``Attention`` layer: its k and v through the formats ``fmts``
+    (K, V) and back, but the rows at positions in [exact[0], exact[1]) of the sides exact[2]
+    ("kv", "k" or "v") as they came."""
+    from torch_kvq.attention.context import get_forward_context
+
+    def hook(mod, a, kw):
+        k, v = fake_quant(a[1], fmts[0]), fake_quant(a[2], fmts[1])
+        if exact is not None:
+            pos = get_forward_context().metadata_for(mod.spec).positions
+            keep = ((pos >= exact[0]) & (pos < exact[1]))[:, None, None]
+            k = torch.where(keep, a[1], k) if "k" in exact[2] else k
+            v = torch.where(keep, a[2], v) if "v" in exact[2] else v
+        return (a[0], k, v, *a[3:]), kw
+
+    return hook
+
+
 def parse_config(config: str) -> tuple[set[str], str, str]:
     """("full:" / "rec:" / "rec5:" / "rectc:" prefixes, K, V) of a config such as
     "full:int4s0/int4"."""
@@ -598,12 +633,12 @@ def main() -> None:
     layers = lm.attention_layers
     sliding = frozenset(i for i, m in enumerate(layers) if m.spec.sliding_window is not None)
     rec_layers = PRESETS["int4-recommended"].measured.get(args.model)
-    if rec_layers is None and any("rec" in parse_config(c)[0] for c in args.configs):
+    bare = [parse_config(exact_positions(c)[1]) for c in args.configs]
+    if rec_layers is None and any("rec" in b[0] for b in bare):
         raise SystemExit(f"rec: the int4-recommended preset has no layers for {args.model!r}")
     print(f"{len(layers)} layers; sliding-window layers {sorted(sliding)}", flush=True)
     spread = None
-    if any(per_layer_k(parse_config(c)[1]) or per_layer_v(parse_config(c)[2])
-           or "rectc" in parse_config(c)[0] for c in args.configs):  # fmt: skip
+    if any(per_layer_k(k) or per_layer_v(v) or "rectc" in pre for pre, k, v in bare):
         spread = calibrate_k(lm, tok, layers)
     out = dict(
         model=args.model,
@@ -701,15 +736,11 @@ def main() -> None:
     out["reference"] = dict(ppl=ref_ppl, tokens=ref.tokens)
 
     for config in args.configs:
-        fmts = layer_formats(config, len(layers), sliding, rec_layers or REC_LAYERS)
-
-        def hook(mod, a, kw, f):
-            return (a[0], fake_quant(a[1], f[0]), fake_quant(a[2], f[1]), *a[3:]), kw
+        exact, rest = exact_positions(config)
+        fmts = layer_formats(rest, len(layers), sliding, rec_layers or REC_LAYERS)
 
         hs = [
-            m.register_forward_pre_hook(
-                lambda mod, a, kw, f=f: hook(mod, a, kw, f), with_kwargs=True
-            )
+            m.register_forward_pre_hook(cache_pre_hook(f, exact), with_kwargs=True)
             for m, f in zip(layers, fmts)
         ]
         t0 = time.perf_counter()

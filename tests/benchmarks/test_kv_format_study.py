@@ -177,3 +177,46 @@ def test_scaled_values_with_unit_scales_are_the_mode() -> None:
     shifted = kfs.fake_quant(x + 5.0, "int4vs:0")
     assert torch.allclose(shifted - 5.0, kfs.fake_quant(x, "int4"), atol=1e-5)
     assert kfs.layer_formats("int8/int4vs", 2) == [("int8", "int4vs:0"), ("int8", "int4vs:1")]
+
+
+def test_exact_positions_parse_sink_and_control_prefixes() -> None:
+    assert kfs.exact_positions("sink4:int4/int4") == ((0, 4, "kv"), "int4/int4")
+    assert kfs.exact_positions("mid2:rec:int4s/int4") == ((16, 18, "kv"), "rec:int4s/int4")
+    assert kfs.exact_positions("vsink1:int4/int4") == ((0, 1, "v"), "int4/int4")
+    assert kfs.exact_positions("full:int4/int4") == (None, "full:int4/int4")
+
+
+def test_cache_pre_hook_keeps_the_exact_positions_as_they_came() -> None:
+    """On a real model's forward: rows at the kept positions reach the layer unchanged, every
+    other row as the format's round trip."""
+    from torch_kvq import KVCacheConfig
+    from torch_kvq.models import build_model, generate
+
+    lm = build_model("llama-tiny", KVCacheConfig(), num_pages=8, dtype=torch.float32)
+    seen = []
+
+    def before(mod, a, kw):
+        from torch_kvq.attention.context import get_forward_context
+
+        pos = get_forward_context().metadata_for(mod.spec).positions
+        seen.append([a[1].clone(), pos.clone()])
+
+    def after(mod, a, kw):
+        seen[-1].append(a[1].clone())
+
+    layer = lm.attention_layers[0]
+    hs = [layer.register_forward_pre_hook(before, with_kwargs=True),
+          layer.register_forward_pre_hook(kfs.cache_pre_hook(("int4", "int4"), (0, 2, "kv")), with_kwargs=True),
+          layer.register_forward_pre_hook(after, with_kwargs=True)]  # fmt: skip
+    try:
+        generate(lm, [list(range(3, 10)), list(range(5, 9))], 2)
+    finally:
+        for h in hs:
+            h.remove()
+    assert len(seen) == 2  # the prefill and one decode step
+    k, pos, got = seen[0]
+    keep = pos < 2
+    assert keep.sum() == 4 and not keep.all()
+    assert torch.equal(got[keep], k[keep])
+    assert torch.equal(got[~keep], kfs.fake_quant(k, "int4")[~keep])
+    assert not torch.equal(got[~keep], k[~keep])
