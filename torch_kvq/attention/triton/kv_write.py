@@ -305,11 +305,11 @@ def kv_write_int4_kernel(
 ):  # fmt: skip
     """Rows ``[BLOCK_R * program_id(0), ...)`` of the ``n_rows`` = T * KH (token, kv head) rows
     of k (``program_id(1)`` 0) or of v (1), each quantized by ``_int4_rows`` (``_int4_row``
-    when ``ROWS_FIRST``): packed codes into
-    ``cache[page, 0 / 1, offset, head]`` (D / 2 bytes), stored scales into ``scale[page, 0 / 1,
-    head, offset]``; side ``V_SIDE``'s codes (v's) at their own positions (``helpers.v_offsets``).
-    ``sign_ptr``: the rotation's signs [D] fp32; ``ratio_ptr``: the clip ratios [NUM_RATIOS]
-    fp32. Any strides (``*_s*``: token / page, k-or-v, slot, head, dim).
+    when ``ROWS_FIRST``): packed codes into ``cache[page, 0 / 1, offset, head]`` (D / 2 bytes),
+    stored scales into ``scale[page, 0 / 1, head, offset]``; side ``V_SIDE``'s codes (v's) at
+    their own positions (``helpers.v_offsets``). ``sign_ptr``: the rotation's signs [D] fp32;
+    ``ratio_ptr``: the clip ratios [NUM_RATIOS] fp32. Any strides (``*_s*``: token / page,
+    k-or-v, slot, head, dim).
 
     The tiles are channels first, [BLOCK_D, BLOCK_R], and k / v's channel strides are not
     specialized (so not known to be 1): Triton then lays a tile out with the rows across the
