@@ -212,6 +212,30 @@ def _round_clamp15(y):
 
 
 @triton.jit
+def _int4_rotate(x, signs, R: tl.constexpr, BLOCK_D: tl.constexpr, LOG2B: tl.constexpr,
+                 RSQRT_B: tl.constexpr):  # fmt: skip
+    """Rows x [BLOCK_D, R] -> (rotated rows xf in fp32, each row's range lo0 <= 0 <= hi0 [R])."""
+    xf = x.to(tl.float32) * signs[:, None]
+    xf = walsh_hadamard(xf, BLOCK_D, R, LOG2B) * RSQRT_B
+    return xf, tl.minimum(tl.min(xf, axis=0), 0.0), tl.maximum(tl.max(xf, axis=0), 0.0)
+
+
+@triton.jit
+def _int4_candidates(xf, lo, hi, N: tl.constexpr, RCP15: tl.constexpr, FLOOR: tl.constexpr):
+    """Clipped ranges [lo, hi] [N] (a clip ratio times each row's range, or one row's range
+    times every ratio) of rotated rows xf [BLOCK_D, N or 1] -> each candidate's (scale, 1 /
+    scale, zero point, squared error in fp64) [N]. Padding channels: xf = 0, so code = zp and
+    diff = 0: no mask needed."""
+    scale = tl.maximum((hi - lo) * RCP15, FLOOR)
+    scale = (scale.to(tl.int32, bitcast=True) & -16).to(tl.float32, bitcast=True)
+    zp = _round_clamp15(tl.math.div_rn(-lo, scale))
+    inv = tl.math.div_rn(tl.full([N], 1.0, tl.float32), scale)
+    codes = _round_clamp15(xf * inv[None, :] + zp[None, :])
+    diff = ((codes - zp[None, :]) * scale[None, :] - xf).to(tl.float64)
+    return scale, inv, zp, tl.sum(diff * diff, axis=0)
+
+
+@triton.jit
 def _int4_rows(x, signs, ratio_ptr, R: tl.constexpr, BLOCK_D: tl.constexpr,
                LOG2B: tl.constexpr, RSQRT_B: tl.constexpr, RCP15: tl.constexpr,
                FLOOR: tl.constexpr, NUM_RATIOS: tl.constexpr):  # fmt: skip
@@ -221,25 +245,14 @@ def _int4_rows(x, signs, ratio_ptr, R: tl.constexpr, BLOCK_D: tl.constexpr,
     contraction), the clip errors in fp64. Padding channels stay zero through the rotation (D
     is a multiple of its block), leave min / max alone (the range holds zero anyway) and add
     exact zeros to the error sums."""
-    xf = x.to(tl.float32) * signs[:, None]
-    xf = walsh_hadamard(xf, BLOCK_D, R, LOG2B) * RSQRT_B
-    lo0 = tl.minimum(tl.min(xf, axis=0), 0.0)
-    hi0 = tl.maximum(tl.max(xf, axis=0), 0.0)
+    xf, lo0, hi0 = _int4_rotate(x, signs, R, BLOCK_D, LOG2B, RSQRT_B)
     best = tl.full([R], float("inf"), tl.float64)
     best_scale = tl.zeros([R], tl.float32)
     best_inv = tl.zeros([R], tl.float32)
     best_zp = tl.zeros([R], tl.float32)
     for i in range(NUM_RATIOS):  # the clip ratios, largest first; the first kept on a tie
         ratio = tl.load(ratio_ptr + i)
-        lo = lo0 * ratio
-        scale = tl.maximum((hi0 * ratio - lo) * RCP15, FLOOR)
-        scale = (scale.to(tl.int32, bitcast=True) & -16).to(tl.float32, bitcast=True)
-        zp = _round_clamp15(tl.math.div_rn(-lo, scale))
-        inv = tl.math.div_rn(tl.full([R], 1.0, tl.float32), scale)
-        codes = _round_clamp15(xf * inv[None, :] + zp[None, :])
-        # padding channels: xf = 0, so code = zp and diff = 0: no mask needed
-        diff = ((codes - zp[None, :]) * scale[None, :] - xf).to(tl.float64)
-        err = tl.sum(diff * diff, axis=0)
+        scale, inv, zp, err = _int4_candidates(xf, lo0 * ratio, hi0 * ratio, R, RCP15, FLOOR)
         better = (err < best) | (i == 0)
         best = tl.where(better, err, best)
         best_scale = tl.where(better, scale, best_scale)
@@ -270,20 +283,11 @@ def _int4_row(x, signs, ratio_ptr, BLOCK_D: tl.constexpr, LOG2B: tl.constexpr,
     rather than one after another (a decode step's write is a few rows a program: its latency is
     the chain of the ratios' reductions). The same fp32 operations per candidate as
     ``_int4_rows``; the first ratio of least error kept (padding ratios: an infinite error)."""
-    xf = x.to(tl.float32) * signs[:, None]
-    xf = walsh_hadamard(xf, BLOCK_D, 1, LOG2B) * RSQRT_B
-    lo0 = tl.minimum(tl.min(xf, axis=0), 0.0)  # [1]
-    hi0 = tl.maximum(tl.max(xf, axis=0), 0.0)
+    xf, lo0, hi0 = _int4_rotate(x, signs, 1, BLOCK_D, LOG2B, RSQRT_B)  # lo0, hi0: [1]
     i = tl.arange(0, RATIOS_PAD)
     ratio = tl.load(ratio_ptr + i, mask=i < NUM_RATIOS, other=1.0)
-    lo = lo0 * ratio  # [RATIOS_PAD]
-    scale = tl.maximum((hi0 * ratio - lo) * RCP15, FLOOR)
-    scale = (scale.to(tl.int32, bitcast=True) & -16).to(tl.float32, bitcast=True)
-    zp = _round_clamp15(tl.math.div_rn(-lo, scale))
-    inv = tl.math.div_rn(tl.full([RATIOS_PAD], 1.0, tl.float32), scale)
-    codes = _round_clamp15(xf * inv[None, :] + zp[None, :])  # [BLOCK_D, RATIOS_PAD]
-    diff = ((codes - zp[None, :]) * scale[None, :] - xf).to(tl.float64)
-    err = tl.where(i < NUM_RATIOS, tl.sum(diff * diff, axis=0), float("inf"))
+    scale, inv, zp, err = _int4_candidates(xf, lo0 * ratio, hi0 * ratio, RATIOS_PAD, RCP15, FLOOR)
+    err = tl.where(i < NUM_RATIOS, err, float("inf"))
     first = tl.min(tl.where(err == tl.min(err, axis=0), i, RATIOS_PAD), axis=0)
     pick = i == first
     one = tl.zeros([1], tl.float32)
