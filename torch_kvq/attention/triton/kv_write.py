@@ -282,7 +282,8 @@ def _int4_row(x, signs, ratio_ptr, BLOCK_D: tl.constexpr, LOG2B: tl.constexpr,
     are the tile's second axis, [BLOCK_D, RATIOS_PAD], so their error sums run side by side
     rather than one after another (a decode step's write is a few rows a program: its latency is
     the chain of the ratios' reductions). The same fp32 operations per candidate as
-    ``_int4_rows``; the first ratio of least error kept (padding ratios: an infinite error)."""
+    ``_int4_rows`` (``_int4_candidates``); the first ratio of least error kept (padding ratios:
+    an infinite error)."""
     xf, lo0, hi0 = _int4_rotate(x, signs, 1, BLOCK_D, LOG2B, RSQRT_B)  # lo0, hi0: [1]
     i = tl.arange(0, RATIOS_PAD)
     ratio = tl.load(ratio_ptr + i, mask=i < NUM_RATIOS, other=1.0)
