@@ -244,14 +244,17 @@ GPU_MAP_MODES = ["int4_per_token_head", "k8v4_per_token_head"]
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("mode", GPU_MAP_MODES)
-def test_captured_graphs_of_a_per_token_head_map_replay_the_uncaptured_steps(mode):
+def test_captured_graphs_of_a_per_token_head_map_replay_the_uncaptured_steps(
+    mode, deterministic_inductor
+):
     """Two identical models, compiled with kvq_backend on ``FlashInferKernel()``, prefilled through
     the compiled graph (the fused write; prefill on the scratch), then the same decode schedule
     through a capturing runner and through a ``capture=False`` one: the same padded batches,
     buffers, plans and kernels, so the captured replays must give the uncaptured steps' logits
     and caches bit for bit (every code and scale, the scratch page's included). The compiled
     graphs fuse exactly the quantized layers (the Triton decode reads the cache in place), and
-    padding writes only the scratch page."""
+    padding writes only the scratch page. Both compile in Inductor's deterministic mode (the
+    fixture), so they generate the same reduction orders on a busy GPU."""
     import torch_kvq
     from torch_kvq.attention.kernels.flashinfer_jit import prebuild
 

@@ -112,7 +112,9 @@ def _differences(want, got, lms) -> list[str]:
 @pytest.mark.parametrize(
     "mode, channels", [(m, False) for m in GPU_MAP_MODES] + [("int4_per_token_head", True)]
 )
-def test_gemma3_shaped_per_token_head_map_replays_in_cuda_graphs(mode: str, channels: bool) -> None:
+def test_gemma3_shaped_per_token_head_map_replays_in_cuda_graphs(
+    mode: str, channels: bool, deterministic_inductor: None
+) -> None:
     """The Gemma-3-shaped model (head 256, window 1024) with its global layer in ``mode`` (with
     ``channels``: K channel scales on it, the scaling compiled into the graphs) and
     layer 0 (sliding) int8 per (token, head), compiled with the kvq passes (fullgraph, Inductor):
@@ -122,10 +124,12 @@ def test_gemma3_shaped_per_token_head_map_replays_in_cuda_graphs(mode: str, chan
     exactly the quantized layers. Both copies compile from the same Dynamo state (reset first,
     static shapes): otherwise the first copy's prefill compiles for static shapes and the
     second's, after the first's decode marked the batch dims dynamic, for dynamic ones (other
-    generated code; what the process compiled before changes it again). In the GPU suites of
-    2026-12-03 and 2026-12-05 (k8v4) the copies' prefill logits differed in the last bits; that
-    did not reproduce outside the full suite, so its cause is not known
-    (docs/design/int4-branch.md); ``_differences`` says where a failure parts."""
+    generated code; what the process compiled before changes it again). And both compile with
+    Inductor's ``deterministic`` mode (the ``deterministic_inductor`` fixture): in the GPU suites
+    of 2026-12-03 and 2026-12-05 (k8v4) the copies' prefill logits differed in the last bits
+    for the 1100- and 300-token prompts, not the 40-token one, as Inductor's timing of its
+    reductions' candidate configs on the busy GPU would make them (docs/design/int4-branch.md);
+    ``_differences`` says where a failure parts."""
     import copy
 
     from torch_kvq.attention.graph_runner import DecodeGraphRunner
