@@ -14,7 +14,8 @@ layers). Per model one build; per variant ``configure_kv`` and a ``FlashInferKer
   fp8_per_token_head / fa2, fa3                dequantized into a bf16 scratch, then fa2 / fa3
   mixed / fa2                                  the model's per-layer mode map (``MIXED``)
   int4_per_token_head / fa3, int4-recommended / fa3   the 4-bit layers the same way (scratch
-                                               dequantized and un-rotated, then fa3)
+  int4_per_token_head-all+channels / fa3       dequantized and un-rotated, then fa3; +channels:
+                                               every layer int4 with K channel scales)
 
 Each prompt is one forward of ``--len`` tokens (engines cap the tokens per step), logits of the
 last token only (``logits_indices``), through ``torch.compile(model, backend=kvq_backend)``
@@ -53,6 +54,7 @@ PER_TOKEN_HEAD_VARIANTS = [
     ("int8_per_token_head", "fa2"), ("int8_per_token_head", "fa3"),
     ("fp8_per_token_head", "fa2"), ("fp8_per_token_head", "fa3"), ("mixed", "fa2"),
     ("int4_per_token_head", "fa3"), ("int4-recommended", "fa3"),
+    ("int4_per_token_head-all+channels", "fa3"),
 ]  # fmt: skip
 PREFILLS = list(dict.fromkeys(p for _, p in VARIANTS))  # the FlashInferKernel prefill options
 
@@ -88,7 +90,7 @@ def prebuild_all(model, kvs: dict, variants: list[tuple[str, str]]) -> None:
 
 def run_model(name: str, args, env, save) -> list[dict]:
     device = "cpu" if args.smoke else "cuda"
-    kvs = {kv: kv_config(kv, name, args.page) for kv in dict.fromkeys(["bf16", *args.kv])}
+    kvs = {kv: kv_config(kv, name, args.page, args.smoke) for kv in dict.fromkeys(["bf16", *args.kv])}
     pages = -(-args.len // args.page) + 1
     torch.manual_seed(0)
     model = build(name, kvs["bf16"], ReferenceKernel(), device, args.smoke, pages, None)
