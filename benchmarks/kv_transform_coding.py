@@ -5,7 +5,7 @@ the score (issue 33; docs/accuracy.md, "Bits where the score is"). A study, CPU 
 The int4 mode spends 4 bits on every rotated coordinate. The rotation makes every coordinate's
 error the same size, which is right when every coordinate weighs the same; K's do not. With
 q' = T^-T q and k' = T k (q' . k' = q . k), the score error of coordinate i goes as
-E[q'_i^2] E[k'_i^2] 2^(-2 b_i); with T the balanced basis of ``kv_format_study.k_transform``
+E[q'_i^2] E[k'_i^2] 2^(-2 b_i); with T the balanced basis of ``kv_formats.k_transform``
 (M, so that M C_k M^T = M^-T C_q M^-1) followed by that matrix's eigenvectors, both factors are
 sigma_i, and spending b_i ~ log2(sigma_i) bits (at the same mean) divides the error by
 AM(sigma)^2 / GM(sigma)^2 over the same basis at uniform bits (classic transform coding; the
@@ -14,7 +14,7 @@ V's basis balances C_v against G = sum over the kv head's query heads of W_o,h^T
 
 A plan is a tuple of (fraction of D, bits) groups along the sorted coordinates; each group is
 rotated by its own Hadamard and quantized per (token, kv head, group) by the int4 mode's clipped
-asymmetric uniform math with 2^bits - 1 steps (``kv_format_study.uniform_fake``), 0 bits drops
+asymmetric uniform math with 2^bits - 1 steps (``kv_formats.uniform_fake``), 0 bits drops
 the group. Bytes per (token, kv head): sum(fraction * bits) * D / 8 of codes plus one scale and
 zero point per group (the int4 mode: one fp32 with the zero point in its low bits).
 Formats (per layer, "fmt:layer"). K: ``tc<plan>`` the full basis, ``tcd<plan>`` a diagonal one
@@ -52,7 +52,7 @@ BLOCK = 8  # tcw spends bits on blocks of this many sorted coordinates
 WATER: dict[tuple[int, int], list[tuple[tuple[float, int], ...]]] = {}
 # basis per (kind without "h" / "w", layer): (T [KH, D, D], T^-1 [KH, D, D]) fp32
 BASES: dict[tuple[str, int], tuple[torch.Tensor, torch.Tensor]] = {}
-# (both filled by ``kv_format_study.transform_bases`` from the calibration split)
+# (both filled by ``kv_formats.transform_bases`` from the calibration split)
 
 
 def split_format(fmt: str) -> tuple[str, str] | None:

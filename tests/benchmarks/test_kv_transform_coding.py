@@ -5,6 +5,7 @@ score error of keys whose channels weigh unequally."""
 from __future__ import annotations
 
 import kv_format_study as kfs
+import kv_formats as kf
 import kv_transform_coding as tc
 import pytest
 import torch
@@ -36,7 +37,7 @@ def _moments(x: torch.Tensor) -> torch.Tensor:
 def test_sorted_basis_diagonalises_and_inverts() -> None:
     q, k = _keys()
     ck, cq = _moments(k), _moments(q)
-    t, t_inv, sig = tc.sorted_basis(*kfs.k_transform(ck, cq), ck)
+    t, t_inv, sig = tc.sorted_basis(*kf.k_transform(ck, cq), ck)
     d = t.double() @ ck @ t.double().transpose(-1, -2)
     off = d - torch.diag_embed(d.diagonal(0, -2, -1))
     assert off.abs().max() < 1e-4 * d.abs().max()
@@ -50,20 +51,20 @@ def test_one_group_in_the_identity_basis_is_the_rotated_uniform_math() -> None:
     _, k = _keys(64)
     eye = torch.eye(64).expand(2, 64, 64).contiguous()
     tc.BASES[("tc", 0)] = (eye, eye)
-    got = tc.alloc_fake(k, "tc4", 0, kfs.uniform_fake)
-    want = quant.unrotate(kfs.uniform_fake(quant.rotate(k), 15))
+    got = tc.alloc_fake(k, "tc4", 0, kf.uniform_fake)
+    want = quant.unrotate(kf.uniform_fake(quant.rotate(k), 15))
     assert torch.equal(got, want)
-    assert kfs.fake_quant(k, "tc4:0").equal(want)
+    assert kf.fake_quant(k, "tc4:0").equal(want)
 
 
 def test_bits_by_sigma_lower_the_score_error_at_the_same_bytes() -> None:
     q, k = _keys()
     ck, cq = _moments(k), _moments(q)
-    t, t_inv, _ = tc.sorted_basis(*kfs.k_transform(ck, cq), ck)
+    t, t_inv, _ = tc.sorted_basis(*kf.k_transform(ck, cq), ck)
     tc.BASES[("tc", 0)] = (t, t_inv)
     err = {}
     for fmt in ("tc4", "tc643"):
-        kq = tc.alloc_fake(k, fmt, 0, kfs.uniform_fake)
+        kq = tc.alloc_fake(k, fmt, 0, kf.uniform_fake)
         err[fmt] = (torch.einsum("thd,thd->th", q, kq - k)).square().mean()
     assert tc.plan_bytes("643", 64) == tc.plan_bytes("4", 64) == 32
     assert err["tc643"] < err["tc4"] / 2
@@ -102,20 +103,20 @@ def test_water_fill_spends_the_mean_and_favours_large_sigma() -> None:
     assert sum(f * b for f, b in plan) == pytest.approx(3.75)
     bits = [b for _, b in plan]
     assert bits == sorted(bits, reverse=True) and bits[0] > 4 > bits[-1]
-    assert tc.split_format("tcw375") == ("tcw", "375") and kfs.per_layer_k("tcw375")
+    assert tc.split_format("tcw375") == ("tcw", "375") and kf.per_layer_k("tcw375")
 
 
 def test_half_scales_are_fp16_values_and_cost_little() -> None:
     _, k = _keys(64)
     y = quant.rotate(k)
-    out = kfs.uniform_fake(y, 15, half_scale=True)
+    out = kf.uniform_fake(y, 15, half_scale=True)
     for row in out.reshape(-1, 64)[:8]:
         step = row.unique().diff().min()  # one code step: the row's scale
         assert step == step.half().float()
-    full = (kfs.uniform_fake(y, 15) - y).square().mean()
+    full = (kf.uniform_fake(y, 15) - y).square().mean()
     half = (out - y).square().mean()
     assert half < 1.01 * full
-    assert tc.split_format("tch643") == ("tch", "643") and kfs.per_layer_v("tcvh5554")
+    assert tc.split_format("tch643") == ("tch", "643") and kf.per_layer_v("tcvh5554")
 
 
 def test_rectc_gives_the_candidate_to_the_measured_layers_only() -> None:
