@@ -20,7 +20,10 @@ zero point per group (the int4 mode: one fp32 with the zero point in its low bit
 Formats (per layer, "fmt:layer"). K: ``tc<plan>`` the full basis, ``tcd<plan>`` a diagonal one
 (the K channel scales' s, channels sorted by their balanced variance: no matrix in a kernel),
 ``tcw<NNN>`` the full basis with bits water-filled per kv head (``water_fill``, NNN / 100 bits a
-coordinate), ``tch<plan>`` as tc with fp16 group scales. V: ``tcv<plan>``, ``tcvh<plan>`` (fp16).
+coordinate), ``tch<plan>`` as tc with fp16 group scales. V: ``tcv<plan>``, ``tcvh<plan>`` (fp16);
+``tcvi<plan>`` / ``tcvih<plan>`` V's channels in their own order (no calibrated basis: each
+group, a run of channels, rotated by its own Hadamard), which basis the groups' bits take
+mattering or not.
 """
 
 from __future__ import annotations
@@ -44,7 +47,7 @@ PLANS: dict[str, tuple[tuple[float, int], ...]] = {
     "54": ((0.5, 5), (0.5, 4)),
 }
 K_KINDS = ("tc", "tcd", "tcw", "tch")  # "h": fp16 group scales and a zero-point byte
-V_KINDS = ("tcv", "tcvh")
+V_KINDS = ("tcv", "tcvh", "tcvi", "tcvih")  # "i": the identity basis (no calibration)
 # relative squared error of a rotated group at b bits per coordinate, b = 0..8 (0: dropped)
 REL_ERR = (1.0, 0.45, 0.14, 0.04, 0.0105, 0.0027, 0.0007, 0.00018, 0.000045)
 BLOCK = 8  # tcw spends bits on blocks of this many sorted coordinates
@@ -126,7 +129,10 @@ def alloc_fake(x: torch.Tensor, fmt: str, layer: int, uniform_fake) -> torch.Ten
     kind, plan = split_format(fmt)
     half = kind.endswith("h")  # an fp16 scale and a zero-point byte per group: 3 bytes, not 4
     kind = kind.removesuffix("h")
-    t, t_inv = BASES[("tc" if kind == "tcw" else kind, layer)]
+    if kind == "tcvi":
+        t = t_inv = torch.eye(x.shape[-1]).expand(x.shape[1], -1, -1)
+    else:
+        t, t_inv = BASES[("tc" if kind == "tcw" else kind, layer)]
     y = torch.einsum("hde,the->thd", t, x.float())
     out = torch.zeros_like(y)
     d = y.shape[-1]

@@ -123,3 +123,17 @@ def test_rectc_gives_the_candidate_to_the_measured_layers_only() -> None:
     got = kfs.layer_formats("rectc:int4s0/int4", 4, sliding={3}, rec_layers=(1,))
     assert got == [("int4s0:0", "int4"), ("tc643:1", "tcv5554:1"), ("int4s0:2", "int4"),
                    ("none", "none")]  # fmt: skip
+
+
+def test_v_in_its_own_channel_order_needs_no_calibration() -> None:
+    _, v = _keys(64)
+    assert tc.split_format("tcvih54") == ("tcvih", "54") and tc.split_format("tcvi4")[0] == "tcvi"
+    assert not tc.BASES  # nothing calibrated
+    want = quant.unrotate(kf.uniform_fake(quant.rotate(v), 15))
+    assert torch.equal(tc.alloc_fake(v, "tcvi4", 0, kf.uniform_fake), want)
+    # two runs of channels, 5 and 4 bits, each its own Hadamard and scale
+    got = tc.alloc_fake(v, "tcvi54", 0, kf.uniform_fake)
+    for half, levels in ((slice(0, 32), 31), (slice(32, 64), 15)):
+        x = v[..., half]
+        assert torch.equal(got[..., half], quant.unrotate(kf.uniform_fake(quant.rotate(x), levels)))
+    assert (got - v).square().mean() < (want - v).square().mean()
