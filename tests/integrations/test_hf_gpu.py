@@ -124,12 +124,13 @@ def test_gemma3_shaped_per_token_head_map_replays_in_cuda_graphs(
     exactly the quantized layers. Both copies compile from the same Dynamo state (reset first,
     static shapes): otherwise the first copy's prefill compiles for static shapes and the
     second's, after the first's decode marked the batch dims dynamic, for dynamic ones (other
-    generated code; what the process compiled before changes it again). And both compile with
-    Inductor's ``deterministic`` mode (the ``deterministic_inductor`` fixture): in the GPU suites
-    of 2026-12-03 and 2026-12-05 (k8v4) the copies' prefill logits differed in the last bits
-    for the 1100- and 300-token prompts, not the 40-token one, as Inductor's timing of its
-    reductions' candidate configs on the busy GPU would make them (docs/design/int4-branch.md);
-    ``_differences`` says where a failure parts."""
+    generated code; what the process compiled before changes it again). And both compile in
+    Inductor's ``deterministic`` mode (the ``deterministic_inductor`` fixture), since by default
+    Inductor times each generated reduction's candidate configs at its first call, which on the
+    suite's busy GPU can pick another sum order for the second copy. In the GPU suites of
+    2026-12-03 and 2026-12-05 (k8v4, before the fixture) the copies' prefill logits differed in
+    the last bits; whether the timing was the cause, the next GPU runs say
+    (docs/design/int4-branch.md); ``_differences`` says where a failure parts."""
     import copy
 
     from torch_kvq.attention.graph_runner import DecodeGraphRunner
