@@ -1896,12 +1896,12 @@ def _() -> object:
 @case("modes.k-channels-no-int4-layer")
 def _() -> object:
     from torch_kvq.cli.eval import with_channels
-    from torch_kvq.evaluation.kv_arg import CALIBRATE, parse_kv
+    from torch_kvq.evaluation.kv_arg import parse_kv
 
     lm = _attach(_hf())
     with _detached(lm):
         kv = parse_kv("fp8:channels=calibrate")
-        return with_channels(lm, None, kv, kv.config(4), None, {CALIBRATE: {}})
+        return with_channels(lm, None, kv, kv.config(4), None, {"K channel scales": {}})
 
 
 @case("modes.k-channels-no-file")
@@ -1933,6 +1933,64 @@ def k8v4_spec(head_size: int = 128, page: int = 16) -> object:
 def _() -> object:
     with fake_gpu(arch=(8, 9)):  # the k8v4 decode and scratch are built for sm90 only
         return FlashInferKernel().check_supported(k8v4_spec())
+
+
+def _basis(kh: int = KV_HEADS, d: int = D) -> object:
+    from torch_kvq.spec_channels import KBasis
+
+    return KBasis.of(torch.eye(d).expand(kh, d, d))
+
+
+@case("modes.tc4-no-basis")
+def _() -> object:
+    layer = AttentionLayerInfo(f"tc{next(_uid)}.attn", HEADS, KV_HEADS, D)
+    return resolve_layer_specs(KVCacheConfig("tc4_per_token_head"), [layer])
+
+
+@case("modes.tc4-head-size")
+def _() -> object:
+    layer = AttentionLayerInfo(f"tc{next(_uid)}.attn", HEADS, KV_HEADS, 40)
+    cfg = KVCacheConfig("tc4_per_token_head", k_bases={0: _basis(d=40)})
+    return resolve_layer_specs(cfg, [layer])
+
+
+@case("modes.tc4-basis-wrong-mode")
+def _() -> object:
+    layer = AttentionLayerInfo(f"tc{next(_uid)}.attn", HEADS, KV_HEADS, D)
+    return resolve_layer_specs(KVCacheConfig("int4_per_token_head", k_bases={0: _basis()}), [layer])
+
+
+@case("modes.tc4-basis-shape")
+def _() -> object:
+    layer = AttentionLayerInfo(f"tc{next(_uid)}.attn", HEADS, KV_HEADS, D)
+    cfg = KVCacheConfig("tc4_per_token_head", k_bases={0: _basis(kh=1)})
+    return resolve_layer_specs(cfg, [layer])
+
+
+@case("modes.tc4-basis-option")
+def _() -> object:
+    from torch_kvq.evaluation.kv_arg import parse_kv
+
+    return parse_kv("tc4_per_token_head:basis=/some/file")
+
+
+@case("modes.tc4-basis-no-tc4-layer")
+def _() -> object:
+    from torch_kvq.cli.eval import with_channels
+    from torch_kvq.evaluation.kv_arg import parse_kv
+
+    lm = _attach(_hf())
+    with _detached(lm):
+        kv = parse_kv("fp8:basis=calibrate")
+        return with_channels(lm, None, kv, kv.config(4), None, {"K bases": {}})
+
+
+@case("modes.tc4-flashinfer")
+def _() -> object:
+    layer = AttentionLayerInfo(f"tc{next(_uid)}.attn", HEADS, KV_HEADS, 128)
+    cfg = KVCacheConfig("tc4_per_token_head", page_size=16, k_bases={0: _basis(d=128)})
+    with fake_gpu(arch=(9, 0)):  # no fused kernel reads tc4 caches yet, on any arch
+        return FlashInferKernel().check_supported(resolve_layer_specs(cfg, [layer])[0])
 
 
 # --- the tests ----------------------------------------------------------------------------------

@@ -232,20 +232,21 @@ def shard_linear_(parent: nn.Module, attr: str, tp: TensorParallel, name: str) -
 
 def shard_specs(specs: Sequence[LayerKVSpec], tp: TensorParallel | None) -> tuple[LayerKVSpec, ...]:
     """The specs of this rank: the same as ``specs`` but for ``num_heads / N``, ``num_kv_heads / N``
-    (and a ``k_channel`` of this rank's kv heads)."""
+    (and a ``k_channel`` / ``k_basis`` of this rank's kv heads)."""
     if tp is None:
         return tuple(specs)
-    return tuple(
-        replace(
+
+    def mine(s: LayerKVSpec) -> LayerKVSpec:
+        part = tp.part(s.num_kv_heads, f"layer {s.name!r}: num_kv_heads")
+        return replace(
             s,
             num_heads=tp.split(s.num_heads, f"layer {s.name!r}: num_heads"),
             num_kv_heads=tp.split(s.num_kv_heads, f"layer {s.name!r}: num_kv_heads"),
-            k_channel=None
-            if s.k_channel is None
-            else s.k_channel.heads(tp.part(s.num_kv_heads, f"layer {s.name!r}: num_kv_heads")),
+            k_channel=None if s.k_channel is None else s.k_channel.heads(part),
+            k_basis=None if s.k_basis is None else s.k_basis.heads(part),
         )
-        for s in specs
-    )
+
+    return tuple(mine(s) for s in specs)
 
 
 def describe_kernel(kernel: object) -> str:

@@ -15,7 +15,7 @@ from dataclasses import dataclass, fields
 
 import torch
 
-from torch_kvq.spec_channels import KChannelScale
+from torch_kvq.spec_channels import KBasis, KChannelScale
 
 FP8_DTYPE = torch.float8_e4m3fn  # what the FP8 modes store; their math: attention/quant.py
 SUPPORTED_PAGE_SIZES = (1, 2, 4, 8, 16, 32, 64, 128)
@@ -44,6 +44,12 @@ class KVQuantMode(enum.Enum):
     # D / 2] (slots 0 / 1: k's int8 codes, channels 0..D/2-1 / D/2..D-1; slot 2: v's packed int4);
     # head size must be even
     K8V4_PER_TOKEN_HEAD = "k8v4_per_token_head"
+    # transform-coded: k in a calibrated basis per (layer, kv head) at 6 / 4 / 3 bits by the
+    # coordinates' weight, v's channel halves rotated at 5 / 4 bits, an fp16 scale and a zero-point
+    # byte per group (attention/quant_tc.py); codes uint8 [pages, 2, page, KH, D / 2], the groups'
+    # scales and v's fifth bits in ``kv_scale`` uint8 [pages, KH, tc4_aux_width(D), page]; needs
+    # the layer's ``KBasis``; head size a multiple of 16
+    TC4_PER_TOKEN_HEAD = "tc4_per_token_head"
 
     @property
     def is_quantized(self) -> bool:
@@ -60,12 +66,17 @@ class KVQuantMode(enum.Enum):
         )
 
     @property
+    def transform_coded(self) -> bool:
+        """``TC4_PER_TOKEN_HEAD``: codes and group scales of its own layout (not ``per_token_head``'s
+        fp32 ``kv_scale``), k through the layer's calibrated ``KBasis``."""
+        return self is KVQuantMode.TC4_PER_TOKEN_HEAD
+
+    @property
     def codes_per_byte(self) -> int:
-        """2 for the modes with 4-bit codes (``INT4_PER_TOKEN_HEAD``; ``K8V4_PER_TOKEN_HEAD``'s v),
-        1 for every other mode; a cache's last dim is ``head_size // codes_per_byte``."""
-        return (
-            2 if self in (KVQuantMode.INT4_PER_TOKEN_HEAD, KVQuantMode.K8V4_PER_TOKEN_HEAD) else 1
-        )
+        """2 for the modes with 4-bit codes (``INT4_PER_TOKEN_HEAD``; ``K8V4_PER_TOKEN_HEAD``'s v;
+        ``TC4_PER_TOKEN_HEAD``, D / 2 bytes a row for k and for v), 1 for every other mode; a
+        cache's last dim is ``head_size // codes_per_byte``."""
+        return 2 if self in _HALF_WIDTH else 1
 
     @property
     def cache_slots(self) -> int:
@@ -109,12 +120,18 @@ class KVQuantMode(enum.Enum):
         return pair[1] if pair else self.per_token_head_format
 
 
+_HALF_WIDTH = (
+    KVQuantMode.INT4_PER_TOKEN_HEAD,
+    KVQuantMode.K8V4_PER_TOKEN_HEAD,
+    KVQuantMode.TC4_PER_TOKEN_HEAD,
+)
 _CODE_DTYPES = {
     KVQuantMode.FP8_PER_TENSOR: FP8_DTYPE,
     KVQuantMode.INT8_PER_TOKEN_HEAD: torch.int8,
     KVQuantMode.FP8_PER_TOKEN_HEAD: FP8_DTYPE,
     KVQuantMode.INT4_PER_TOKEN_HEAD: torch.uint8,
     KVQuantMode.K8V4_PER_TOKEN_HEAD: torch.uint8,  # k's int8 codes stored as their bit patterns
+    KVQuantMode.TC4_PER_TOKEN_HEAD: torch.uint8,
 }
 # modes whose k and v have different formats (attention/quant.py's KV_FORMATS agrees; a test)
 _KV_FORMATS = {KVQuantMode.K8V4_PER_TOKEN_HEAD: ("int8", "int4")}
@@ -125,6 +142,14 @@ _QMAX = {  # attention/quant.py's FP8_MAX / INT8_MAX (spec sits below it; a test
     KVQuantMode.INT4_PER_TOKEN_HEAD: 15.0,  # asymmetric: the codes 0..15 span [lo, hi]
 }
 SCALE_BYTES = 4  # one fp32 scale per (token, kv head), for k and for v, in per-(token, head) modes
+TC4_HEAD_MULTIPLE = 16  # tc4's bit planes pack D / 16 bytes of one-bit codes
+
+
+def tc4_aux_width(head_size: int) -> int:
+    """Bytes of ``TC4_PER_TOKEN_HEAD``'s side row per (token, kv head): k's three fp16 group
+    scales and zero points (9), v's two (6), v's first half's fifth bits (D / 16); the layout is
+    ``attention/quant_tc.py``'s."""
+    return 15 + head_size // TC4_HEAD_MULTIPLE
 
 
 _DTYPE_ALIASES: dict[str, tuple[KVQuantMode, torch.dtype | None]] = {
@@ -142,6 +167,7 @@ _DTYPE_ALIASES: dict[str, tuple[KVQuantMode, torch.dtype | None]] = {
     "fp8_per_token_head": (KVQuantMode.FP8_PER_TOKEN_HEAD, FP8_DTYPE),
     "int4_per_token_head": (KVQuantMode.INT4_PER_TOKEN_HEAD, torch.uint8),
     "k8v4_per_token_head": (KVQuantMode.K8V4_PER_TOKEN_HEAD, torch.uint8),
+    "tc4_per_token_head": (KVQuantMode.TC4_PER_TOKEN_HEAD, torch.uint8),
 }
 
 
@@ -187,7 +213,8 @@ class KVCacheConfig:
         kv_cache_dtype: the mode of every layer no rule selects: ``auto`` | ``bfloat16`` |
             ``float16`` | ``float32`` | ``fp8`` | ``fp8_e4m3`` | ``int8_per_token_head`` |
             ``fp8_per_token_head`` | ``int4_per_token_head`` | ``k8v4_per_token_head`` (k int8, v
-            int4; even head sizes only, as int4).
+            int4; even head sizes only, as int4) | ``tc4_per_token_head`` (transform-coded; head
+            sizes a multiple of 16; needs ``k_bases``).
         layer_modes: ``((rule, kv_cache_dtype string), ...)`` (or a mapping): a per-layer mode
             map. A rule is an int index (negative from the end), ``"sliding_window"``,
             ``"full_attention"``, a name glob, or an exact layer name. Precedence: a layer takes
@@ -203,6 +230,9 @@ class KVCacheConfig:
             layer name or index: k scaled (and centred) per (kv head, channel) before the
             layer's write, q scaled to match (``KChannelScale``). Layers not listed are not
             scaled; an entry for a layer of another mode is a ValueError.
+        k_bases: per-layer ``KBasis`` of ``tc4_per_token_head`` layers, keyed by layer name or
+            index: every such layer needs one (``kvq eval``'s ``basis=calibrate`` makes them); an
+            entry for a layer of another mode is a ValueError.
     """
 
     kv_cache_dtype: str = "auto"
@@ -213,6 +243,7 @@ class KVCacheConfig:
     default_v_scale: float = 1.0
     layer_modes: tuple[tuple[int | str, str], ...] = ()
     k_channel_scales: tuple[tuple[int | str, KChannelScale], ...] = ()
+    k_bases: tuple[tuple[int | str, KBasis], ...] = ()
 
     def __post_init__(self) -> None:
         if isinstance(self.layer_modes, Mapping):
@@ -264,26 +295,27 @@ class KVCacheConfig:
                 )
             check_scale(pair[0], f"k_scale of layer {key!r}")
             check_scale(pair[1], f"v_scale of layer {key!r}")
-        if isinstance(self.k_channel_scales, Mapping):
-            object.__setattr__(self, "k_channel_scales", tuple(self.k_channel_scales.items()))
-        else:
-            object.__setattr__(
-                self, "k_channel_scales", tuple(tuple(kv) for kv in self.k_channel_scales)
-            )
-        keys = [item[0] for item in self.k_channel_scales]
+        self._check_layer_table("k_channel_scales", KChannelScale)
+        self._check_layer_table("k_bases", KBasis)
+
+    def _check_layer_table(self, field: str, kind: type) -> None:
+        """``field`` as a tuple of (layer index or name, ``kind``) pairs, each layer once."""
+        table = getattr(self, field)
+        table = tuple(table.items()) if isinstance(table, Mapping) else tuple(map(tuple, table))
+        object.__setattr__(self, field, table)
+        keys = [item[0] for item in table]
         dupes = sorted({repr(k) for k in keys if keys.count(k) > 1})
         if dupes:
-            raise ValueError(f"k_channel_scales lists layer(s) {', '.join(dupes)} more than once")
-        for item in self.k_channel_scales:
+            raise ValueError(f"{field} lists layer(s) {', '.join(dupes)} more than once")
+        for item in table:
             if len(item) != 2 or isinstance(item[0], bool) or not isinstance(item[0], (int, str)):
                 raise ValueError(
-                    f"k_channel_scales entry {item!r:.80} must be a (layer index or name, "
-                    "KChannelScale) pair"
+                    f"{field} entry {item!r:.80} must be a (layer index or name, "
+                    f"{kind.__name__}) pair"
                 )
-            if not isinstance(item[1], KChannelScale):
+            if not isinstance(item[1], kind):
                 raise ValueError(
-                    f"k_channel_scales[{item[0]!r}] must be a KChannelScale, got "
-                    f"{type(item[1]).__name__}"
+                    f"{field}[{item[0]!r}] must be a {kind.__name__}, got {type(item[1]).__name__}"
                 )
 
     @property
@@ -348,6 +380,7 @@ class LayerKVSpec:
     skip_reason: str | None = None  # which skip rule kept this layer unquantized
     uncalibrated: bool = False  # a quantized layer on the default scales 1.0: nobody chose them
     k_channel: KChannelScale | None = None  # int4 layers: k scaled per (kv head, channel)
+    k_basis: KBasis | None = None  # tc4 layers: k through P, q through P^-T
 
     def __post_init__(self) -> None:
         if self.sm_scale is None:
@@ -372,7 +405,10 @@ class LayerKVSpec:
 
     @property
     def scale_bytes_per_token(self) -> int:
-        """K plus V scale bytes one token takes (``kv_scale``): per-(token, head) modes only."""
+        """K plus V scale bytes one token takes (``kv_scale``): per-(token, head) modes (and
+        ``TC4_PER_TOKEN_HEAD``'s side row, ``tc4_aux_width``) only."""
+        if self.mode.transform_coded:
+            return self.num_kv_heads * tc4_aux_width(self.head_size)
         return 2 * self.num_kv_heads * SCALE_BYTES if self.mode.per_token_head else 0
 
     @property
@@ -398,7 +434,7 @@ class LayerKVSpec:
                 v = v.value
             elif isinstance(v, torch.dtype):
                 v = str(v)
-            elif isinstance(v, KChannelScale):
+            elif isinstance(v, (KChannelScale, KBasis)):
                 v = v.label  # a digest, not [KH][D] numbers
             out[f.name] = v
         return out

@@ -86,3 +86,49 @@ class KChannelScale:
     def heads(self, part: slice) -> KChannelScale:
         """The rows of kv heads ``part`` (a tensor-parallel rank's)."""
         return KChannelScale(self.scale[part], None if self.mean is None else self.mean[part])
+
+
+@dataclass(frozen=True)
+class KBasis:
+    """The calibrated K basis of a ``tc4_per_token_head`` layer: P [num_kv_heads, D, D]. The
+    cache holds the codes of ``P k`` (its first coordinates those that weigh most in the scores,
+    which the mode spends the most bits on) and attention reads ``P^-T q``, so every score is
+    unchanged in exact arithmetic. Held as the float32 bytes of P (the spec stays frozen and
+    hashable, and a large model's bases stay compact); ``KBasis.of`` takes a tensor, ``matrix``
+    gives one back. ``kvq eval``'s ``basis=calibrate`` makes them (``attention/k_basis.py``)."""
+
+    data: bytes
+    shape: tuple[int, int, int]
+
+    def __post_init__(self) -> None:
+        kh, d, d2 = self.shape
+        if d != d2 or kh < 1 or d < 1:
+            raise ValueError(f"a K basis is [num_kv_heads, D, D], got shape {self.shape}")
+        if len(self.data) != 4 * kh * d * d:
+            raise ValueError(
+                f"K basis data has {len(self.data)} bytes; {self.shape} needs {4 * kh * d * d}"
+            )
+        if not torch.isfinite(self.matrix()).all():
+            raise ValueError("K basis values must be finite everywhere")
+
+    @classmethod
+    def of(cls, p: torch.Tensor) -> KBasis:
+        """From P [num_kv_heads, D, D] (any float dtype, any device)."""
+        if not isinstance(p, torch.Tensor) or p.dim() != 3 or p.shape[1] != p.shape[2]:
+            got = tuple(p.shape) if isinstance(p, torch.Tensor) else type(p).__name__
+            raise ValueError(f"a K basis is a [num_kv_heads, D, D] tensor, got {got}")
+        f = p.detach().float().cpu().contiguous()
+        return cls(f.numpy().tobytes(), tuple(f.shape))  # type: ignore[arg-type]
+
+    def matrix(self) -> torch.Tensor:
+        """P [num_kv_heads, D, D] float32 (a new CPU tensor)."""
+        return torch.frombuffer(bytearray(self.data), dtype=torch.float32).reshape(self.shape)
+
+    @functools.cached_property
+    def label(self) -> str:
+        """``basis`` with a digest of the values (tables, cache keys), hashed once."""
+        return f"basis {hashlib.sha1(self.data).hexdigest()[:8]}"
+
+    def heads(self, part: slice) -> KBasis:
+        """The bases of kv heads ``part`` (a tensor-parallel rank's)."""
+        return KBasis.of(self.matrix()[part])

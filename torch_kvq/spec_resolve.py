@@ -14,6 +14,7 @@ import torch
 from torch_kvq.spec import (
     MODEL_DTYPES,
     SKIP_RULE_FORMS,
+    TC4_HEAD_MULTIPLE,
     AttentionLayerInfo,
     KVCacheConfig,
     KVQuantMode,
@@ -21,7 +22,7 @@ from torch_kvq.spec import (
     check_scale,
     parse_kv_cache_dtype,
 )
-from torch_kvq.spec_channels import KChannelScale
+from torch_kvq.spec_channels import KBasis, KChannelScale
 
 
 def _rule_matches(rule: int | str, idx: int, info: AttentionLayerInfo, n: int) -> bool:
@@ -67,17 +68,19 @@ def _validate_rules(
             )
 
 
-def resolve_layer_specs(
+def layer_modes(
     config: KVCacheConfig,
     layers: Sequence[AttentionLayerInfo],
     model_dtype: torch.dtype = torch.bfloat16,
-) -> tuple[LayerKVSpec, ...]:
-    """Resolve one ``LayerKVSpec`` per attention layer, in layer order.
+) -> tuple[KVQuantMode, ...]:
+    """Each layer's mode under ``config``'s rules, without the per-layer tables (scales, K
+    channel scales, K bases) a full resolve checks: which layers a table must cover."""
+    return tuple(m for (m, _), _ in _layer_modes(config, layers, model_dtype))
 
-    Raises ValueError for unknown dtype strings, unknown / out-of-range rules, two rules giving
-    one layer different modes, scales for unknown or per-(token, head) layers, and duplicate
-    layer names.
-    """
+
+def _layer_modes(
+    config: KVCacheConfig, layers: Sequence[AttentionLayerInfo], model_dtype: torch.dtype
+) -> list[tuple[Mode, str | None]]:
     if not isinstance(config, KVCacheConfig):
         raise ValueError(f"config must be a KVCacheConfig, got {type(config).__name__}")
     if model_dtype not in MODEL_DTYPES:
@@ -96,11 +99,28 @@ def resolve_layer_specs(
     _validate_rules(config.skip_layers, layers)
     _validate_rules([r for r, _ in config.layer_modes], layers, "layer_modes")
     rule_modes = [(r, _parse_mode(m, model_dtype), m, src) for r, m, src in config.mode_rules]
-    modes = [
+    return [
         _layer_mode(idx, info, len(layers), rule_modes, default) for idx, info in enumerate(layers)
     ]
+
+
+def resolve_layer_specs(
+    config: KVCacheConfig,
+    layers: Sequence[AttentionLayerInfo],
+    model_dtype: torch.dtype = torch.bfloat16,
+) -> tuple[LayerKVSpec, ...]:
+    """Resolve one ``LayerKVSpec`` per attention layer, in layer order.
+
+    Raises ValueError for unknown dtype strings, unknown / out-of-range rules, two rules giving
+    one layer different modes, scales for unknown or per-(token, head) layers, and duplicate
+    layer names.
+    """
+    modes = _layer_modes(config, layers, model_dtype)
+    rule_modes = [(r, _parse_mode(m, model_dtype), m, src) for r, m, src in config.mode_rules]
+    default = _parse_mode(config.kv_cache_dtype, model_dtype)
     scales = _resolve_scales(config, layers, [m[0] for m, _ in modes])
     channels = _resolve_k_channels(config, layers, [m[0] for m, _ in modes])
+    bases = _resolve_k_bases(config, layers, [m[0] for m, _ in modes])
     any_quantized = default[0].is_quantized or any(m[0].is_quantized for _, m, _, _ in rule_modes)
     specs = []
     for idx, (info, ((mode, storage), reason)) in enumerate(zip(layers, modes)):
@@ -110,6 +130,8 @@ def resolve_layer_specs(
                 f"byte, so its head size must be even, got {info.head_size}; give this layer an "
                 "8-bit or unquantized mode in layer_modes"
             )
+        if mode.transform_coded:
+            _check_tc4_layer(idx, info, bases)
         per_tensor = mode is KVQuantMode.FP8_PER_TENSOR
         k_scale, v_scale = scales.get(info.name, (config.default_k_scale, config.default_v_scale))
         specs.append(
@@ -137,6 +159,7 @@ def resolve_layer_specs(
                 and info.name not in scales
                 and (config.default_k_scale, config.default_v_scale) == (1.0, 1.0),
                 k_channel=channels.get(info.name),
+                k_basis=bases.get(info.name),
             )
         )
     return tuple(specs)
@@ -268,4 +291,46 @@ def _resolve_k_channels(
                 "score by q . mean change the softmax; give that layer a scale without a mean"
             )
         out[name] = ch
+    return out
+
+
+def _check_tc4_layer(idx: int, info: AttentionLayerInfo, bases: dict[str, KBasis]) -> None:
+    """A ``tc4_per_token_head`` layer: head size a multiple of 16, and its ``KBasis`` given."""
+    if info.head_size % TC4_HEAD_MULTIPLE:
+        raise ValueError(
+            f"layer {idx} ({info.name!r}): mode 'tc4_per_token_head' packs the one-bit codes "
+            "of half the channels 8 to a byte (D / 16 bytes), so its head size must be a "
+            f"multiple of {TC4_HEAD_MULTIPLE}, got {info.head_size}; give this layer another "
+            "mode in layer_modes"
+        )
+    if info.name not in bases:
+        raise ValueError(
+            f"layer {idx} ({info.name!r}) has mode 'tc4_per_token_head', which needs the layer's "
+            "calibrated K basis: give it in k_bases (kvq eval: tc4_per_token_head:basis=calibrate)"
+        )
+
+
+def _resolve_k_bases(
+    config: KVCacheConfig, layers: Sequence[AttentionLayerInfo], modes: Sequence[KVQuantMode]
+) -> dict[str, KBasis]:
+    """Layer name -> its ``KBasis``: tc4 layers only, of the layer's [KH, D, D] shape."""
+    names = [li.name for li in layers]
+    out: dict[str, KBasis] = {}
+    for key, basis in config.k_bases:
+        name = _layer_of_key(key, names, "k_bases")
+        if name in out:
+            raise ValueError(f"k_bases gives layer {name!r} twice (by index and by name)")
+        info, mode = layers[names.index(name)], modes[names.index(name)]
+        if not mode.transform_coded:
+            raise ValueError(
+                f"k_bases gives layer {name!r}, whose mode is {mode.value!r}; a K basis is for "
+                "tc4_per_token_head layers only (drop the entry or give the layer that mode)"
+            )
+        want = (info.num_kv_heads, info.head_size, info.head_size)
+        if basis.shape != want:
+            raise ValueError(
+                f"k_bases for layer {name!r} is {basis.shape}; expected (num_kv_heads, head_size, "
+                f"head_size) = {want}"
+            )
+        out[name] = basis
     return out

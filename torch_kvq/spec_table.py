@@ -114,7 +114,7 @@ def format_spec_table(
                 str(s.cache_bytes_per_token),
                 str(s.scale_bytes_per_token),
                 k_cell(s),
-                "per token" if s.mode.per_token_head else scale_cell(s, s.v_scale),
+                v_cell(s),
                 *[extra.get(s.name, {}).get(c, "") for c in extra_cols],
             ]
         )
@@ -129,10 +129,20 @@ def format_spec_table(
 
 def k_cell(spec: LayerKVSpec) -> str:
     """The k_scale column: the per-tensor scale, ``per token``, or ``per token, channels`` and
-    how (``scaled`` / ``scaled+centred``) for an int4 layer with K channel scales."""
+    how (``scaled`` / ``scaled+centred``) for an int4 layer with K channel scales, or ``per
+    group, basis`` and its digest for a tc4 layer."""
     if spec.k_channel is not None:
         return f"per token, channels {spec.k_channel.kind}"
+    if spec.k_basis is not None:  # tc4: every such layer has one
+        return f"per group, {spec.k_basis.label}"
     return "per token" if spec.mode.per_token_head else scale_cell(spec, spec.k_scale)
+
+
+def v_cell(spec: LayerKVSpec) -> str:
+    """The v_scale column: the per-tensor scale, ``per token``, or ``per group`` (tc4)."""
+    if spec.mode.transform_coded:
+        return "per group"
+    return "per token" if spec.mode.per_token_head else scale_cell(spec, spec.v_scale)
 
 
 def scale_cell(spec: LayerKVSpec, scale: float) -> str:

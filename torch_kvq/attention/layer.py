@@ -14,10 +14,12 @@ from torch import nn
 
 from torch_kvq.attention import ops as _ops  # noqa: F401  (registers torch.ops.kvq.*)
 from torch_kvq.attention import ops_per_token_head as _ops_pth  # noqa: F401  (likewise)
+from torch_kvq.attention import ops_tc as _ops_tc  # noqa: F401  (likewise)
 from torch_kvq.attention import registry
+from torch_kvq.attention.k_basis import basis_qk, inverse_transpose
 from torch_kvq.attention.k_channels import scale_qk
 from torch_kvq.attention.quant import FP8_MAX, quantize_fp8, quantize_per_token_head
-from torch_kvq.spec import LayerKVSpec, check_positive_int
+from torch_kvq.spec import LayerKVSpec, check_positive_int, tc4_aux_width
 
 QuantForm = Literal["op", "torch"]
 
@@ -55,6 +57,13 @@ class Attention(nn.Module):
     ``k_channel_scale`` and ``k_channel_mean`` [KH, D] float32 (the mean None when not centred),
     and starts its flow with ``k_channels.scale_qk``: q * s and (k - mean) / s, plain pointwise
     ops that a compiled graph fuses into the ops that made q and k.
+
+    ``tc4_per_token_head`` (``ops_tc``): ``kv_cache`` uint8 [pages, 2, page, KH, D / 2] (k's codes
+    in its basis, v's), ``kv_scale`` uint8 [pages, KH, tc4_aux_width(D), page] (each (token, kv
+    head)'s group scales, zero points and v's fifth bits). The layer holds its ``spec.k_basis``
+    as ``k_basis`` P and ``k_basis_inv_t`` P^-T [KH, D, D] float32 and starts its flow with
+    ``k_basis.basis_qk`` (P k, P^-T q); the read gives k in that basis and v in the model's, so
+    attention needs nothing more. ``quant_form="op"`` only.
     """
 
     def __init__(
@@ -88,20 +97,29 @@ class Attention(nn.Module):
         # per-(token, head) modes: one fp32 scale per (token, kv head) for k and for v, a page's
         # scales of one head contiguous; None for the other modes
         self.kv_scale: torch.Tensor | None
-        scale_shape = (num_pages, 2, spec.num_kv_heads, spec.page_size)
-        self.register_buffer(
-            "kv_scale",
-            torch.zeros(scale_shape, dtype=torch.float32, device=device)
-            if spec.mode.per_token_head
-            else None,
-            persistent=False,
-        )
+        scale = None
+        if spec.mode.per_token_head:
+            scale_shape = (num_pages, 2, spec.num_kv_heads, spec.page_size)
+            scale = torch.zeros(scale_shape, dtype=torch.float32, device=device)
+        elif spec.mode.transform_coded:
+            aux = tc4_aux_width(spec.head_size)
+            scale_shape = (num_pages, spec.num_kv_heads, aux, spec.page_size)
+            scale = torch.zeros(scale_shape, dtype=torch.uint8, device=device)
+        self.register_buffer("kv_scale", scale, persistent=False)
         self.k_channel_scale: torch.Tensor | None
         self.k_channel_mean: torch.Tensor | None
         ch = spec.k_channel
         for name, rows in (("scale", ch and ch.scale), ("mean", ch and ch.mean)):
             value = None if rows is None else torch.tensor(rows, dtype=torch.float32, device=device)
             self.register_buffer(f"k_channel_{name}", value, persistent=False)
+        self.k_basis: torch.Tensor | None
+        self.k_basis_inv_t: torch.Tensor | None
+        p = None if spec.k_basis is None else spec.k_basis.matrix()
+        p_inv_t = None if p is None else inverse_transpose(p)
+        for name, value in (("k_basis", p), ("k_basis_inv_t", p_inv_t)):
+            self.register_buffer(
+                name, None if value is None else value.to(device), persistent=False
+            )
         registry.register(self)
 
     def extra_repr(self) -> str:
@@ -110,6 +128,7 @@ class Attention(nn.Module):
             f"{s.name!r}, mode={s.mode.value}, cache={tuple(self.kv_cache.shape)} {s.storage_dtype}"
             + ("" if self.kv_scale is None else f", kv_scale={tuple(self.kv_scale.shape)}")
             + ("" if s.k_channel is None else f", k_channel={s.k_channel.label}")
+            + ("" if s.k_basis is None else f", k_basis={s.k_basis.label}")
         )
 
     def _quantize(self, x: torch.Tensor, scale: float) -> torch.Tensor:
@@ -150,6 +169,15 @@ class Attention(nn.Module):
         spec = self.spec
         if self.k_channel_scale is not None:
             q, k = scale_qk(q, k, self.k_channel_scale, self.k_channel_mean)
+        if self.k_basis is not None:
+            q, k = basis_qk(q, k, self.k_basis, self.k_basis_inv_t)
+            kc, ka = torch.ops.kvq.quantize_tc(k, "k")
+            vc, va = torch.ops.kvq.quantize_tc(v, "v")
+            torch.ops.kvq.cache_write_tc(kc, vc, ka, va, self.kv_cache, self.kv_scale, spec.name)
+            kv = torch.ops.kvq.dequantize_kv_cache_tc(
+                self.kv_cache, self.kv_scale, spec.name, torch.float32
+            )
+            return torch.ops.kvq.paged_attention(q, kv, spec.name)
         if spec.mode.per_token_head:
             kc, ks = self._quantize_per_token_head(k, spec.mode.k_format)
             vc, vs = self._quantize_per_token_head(v, spec.mode.v_format)

@@ -110,31 +110,42 @@ def calibration_settings():  # -> EvalSettings
 
 
 def with_channels(lm: Any, tok: Any, kv: Any, cfg: Any, bar: Any, memo: dict) -> Any:
-    """``cfg`` with the K channel scales ``kv``'s ``channels=`` names: read from its file, or
-    calibrated on ``calibration_settings``' sample (kept in ``memo``, one per model); ``cfg``
-    itself without the option."""
+    """``cfg`` with the K channel scales ``kv``'s ``channels=`` names (read from its file, or
+    calibrated on ``calibration_settings``' sample) and the K bases its ``basis=calibrate`` asks
+    for; calibrations are kept in ``memo`` (one per model and kind); ``cfg`` itself without
+    either option."""
     from torch_kvq.evaluation.kv_arg import CALIBRATE
 
-    if kv.channels is None:
-        return cfg
     try:
         if kv.channels == CALIBRATE:
-            if CALIBRATE not in memo:
-                from torch_kvq.evaluation import corpus
-                from torch_kvq.evaluation.calibrate import k_channel_scales
-                from torch_kvq.evaluation.eval import eval_data
+            from torch_kvq.evaluation.calibrate import k_channel_scales
 
-                bar.update(status="calibrating K channel scales")
-                data = eval_data(tok, calibration_settings(), corpus.split("calibration"))
-                memo[CALIBRATE] = k_channel_scales(lm, data.windows)
-            table = memo[CALIBRATE]
-        else:
+            table = _calibrated(lm, tok, bar, memo, "K channel scales", k_channel_scales)
+            cfg = lm.with_k_channels(cfg, table)
+        elif kv.channels is not None:
             from torch_kvq.integrations.hf_scales import checkpoint_k_channel_scales
 
             table = checkpoint_k_channel_scales(kv.channels, list(lm.layer_paths.values()))
-        return lm.with_k_channels(cfg, table)
+            cfg = lm.with_k_channels(cfg, table)
+        if kv.basis == CALIBRATE:
+            from torch_kvq.evaluation.calibrate import k_bases
+
+            cfg = lm.with_k_bases(cfg, _calibrated(lm, tok, bar, memo, "K bases", k_bases))
+        return cfg
     except ValueError as e:
         raise ValueError(f"--kv {kv.spec!r}: {e}") from None
+
+
+def _calibrated(lm: Any, tok: Any, bar: Any, memo: dict, what: str, fn: Any) -> Any:
+    """``fn(lm, windows)`` on the calibration sample, once per ``what`` (kept in ``memo``)."""
+    if what not in memo:
+        from torch_kvq.evaluation import corpus
+        from torch_kvq.evaluation.eval import eval_data
+
+        bar.update(status=f"calibrating {what}")
+        data = eval_data(tok, calibration_settings(), corpus.split("calibration"))
+        memo[what] = fn(lm, data.windows)
+    return memo[what]
 
 
 def run(args: argparse.Namespace) -> int:
@@ -151,7 +162,7 @@ def run(args: argparse.Namespace) -> int:
     check_out_paths(args.json, args.plot)
     kernels = args.kernel or ["reference"]
     kvs = [parse_kv(t) for t in (args.kv or ["fp8"])]
-    calibrate = any(kv.channels == CALIBRATE for kv in kvs)
+    calibrate = any(CALIBRATE in (kv.channels, kv.basis) for kv in kvs)
     settings = EvalSettings(**{name: getattr(args, name) for name in SETTINGS})
     gpu = any(k != "reference" for k in kernels)
     device = args.device or ("cuda" if gpu else "cpu")
@@ -176,7 +187,7 @@ def run(args: argparse.Namespace) -> int:
             )
             data[str(source)] = eval_data(tok, settings, texts)
             paths = list(lm.layer_paths.values())
-            memo: dict = {}  # this model's calibrated K channel scales
+            memo: dict = {}  # this model's calibrated K channel scales and K bases
             configs = [
                 (
                     kv.name,

@@ -32,12 +32,13 @@ from pathlib import Path
 
 import torch
 
+from torch_kvq.attention.k_basis import BasisStats
 from torch_kvq.attention.k_channels import ChannelStats
 from torch_kvq.attention.layer import Attention
 from torch_kvq.attention.quant import FP8_MAX
 from torch_kvq.evaluation.eval import teacher_forced_ppl
 from torch_kvq.spec import KVCacheConfig
-from torch_kvq.spec_channels import KChannelScale
+from torch_kvq.spec_channels import KBasis, KChannelScale
 
 
 @dataclass(frozen=True)
@@ -148,6 +149,20 @@ def k_channel_scales(
     return out
 
 
+@torch.no_grad()
+def k_bases(lm: torch.nn.Module, windows: Sequence[Sequence[int]]) -> dict[str, KBasis]:
+    """HF attention path -> the layer's ``KBasis`` (``tc4_per_token_head``), from prefilling
+    ``windows`` with a model-dtype cache; q and k as the ``Attention`` layer gets them
+    (post-RoPE)."""
+    seen: dict[str, BasisStats] = {}
+
+    def hook(mod: Attention, args: tuple[torch.Tensor, ...]) -> None:
+        seen.setdefault(mod.layer_name, BasisStats()).add(args[0], args[1])
+
+    _prefill_with(lm, windows, hook)
+    return {path: seen[name].basis() for name, path in lm.layer_paths.items()}
+
+
 def _summary(x: torch.Tensor, percentiles: Sequence[str]) -> dict[str, float]:
     out = {"amax": float(x.max())}
     srt = torch.sort(x).values
@@ -208,6 +223,7 @@ __all__ = [
     "DEFAULT_METHOD",
     "LayerStats",
     "Method",
+    "k_bases",
     "k_channel_scales",
     "kv_stats",
     "scale_of",

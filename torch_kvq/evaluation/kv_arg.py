@@ -12,6 +12,9 @@
   from a safetensors file (``P.k_channel_scale`` / ``P.k_channel_mean``, what ``kvq calibrate``
   writes); ``channels=calibrate``: calibrated on the corpus's calibration split first (``kvq
   eval``). A config with no int4 layer refuses it;
+- ``basis=calibrate``: the K basis of the ``tc4_per_token_head`` layers (``spec_channels.KBasis``),
+  calibrated on the corpus's calibration split first (``kvq eval``); every such layer needs one.
+  A config with no tc4 layer refuses it;
 - ``map=RULE:MODE[,RULE:MODE...]``: a per-layer mode map (``parse_kv_map``; the last option: it
   takes the rest of ``SPEC``), e.g. ``auto:map=0:fp8,full_attention:int8_per_token_head``.
 
@@ -29,8 +32,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-OPTIONS = ("skip", "scales", "scale", "k_scale", "v_scale", "channels", "map")
-CALIBRATE = "calibrate"  # channels=calibrate
+OPTIONS = ("skip", "scales", "scale", "k_scale", "v_scale", "channels", "basis", "map")
+CALIBRATE = "calibrate"  # channels=calibrate, basis=calibrate
 
 
 @dataclass(frozen=True)
@@ -51,6 +54,7 @@ class KVArg:
     default_v_scale: float = 1.0
     preset: str | None = None  # a kv_presets name (then the fields above are unused)
     channels: Path | str | None = None  # K channel scales: a file, or CALIBRATE
+    basis: str | None = None  # tc4 layers' K bases: CALIBRATE
 
     def config(
         self, page_size: int, layer_paths: list[str] | None = None, model: str | None = None
@@ -202,6 +206,10 @@ def parse_kv(text: str) -> KVArg:
             kw["scales"] = path
         elif key == "channels":
             kw["channels"] = _channels(value, text)
+        elif key == "basis":
+            if value != CALIBRATE:
+                raise ValueError(f"--kv {text!r}: basis={value!r}; expected basis={CALIBRATE}")
+            kw["basis"] = CALIBRATE
         elif key == "scale":
             kw["default_k_scale"] = kw["default_v_scale"] = _float(key, value, text)
         else:

@@ -64,8 +64,8 @@ from torch_kvq.spec import (
     KVQuantMode,
     check_positive_int,
 )
-from torch_kvq.spec_channels import KChannelScale
-from torch_kvq.spec_resolve import resolve_layer_specs
+from torch_kvq.spec_channels import KBasis, KChannelScale
+from torch_kvq.spec_resolve import layer_modes, resolve_layer_specs
 
 
 def _layer_names(paths: list[str], prefix: str | None) -> list[str]:
@@ -227,6 +227,15 @@ class KVQCausalLM(PagedKV):
         }
         return replace(cfg, k_channel_scales=_int4_channels(channels, int4))
 
+    def with_k_bases(self, cfg: KVCacheConfig, bases: Mapping[str, KBasis]) -> KVCacheConfig:
+        """``cfg`` with ``bases`` (HF path -> ``KBasis``, e.g. ``calibrate.k_bases``'s) as the K
+        bases of its ``tc4_per_token_head`` layers. ValueError if ``cfg`` has no such layer or
+        ``bases`` misses one of them."""
+        modes = layer_modes(self._layer_config(cfg), self.layer_infos(), self.dtype)
+        tc4 = {p for p, m in zip(self.layer_paths.values(), modes) if m.transform_coded}
+        table = _layer_table(bases, tc4, "K bases", "tc4_per_token_head", "basis=calibrate")
+        return replace(cfg, k_bases=table)
+
     def layer_infos(self) -> list[AttentionLayerInfo]:
         """What HF passed each attention layer in the dry run (no quantization choices)."""
         return [_layer_info(name, c) for name, c in zip(self.layer_paths, self._calls)]
@@ -244,7 +253,8 @@ class KVQCausalLM(PagedKV):
             return cfg
         scales = tuple((by_path.get(k, k), v) for k, v in cfg.kv_scales)  # type: ignore[arg-type]
         channels = tuple((by_path.get(k, k), c) for k, c in cfg.k_channel_scales)  # type: ignore[arg-type]
-        return replace(_with_scales(cfg, dict(scales)), k_channel_scales=channels)
+        bases = tuple((by_path.get(k, k), b) for k, b in cfg.k_bases)  # type: ignore[arg-type]
+        return replace(_with_scales(cfg, dict(scales)), k_channel_scales=channels, k_bases=bases)
 
     # --- forward -----------------------------------------------------------------------------
 
@@ -349,18 +359,26 @@ def _int4_channels(
     channels: Mapping[str, KChannelScale], int4: set[str]
 ) -> tuple[tuple[str, KChannelScale], ...]:
     """The entries of ``channels`` for the int4 layers (HF paths ``int4``), every one of them."""
-    if not int4:
+    return _layer_table(channels, int4, "K channel scales", "int4_per_token_head", "kvq calibrate")
+
+
+def _layer_table(
+    table: Mapping[str, Any], paths: set[str], what: str, mode: str, how: str
+) -> tuple:
+    """The entries of ``table`` (HF path -> value) for the layers of ``mode`` (HF paths
+    ``paths``), every one of them; ValueError when there is no such layer or one is missed."""
+    if not paths:
         raise ValueError(
-            "K channel scales were given, but no layer of this KV config is int4_per_token_head "
-            "(the only mode they apply to)"
+            f"{what} were given, but no layer of this KV config is {mode} (the only mode they "
+            "apply to)"
         )
-    missing = sorted(int4 - set(channels))
+    missing = sorted(paths - set(table))
     if missing:
         raise ValueError(
-            f"the K channel scales miss {len(missing)} of the {len(int4)} int4_per_token_head "
-            f"layers, e.g. {missing[0]!r}; calibrate them for this model (kvq calibrate)"
+            f"the {what} miss {len(missing)} of the {len(paths)} {mode} layers, e.g. "
+            f"{missing[0]!r}; calibrate them for this model ({how})"
         )
-    return tuple((p, c) for p, c in channels.items() if p in int4)
+    return tuple((p, c) for p, c in table.items() if p in paths)
 
 
 def _with_scales(

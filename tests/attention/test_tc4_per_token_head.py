@@ -1,0 +1,212 @@
+"""``tc4_per_token_head`` (issue 33) on the CPU: k through the layer's calibrated basis P at
+6 / 4 / 3 bits by the coordinates' weight, v's halves rotated at 5 / 4 bits, fp16 group scales
+(math: ``attention/quant_tc.py``, test_quant_tc.py; the basis: ``attention/k_basis.py``). The
+mode, its cache and bytes, the reference path against attention over the round-tripped k and v,
+the basis leaving scores unchanged, its calibration, compiled == eager, tensor-parallel rows and
+the refusals."""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import replace
+
+import pytest
+import torch
+
+from tests.support.passes import AttnQuantModel, make_batch, pages_for, qkv
+from torch_kvq.attention import Attention, ReferenceKernel, forward_context, quant_tc
+from torch_kvq.attention.k_basis import BasisStats, basis_qk, group_rotation, inverse_transpose
+from torch_kvq.attention.memory import page_bytes
+from torch_kvq.distributed import shard_specs
+from torch_kvq.passes import make_kvq_backend
+from torch_kvq.spec import AttentionLayerInfo, KVCacheConfig, KVQuantMode, tc4_aux_width
+from torch_kvq.spec_channels import KBasis
+from torch_kvq.spec_resolve import resolve_layer_specs
+
+MODE = "tc4_per_token_head"
+PAGE = 16  # tests.support.passes' PAGE_SIZE
+_ids = itertools.count()  # live layers need distinct names
+
+
+def basis(kh: int = 2, d: int = 32, seed: int = 0) -> KBasis:
+    g = torch.Generator().manual_seed(seed)
+    return KBasis.of(torch.eye(d) + torch.randn(kh, d, d, generator=g) / d**0.5)
+
+
+def specs(dtype: torch.dtype = torch.float32, n: int = 1, **kw):
+    tag = next(_ids)
+    infos = [AttentionLayerInfo(f"tc{tag}.l{i}", 8, 2, 32) for i in range(n)]
+    cfg = KVCacheConfig(MODE, page_size=PAGE, k_bases=((0, basis()),), **kw)
+    return resolve_layer_specs(cfg, infos, dtype)
+
+
+def test_mode_spec_and_bytes() -> None:
+    mode = KVQuantMode(MODE)
+    assert mode.transform_coded and not mode.per_token_head and mode.code_dtype == torch.uint8
+    assert (mode.cache_slots, mode.codes_per_byte) == (2, 2)
+    info = AttentionLayerInfo("x", 8, 2, 128)
+    (spec,) = resolve_layer_specs(
+        KVCacheConfig(MODE, page_size=16, k_bases=(("x", basis(d=128)),)), [info]
+    )
+    # per kv head: k's 64 code bytes, v's 64, the side row's 23 (scales, zero points, v's 5th bits)
+    assert tc4_aux_width(128) == quant_tc.aux_width(128) == 23
+    assert spec.cache_bytes_per_token == 2 * (64 + 64 + 23) == 2 * 151
+    assert page_bytes(spec) == 16 * 302  # the memory planner counts codes plus side rows
+    assert spec.as_dict()["k_basis"] == spec.k_basis.label  # a digest, not the numbers
+
+
+def test_layer_equals_attention_over_the_round_tripped_k_and_v() -> None:
+    """The layer's cache holds quant_tc's codes of P k and of v at the batch's slots, and its
+    output is, bit for bit, a model-dtype layer's given P^-T q and the round-tripped P k and v."""
+    (spec,) = specs()
+    (plain_spec,) = resolve_layer_specs(
+        KVCacheConfig("auto", page_size=PAGE),
+        [AttentionLayerInfo(f"plain{next(_ids)}", 8, 2, 32)],
+        torch.float32,
+    )
+    plan = [(0, 5), (3, 1), (0, 2)]
+    md, (q, k, v) = make_batch(plan, pages_for(plan)), qkv(8, (8, 2), 32, torch.float32)
+    tc4, plain = Attention(spec, pages_for(plan)), Attention(plain_spec, pages_for(plan))
+    assert tc4.kv_cache.shape == (pages_for(plan), 2, PAGE, 2, 16)
+    assert tc4.kv_scale.dtype == torch.uint8 and tc4.kv_scale.shape[1:] == (2, 17, PAGE)
+    p = spec.k_basis.matrix()
+    assert torch.equal(tc4.k_basis, p)
+    qb, kb = basis_qk(q, k, p, inverse_transpose(p))
+    kc, ka = quant_tc.quantize_k(kb)
+    vc, va = quant_tc.quantize_v(v)
+    with torch.no_grad(), forward_context(md, (plain_spec,), ReferenceKernel()):
+        want = plain(qb, quant_tc.dequantize_k(kc, ka), quant_tc.dequantize_v(vc, va))
+    with torch.no_grad(), forward_context(md, (spec,), ReferenceKernel()):
+        got = tc4(q, k, v)
+    assert torch.equal(got, want)
+    slots = md.slot_mapping
+    pages, offs = slots // PAGE, slots % PAGE
+    assert torch.equal(tc4.kv_cache[pages, 0, offs], kc)
+    assert torch.equal(tc4.kv_cache[pages, 1, offs], vc)
+    assert torch.equal(tc4.kv_scale[pages, :, :, offs], quant_tc.join_aux(ka, va))
+    assert "k_basis=basis" in repr(tc4)
+
+
+def test_the_basis_leaves_every_score_unchanged() -> None:
+    """(P^-T q) . (P k) = q . k: only the cache sees other values."""
+    g = torch.Generator().manual_seed(1)
+    q, k = torch.randn(5, 8, 32, generator=g), torch.randn(7, 2, 32, generator=g)
+    p = basis().matrix()
+    qb, kb = basis_qk(q, k, p, inverse_transpose(p))  # fp32
+    rep = lambda x: x.repeat_interleave(4, 1)  # noqa: E731  (query head h reads kv head h // 4)
+    before = torch.einsum("thd,uhd->htu", q.double(), rep(k).double())
+    after = torch.einsum("thd,uhd->htu", qb.double(), rep(kb).double())
+    torch.testing.assert_close(after, before, rtol=1e-4, atol=1e-4)
+    assert not torch.allclose(kb, k)
+
+
+def test_calibrated_basis_sorts_the_weight_and_folds_the_group_rotations() -> None:
+    """BasisStats' P = R T: T's coordinates have E[q'^2] = E[k'^2] = sigma, descending (the
+    balanced basis), and R is orthogonal and block-diagonal over K's groups."""
+    g = torch.Generator().manual_seed(2)
+    mix = torch.randn(32, 32, generator=g) * torch.logspace(0, -2, 32)
+    k = torch.randn(4096, 1, 32, generator=g) @ mix.T
+    q = torch.randn(4096, 4, 32, generator=g) @ torch.randn(32, 32, generator=g).T
+    stats = BasisStats()
+    stats.add(q, k)
+    p = stats.basis().matrix().double()[0]
+    r = group_rotation(32)
+    torch.testing.assert_close(r @ r.T, torch.eye(32, dtype=torch.float64))
+    assert r[:8, 8:].abs().max() == 0 and r[16:, :16].abs().max() == 0
+    t = r.T @ p
+    kt = k[:, 0].double() @ t.T
+    qt = q.reshape(-1, 32).double() @ torch.linalg.inv(t)  # P^-T q, rows
+    ek, eq = kt.square().mean(0), qt.square().mean(0)
+    # balanced (P is kept in fp32: the smallest coordinates only to 1e-3 of the largest)
+    torch.testing.assert_close(ek, eq, rtol=1e-2, atol=1e-3 * float(ek.max()))
+    assert (ek[:-1] >= ek[1:] * (1 - 1e-6)).all()  # sorted, largest first
+    assert ek[:8].sum() > 4 * ek[16:].sum()  # the 6-bit quarter carries the weight here
+
+
+def test_compiled_equals_eager_bit_for_bit_with_nothing_fused() -> None:
+    """A tc4 layer beside a bf16 one, compiled with the kvq passes: outputs, caches and side rows
+    equal eager's; no fused op reads tc4 caches yet, so the passes fuse nothing for it."""
+    layers = specs(torch.bfloat16, n=2, skip_layers=(1,))
+    plan = [(0, 5), (3, 1), (0, 2)]
+    n = pages_for(plan)
+    model = AttnQuantModel(layers, n)
+    md, inputs = make_batch(plan, n), qkv(8, (8, 2), 32, torch.bfloat16)
+    with torch.no_grad(), forward_context(md, layers, ReferenceKernel()):
+        eager = model(*inputs)
+    a = model.layers[0]
+    want = a.kv_cache.clone(), a.kv_scale.clone()
+    a.kv_cache.zero_()
+    a.kv_scale.zero_()
+    backend = make_kvq_backend(inner="eager")
+    torch._dynamo.reset()
+    with torch.no_grad(), forward_context(md, layers, ReferenceKernel()):
+        compiled = torch.compile(model, backend=backend, fullgraph=True)(*inputs)
+    torch._dynamo.reset()
+    assert backend.managers[-1].last.fused(layers[0].name) == ()
+    for c, e in zip(compiled, eager):
+        assert torch.equal(c.view(torch.uint8), e.view(torch.uint8))
+    assert torch.equal(a.kv_cache, want[0]) and torch.equal(a.kv_scale, want[1])
+    assert want[1].any()
+
+
+def test_tensor_parallel_ranks_hold_their_heads_bases() -> None:
+    from torch_kvq.distributed import TensorParallel
+
+    (spec,) = specs()
+    for rank in (0, 1):
+        (mine,) = shard_specs((spec,), TensorParallel(rank, 2))
+        assert mine.num_kv_heads == 1
+        assert torch.equal(mine.k_basis.matrix()[0], spec.k_basis.matrix()[rank])
+
+
+@pytest.mark.parametrize(
+    ("cfg", "info", "match"),
+    [
+        (KVCacheConfig(MODE), AttentionLayerInfo("x", 8, 2, 32), "needs the layer's calibrated K"),
+        (
+            KVCacheConfig(MODE, k_bases=((0, basis(d=40)),)),
+            AttentionLayerInfo("x", 8, 2, 40),
+            "multiple of 16, got 40",
+        ),
+        (
+            KVCacheConfig("int4_per_token_head", k_bases=((0, basis()),)),
+            AttentionLayerInfo("x", 8, 2, 32),
+            "tc4_per_token_head layers only",
+        ),
+        (
+            KVCacheConfig(MODE, k_bases=((0, basis(kh=1)),)),
+            AttentionLayerInfo("x", 8, 2, 32),
+            r"is \(1, 32, 32\); expected",
+        ),
+    ],
+)
+def test_refusals(cfg, info, match) -> None:
+    with pytest.raises(ValueError, match=match):
+        resolve_layer_specs(cfg, [info])
+
+
+def test_torch_quant_form_is_refused() -> None:
+    (spec,) = specs()
+    with pytest.raises(ValueError, match="no torch-native quant form"):
+        Attention(spec, 4, quant_form="torch")
+
+
+@pytest.mark.parametrize(
+    ("value", "match"),
+    [
+        (torch.randn(2, 4, 5), r"\[num_kv_heads, D, D\]"),
+        (torch.full((1, 2, 2), float("nan")), "finite"),
+        ([[1.0]], "tensor"),
+    ],
+)
+def test_basis_checks_its_values(value, match) -> None:
+    with pytest.raises(ValueError, match=match):
+        KBasis.of(value)
+
+
+def test_config_checks_its_entries() -> None:
+    with pytest.raises(ValueError, match="must be a KBasis"):
+        KVCacheConfig(MODE, k_bases=((0, "basis"),))
+    with pytest.raises(ValueError, match="more than once"):
+        KVCacheConfig(MODE, k_bases=((0, basis()), (0, basis())))
+    assert replace(KVCacheConfig(MODE), k_bases={0: basis()}).k_bases == ((0, basis()),)

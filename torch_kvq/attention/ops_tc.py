@@ -1,0 +1,148 @@
+"""The ``kvq::*`` custom ops of ``TC4_PER_TOKEN_HEAD`` (transform-coded), each traceable under
+torch.compile. Math and layout: ``attention/quant_tc.py``; the K basis: ``attention/k_basis.py``.
+
+A layer's codes live in ``kv_cache`` uint8 [pages, 2, page, KH, D / 2] (slot 0: k's codes in its
+basis, slot 1: v's) and each (token, kv head)'s group scales, zero points and v's fifth bits in
+``kv_scale`` uint8 [pages, KH, tc4_aux_width(D), page]. The layer's flow (reference semantics;
+the passes fuse none of it yet, so a compiled graph runs it as written)::
+
+    q, k = k_basis.basis_qk(q, k, P, P^-T)                  # plain ops, before the flow
+    kc, ka = kvq.quantize_tc(k, "k"); vc, va = kvq.quantize_tc(v, "v")
+    kvq.cache_write_tc(kc, vc, ka, va, kv_cache, kv_scale, layer)   # mutates both
+    kv = kvq.dequantize_kv_cache_tc(kv_cache, kv_scale, layer, float32)  # k in P's basis
+    out = kvq.paged_attention(q, kv, layer)
+
+The read fills only the batch's pages (the layer's page table in the forward context), as the
+per-(token, head) modes' does. The write registers no fake: it returns nothing and declares what
+it mutates.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from torch_kvq.attention import quant_tc
+from torch_kvq.attention.context import get_forward_context
+from torch_kvq.attention.kernels.kv_write import pages_and_offsets
+from torch_kvq.attention.metadata import BatchMetadata
+from torch_kvq.attention.ops import _check, _check_cache, _check_capacity, _new_output
+from torch_kvq.spec import LayerKVSpec, tc4_aux_width
+
+SIDES = ("k", "v")
+
+
+def _check_tc_layer(spec: LayerKVSpec, op: str) -> None:
+    _check(
+        spec.mode.transform_coded,
+        f"layer {spec.name!r} has mode {spec.mode.value}, not tc4_per_token_head; {op} refused",
+    )
+
+
+def _check_tc_cache(
+    spec: LayerKVSpec, kv_cache: Tensor, kv_scale: Tensor, md: BatchMetadata
+) -> None:
+    """Codes uint8 [pages, 2, page, KH, D / 2], side rows uint8 [pages, KH, aux, page], room for
+    the batch."""
+    _check(
+        kv_cache.dtype == torch.uint8,
+        f"layer {spec.name!r}: cache dtype {kv_cache.dtype}, expected torch.uint8 (mode "
+        f"{spec.mode.value})",
+    )
+    _check_cache(spec, kv_cache)
+    want = (kv_cache.shape[0], spec.num_kv_heads, tc4_aux_width(spec.head_size), spec.page_size)
+    _check(
+        kv_scale.dtype == torch.uint8 and tuple(kv_scale.shape) == want,
+        f"layer {spec.name!r}: kv_scale is {kv_scale.dtype} {tuple(kv_scale.shape)}, expected "
+        f"uint8 {want} (pages, kv heads, side row bytes, page)",
+    )
+    _check_capacity(spec, kv_cache, md)
+
+
+def _side(side: str) -> str:
+    _check(side in SIDES, f"side {side!r} unknown; expected 'k' or 'v'")
+    return side
+
+
+@torch.library.custom_op("kvq::quantize_tc", mutates_args=())
+def quantize_tc(x: Tensor, side: str) -> tuple[Tensor, Tensor]:
+    """x [..., D] -> (codes [..., D / 2] uint8, side bytes [..., 9] (k) or [..., 6 + D / 16] (v)
+    uint8): k already in its basis (``quant_tc.quantize_k``), v rotated here
+    (``quant_tc.quantize_v``)."""
+    fn = quant_tc.quantize_k if _side(side) == "k" else quant_tc.quantize_v
+    codes, aux = fn(x)
+    return _new_output(codes, torch.uint8).copy_(codes), _new_output(aux, torch.uint8).copy_(aux)
+
+
+@quantize_tc.register_fake
+def _(x: Tensor, side: str) -> tuple[Tensor, Tensor]:
+    d = x.shape[-1]
+    quant_tc.check_head_size(d)
+    width = (
+        quant_tc.AUX_K_WIDTH if _side(side) == "k" else quant_tc.aux_width(d) - quant_tc.AUX_K_WIDTH
+    )
+    codes = torch.empty((*x.shape[:-1], d // 2), dtype=torch.uint8, device=x.device)
+    aux = torch.empty((*x.shape[:-1], width), dtype=torch.uint8, device=x.device)
+    return codes, aux
+
+
+@torch.library.custom_op("kvq::cache_write_tc", mutates_args=("kv_cache", "kv_scale"))
+def cache_write_tc(
+    k_codes: Tensor,
+    v_codes: Tensor,
+    k_aux: Tensor,
+    v_aux: Tensor,
+    kv_cache: Tensor,
+    kv_scale: Tensor,
+    layer_name: str,
+) -> None:
+    """Write this batch's codes [T, KH, D / 2] into ``kv_cache`` and their side rows into
+    ``kv_scale`` at the batch's slots."""
+    ctx = get_forward_context()
+    spec = ctx.spec(layer_name)
+    _check_tc_layer(spec, "cache_write_tc")
+    md = ctx.metadata_for(spec)
+    _check_tc_cache(spec, kv_cache, kv_scale, md)
+    n, kh, d = ctx.metadata.num_tokens, spec.num_kv_heads, spec.head_size
+    for nm, t, width in (
+        ("k_codes", k_codes, d // 2),
+        ("v_codes", v_codes, d // 2),
+        ("k_aux", k_aux, quant_tc.AUX_K_WIDTH),
+        ("v_aux", v_aux, tc4_aux_width(d) - quant_tc.AUX_K_WIDTH),
+    ):
+        _check(
+            t.dtype == torch.uint8 and tuple(t.shape) == (n, kh, width),
+            f"layer {spec.name!r}: {nm} is {t.dtype} {tuple(t.shape)}, expected uint8 "
+            f"{(n, kh, width)}",
+        )
+    pages, offsets = pages_and_offsets(md.slot_mapping, spec.page_size)
+    kv_cache[pages, 0, offsets] = k_codes
+    kv_cache[pages, 1, offsets] = v_codes
+    kv_scale[pages, :, :, offsets] = quant_tc.join_aux(k_aux, v_aux)
+
+
+@torch.library.custom_op("kvq::dequantize_kv_cache_tc", mutates_args=())
+def dequantize_kv_cache_tc(
+    kv_cache: Tensor, kv_scale: Tensor, layer_name: str, out_dtype: torch.dtype
+) -> Tensor:
+    """The read: the batch's pages dequantized (k in its basis, v un-rotated) into a new
+    [pages, 2, page, KH, D] tensor of ``out_dtype``; other pages unset (module docstring)."""
+    ctx = get_forward_context()
+    spec = ctx.spec(layer_name)
+    _check_tc_layer(spec, "dequantize_kv_cache_tc")
+    md = ctx.metadata_for(spec)
+    _check_tc_cache(spec, kv_cache, kv_scale, md)
+    out = _dequantized(kv_cache, out_dtype)
+    pages = md.kv_indices.long()
+    out[pages] = quant_tc.dequantize_pages(kv_cache[pages], kv_scale[pages]).to(out_dtype)
+    return out
+
+
+@dequantize_kv_cache_tc.register_fake
+def _(kv_cache: Tensor, kv_scale: Tensor, layer_name: str, out_dtype: torch.dtype) -> Tensor:
+    return _dequantized(kv_cache, out_dtype)
+
+
+def _dequantized(kv_cache: Tensor, out_dtype: torch.dtype) -> Tensor:
+    pages, _, page, kh, half = kv_cache.shape
+    return torch.empty((pages, 2, page, kh, 2 * half), dtype=out_dtype, device=kv_cache.device)
