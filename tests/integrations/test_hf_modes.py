@@ -152,3 +152,32 @@ def test_checkpoint_scales_load_for_the_per_tensor_layers_only():
             KVCacheConfig("int8_per_token_head", kv_scales={0: (0.5, 0.5)}),
             num_pages=NUM_PAGES,
         )
+
+
+def test_hf_model_with_a_calibrated_tc4_layer_compiles_to_eager():
+    """tc4_per_token_head next to an int4 layer on a Hugging Face model: its K basis calibrated
+    on the model's own q and k (``calibrate.k_bases``), given per HF path (``with_k_bases``);
+    compiled with the passes equals eager bit for bit; the int4 layer's write and read are fused,
+    the tc4 layer's are not (no fused op reads its cache yet) and the report says why."""
+    from torch_kvq.evaluation.calibrate import k_bases
+
+    lm = KVQCausalLM.from_hf(
+        hf_model("llama", torch.bfloat16), KVCacheConfig(page_size=PAGE_SIZE), num_pages=NUM_PAGES
+    )
+    g = torch.Generator().manual_seed(0)
+    windows = torch.randint(0, lm.config.vocab_size, (2, 24), generator=g).tolist()
+    table = k_bases(lm, windows)
+    assert sorted(table) == sorted(lm.layer_paths.values())
+    modes = ((0, "tc4_per_token_head"), (1, "int4_per_token_head"))
+    cfg = lm.with_k_bases(KVCacheConfig("auto", layer_modes=modes, page_size=PAGE_SIZE), table)
+    assert [p for p, _ in cfg.k_bases] == [lm.layer_paths[lm.kv_specs[0].name]]
+    lm.configure_kv(cfg)
+    tc4 = lm.attention_layers[0]
+    assert tc4.kv_scale.dtype == torch.uint8 and tc4.k_basis is not None
+    rep = _compiled_equals_eager(lm)
+    assert set(rep.layers_fused("quant+write")) == {lm.kv_specs[1].name}
+    why = rep.per_layer[lm.kv_specs[0].name]["fuse_dequant_attention"]
+    assert "no fused op writes or reads tc4_per_token_head" in why
+    with pytest.raises(ValueError, match="no layer of this KV config is tc4_per_token_head"):
+        lm.with_k_bases(KVCacheConfig("fp8"), table)
+    lm.detach()
