@@ -2,8 +2,8 @@
 6 / 4 / 3 bits by the coordinates' weight, v's halves rotated at 5 / 4 bits, fp16 group scales
 (math: ``attention/quant_tc.py``, test_quant_tc.py; the basis: ``attention/k_basis.py``). The
 mode, its cache and bytes, the reference path against attention over the round-tripped k and v,
-the basis leaving scores unchanged, its calibration, compiled == eager, tensor-parallel rows and
-the refusals."""
+the basis leaving scores unchanged, its calibration, the fused ops (the passes' rewrite, compiled ==
+eager bit for bit), tensor-parallel rows and the refusals."""
 
 from __future__ import annotations
 
@@ -13,12 +13,18 @@ from dataclasses import replace
 import pytest
 import torch
 
-from tests.support.passes import AttnQuantModel, make_batch, pages_for, qkv
+from tests.support.attention import opcheck
+from tests.support.passes import (
+    AttnQuantModel,
+    check_compiled_equals_eager,
+    make_batch,
+    pages_for,
+    qkv,
+)
 from torch_kvq.attention import Attention, ReferenceKernel, forward_context, quant_tc
 from torch_kvq.attention.k_basis import BasisStats, basis_qk, group_rotation, inverse_transpose
 from torch_kvq.attention.memory import page_bytes
 from torch_kvq.distributed import shard_specs
-from torch_kvq.passes import make_kvq_backend
 from torch_kvq.spec import AttentionLayerInfo, KVCacheConfig, KVQuantMode, tc4_aux_width
 from torch_kvq.spec_channels import KBasis
 from torch_kvq.spec_resolve import resolve_layer_specs
@@ -123,30 +129,67 @@ def test_calibrated_basis_sorts_the_weight_and_folds_the_group_rotations() -> No
     assert ek[:8].sum() > 4 * ek[16:].sum()  # the 6-bit quarter carries the weight here
 
 
-def test_compiled_equals_eager_bit_for_bit_with_nothing_fused() -> None:
-    """A tc4 layer beside a bf16 one, compiled with the kvq passes: outputs, caches and side rows
-    equal eager's; no fused op reads tc4 caches yet, so the passes fuse nothing for it."""
+def test_compiled_fuses_and_equals_eager_bit_for_bit() -> None:
+    """A tc4 layer beside a bf16 one, compiled with the kvq passes: its write becomes
+    ``kvq.quant_cache_write_tc`` and its read ``kvq.paged_attention_tc`` (the reference kernel
+    reading the codes and side rows in place), and outputs, caches and side rows equal eager's
+    bit for bit."""
     layers = specs(torch.bfloat16, n=2, skip_layers=(1,))
     plan = [(0, 5), (3, 1), (0, 2)]
     n = pages_for(plan)
     model = AttnQuantModel(layers, n)
     md, inputs = make_batch(plan, n), qkv(8, (8, 2), 32, torch.bfloat16)
-    with torch.no_grad(), forward_context(md, layers, ReferenceKernel()):
-        eager = model(*inputs)
-    a = model.layers[0]
-    want = a.kv_cache.clone(), a.kv_scale.clone()
-    a.kv_cache.zero_()
-    a.kv_scale.zero_()
-    backend = make_kvq_backend(inner="eager")
-    torch._dynamo.reset()
-    with torch.no_grad(), forward_context(md, layers, ReferenceKernel()):
-        compiled = torch.compile(model, backend=backend, fullgraph=True)(*inputs)
-    torch._dynamo.reset()
-    assert backend.managers[-1].last.fused(layers[0].name) == ()
-    for c, e in zip(compiled, eager):
-        assert torch.equal(c.view(torch.uint8), e.view(torch.uint8))
-    assert torch.equal(a.kv_cache, want[0]) and torch.equal(a.kv_scale, want[1])
-    assert want[1].any()
+    check_compiled_equals_eager(layers, model, md, inputs)
+
+
+def test_fused_ops_equal_the_unfused_flow() -> None:
+    """The fused write leaves the caches the unfused ops leave, and the fused attention returns
+    the unfused read's attention, bit for bit (eager, outside any graph)."""
+    (spec,) = specs()
+    plan = [(0, 5), (3, 1), (0, 2)]
+    md, (q, k, v) = make_batch(plan, pages_for(plan)), qkv(8, (8, 2), 32, torch.float32)
+    a = Attention(spec, pages_for(plan))
+    b_cache, b_scale = torch.zeros_like(a.kv_cache), torch.zeros_like(a.kv_scale)
+    ops = torch.ops.kvq
+    with torch.no_grad(), forward_context(md, (spec,), ReferenceKernel()):
+        kc, ka = ops.quantize_tc(k, "k")
+        vc, va = ops.quantize_tc(v, "v")
+        ops.cache_write_tc(kc, vc, ka, va, a.kv_cache, a.kv_scale, spec.name)
+        kv = ops.dequantize_kv_cache_tc(a.kv_cache, a.kv_scale, spec.name, torch.float32)
+        want = ops.paged_attention(q, kv, spec.name)
+        ops.quant_cache_write_tc(k, v, b_cache, b_scale, spec.name)
+        got = ops.paged_attention_tc(q, b_cache, b_scale, spec.name)
+    assert torch.equal(a.kv_cache, b_cache) and torch.equal(a.kv_scale, b_scale)
+    assert b_scale.any()
+    assert torch.equal(got, want)
+
+
+def test_opcheck() -> None:
+    """Every tc4 op's fake agrees with its real implementation (torch.library.opcheck)."""
+    (spec,) = specs()
+    plan = [(0, 5), (3, 1), (0, 2)]
+    md, (q, k, v) = make_batch(plan, pages_for(plan)), qkv(8, (8, 2), 32, torch.float32)
+    a = Attention(spec, pages_for(plan))
+    ops = torch.ops.kvq
+    with torch.no_grad(), forward_context(md, (spec,), ReferenceKernel()):
+        kc, ka = ops.quantize_tc(k, "k")
+        vc, va = ops.quantize_tc(v, "v")
+        cache, side = a.kv_cache.clone(), a.kv_scale.clone()
+        ops.cache_write_tc(kc, vc, ka, va, cache, side, spec.name)
+        cases = [
+            (ops.quantize_tc.default, (k, "k")),
+            (ops.quantize_tc.default, (v, "v")),
+            (ops.cache_write_tc.default, (kc, vc, ka, va, *_clones(a), spec.name)),
+            (ops.dequantize_kv_cache_tc.default, (cache, side, spec.name, torch.float32)),
+            (ops.quant_cache_write_tc.default, (k, v, *_clones(a), spec.name)),
+            (ops.paged_attention_tc.default, (q, cache, side, spec.name)),
+        ]
+        for op, args in cases:
+            opcheck(op, args)
+
+
+def _clones(a: Attention) -> tuple[torch.Tensor, torch.Tensor]:
+    return a.kv_cache.clone(), a.kv_scale.clone()
 
 
 def test_tensor_parallel_ranks_hold_their_heads_bases() -> None:

@@ -157,8 +157,7 @@ def test_checkpoint_scales_load_for_the_per_tensor_layers_only():
 def test_hf_model_with_a_calibrated_tc4_layer_compiles_to_eager():
     """tc4_per_token_head next to an int4 layer on a Hugging Face model: its K basis calibrated
     on the model's own q and k (``calibrate.k_bases``), given per HF path (``with_k_bases``);
-    compiled with the passes equals eager bit for bit; the int4 layer's write and read are fused,
-    the tc4 layer's are not (no fused op reads its cache yet) and the report says why."""
+    compiled with the passes equals eager bit for bit, both layers' writes and reads fused."""
     from torch_kvq.evaluation.calibrate import k_bases
 
     lm = KVQCausalLM.from_hf(
@@ -175,9 +174,11 @@ def test_hf_model_with_a_calibrated_tc4_layer_compiles_to_eager():
     tc4 = lm.attention_layers[0]
     assert tc4.kv_scale.dtype == torch.uint8 and tc4.k_basis is not None
     rep = _compiled_equals_eager(lm)
-    assert set(rep.layers_fused("quant+write")) == {lm.kv_specs[1].name}
-    why = rep.per_layer[lm.kv_specs[0].name]["fuse_dequant_attention"]
-    assert "no fused op writes or reads tc4_per_token_head" in why
+    quantized = {s.name for s in lm.kv_specs[:2]}
+    assert (
+        set(rep.layers_fused("quant+write")) == set(rep.layers_fused("dequant+attn")) == quantized
+    )
+    assert rep.ops_after["kvq.paged_attention_tc"] == 1
     with pytest.raises(ValueError, match="no layer of this KV config is tc4_per_token_head"):
         lm.with_k_bases(KVCacheConfig("fp8"), table)
     lm.detach()

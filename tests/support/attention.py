@@ -107,6 +107,7 @@ def opcheck(op, args) -> None:
     if op in (
         torch.ops.kvq.dequantize_kv_cache.default,
         torch.ops.kvq.dequantize_kv_cache_per_token_head.default,
+        torch.ops.kvq.dequantize_kv_cache_tc.default,
     ):
         utils = ("test_schema", "test_autograd_registration", "test_faketensor")
     if utils is None:

@@ -3,8 +3,7 @@ torch.compile. Math and layout: ``attention/quant_tc.py``; the K basis: ``attent
 
 A layer's codes live in ``kv_cache`` uint8 [pages, 2, page, KH, D / 2] (slot 0: k's codes in its
 basis, slot 1: v's) and each (token, kv head)'s group scales, zero points and v's fifth bits in
-``kv_scale`` uint8 [pages, KH, tc4_aux_width(D), page]. The layer's flow (reference semantics;
-the passes fuse none of it yet, so a compiled graph runs it as written)::
+``kv_scale`` uint8 [pages, KH, tc4_aux_width(D), page]. The layer's flow (reference semantics)::
 
     q, k = k_basis.basis_qk(q, k, P, P^-T)                  # plain ops, before the flow
     kc, ka = kvq.quantize_tc(k, "k"); vc, va = kvq.quantize_tc(v, "v")
@@ -12,9 +11,15 @@ the passes fuse none of it yet, so a compiled graph runs it as written)::
     kv = kvq.dequantize_kv_cache_tc(kv_cache, kv_scale, layer, float32)  # k in P's basis
     out = kvq.paged_attention(q, kv, layer)
 
+Fused (what the passes produce; the write is kernel-independent, the attention the layer's
+kernel's, which reads the codes and side rows in place)::
+
+    kvq.quant_cache_write_tc(k, v, kv_cache, kv_scale, layer)
+    out = kvq.paged_attention_tc(q, kv_cache, kv_scale, layer)
+
 The read fills only the batch's pages (the layer's page table in the forward context), as the
-per-(token, head) modes' does. The write registers no fake: it returns nothing and declares what
-it mutates.
+per-(token, head) modes' does. The writes register no fake: they return nothing and declare what
+they mutate.
 """
 
 from __future__ import annotations
@@ -26,7 +31,7 @@ from torch_kvq.attention import quant_tc
 from torch_kvq.attention.context import get_forward_context
 from torch_kvq.attention.kernels.kv_write import pages_and_offsets
 from torch_kvq.attention.metadata import BatchMetadata
-from torch_kvq.attention.ops import _check, _check_cache, _check_capacity, _new_output
+from torch_kvq.attention.ops import _check, _check_cache, _check_capacity, _check_q, _new_output
 from torch_kvq.spec import LayerKVSpec, tc4_aux_width
 
 SIDES = ("k", "v")
@@ -115,10 +120,64 @@ def cache_write_tc(
             f"layer {spec.name!r}: {nm} is {t.dtype} {tuple(t.shape)}, expected uint8 "
             f"{(n, kh, width)}",
         )
-    pages, offsets = pages_and_offsets(md.slot_mapping, spec.page_size)
+    put_tc(kv_cache, kv_scale, k_codes, v_codes, k_aux, v_aux, md.slot_mapping)
+
+
+def put_tc(
+    kv_cache: Tensor,
+    kv_scale: Tensor,
+    k_codes: Tensor,
+    v_codes: Tensor,
+    k_aux: Tensor,
+    v_aux: Tensor,
+    slot_mapping: Tensor,
+) -> None:
+    """Put code rows [T, KH, D / 2] and side rows into the caches at ``slot_mapping`` [T] (no
+    checks: the writes' shared tail)."""
+    pages, offsets = pages_and_offsets(slot_mapping, kv_cache.shape[2])
     kv_cache[pages, 0, offsets] = k_codes
     kv_cache[pages, 1, offsets] = v_codes
     kv_scale[pages, :, :, offsets] = quant_tc.join_aux(k_aux, v_aux)
+
+
+@torch.library.custom_op("kvq::quant_cache_write_tc", mutates_args=("kv_cache", "kv_scale"))
+def quant_cache_write_tc(
+    k: Tensor, v: Tensor, kv_cache: Tensor, kv_scale: Tensor, layer_name: str
+) -> None:
+    """Fused: quantize k (in its basis) and v [T, KH, D] of the model dtype and write codes and
+    side rows, the bytes the unfused form writes."""
+    ctx = get_forward_context()
+    spec = ctx.spec(layer_name)
+    _check_tc_layer(spec, "quant_cache_write_tc")
+    md = ctx.metadata_for(spec)
+    _check_tc_cache(spec, kv_cache, kv_scale, md)
+    want = (ctx.metadata.num_tokens, spec.num_kv_heads, spec.head_size)
+    for nm, t in (("k", k), ("v", v)):
+        _check(
+            t.dtype == spec.model_dtype and tuple(t.shape) == want,
+            f"layer {spec.name!r}: {nm} is {t.dtype} {tuple(t.shape)}, expected "
+            f"{spec.model_dtype} {want}",
+        )
+    kc, ka = quant_tc.quantize_k(k)
+    vc, va = quant_tc.quantize_v(v)
+    put_tc(kv_cache, kv_scale, kc, vc, ka, va, md.slot_mapping)
+
+
+@torch.library.custom_op("kvq::paged_attention_tc", mutates_args=())
+def paged_attention_tc(q: Tensor, kv_cache: Tensor, kv_scale: Tensor, layer_name: str) -> Tensor:
+    """Fused: attention reading the codes and side rows in place. q [T, QH, D] (in the k basis's
+    dual, ``basis_qk``) -> [T, QH, D] in q's dtype."""
+    ctx = get_forward_context()
+    spec = ctx.spec(layer_name)
+    _check_tc_layer(spec, "paged_attention_tc")
+    _check_q(spec, q, ctx.metadata.num_tokens)
+    _check_tc_cache(spec, kv_cache, kv_scale, ctx.metadata_for(spec))
+    return ctx.kernel(layer_name).attend(ctx, spec, q, kv_cache, 1.0, 1.0, None, kv_scale)
+
+
+@paged_attention_tc.register_fake
+def _(q: Tensor, kv_cache: Tensor, kv_scale: Tensor, layer_name: str) -> Tensor:
+    return _new_output(q, q.dtype)
 
 
 @torch.library.custom_op("kvq::dequantize_kv_cache_tc", mutates_args=())

@@ -26,12 +26,16 @@ from torch_kvq.passes.graph_utils import (
     ATTENTION,
     ATTENTION_FP8,
     ATTENTION_PTH,
+    ATTENTION_TC,
     CACHE_WRITE,
     CACHE_WRITE_PTH,
+    CACHE_WRITE_TC,
     DEQUANTIZE,
     DEQUANTIZE_PTH,
+    DEQUANTIZE_TC,
     QUANT_CACHE_WRITE,
     QUANT_CACHE_WRITE_PTH,
+    QUANT_CACHE_WRITE_TC,
     QUANT_CACHE_WRITE_TS,
     VIEW_OPS,
     functional_op,
@@ -124,28 +128,40 @@ def _check_unquantized(node: fx.Node, stamp: KVQStamp) -> None:
                     f"layer {spec.name!r} is {kept} but graph node {node.name!r} writes FP8 into its "
                     f"cache: {arg_name} has dtype {dtype or FP8_DTYPE}, expected {spec.model_dtype}"
                 )
-    elif op in (*_PER_TENSOR_OPS, *_PER_TOKEN_HEAD_OPS):
+    elif any(op in ops for ops in _MODE_OPS.values()):
         raise ValueError(
             f"layer {spec.name!r} is {kept} but graph node {node.name!r} runs {op_label(node)} on "
             "it, an op for quantized caches only"
         )
 
 
-# the layer ops of the FP8 per-tensor mode and of the per-(token, head) modes
-_PER_TENSOR_OPS = (QUANT_CACHE_WRITE, QUANT_CACHE_WRITE_TS, DEQUANTIZE, ATTENTION_FP8)
-_PER_TOKEN_HEAD_OPS = (CACHE_WRITE_PTH, QUANT_CACHE_WRITE_PTH, DEQUANTIZE_PTH, ATTENTION_PTH)
+# the layer ops of each family of quantized modes: each layer is read by its own family's
+_MODE_OPS = {
+    "the fp8 per-tensor mode": (QUANT_CACHE_WRITE, QUANT_CACHE_WRITE_TS, DEQUANTIZE, ATTENTION_FP8),
+    "the per-(token, head) modes": (
+        CACHE_WRITE_PTH, QUANT_CACHE_WRITE_PTH, DEQUANTIZE_PTH, ATTENTION_PTH
+    ),
+    "tc4_per_token_head": (CACHE_WRITE_TC, QUANT_CACHE_WRITE_TC, DEQUANTIZE_TC, ATTENTION_TC),
+}  # fmt: skip
+
+
+def _family(stamp: KVQStamp) -> str:
+    mode = stamp.spec.mode
+    if mode.transform_coded:
+        return "tc4_per_token_head"
+    return "the per-(token, head) modes" if mode.per_token_head else "the fp8 per-tensor mode"
 
 
 def _check_mode_ops(node: fx.Node, stamp: KVQStamp) -> None:
     """Refuse a quantized layer's op of another mode (each layer is read by its own mode)."""
-    pth = stamp.spec.mode.per_token_head
     op = functional_op(node)
-    if op in (_PER_TENSOR_OPS if pth else _PER_TOKEN_HEAD_OPS):
-        raise ValueError(
-            f"layer {stamp.layer!r} has mode {stamp.spec.mode.value} but graph node "
-            f"{node.name!r} runs {op_label(node)} on it, an op of "
-            f"{'the fp8 per-tensor mode' if pth else 'the per-(token, head) modes'}"
-        )
+    mine = _family(stamp)
+    for family, ops in _MODE_OPS.items():
+        if family != mine and op in ops:
+            raise ValueError(
+                f"layer {stamp.layer!r} has mode {stamp.spec.mode.value} but graph node "
+                f"{node.name!r} runs {op_label(node)} on it, an op of {family}"
+            )
 
 
 def _owner(node: fx.Node) -> fx.Node | None:

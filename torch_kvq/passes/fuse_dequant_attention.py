@@ -11,7 +11,9 @@ in place. No dequantized copy of the cache is materialized any more::
 
 A per-(token, head) layer's ``kvq.dequantize_kv_cache_per_token_head(kv_cache, kv_scale, layer,
 float32)`` + attention becomes ``kvq.paged_attention_per_token_head(q, kv_cache, kv_scale,
-layer)``: codes and scales read in place. Each layer by its own mode only (its stamp).
+layer)``: codes and scales read in place; a ``tc4_per_token_head`` layer's
+``kvq.dequantize_kv_cache_tc`` + attention becomes ``kvq.paged_attention_tc(q, kv_cache,
+kv_scale, layer)``. Each layer by its own mode only (its stamp).
 
 Skipped layers (``kvq.paged_attention`` on their model-dtype cache) are left alone.
 """
@@ -28,8 +30,10 @@ from torch_kvq.passes.graph_utils import (
     ATTENTION,
     ATTENTION_FP8,
     ATTENTION_PTH,
+    ATTENTION_TC,
     DEQUANTIZE,
     DEQUANTIZE_PTH,
+    DEQUANTIZE_TC,
     erase_dead,
     is_call,
     op_args,
@@ -59,8 +63,9 @@ class FuseDequantAttentionPass(KVQPass):
                 continue
             args = op_args(node)
             deq = args["kv_cache"]
-            pth = stamp.spec.mode.per_token_head
-            want = DEQUANTIZE_PTH if pth else DEQUANTIZE
+            mode = stamp.spec.mode
+            pth = mode.per_token_head or mode.transform_coded  # codes with a kv_scale buffer
+            want = DEQUANTIZE_TC if mode.transform_coded else DEQUANTIZE_PTH if pth else DEQUANTIZE
             if not is_call(deq, want):
                 found = op_label(deq) if isinstance(deq, fx.Node) else repr(deq)
                 ctx.decide(
@@ -83,7 +88,14 @@ class FuseDequantAttentionPass(KVQPass):
                     args["q"], d["kv_cache"], d["k_scale"], d["v_scale"], args["layer_name"]
                 )  # fmt: skip
             with graph.inserting_before(node):
-                fused = graph.call_function(ATTENTION_PTH if pth else ATTENTION_FP8, fused_args)
+                target = (
+                    ATTENTION_TC
+                    if mode.transform_coded
+                    else ATTENTION_PTH
+                    if pth
+                    else ATTENTION_FP8
+                )
+                fused = graph.call_function(target, fused_args)
             fused.meta[META_KEY] = stamp.with_fused(self.decision())
             node.replace_all_uses_with(fused)
             graph.erase_node(node)

@@ -30,10 +30,16 @@ A per-(token, head) layer's write (``kvq.cache_write_per_token_head`` of codes a
 ``rounding="half_even"`` where the matched form rounds with ``torch.round``: the same codes and
 scales, bit for bit. The format must be the layer's own mode's (k's and v's: ``k_format`` /
 ``v_format``, which differ for ``k8v4_per_token_head``).
+
+A ``tc4_per_token_head`` layer's write (``kvq.cache_write_tc`` of the code and side rows of
+``kvq.quantize_tc(k, "k")`` and ``kvq.quantize_tc(v, "v")``) becomes
+``kvq.quant_cache_write_tc(k, v, kv_cache, kv_scale, layer)``, k already in its basis (the
+layer's ``basis_qk`` stays before it).
 """
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Iterable
 from typing import ClassVar
 
@@ -45,14 +51,18 @@ from torch_kvq.passes.graph_utils import (
     AUTO_FUNCTIONALIZED,
     CACHE_WRITE,
     CACHE_WRITE_PTH,
+    CACHE_WRITE_TC,
     QUANT_CACHE_WRITE,
     QUANT_CACHE_WRITE_PTH,
+    QUANT_CACHE_WRITE_TC,
     QUANT_CACHE_WRITE_TS,
+    QUANTIZE_TC,
     erase_dead,
     float_cast_arg,
     functional_op,
     is_call,
     node_dtype,
+    op_args,
 )
 from torch_kvq.passes.quant_match import StaticQuant, match_static_fp8_quant, quant_mismatch
 from torch_kvq.passes.quant_match_pth import TokenHeadQuant, match_per_token_head_quant
@@ -73,7 +83,7 @@ class FuseQuantCacheWritePass(KVQPass):
                 continue
             op = functional_op(node)
             stamp = get_stamp(node)
-            if op not in (CACHE_WRITE, CACHE_WRITE_PTH) or stamp is None:
+            if op not in (CACHE_WRITE, CACHE_WRITE_PTH, CACHE_WRITE_TC) or stamp is None:
                 continue
             blocked = stamp.kv_block()
             if blocked is not None:
@@ -81,6 +91,9 @@ class FuseQuantCacheWritePass(KVQPass):
                 continue
             if op is CACHE_WRITE_PTH:
                 matches += self._fuse_per_token_head(graph, node, stamp, ctx)
+                continue
+            if op is CACHE_WRITE_TC:
+                matches += self._fuse_tc(graph, node, stamp, ctx)
                 continue
             quants: dict[str, tuple[StaticQuant, fx.Node, list[fx.Node]]] = {}
             for arg in ("k", "v"):
@@ -154,6 +167,28 @@ class FuseQuantCacheWritePass(KVQPass):
         self._replace(graph, node, QUANT_CACHE_WRITE_PTH, kwargs, stamp, found.values(), ctx)
         return 1
 
+    def _fuse_tc(self, graph: fx.Graph, node: fx.Node, stamp: KVQStamp, ctx: PassContext) -> int:
+        """Rewrite one tc4 write (module doc); 1 if fused, else 0 (decided why)."""
+        found = {}
+        for arg in ("k", "v"):
+            quant = _match_tc(node.kwargs[f"{arg}_codes"], node.kwargs[f"{arg}_aux"], arg)
+            if isinstance(quant, str):
+                ctx.decide(stamp.layer, f"not fused: {arg} {quant}")
+                return 0
+            source = _model_dtype_source(op_args(quant)["x"], stamp.spec.model_dtype)
+            if isinstance(source, str):
+                ctx.decide(stamp.layer, f"not fused: {arg} {source}")
+                return 0
+            found[arg] = (_TcQuant(quant), *source)
+        keep = {"layer_name", "_kv_cache_base_index", "_kv_scale_base_index", "_all_bases"}
+        kwargs = {
+            "k": found["k"][1],
+            "v": found["v"][1],
+            **{key: val for key, val in node.kwargs.items() if key in keep},
+        }
+        self._replace(graph, node, QUANT_CACHE_WRITE_TC, kwargs, stamp, found.values(), ctx)
+        return 1
+
     def _replace(
         self,
         graph: fx.Graph,
@@ -161,7 +196,7 @@ class FuseQuantCacheWritePass(KVQPass):
         op: object,
         kwargs: dict[str, object],
         stamp: KVQStamp,
-        quants: Iterable[tuple[StaticQuant | TokenHeadQuant, fx.Node, list[fx.Node]]],
+        quants: Iterable[tuple[StaticQuant | TokenHeadQuant | _TcQuant, fx.Node, list[fx.Node]]],
         ctx: PassContext,
     ) -> None:
         """Put the fused write ``op`` (``kwargs``) in place of the write ``node`` and erase the
@@ -206,3 +241,27 @@ def _match(arg: object, model_dtype: object) -> tuple[StaticQuant, fx.Node, list
         )
     source = _model_dtype_source(quant.value, model_dtype)
     return source if isinstance(source, str) else (quant, *source)
+
+
+class _TcQuant:
+    """A matched ``kvq.quantize_tc`` and its two getitems (``nodes``: what the fused write makes
+    dead, in erase order)."""
+
+    def __init__(self, quant: fx.Node) -> None:
+        self.nodes = [*quant.users, quant]
+
+
+def _match_tc(codes: object, aux: object, side: str) -> fx.Node | str:
+    """The ``kvq.quantize_tc(x, side)`` whose outputs 0 and 1 are ``codes`` and ``aux``, or why
+    not."""
+    parts = []
+    for value, index in ((codes, 0), (aux, 1)):
+        if not (is_call(value, operator.getitem) and value.args[1] == index):
+            return f"codes and side rows are not the outputs of one kvq.quantize_tc ({value!r})"
+        parts.append(value.args[0])
+    quant = parts[0]
+    if parts[1] is not quant or not is_call(quant, QUANTIZE_TC):
+        return "codes and side rows are not the outputs of one kvq.quantize_tc"
+    if op_args(quant)["side"] != side:
+        return f"is quantized as tc4's {op_args(quant)['side']!r} side, expected {side!r}"
+    return quant

@@ -14,6 +14,7 @@ from torch import fx
 
 from torch_kvq.attention import ops as _ops  # noqa: F401  (registers torch.ops.kvq.*)
 from torch_kvq.attention import ops_per_token_head as _ops_pth  # noqa: F401  (likewise)
+from torch_kvq.attention import ops_tc as _ops_tc  # noqa: F401  (likewise)
 from torch_kvq.spec import FP8_DTYPE
 
 KVQ = torch.ops.kvq
@@ -30,6 +31,12 @@ CACHE_WRITE_PTH = KVQ.cache_write_per_token_head.default
 DEQUANTIZE_PTH = KVQ.dequantize_kv_cache_per_token_head.default
 QUANT_CACHE_WRITE_PTH = KVQ.quant_cache_write_per_token_head.default
 ATTENTION_PTH = KVQ.paged_attention_per_token_head.default
+# the transform-coded mode's ops (attention/ops_tc.py)
+QUANTIZE_TC = KVQ.quantize_tc.default
+CACHE_WRITE_TC = KVQ.cache_write_tc.default
+DEQUANTIZE_TC = KVQ.dequantize_kv_cache_tc.default
+QUANT_CACHE_WRITE_TC = KVQ.quant_cache_write_tc.default
+ATTENTION_TC = KVQ.paged_attention_tc.default
 AUTO_FUNCTIONALIZED = (
     torch.ops.higher_order.auto_functionalized,
     torch.ops.higher_order.auto_functionalized_v2,

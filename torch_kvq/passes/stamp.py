@@ -64,8 +64,6 @@ class KVQStamp:
         kept = self.kept_reason()
         if kept is not None:
             return kept
-        if self.spec.mode.transform_coded:
-            return f"not fused: no fused op writes or reads {self.spec.mode.value} caches yet"
         if self.limit is not None:
             return f"not fused: kernel {self.kernel!r} on {self.arch} cannot serve it: {self.limit}"
         if not self.kv_in_place:

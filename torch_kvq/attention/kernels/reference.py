@@ -3,7 +3,8 @@
 GQA, causal masking, sliding window (a query at position p sees keys at p - window < pos <= p),
 logit soft-cap, FP8 caches read in place with k/v scales, per-(token, head) caches (int8 / FP8
 codes, or int4 ones dequantized and un-rotated back to the model's basis) read in place with their
-``kv_scale``, optional FP8 output. Math in fp32.
+``kv_scale``, tc4 caches with their side rows (k left in its basis, v un-rotated), optional FP8
+output. Math in fp32.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from torch_kvq.attention import quant_tc
 from torch_kvq.attention.quant import dequantize_pages_per_token_head, quantize_fp8
 from torch_kvq.spec import LayerKVSpec
 
@@ -88,8 +90,14 @@ class ReferenceKernel:
                 ctx_kv = kv_cache[page_ids]  # [n, 2, page, KH, D]; only this sequence's pages
                 k = ctx_kv[:, 0].reshape(-1, kh, d)[:kv_len].float() * k_scale
                 v = ctx_kv[:, 1].reshape(-1, kh, d)[:kv_len].float() * v_scale
-            else:  # per (token, head): code.float() * scale, the unfused dequant's fp32 values
-                kv = dequantize_pages_per_token_head(kv_cache, kv_scale, page_ids, torch.float32)
+            else:  # the unfused dequant's fp32 values: code.float() * scale, or tc4's groups
+                kv = (
+                    quant_tc.dequantize_pages(kv_cache[page_ids], kv_scale[page_ids])
+                    if spec.mode.transform_coded
+                    else dequantize_pages_per_token_head(
+                        kv_cache, kv_scale, page_ids, torch.float32
+                    )
+                )
                 k = kv[:, 0].reshape(-1, kh, d)[:kv_len]
                 v = kv[:, 1].reshape(-1, kh, d)[:kv_len]
             k_pos = torch.arange(kv_len, device=q.device)
