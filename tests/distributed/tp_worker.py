@@ -233,6 +233,66 @@ def modes(tp, maps: dict) -> dict:
     return out
 
 
+def tc4(tp) -> dict:
+    """``tc4_per_token_head`` under TP (issue 33): a Llama shape with tc4 on layers 0 and 2 (seeded
+    K bases, 2 kv heads of 32; every rank builds the same), int4 on 1, layer 3 kept. Each rank's
+    caches hold its kv head's code and side rows, its layers its kv head's basis; the rows it wrote
+    equal the whole model's on that head (bytes that differ are counted: a rounding-boundary flip
+    of a value the two runs computed apart in the last bits), the logits within ``TOL``, compiled
+    equal to eager."""
+    from torch_kvq.passes import make_kvq_backend
+    from torch_kvq.spec_channels import KBasis
+
+    bases = {}
+    for i in (0, 2):
+        g = torch.Generator().manual_seed(200 + i)
+        bases[i] = KBasis.of(torch.eye(32) + torch.randn(2, 32, 32, generator=g) / 32**0.5)
+    modes = ((0, "tc4_per_token_head"), (1, "int4_per_token_head"), (2, "tc4_per_token_head"))
+    kv = KVCacheConfig("auto", layer_modes=modes, page_size=4, k_bases=bases)
+    own = dict(num_pages=32, dtype=torch.float32)
+    single = build_model("llama-tiny", kv, prefix="tsingle", **own)
+    shard = build_model("llama-tiny", kv, prefix="ttp", tp=tp, **own)
+    comp_shard = build_model("llama-tiny", kv, prefix="ttpc", tp=tp, **own)
+    ref = generate(single, PROMPTS, NEW, prefill_logits=True)
+    eager = generate(shard, PROMPTS, NEW, force_tokens=ref.tokens, prefill_logits=True)
+    torch._dynamo.reset()
+    comp = generate(
+        comp_shard, PROMPTS, NEW, forward=compiled(comp_shard, make_kvq_backend(inner="eager")),
+        force_tokens=ref.tokens, prefill_logits=True,
+    )  # fmt: skip
+    torch._dynamo.reset()
+    kh = shard.kv_specs[0].num_kv_heads
+    mine = slice(tp.rank * kh, (tp.rank + 1) * kh)
+    layers = []
+    for i in (0, 2):
+        whole, part, comp_part = (m.attention_layers[i] for m in (single, shard, comp_shard))
+        written = part.kv_scale.any(2).any(1)  # [pages, page]: the slots this run wrote
+        # [slots, 2, kv heads, D / 2] code rows and [slots, kv heads, side bytes] side rows
+        codes_w = whole.kv_cache[:, :, :, mine].permute(0, 2, 1, 3, 4)[written]
+        codes_s = part.kv_cache.permute(0, 2, 1, 3, 4)[written]
+        side_w = whole.kv_scale[:, mine].permute(0, 3, 1, 2)[written]
+        side_s = part.kv_scale.permute(0, 3, 1, 2)[written]
+        layers.append({
+            "cache_shape": list(part.kv_cache.shape),
+            "side_shape": list(part.kv_scale.shape),
+            "basis_equal": bool(torch.equal(part.k_basis, whole.k_basis[mine])),
+            "slots_written": int(written.sum()),
+            "code_bytes_apart": int((codes_w != codes_s).sum()),
+            "side_bytes_apart": int((side_w != side_s).sum()),
+            "compiled_bytes_apart": int((comp_part.kv_cache != part.kv_cache).sum())
+            + int((comp_part.kv_scale != part.kv_scale).sum()),
+        })  # fmt: skip
+    return {
+        "tc4": {
+            "max_diff": max_diff(ref, eager),
+            "compiled_diff": max_diff(eager, comp),
+            "modes": [s.mode.value for s in shard.kv_specs],
+            "layers": layers,
+            "report": report_fused(),
+        }
+    }
+
+
 def catch(fn) -> dict:
     try:
         fn()
@@ -336,6 +396,7 @@ def main() -> None:
             "agreement": lambda: agreement(tp),
             "modes": lambda: modes(tp, MAPS_8BIT),
             "modes4": lambda: modes(tp, MAPS_4BIT),
+            "tc4": lambda: tc4(tp),
             "gpu": lambda: gpu(tp, "gpu"),
             "gpu4": lambda: gpu(tp, "gpu4"),
         }
