@@ -1967,7 +1967,7 @@ def _() -> object:
     return resolve_layer_specs(cfg, [layer])
 
 
-@case("modes.tc4-basis-option")
+@case("modes.tc4-basis-no-file")
 def _() -> object:
     from torch_kvq.evaluation.kv_arg import parse_kv
 

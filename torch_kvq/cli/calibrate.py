@@ -2,7 +2,8 @@
 (``torch_kvq.evaluation.calibrate``), written where ``kv_scales_from=`` / ``--kv fp8:scales=``
 read them; beside them, each layer's K channel scales for ``int4_per_token_head``
 (``P.k_channel_scale`` / ``P.k_channel_mean``, read by ``k_channels_from=`` /
-``--kv int4_per_token_head:channels=``), except with ``--stats-from`` (they need the model).
+``--kv int4_per_token_head:channels=``) and K bases (``P.k_basis``, read by ``k_bases_from=`` /
+``--kv tc4_per_token_head:basis=``), except with ``--stats-from`` (they need the model).
 
 Usage: ``kvq calibrate --model gemma3-270m --out gemma_kv_scales.safetensors``.
 
@@ -67,11 +68,11 @@ def add_parser(sub: Any) -> None:
     p.set_defaults(func=run)
 
 
-def _sample(args: argparse.Namespace, percentiles: list[str]):  # -> (stats, meta, channels)
+def _sample(args: argparse.Namespace, percentiles: list[str]):  # -> (stats, meta, tables)
     """Run the model over the calibration windows: per-layer statistics and what they came from."""
     from torch_kvq.cli.sources import trained_for_text
     from torch_kvq.evaluation import corpus
-    from torch_kvq.evaluation.calibrate import k_channel_scales, kv_stats
+    from torch_kvq.evaluation.calibrate import k_bases, k_channel_scales, kv_stats
     from torch_kvq.evaluation.eval import EvalSettings, eval_data
     from torch_kvq.progress import Progress
 
@@ -86,16 +87,18 @@ def _sample(args: argparse.Namespace, percentiles: list[str]):  # -> (stats, met
         stats = kv_stats(lm, data.windows, percentiles)
         bar.update(status="the same windows for K channel scales")
         channels = k_channel_scales(lm, data.windows)
+        bar.update(status="the same windows for K bases")
+        bases = k_bases(lm, data.windows)
     meta = {
         "model": str(args.model),
         "dtype": args.dtype,
         "calibration_texts": ",".join(data.window_files),
         "tokens_per_text": str(args.window),
     }
-    return stats, meta, channels
+    return stats, meta, (channels, bases)
 
 
-def _read_stats(path: Path):  # -> (stats, meta, None)
+def _read_stats(path: Path):  # -> (stats, meta, (None, None))
     from torch_kvq.evaluation.calibrate import LayerStats
 
     try:
@@ -104,7 +107,7 @@ def _read_stats(path: Path):  # -> (stats, meta, None)
             p: LayerStats(k=d["k"], v=d["v"], clipped_at_1=tuple(d["clipped_at_1"]))
             for p, d in doc["layers"].items()
         }
-        return stats, dict(doc["meta"]), None
+        return stats, dict(doc["meta"]), (None, None)
     except (OSError, ValueError, KeyError, TypeError) as e:
         raise ValueError(f"--stats-from {str(path)!r}: not a --stats-json file ({e})") from None
 
@@ -117,10 +120,10 @@ def run(args: argparse.Namespace) -> int:
     check_scale(args.multiplier, "--multiplier")
     method = Method(args.statistic, args.headroom, args.pow2)
     if args.stats_from is not None:
-        stats, meta, channels = _read_stats(args.stats_from)
+        stats, meta, (channels, bases) = _read_stats(args.stats_from)
     else:
         percentiles = sorted({"p99.9", "p99.99"} | ({method.statistic} - {"amax"}))
-        stats, meta, channels = _sample(args, percentiles)
+        stats, meta, (channels, bases) = _sample(args, percentiles)
     scales = scales_from_stats(stats, method)
     scales = {
         p: (
@@ -135,7 +138,7 @@ def run(args: argparse.Namespace) -> int:
         "only": args.only or "k and v",
         "multiplier": repr(args.multiplier),
     }
-    write_scales(scales, args.out, written, k_channels=channels)
+    write_scales(scales, args.out, written, k_channels=channels, k_bases=bases)
     print(
         f"kvq calibrate: {meta['model']}, {method.label()}"
         f"{f', {args.only} only' if args.only else ''}"
@@ -152,6 +155,11 @@ def run(args: argparse.Namespace) -> int:
         print(
             f"  K channel scales (int4_per_token_head), scaled and centred, for {len(channels)} "
             "layers: s_c^2 = rms(k_c) / rms(q_c) per kv head and channel"
+        )
+    if bases:
+        print(
+            f"  K bases (tc4_per_token_head) for {len(bases)} layers: k's and q's second moments "
+            "balanced and sorted, the groups' rotations folded in"
         )
     print(f"wrote {args.out}")
     if args.stats_json is not None:

@@ -111,8 +111,8 @@ def calibration_settings():  # -> EvalSettings
 
 def with_channels(lm: Any, tok: Any, kv: Any, cfg: Any, bar: Any, memo: dict) -> Any:
     """``cfg`` with the K channel scales ``kv``'s ``channels=`` names (read from its file, or
-    calibrated on ``calibration_settings``' sample) and the K bases its ``basis=calibrate`` asks
-    for; calibrations are kept in ``memo`` (one per model and kind); ``cfg`` itself without
+    calibrated on ``calibration_settings``' sample) and the K bases its ``basis=`` names (a file,
+    or calibrated likewise); calibrations are kept in ``memo`` (one per model and kind); ``cfg`` itself without
     either option."""
     from torch_kvq.evaluation.kv_arg import CALIBRATE
 
@@ -131,6 +131,11 @@ def with_channels(lm: Any, tok: Any, kv: Any, cfg: Any, bar: Any, memo: dict) ->
             from torch_kvq.evaluation.calibrate import k_bases
 
             cfg = lm.with_k_bases(cfg, _calibrated(lm, tok, bar, memo, "K bases", k_bases))
+        elif kv.basis is not None:
+            from torch_kvq.integrations.hf_scales import checkpoint_k_bases
+
+            table = checkpoint_k_bases(kv.basis, list(lm.layer_paths.values()))
+            cfg = lm.with_k_bases(cfg, table)
         return cfg
     except ValueError as e:
         raise ValueError(f"--kv {kv.spec!r}: {e}") from None

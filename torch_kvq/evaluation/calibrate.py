@@ -201,9 +201,11 @@ def write_scales(
     path: str | Path,
     metadata: Mapping[str, str],
     k_channels: Mapping[str, KChannelScale] | None = None,
+    k_bases: Mapping[str, KBasis] | None = None,
 ) -> Path:
     """Write ``P.k_scale`` / ``P.v_scale`` float32 scalars (compressed-tensors layout) and, with
-    ``k_channels``, ``P.k_channel_scale`` / ``P.k_channel_mean`` [KH, D] float32."""
+    ``k_channels``, ``P.k_channel_scale`` / ``P.k_channel_mean`` [KH, D] float32; with
+    ``k_bases``, ``P.k_basis`` [KH, D, D] float32."""
     from safetensors.torch import save_file
 
     tensors = {}
@@ -214,6 +216,8 @@ def write_scales(
         tensors[f"{p}.k_channel_scale"] = torch.tensor(ch.scale, dtype=torch.float32)
         if ch.mean is not None:
             tensors[f"{p}.k_channel_mean"] = torch.tensor(ch.mean, dtype=torch.float32)
+    for p, basis in (k_bases or {}).items():
+        tensors[f"{p}.k_basis"] = basis.matrix().contiguous()
     out = Path(path)
     save_file(tensors, str(out), metadata=dict(metadata))
     return out

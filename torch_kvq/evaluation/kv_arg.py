@@ -12,7 +12,8 @@
   from a safetensors file (``P.k_channel_scale`` / ``P.k_channel_mean``, what ``kvq calibrate``
   writes); ``channels=calibrate``: calibrated on the corpus's calibration split first (``kvq
   eval``). A config with no int4 layer refuses it;
-- ``basis=calibrate``: the K basis of the ``tc4_per_token_head`` layers (``spec_channels.KBasis``),
+- ``basis=PATH``: the K bases of the ``tc4_per_token_head`` layers (``spec_channels.KBasis``) from
+  a safetensors file (``P.k_basis``, what ``kvq calibrate`` writes); ``basis=calibrate``:
   calibrated on the corpus's calibration split first (``kvq eval``); every such layer needs one.
   A config with no tc4 layer refuses it;
 - ``map=RULE:MODE[,RULE:MODE...]``: a per-layer mode map (``parse_kv_map``; the last option: it
@@ -54,7 +55,7 @@ class KVArg:
     default_v_scale: float = 1.0
     preset: str | None = None  # a kv_presets name (then the fields above are unused)
     channels: Path | str | None = None  # K channel scales: a file, or CALIBRATE
-    basis: str | None = None  # tc4 layers' K bases: CALIBRATE
+    basis: Path | str | None = None  # tc4 layers' K bases: a file, or CALIBRATE
 
     def config(
         self, page_size: int, layer_paths: list[str] | None = None, model: str | None = None
@@ -133,13 +134,18 @@ def _float(what: str, value: str, spec: str) -> float:
 
 
 def _channels(value: str, spec: str) -> Path | str:
+    return _table_source("channels", value, spec)
+
+
+def _table_source(key: str, value: str, spec: str) -> Path | str:
+    """``calibrate`` or an existing file for ``channels=`` / ``basis=``."""
     if value == CALIBRATE:
         return CALIBRATE
     path = Path(value).expanduser()
     if not path.exists():
         raise ValueError(
-            f"--kv {spec!r}: channels file {value!r} does not exist (expected a file kvq calibrate "
-            f"wrote, or channels={CALIBRATE})"
+            f"--kv {spec!r}: {key} file {value!r} does not exist (expected a file kvq calibrate "
+            f"wrote, or {key}={CALIBRATE})"
         )
     return path
 
@@ -207,9 +213,7 @@ def parse_kv(text: str) -> KVArg:
         elif key == "channels":
             kw["channels"] = _channels(value, text)
         elif key == "basis":
-            if value != CALIBRATE:
-                raise ValueError(f"--kv {text!r}: basis={value!r}; expected basis={CALIBRATE}")
-            kw["basis"] = CALIBRATE
+            kw["basis"] = _table_source("basis", value, text)
         elif key == "scale":
             kw["default_k_scale"] = kw["default_v_scale"] = _float(key, value, text)
         else:

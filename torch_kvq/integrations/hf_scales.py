@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-from torch_kvq.spec_channels import KChannelScale
+from torch_kvq.spec_channels import KBasis, KChannelScale
 
 ScaleSource = str | Path | Mapping[str, torch.Tensor]
 K_KEYS = ("k_scale", "k_proj.k_scale", "k_proj.output_scale", "attn.k_scale", "qkv_proj.k_scale")
@@ -120,5 +120,25 @@ def checkpoint_k_channel_scales(
         raise ValueError(
             f"no K channel scales in the checkpoint for any attention layer; looked for keys like "
             f"{paths[0]}.k_channel_scale (kvq calibrate writes them)"
+        )
+    return out
+
+
+def checkpoint_k_bases(source: ScaleSource, paths: Sequence[str]) -> dict[str, KBasis]:
+    """HF attention path -> ``KBasis`` for every path in ``paths`` with a ``P.k_basis`` [KH, D, D]
+    (``tc4_per_token_head``'s, what ``kvq calibrate`` writes). ValueError if the checkpoint has
+    none, or values a ``KBasis`` refuses (named by key)."""
+    found = _read(source, {f"{p}.k_basis" for p in paths})
+    out: dict[str, KBasis] = {}
+    for p in paths:
+        if f"{p}.k_basis" in found:
+            try:
+                out[p] = KBasis.of(found[f"{p}.k_basis"])
+            except ValueError as e:
+                raise ValueError(f"checkpoint {p}.k_basis: {e}") from None
+    if not out:
+        raise ValueError(
+            f"no K bases in the checkpoint for any attention layer; looked for keys like "
+            f"{paths[0]}.k_basis (kvq calibrate writes them)"
         )
     return out

@@ -53,6 +53,7 @@ from torch_kvq.integrations.hf_checks import check_layer, check_model
 from torch_kvq.integrations.hf_generate import KVQPagedCache, install_forward
 from torch_kvq.integrations.hf_scales import (
     ScaleSource,
+    checkpoint_k_bases,
     checkpoint_k_channel_scales,
     checkpoint_kv_scales,
 )
@@ -65,7 +66,7 @@ from torch_kvq.spec import (
     check_positive_int,
 )
 from torch_kvq.spec_channels import KBasis, KChannelScale
-from torch_kvq.spec_resolve import layer_modes, resolve_layer_specs
+from torch_kvq.spec_resolve import layer_modes
 
 
 def _layer_names(paths: list[str], prefix: str | None) -> list[str]:
@@ -134,6 +135,7 @@ class KVQCausalLM(PagedKV):
         quant_form: QuantForm = "op",
         kv_scales_from: ScaleSource | None = None,
         k_channels_from: ScaleSource | None = None,
+        k_bases_from: ScaleSource | None = None,
         window_pages: WindowPages = None,
         tp: TensorParallel | None = None,
     ) -> KVQCausalLM:
@@ -146,7 +148,9 @@ class KVQCausalLM(PagedKV):
         they become ``kv_config.kv_scales`` (which must then be empty). ``k_channels_from``: the
         same kinds of source holding K channel scales (``P.k_channel_scale`` / ``k_channel_mean``,
         what ``kvq calibrate`` writes); they become ``kv_config.k_channel_scales`` (then empty)
-        for the layers whose mode is ``int4_per_token_head`` (ValueError if none is). Raises ValueError naming
+        for the layers whose mode is ``int4_per_token_head`` (ValueError if none is);
+        ``k_bases_from`` likewise the K bases (``P.k_basis``) of the ``tc4_per_token_head``
+        layers, into ``kv_config.k_bases``. Raises ValueError naming
         the layer and the feature for what the paged cache cannot serve; nothing is attached then.
 
         ``tp``: shard the model in place for tensor parallelism (``hf_tp.py``: q/k/v and gate/up
@@ -196,6 +200,17 @@ class KVQCausalLM(PagedKV):
             )
             channels = checkpoint_k_channel_scales(k_channels_from, paths)
             kv_config = replace(kv_config, k_channel_scales=_int4_channels(channels, int4))
+        if k_bases_from is not None:
+            if kv_config.k_bases:
+                raise ValueError("give kv_config.k_bases or k_bases_from, not both")
+            tc4 = _mode_paths(
+                kv_config, calls, paths, prefix, hf_model.dtype, KVQuantMode.TC4_PER_TOKEN_HEAD
+            )
+            table = _layer_table(
+                checkpoint_k_bases(k_bases_from, paths), tc4, "K bases", "tc4_per_token_head",
+                "kvq calibrate",
+            )  # fmt: skip
+            kv_config = replace(kv_config, k_bases=table)
         if tp is not None:
             shard_hf_model_(hf_model, calls, paths, tp)  # the dry run above saw the global heads
         lm = cls(
@@ -349,10 +364,9 @@ def _mode_paths(
 ) -> set[str]:
     """HF paths of the layers whose mode is ``mode``: checkpoint scales load for those only (fp8
     per tensor: a per-(token, head) layer computes its own scales, kv_scales for one is a
-    ValueError; int4: the only mode K channel scales apply to)."""
+    ValueError; int4: the only mode K channel scales apply to; tc4: K bases)."""
     infos = [_layer_info(n, c) for n, c in zip(_layer_names(paths, prefix), calls)]
-    specs = resolve_layer_specs(replace(cfg, kv_scales=(), k_channel_scales=()), infos, dtype)
-    return {p for p, s in zip(paths, specs) if s.mode is mode}
+    return {p for p, m in zip(paths, layer_modes(cfg, infos, dtype)) if m is mode}
 
 
 def _int4_channels(
