@@ -64,7 +64,7 @@ import re
 import kv_transform_coding as tc
 import torch
 
-from torch_kvq.attention import quant
+from torch_kvq.attention import k_basis, quant
 
 NF_SCALE_GRID = tuple(0.70 + 0.05 * i for i in range(13))  # 0.70 .. 1.30 times the row rms
 
@@ -284,25 +284,11 @@ def rotated_round_trip(z: torch.Tensor, levels: int = 15) -> torch.Tensor:
     return quant.unrotate(uniform_fake(quant.rotate(z), levels))
 
 
-def _sqrtm(a: torch.Tensor) -> torch.Tensor:
-    w, v = torch.linalg.eigh(a)
-    return (v * w.clamp(min=0).sqrt().unsqueeze(-2)) @ v.transpose(-1, -2)
-
-
 def k_transform(ck: torch.Tensor, cq: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """int4w's (M, M^-1) [KH, D, D] from k's and q's second moments [KH, D, D] (float64): the
-    cache holds M k, the kernel would read M^-T q, (M^-T q) . (M k) = q . k. The error model of
-    int4s (isotropic error after the rotation, of variance ~ the row's energy) makes the score
-    error ~ tr(M C_k M^T) tr(M^-T C_q M^-1), least at M^T M = P, P C_k P = C_q (the matrix
-    geometric mean of C_k^-1 and C_q): M = P^1/2. Both moments get 1e-6 of their mean diagonal
-    on the diagonal (Gemma-3's channels that are 0 on the calibration split)."""
-    eye = torch.eye(ck.shape[-1], dtype=ck.dtype)
-    reg = lambda c: c + 1e-6 * c.diagonal(0, -2, -1).mean(-1)[:, None, None] * eye  # noqa: E731
-    ck, cq = reg(ck), reg(cq)
-    r = _sqrtm(ck)
-    r_inv = torch.linalg.inv(r)
-    p = r_inv @ _sqrtm(r @ cq @ r) @ r_inv
-    m = _sqrtm(p)
+    """int4w's (M, M^-1) [KH, D, D] float32 from k's and q's second moments [KH, D, D] (float64):
+    the library's ``k_basis.balanced_transform`` (the cache holds M k, the kernel would read
+    M^-T q, (M^-T q) . (M k) = q . k; its docstring has the error model)."""
+    m = k_basis.balanced_transform(ck, cq)
     return m.float(), torch.linalg.inv(m).float()
 
 

@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import torch
 
-from torch_kvq.attention import quant
+from torch_kvq.attention import k_basis, quant
 
 # mean 4 bits a coordinate ("4": one group, the basis alone) unless said
 PLANS: dict[str, tuple[tuple[float, int], ...]] = {
@@ -93,8 +93,7 @@ def sorted_basis(m: torch.Tensor, m_inv: torch.Tensor, c: torch.Tensor) -> tuple
     """(T, T^-1, sigma) [KH, D, D], [KH, D, D], [KH, D]: M followed by the eigenvectors of
     M C M^T (descending), so that T C T^T = diag(sigma)."""
     m, m_inv, c = m.double(), m_inv.double(), c.double()
-    w, u = torch.linalg.eigh(m @ c @ m.transpose(-1, -2))
-    u, w = u.flip(-1), w.flip(-1)
+    u, w = k_basis.sorted_eigvecs(m, c)
     return (u.transpose(-1, -2) @ m).float(), (m_inv @ u).float(), w
 
 

@@ -56,11 +56,16 @@ def balanced_transform(ck: torch.Tensor, cq: torch.Tensor) -> torch.Tensor:
     return _sqrtm(r_inv @ _sqrtm(r @ cq @ r) @ r_inv)
 
 
+def sorted_eigvecs(m: torch.Tensor, c: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(U, sigma): the eigenvectors [KH, D, D] (columns) and eigenvalues [KH, D] of M C M^T,
+    largest first."""
+    w, u = torch.linalg.eigh(m @ c @ m.transpose(-1, -2))
+    return u.flip(-1), w.flip(-1)
+
+
 def sorted_basis(m: torch.Tensor, ck: torch.Tensor) -> torch.Tensor:
-    """T [KH, D, D] float64: ``m`` followed by the eigenvectors of M C_k M^T, largest first, so
-    that T C_k T^T is diagonal and descending."""
-    w, u = torch.linalg.eigh(m @ ck @ m.transpose(-1, -2))
-    return u.flip(-1).transpose(-1, -2) @ m
+    """T = U^T M [KH, D, D] (``sorted_eigvecs``), so that T C_k T^T is diagonal and descending."""
+    return sorted_eigvecs(m, ck)[0].transpose(-1, -2) @ m
 
 
 def group_rotation(d: int) -> torch.Tensor:
