@@ -1309,6 +1309,12 @@ def _() -> object:
     return inspect("--arch", "sm90")
 
 
+@case("modes.tc4-bases-preset")
+def _() -> object:
+    return inspect("--preset", "gemma3-tiny", "--kv-cache-dtype", "tc4_per_token_head",
+                   "--k-bases", "FILE")  # fmt: skip
+
+
 @case("inspect.head-dim-zero")
 def _() -> object:
     return inspect("--head-dim", "0")

@@ -306,7 +306,9 @@ def _check_tc4_layer(idx: int, info: AttentionLayerInfo, bases: dict[str, KBasis
     if info.name not in bases:
         raise ValueError(
             f"layer {idx} ({info.name!r}) has mode 'tc4_per_token_head', which needs the layer's "
-            "calibrated K basis: give it in k_bases (kvq eval: tc4_per_token_head:basis=calibrate)"
+            "calibrated K basis: give it in k_bases (kvq calibrate writes them; from_hf's "
+            "k_bases_from=, the command line's --k-bases PATH, kvq eval's basis=PATH or "
+            "basis=calibrate read them)"
         )
 
 

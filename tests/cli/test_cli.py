@@ -398,6 +398,33 @@ def test_inspect_a_map_with_four_bit_layers_counts_their_bytes(capsys):
     ]  # fmt: skip
 
 
+def test_inspect_a_tc4_map_with_k_bases_from_a_file(capsys, tmp_path):
+    """--k-bases gives a transformers model's tc4 layers their bases (a kvq calibrate file, here
+    written by calibrate.write_scales with identity bases): the table shows their bytes (2 kv
+    heads of 16: 2 x (8 + 8 + 16) = 64, bf16 128) and the basis digest; without the file the
+    config is refused, naming the option."""
+    import torch
+
+    from torch_kvq.evaluation.calibrate import write_scales
+    from torch_kvq.spec_channels import KBasis
+
+    out = tmp_path / "kv.safetensors"
+    eye = KBasis.of(torch.eye(16).expand(2, 16, 16))
+    paths = [f"model.layers.{i}.self_attn" for i in range(4)]
+    write_scales({}, out, {}, k_bases={p: eye for p in paths})
+    argv = ("inspect", "--hf", "llama", "--kv-cache-dtype", "auto", "--kv-map",
+            "0:tc4_per_token_head,2:tc4_per_token_head", "--json")  # fmt: skip
+    code, stdout, err = run_main(capsys, *argv, "--k-bases", str(out))
+    assert code == 0, err
+    plan = json.loads(stdout)
+    assert [(r["mode"], r["cache_bytes_per_token"]) for r in plan][:3] == [
+        ("tc4_per_token_head", 64), ("none", 128), ("tc4_per_token_head", 64)
+    ]  # fmt: skip
+    assert plan[0]["k_basis"] == eye.label and plan[1]["k_basis"] is None
+    code, _, err = run_main(capsys, *argv)
+    assert code == 2 and "--k-bases PATH" in err
+
+
 def test_inspect_plans_int4_layers_on_flashinfer_sm90(capsys):
     """int4's sm90 rows: FlashInfer serves the layer (Triton decode, prefill on the scratch) and
     the passes fuse its write and read; elsewhere it is refused, naming the mode."""

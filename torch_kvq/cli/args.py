@@ -159,6 +159,13 @@ def add_model_args(p: argparse.ArgumentParser, default_model: str | None = None)
         "skipped by default (--skip adds skip rules)",
     )
     kv.add_argument("--page-size", type=int, choices=PAGE_SIZES, default=16)
+    kv.add_argument(
+        "--k-bases",
+        metavar="PATH",
+        default=None,
+        help="the K bases tc4_per_token_head layers need (a kvq calibrate file; --model / --hf "
+        "sources, whose layers it names)",
+    )
     p.add_argument("--layers", type=int, default=None, help="override the model's layer count")
     p.add_argument("--seed", type=int, default=0, help="random weights and prompts")
     p.set_defaults(default_model=default_model)

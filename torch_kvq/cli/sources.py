@@ -105,15 +105,21 @@ def model_from_args(
     kv = kv_config if kv_config is not None else kv_config_from_args(args)
     if tp is not None:
         check_tp(args, tp.size)
+    bases = {"k_bases_from": args.k_bases} if getattr(args, "k_bases", None) else {}
+    if bases and args.preset is not None:
+        raise CommandError(
+            f"--k-bases {args.k_bases!r} names transformers layers (model.layers.N.self_attn); "
+            f"preset {args.preset!r} is one of our decoders: run --model SOURCE or --hf FAMILY"
+        )
     if args.model is not None:
         if not weights:
-            return _trained_plan_lm(args.model, kv, _overrides(args))
+            return _trained_plan_lm(args.model, kv, _overrides(args), bases)
         if _overrides(args):
             raise CommandError(
                 f"--layers / --head-dim change the model; trained model {args.model!r} keeps its "
                 "own (kvq inspect takes them: it reads the plan only)"
             )
-        return trained_lm(args.model, kv, num_pages, dtype)
+        return trained_lm(args.model, kv, num_pages, dtype, bases)
     if args.hf_config is not None:
         if weights:
             raise CommandError(
@@ -121,9 +127,9 @@ def model_from_args(
                 "weights, which only kvq inspect can use; run --model SOURCE, --preset NAME or --hf "
                 "FAMILY"
             )
-        return hf_config_lm(args.hf_config, kv, _overrides(args))
+        return hf_config_lm(args.hf_config, kv, _overrides(args), bases)
     if args.hf is not None:
-        return tiny_lm(args.hf, kv, args.seed, num_pages, _overrides(args))
+        return tiny_lm(args.hf, kv, args.seed, num_pages, _overrides(args), bases)
     from torch_kvq.models import build_model
 
     overrides = preset_overrides(args)
@@ -131,16 +137,23 @@ def model_from_args(
 
 
 def trained_lm(
-    source: str, kv: KVCacheConfig, num_pages: int, dtype: torch.dtype | None = None
+    source: str,
+    kv: KVCacheConfig,
+    num_pages: int,
+    dtype: torch.dtype | None = None,
+    from_hf: dict[str, Any] | None = None,
 ) -> Any:
     """A trained model (``integrations.trained``) on the CPU in ``dtype`` (default float32),
-    attached as a ``KVQCausalLM``; its tokenizer is ``trained_tokenizer(source)``."""
+    attached as a ``KVQCausalLM`` (``from_hf``: more of its keywords, e.g. ``k_bases_from``); its
+    tokenizer is ``trained_tokenizer(source)``."""
     import torch
 
     from torch_kvq.integrations.trained import load_trained
 
     try:
-        lm, _ = load_trained(source, kv, num_pages=num_pages, dtype=dtype or torch.float32)
+        lm, _ = load_trained(
+            source, kv, num_pages=num_pages, dtype=dtype or torch.float32, **(from_hf or {})
+        )
     except ImportError as e:  # the models extra is missing: say what to install
         raise CommandError(f"--model {source}: {e}") from None
     return lm
@@ -172,7 +185,9 @@ def trained_tokenizer(source: str) -> Any:
     return transformers.AutoTokenizer.from_pretrained(str(converted_folder(source)))
 
 
-def _trained_plan_lm(source: str, kv: KVCacheConfig, overrides: dict[str, Any]) -> Any:
+def _trained_plan_lm(
+    source: str, kv: KVCacheConfig, overrides: dict[str, Any], from_hf: dict[str, Any]
+) -> Any:
     """A trained model's ``KVQCausalLM`` on the meta device from its config alone (a GGUF's
     header: no conversion, no weights), for the plan."""
     from torch_kvq.integrations.trained import model_config
@@ -181,11 +196,16 @@ def _trained_plan_lm(source: str, kv: KVCacheConfig, overrides: dict[str, Any]) 
         config = model_config(source)
     except ImportError as e:
         raise CommandError(f"--model {source}: {e}") from None
-    return _meta_lm(f"--model {source!r}", config, overrides, kv)
+    return _meta_lm(f"--model {source!r}", config, overrides, kv, from_hf)
 
 
 def tiny_lm(
-    family: str, kv: KVCacheConfig, seed: int, num_pages: int, overrides: dict[str, Any]
+    family: str,
+    kv: KVCacheConfig,
+    seed: int,
+    num_pages: int,
+    overrides: dict[str, Any],
+    from_hf: dict[str, Any] | None = None,
 ) -> Any:
     """A tiny random-weight bf16 transformers model of ``family`` attached as a ``KVQCausalLM``."""
     import torch
@@ -198,16 +218,24 @@ def tiny_lm(
     if "num_hidden_layers" in kw and types is not None:  # the family's pattern, cut or repeated
         kw["layer_types"] = [types[i % len(types)] for i in range(kw["num_hidden_layers"])]
     hf = tiny_hf_model(family, torch.bfloat16, seed, **kw)
-    return KVQCausalLM.from_hf(hf, kv, num_pages=num_pages)
+    return KVQCausalLM.from_hf(hf, kv, num_pages=num_pages, **(from_hf or {}))
 
 
-def hf_config_lm(path: str, kv: KVCacheConfig, overrides: dict[str, Any]) -> Any:
+def hf_config_lm(
+    path: str, kv: KVCacheConfig, overrides: dict[str, Any], from_hf: dict[str, Any] | None = None
+) -> Any:
     """A ``KVQCausalLM`` around the transformers model of a local config, on the meta device (no
     memory, no weights), attached with a one-token dry run."""
-    return _meta_lm(f"--hf-config {path!r}", load_config(path), overrides, kv)
+    return _meta_lm(f"--hf-config {path!r}", load_config(path), overrides, kv, from_hf)
 
 
-def _meta_lm(what: str, config: Any, overrides: dict[str, Any], kv: KVCacheConfig) -> Any:
+def _meta_lm(
+    what: str,
+    config: Any,
+    overrides: dict[str, Any],
+    kv: KVCacheConfig,
+    from_hf: dict[str, Any] | None = None,
+) -> Any:
     """The transformers model of ``config`` on the meta device, attached as a ``KVQCausalLM``
     with a one-token dry run."""
     from torch_kvq.integrations.transformers import KVQCausalLM
@@ -215,7 +243,7 @@ def _meta_lm(what: str, config: Any, overrides: dict[str, Any], kv: KVCacheConfi
     hf = _meta_model(what, config, overrides)
     with _no_meta_autocast():
         try:
-            return KVQCausalLM.from_hf(hf, kv, num_pages=1)
+            return KVQCausalLM.from_hf(hf, kv, num_pages=1, **(from_hf or {}))
         except (ValueError, CommandError):
             raise  # ours: they name the layer and what is unsupported
         except Exception as e:  # noqa: BLE001 - transformers' forward on the meta device
