@@ -21,7 +21,13 @@ from tests.support.passes import (
     pages_for,
     qkv,
 )
-from torch_kvq.attention import Attention, ReferenceKernel, forward_context, quant_tc
+from torch_kvq.attention import (
+    Attention,
+    PageAllocator,
+    ReferenceKernel,
+    forward_context,
+    quant_tc,
+)
 from torch_kvq.attention.k_basis import BasisStats, basis_qk, group_rotation, inverse_transpose
 from torch_kvq.attention.memory import page_bytes
 from torch_kvq.distributed import shard_specs
@@ -253,3 +259,38 @@ def test_config_checks_its_entries() -> None:
     with pytest.raises(ValueError, match="more than once"):
         KVCacheConfig(MODE, k_bases=((0, basis()), (0, basis())))
     assert replace(KVCacheConfig(MODE), k_bases={0: basis()}).k_bases == ((0, basis()),)
+
+
+HAS_CUDA = torch.cuda.is_available()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
+def test_the_math_on_cuda_writes_the_cpus_bytes() -> None:
+    """tc4's write on a CUDA device (aten ops: products by Python floats, correctly rounded
+    reciprocals and divisions, fp16 conversions) gives the CPU's code and side rows byte for
+    byte, and the read the CPU's values, for Llama's and Gemma-3's head sizes."""
+    g = torch.Generator().manual_seed(3)
+    for d in (64, 128, 256):
+        k, v = (torch.randn(8, 16, 2, d, generator=g) * 3 for _ in range(2))
+        cpu = quant_tc.quantize_pages(k, v)
+        gpu = quant_tc.quantize_pages(k.cuda(), v.cuda())
+        for c, x in zip(cpu, gpu):
+            assert torch.equal(x.cpu(), c), d
+        assert torch.equal(quant_tc.dequantize_pages(*gpu).cpu(), quant_tc.dequantize_pages(*cpu))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
+def test_compiled_fuses_and_equals_eager_on_cuda() -> None:
+    """The reference kernel on a CUDA device serves tc4 layers (no fused GPU kernel reads them
+    yet): compiled with the passes, the fused write and read equal eager bit for bit."""
+    layers = specs(torch.bfloat16, n=2, skip_layers=(1,))
+    plan = [(0, 5), (3, 1), (0, 2)]
+    n = pages_for(plan)
+    model = AttnQuantModel(layers, n).cuda()
+    alloc = PageAllocator(n, PAGE)
+    alloc.append_many([(1, 3)])  # the plan's past, as make_batch reserves it
+    md = alloc.build_batch([(i, q) for i, (_, q) in enumerate(plan)], device="cuda")
+    inputs = tuple(x.cuda() for x in qkv(8, (8, 2), 32, torch.bfloat16))
+    check_compiled_equals_eager(layers, model, md, inputs)
