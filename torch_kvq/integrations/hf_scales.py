@@ -11,15 +11,18 @@ Scalar tensors under each attention module (``P`` = its HF path, e.g. ``model.la
 A scale is the dequantization factor (``real = fp8 * scale``), the convention of
 ``LayerKVSpec.k_scale``. Only per-tensor scales (one element) are accepted.
 
-K channel scales of 4-bit layers (``spec_channels.KChannelScale``), which ``kvq calibrate`` writes beside
-them: ``P.k_channel_scale`` [KH, D] and, when k is centred, ``P.k_channel_mean`` [KH, D]
-(``checkpoint_k_channel_scales``).
+K channel scales of 4-bit layers (``spec_channels.KChannelScale``), which ``kvq calibrate``
+writes beside them: ``P.k_channel_scale`` [KH, D] and, when k is centred, ``P.k_channel_mean``
+[KH, D] (``checkpoint_k_channel_scales``); the K bases of tc4 layers (``spec_channels.KBasis``):
+``P.k_basis`` [KH, D, D] (``checkpoint_k_bases``). ``layer_table`` picks a table's entries for
+the layers of its mode, every one of them.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -142,3 +145,22 @@ def checkpoint_k_bases(source: ScaleSource, paths: Sequence[str]) -> dict[str, K
             f"{paths[0]}.k_basis (kvq calibrate writes them)"
         )
     return out
+
+
+def layer_table(
+    table: Mapping[str, Any], paths: set[str], what: str, mode: str, how: str
+) -> tuple[tuple[str, Any], ...]:
+    """The entries of ``table`` (HF path -> value) for the layers of ``mode`` (HF paths
+    ``paths``), every one of them; ValueError when there is no such layer or one is missed."""
+    if not paths:
+        raise ValueError(
+            f"{what} were given, but no layer of this KV config is {mode} (the only mode they "
+            "apply to)"
+        )
+    missing = sorted(paths - set(table))
+    if missing:
+        raise ValueError(
+            f"the {what} miss {len(missing)} of the {len(paths)} {mode} layers, e.g. "
+            f"{missing[0]!r}; calibrate them for this model ({how})"
+        )
+    return tuple((p, c) for p, c in table.items() if p in paths)

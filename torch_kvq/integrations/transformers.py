@@ -56,6 +56,7 @@ from torch_kvq.integrations.hf_scales import (
     checkpoint_k_bases,
     checkpoint_k_channel_scales,
     checkpoint_kv_scales,
+    layer_table,
 )
 from torch_kvq.integrations.hf_tp import shard_hf_model_
 from torch_kvq.spec import (
@@ -199,14 +200,19 @@ class KVQCausalLM(PagedKV):
                 kv_config, calls, paths, prefix, hf_model.dtype, KVQuantMode.INT4_PER_TOKEN_HEAD
             )
             channels = checkpoint_k_channel_scales(k_channels_from, paths)
-            kv_config = replace(kv_config, k_channel_scales=_int4_channels(channels, int4))
+            kv_config = replace(
+                kv_config,
+                k_channel_scales=layer_table(
+                    channels, int4, "K channel scales", "int4_per_token_head", "kvq calibrate"
+                ),
+            )
         if k_bases_from is not None:
             if kv_config.k_bases:
                 raise ValueError("give kv_config.k_bases or k_bases_from, not both")
             tc4 = _mode_paths(
                 kv_config, calls, paths, prefix, hf_model.dtype, KVQuantMode.TC4_PER_TOKEN_HEAD
             )
-            table = _layer_table(
+            table = layer_table(
                 checkpoint_k_bases(k_bases_from, paths), tc4, "K bases", "tc4_per_token_head",
                 "kvq calibrate",
             )  # fmt: skip
@@ -240,7 +246,12 @@ class KVQCausalLM(PagedKV):
         int4 = {
             self.layer_paths[s.name] for s in specs if s.mode is KVQuantMode.INT4_PER_TOKEN_HEAD
         }
-        return replace(cfg, k_channel_scales=_int4_channels(channels, int4))
+        return replace(
+            cfg,
+            k_channel_scales=layer_table(
+                channels, int4, "K channel scales", "int4_per_token_head", "kvq calibrate"
+            ),
+        )
 
     def with_k_bases(self, cfg: KVCacheConfig, bases: Mapping[str, KBasis]) -> KVCacheConfig:
         """``cfg`` with ``bases`` (HF path -> ``KBasis``, e.g. ``calibrate.k_bases``'s) as the K
@@ -248,7 +259,7 @@ class KVQCausalLM(PagedKV):
         ``bases`` misses one of them."""
         modes = layer_modes(self._layer_config(cfg), self.layer_infos(), self.dtype)
         tc4 = {p for p, m in zip(self.layer_paths.values(), modes) if m.transform_coded}
-        table = _layer_table(bases, tc4, "K bases", "tc4_per_token_head", "basis=calibrate")
+        table = layer_table(bases, tc4, "K bases", "tc4_per_token_head", "basis=calibrate")
         return replace(cfg, k_bases=table)
 
     def layer_infos(self) -> list[AttentionLayerInfo]:
@@ -367,32 +378,6 @@ def _mode_paths(
     ValueError; int4: the only mode K channel scales apply to; tc4: K bases)."""
     infos = [_layer_info(n, c) for n, c in zip(_layer_names(paths, prefix), calls)]
     return {p for p, m in zip(paths, layer_modes(cfg, infos, dtype)) if m is mode}
-
-
-def _int4_channels(
-    channels: Mapping[str, KChannelScale], int4: set[str]
-) -> tuple[tuple[str, KChannelScale], ...]:
-    """The entries of ``channels`` for the int4 layers (HF paths ``int4``), every one of them."""
-    return _layer_table(channels, int4, "K channel scales", "int4_per_token_head", "kvq calibrate")
-
-
-def _layer_table(
-    table: Mapping[str, Any], paths: set[str], what: str, mode: str, how: str
-) -> tuple:
-    """The entries of ``table`` (HF path -> value) for the layers of ``mode`` (HF paths
-    ``paths``), every one of them; ValueError when there is no such layer or one is missed."""
-    if not paths:
-        raise ValueError(
-            f"{what} were given, but no layer of this KV config is {mode} (the only mode they "
-            "apply to)"
-        )
-    missing = sorted(paths - set(table))
-    if missing:
-        raise ValueError(
-            f"the {what} miss {len(missing)} of the {len(paths)} {mode} layers, e.g. "
-            f"{missing[0]!r}; calibrate them for this model ({how})"
-        )
-    return tuple((p, c) for p, c in table.items() if p in paths)
 
 
 def _with_scales(
