@@ -136,7 +136,8 @@ def add_model_args(p: argparse.ArgumentParser, default_model: str | None = None)
         "--kv-cache-dtype",
         default="fp8",
         help="fp8 (default), auto, bfloat16, int8_per_token_head, fp8_per_token_head, "
-        "int4_per_token_head, k8v4_per_token_head (k int8, v int4), ...",
+        "int4_per_token_head, k8v4_per_token_head (k int8, v int4), tc4_per_token_head "
+        "(transform-coded; needs --k-bases), ...",
     )
     skip = kv.add_mutually_exclusive_group()
     skip.add_argument(
