@@ -45,10 +45,10 @@ def basis(kh: int = 2, d: int = 32, seed: int = 0) -> KBasis:
     return KBasis.of(torch.eye(d) + torch.randn(kh, d, d, generator=g) / d**0.5)
 
 
-def specs(dtype: torch.dtype = torch.float32, n: int = 1, **kw):
+def specs(dtype: torch.dtype = torch.float32, n: int = 1, d: int = 32, **kw):
     tag = next(_ids)
-    infos = [AttentionLayerInfo(f"tc{tag}.l{i}", 8, 2, 32) for i in range(n)]
-    cfg = KVCacheConfig(MODE, page_size=PAGE, k_bases=((0, basis()),), **kw)
+    infos = [AttentionLayerInfo(f"tc{tag}.l{i}", 8, 2, d) for i in range(n)]
+    cfg = KVCacheConfig(MODE, page_size=PAGE, k_bases=((0, basis(d=d)),), **kw)
     return resolve_layer_specs(cfg, infos, dtype)
 
 
@@ -284,13 +284,14 @@ def test_the_math_on_cuda_writes_the_cpus_bytes() -> None:
 @pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
 def test_compiled_fuses_and_equals_eager_on_cuda() -> None:
     """The reference kernel on a CUDA device serves tc4 layers (no fused GPU kernel reads them
-    yet): compiled with the passes, the fused write and read equal eager bit for bit."""
-    layers = specs(torch.bfloat16, n=2, skip_layers=(1,))
+    yet): compiled with the passes, the fused write (the Triton program,
+    ``kernels/kv_write_tc.py``) and read equal eager (aten's write) bit for bit, at head 64."""
+    layers = specs(torch.bfloat16, n=2, d=64, skip_layers=(1,))
     plan = [(0, 5), (3, 1), (0, 2)]
     n = pages_for(plan)
     model = AttnQuantModel(layers, n).cuda()
     alloc = PageAllocator(n, PAGE)
     alloc.append_many([(1, 3)])  # the plan's past, as make_batch reserves it
     md = alloc.build_batch([(i, q) for i, (_, q) in enumerate(plan)], device="cuda")
-    inputs = tuple(x.cuda() for x in qkv(8, (8, 2), 32, torch.bfloat16))
+    inputs = tuple(x.cuda() for x in qkv(8, (8, 2), 64, torch.bfloat16))
     check_compiled_equals_eager(layers, model, md, inputs)

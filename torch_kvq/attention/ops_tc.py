@@ -29,7 +29,7 @@ from torch import Tensor
 
 from torch_kvq.attention import quant_tc
 from torch_kvq.attention.context import get_forward_context
-from torch_kvq.attention.kernels.kv_write import pages_and_offsets
+from torch_kvq.attention.kernels.kv_write_tc import put_tc, write_kv_tc
 from torch_kvq.attention.metadata import BatchMetadata
 from torch_kvq.attention.ops import _check, _check_cache, _check_capacity, _check_q, _new_output
 from torch_kvq.spec import LayerKVSpec, tc4_aux_width
@@ -123,29 +123,13 @@ def cache_write_tc(
     put_tc(kv_cache, kv_scale, k_codes, v_codes, k_aux, v_aux, md.slot_mapping)
 
 
-def put_tc(
-    kv_cache: Tensor,
-    kv_scale: Tensor,
-    k_codes: Tensor,
-    v_codes: Tensor,
-    k_aux: Tensor,
-    v_aux: Tensor,
-    slot_mapping: Tensor,
-) -> None:
-    """Put code rows [T, KH, D / 2] and side rows into the caches at ``slot_mapping`` [T] (no
-    checks: the writes' shared tail)."""
-    pages, offsets = pages_and_offsets(slot_mapping, kv_cache.shape[2])
-    kv_cache[pages, 0, offsets] = k_codes
-    kv_cache[pages, 1, offsets] = v_codes
-    kv_scale[pages, :, :, offsets] = quant_tc.join_aux(k_aux, v_aux)
-
-
 @torch.library.custom_op("kvq::quant_cache_write_tc", mutates_args=("kv_cache", "kv_scale"))
 def quant_cache_write_tc(
     k: Tensor, v: Tensor, kv_cache: Tensor, kv_scale: Tensor, layer_name: str
 ) -> None:
     """Fused: quantize k (in its basis) and v [T, KH, D] of the model dtype and write codes and
-    side rows, the bytes the unfused form writes."""
+    side rows, the bytes the unfused form writes (``kernels/kv_write_tc.write_kv_tc``: the Triton
+    program on CUDA, aten elsewhere)."""
     ctx = get_forward_context()
     spec = ctx.spec(layer_name)
     _check_tc_layer(spec, "quant_cache_write_tc")
@@ -158,9 +142,7 @@ def quant_cache_write_tc(
             f"layer {spec.name!r}: {nm} is {t.dtype} {tuple(t.shape)}, expected "
             f"{spec.model_dtype} {want}",
         )
-    kc, ka = quant_tc.quantize_k(k)
-    vc, va = quant_tc.quantize_v(v)
-    put_tc(kv_cache, kv_scale, kc, vc, ka, va, md.slot_mapping)
+    write_kv_tc(kv_cache, kv_scale, k, v, md.slot_mapping)
 
 
 @torch.library.custom_op("kvq::paged_attention_tc", mutates_args=())
