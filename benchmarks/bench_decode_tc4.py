@@ -1,0 +1,96 @@
+"""The ``tc4_per_token_head`` decode's first program (``triton/decode_tc4.py``) per layer at
+32 x 16k on one GPU, beside the tuned int4 decode (``decode_tma``) on the same shape and pages:
+median ms of a CUDA graph of 20 calls, rounds interleaved, and % of copy bandwidth counting code
+and scale bytes (tc4: 151 bytes a token and kv head at D 128, int4 136). Answers issue 33's
+question of what tc4's bit planes cost a decode (docs/design/int4-branch.md).
+
+    python benchmarks/bench_decode_tc4.py [llama] [gemma_global] [--page 32] [--splits 4 8 16]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+
+def tc4_cache(
+    pages: int, page: int, kh: int, d: int, device: str = "cuda"
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Random code rows and valid side rows (fp16 scales in [0.01, 0.1], zero points mid-range):
+    the decode's time does not depend on the values, and no scale is inf or NaN."""
+    from torch_kvq.spec import tc4_aux_width
+
+    g = torch.Generator(device=device).manual_seed(0)
+    codes = torch.randint(0, 256, (pages, 2, page, kh, d // 2), generator=g, device=device,
+                          dtype=torch.uint8)  # fmt: skip
+    aux = torch.randint(0, 256, (pages, kh, tc4_aux_width(d), page), generator=g, device=device,
+                        dtype=torch.uint8)  # fmt: skip
+    scales = (torch.rand(pages, kh, 5, page, generator=g, device=device) * 0.09 + 0.01).half()
+    b = scales.view(torch.uint8).view(pages, kh, 5, page, 2)  # little-endian byte pairs
+    for i, field in enumerate((0, 2, 4, 9, 11)):
+        aux[:, :, field], aux[:, :, field + 1] = b[:, :, i, :, 0], b[:, :, i, :, 1]
+    for field, zp in ((6, 32), (7, 8), (8, 4), (13, 16), (14, 8)):
+        aux[:, :, field] = zp
+    return codes, aux
+
+
+def time_shape(shape: str, page: int, splits: list[int], warps: list[int], copy: float) -> None:
+    """One line per decode of ``shape`` at 32 x 16k: median ms and % of copy."""
+    from bench_fp8_decode_paths import Case
+    from bench_kv_write import graph_ms
+
+    from torch_kvq.attention.quant import hadamard_signs
+    from torch_kvq.attention.triton.decode_tc4 import paged_decode_tc4
+    from torch_kvq.attention.triton.decode_tma import paged_decode_tma
+    from torch_kvq.spec import tc4_aux_width
+
+    c = Case(shape, 32, 16384, page)
+    int4_codes, int4_scales = c.per_token_head("int4")
+    codes, aux = tc4_cache(c.batch * c.per_seq, page, c.kh, c.d)
+    signs = hadamard_signs(c.d // 2, "cuda")
+    q = c.q.half()
+    tc4_bytes = c.batch * c.ctx * c.kh * (c.d + tc4_aux_width(c.d))
+    calls = {
+        "int4 (tuned)": (c.bytes_int4, lambda: paged_decode_tma(
+            c.q, int4_codes, c.table, c.seq_lens, 1.0, 1.0, c.sm_scale, max_seq_len=c.ctx,
+            kv_scale=int4_scales)),
+    }  # fmt: skip
+    for s in splits:
+        for w in warps:
+            calls[f"tc4 splits {s} warps {w}"] = (tc4_bytes, lambda s=s, w=w: paged_decode_tc4(
+                q, codes, aux, c.table, c.seq_lens, c.sm_scale, signs, num_splits=s,
+                num_warps=w))  # fmt: skip
+    times: dict[str, list[float]] = {k: [] for k in calls}
+    for _ in range(3):  # interleaved rounds
+        for name, (_, fn) in calls.items():
+            times[name] += graph_ms(fn, 20, 1)
+    for name, (nbytes, _) in calls.items():
+        ms = statistics.median(times[name])
+        pct = 100 * nbytes / (ms * 1e-3) / 1e9 / copy
+        print(f"{shape} 32 x 16k page {page} {name}: {ms:.4f} ms, {pct:.1f}% copy", flush=True)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("shapes", nargs="*", default=["llama"])
+    ap.add_argument("--page", type=int, default=32)
+    ap.add_argument("--splits", nargs="+", type=int, default=[8])
+    ap.add_argument("--warps", nargs="+", type=int, default=[4])
+    args = ap.parse_args()
+    from gpu_common import copy_bandwidth, environment
+
+    print(environment(), flush=True)
+    copy = copy_bandwidth()["GBps"]
+    for shape in args.shapes:
+        time_shape(shape, args.page, args.splits, args.warps, copy)
+
+
+if __name__ == "__main__":
+    main()
