@@ -5,8 +5,8 @@ correctness and a first speed; not the TMA scheme of the tuned 4-bit decodes (``
 The cache (``quant_tc``): code rows uint8 [P, 2, page, KH, D / 2] (k in its basis: groups A, B, C
 at 6 / 4 / 3 bits in nibbles and 2- and 1-bit planes; v: two rotated halves at 5 and 4 bits),
 side rows uint8 [P, KH, 15 + D / 16, page] (fp16 scales, zero points, v's fifth bits). q arrives
-in k's dual basis (``k_basis.basis_qk``), so q . k needs no transform here. Per page: each code
-is taken from its bytes by a gather of the row's bytes (a byte index and shift per column), the
+in k's dual basis (``k_basis.basis_qk``), so q . k needs no transform here. Per page: each field
+of a row (nibbles, 2- and 1-bit planes) loaded once and spread into its codes in registers, the
 codes minus their zero points (small integers, exact in fp16) into one MMA per group, each
 group's logits times its per-token fp16 scale (k) in fp32; the weights times each half's
 per-token scale (v) into two MMAs; online softmax in base 2; each half's output un-rotated
@@ -25,10 +25,34 @@ from torch_kvq.attention.triton.helpers import combine_splits, split_range, stor
 
 
 @triton.jit
-def _bits(row, byte, shift, mask):
-    """Codes [PAGE, N] from code rows ``row`` [PAGE] (pointers): byte ``byte`` [N] of each row,
-    shifted right by ``shift`` [N] and masked by ``mask``, as int32."""
-    return (tl.load(row[:, None] + byte[None, :]).to(tl.int32) >> shift[None, :]) & mask
+def _field(row, START, WIDTH: tl.constexpr, step):
+    """Bytes [PAGE, WIDTH] of each row at ``row`` [PAGE] (pointers), from byte START on, one byte
+    every ``step`` (1 in a code row; a side row's field stride), as int32."""
+    return tl.load(row[:, None] + (START + tl.arange(0, WIDTH))[None, :] * step).to(tl.int32)
+
+
+@triton.jit
+def _nibbles(x, PAGE: tl.constexpr, M: tl.constexpr):
+    """Bytes x [PAGE, M] -> their 2M nibbles [PAGE, 2M], the low one first
+    (``quant_tc.pack_plane``'s order)."""
+    return tl.reshape(tl.join(x & 15, x >> 4), [PAGE, 2 * M])
+
+
+@triton.jit
+def _pairs(x, PAGE: tl.constexpr, M: tl.constexpr):
+    """A 2-bit plane x [PAGE, M] -> its 4M values [PAGE, 4M] in order (value j at bits 2 (j % 4)
+    of byte j // 4): nested joins, the outermost the fastest index."""
+    v0, v1, v2, v3 = x & 3, (x >> 2) & 3, (x >> 4) & 3, (x >> 6) & 3
+    return tl.reshape(tl.join(tl.join(v0, v2), tl.join(v1, v3)), [PAGE, 4 * M])
+
+
+@triton.jit
+def _bitplane(x, PAGE: tl.constexpr, M: tl.constexpr):
+    """A 1-bit plane x [PAGE, M] -> its 8M values [PAGE, 8M] in order (value j at bit j % 8 of
+    byte j // 8)."""
+    even = tl.join(tl.join(x & 1, (x >> 4) & 1), tl.join((x >> 2) & 1, (x >> 6) & 1))
+    odd = tl.join(tl.join((x >> 1) & 1, (x >> 5) & 1), tl.join((x >> 3) & 1, (x >> 7) & 1))
+    return tl.reshape(tl.join(even, odd), [PAGE, 8 * M])
 
 
 @triton.jit
@@ -41,9 +65,11 @@ def _scale(side, sf, FIELD: tl.constexpr):
 
 @triton.jit
 def _centred(codes, side, sf, ZP_FIELD: tl.constexpr):
-    """Codes [PAGE, N] minus each token's zero point (side field ZP_FIELD), exact, in fp16."""
-    zp = tl.load(side + ZP_FIELD * sf).to(tl.int32)
-    return (codes - zp[:, None]).to(tl.float16)
+    """Codes [PAGE, N] minus each token's zero point (side field ZP_FIELD), exact, in fp16, by the
+    exponent trick (``int4.unpack``'s): ``code | 0x6400`` as fp16 is 1024 + code, so the
+    difference of two such is code - zp with no integer-to-float conversion."""
+    zp = (tl.load(side + ZP_FIELD * sf).to(tl.int16) | 0x6400).to(tl.float16, bitcast=True)
+    return (codes.to(tl.int16) | 0x6400).to(tl.float16, bitcast=True) - zp[:, None]
 
 
 @triton.jit
@@ -90,13 +116,14 @@ def _decode_tc4(
         k_row = cache_ptr + page * c_sp + t * c_ss + kh * c_sh  # [PAGE] pointers
         v_row = k_row + c_skv
         side = aux_ptr + page * a_sp + kh * a_sh + t * a_ss
-        # k: A = low nibble | high 2 bits << 4, B a nibble, C = low 2 bits | high bit << 2
-        a = _bits(k_row, ja // 2, 4 * (ja % 2), 15) | (
-            _bits(k_row, 4 * U + ja // 4, 2 * (ja % 4), 3) << 4
+        # k: A = low nibble | high 2 bits << 4, B a nibble, C = low 2 bits | high bit << 2; each
+        # field of the row loaded once and spread in registers
+        a = _nibbles(_field(k_row, 0, 2 * U, 1), PAGE, 2 * U) | (
+            _pairs(_field(k_row, 4 * U, U, 1), PAGE, U) << 4
         )
-        bb = _bits(k_row, 2 * U + ja // 2, 4 * (ja % 2), 15)
-        c = _bits(k_row, 5 * U + jc // 4, 2 * (jc % 4), 3) | (
-            _bits(k_row, 7 * U + jc // 8, jc % 8, 1) << 2
+        bb = _nibbles(_field(k_row, 2 * U, 2 * U, 1), PAGE, 2 * U)
+        c = _pairs(_field(k_row, 5 * U, 2 * U, 1), PAGE, 2 * U) | (
+            _bitplane(_field(k_row, 7 * U, U, 1), PAGE, U) << 2
         )
         s = tl.dot(qa, tl.trans(_centred(a, side, a_sf, 6))) * _scale(side, a_sf, 0)[None, :]
         s += tl.dot(qb, tl.trans(_centred(bb, side, a_sf, 7))) * _scale(side, a_sf, 2)[None, :]
@@ -109,10 +136,10 @@ def _decode_tc4(
         w = tl.exp2(s - m_new[:, None])
         l_i = l_i * alpha + tl.sum(w, axis=1)
         # v: half 1 = low nibble | fifth bit (side row) << 4, half 2 a nibble
-        v1 = _bits(v_row, jc // 2, 4 * (jc % 2), 15) | (
-            _bits(side, (15 + jc // 8) * a_sf, jc % 8, 1) << 4
+        v1 = _nibbles(_field(v_row, 0, 4 * U, 1), PAGE, 4 * U) | (
+            _bitplane(_field(side, 15, U, a_sf), PAGE, U) << 4
         )
-        v2 = _bits(v_row, 4 * U + jc // 2, 4 * (jc % 2), 15)
+        v2 = _nibbles(_field(v_row, 4 * U, 4 * U, 1), PAGE, 4 * U)
         w1 = (w * _scale(side, a_sf, 9)[None, :]).to(tl.float16)
         w2 = (w * _scale(side, a_sf, 11)[None, :]).to(tl.float16)
         acc1 = acc1 * alpha[:, None] + tl.dot(w1, _centred(v1, side, a_sf, 13))
