@@ -65,7 +65,7 @@ from torch_kvq.models.gemma3 import Gemma3Model  # noqa: E402
 from torch_kvq.models.llama import LlamaModel  # noqa: E402
 from torch_kvq.models.presets import tiny_gemma3_config, tiny_llama_config  # noqa: E402
 from torch_kvq.spec import KVCacheConfig  # noqa: E402
-from torch_kvq.spec_channels import KChannelScale  # noqa: E402
+from torch_kvq.spec_channels import KBasis, KChannelScale  # noqa: E402
 
 PAGE = 16
 # --max-autotune-gemm: the GEMMs are 89% (Llama) / 84% (Gemma) of copy bandwidth on cuBLAS at batch
@@ -141,7 +141,7 @@ SMOKE_LAYERS = {"llama-3.1-8b": (1, 3), "gemma-3-12b": (5,)}
 KV_CONFIGS = ("bf16", "fp8", "int8_per_token_head", "fp8_per_token_head", "int4_per_token_head",
               "mixed", "int8_per_token_head-all", "fp8_per_token_head-all",
               "int4_per_token_head-all", "int4-recommended",
-              "int4_per_token_head-all+channels")  # fmt: skip
+              "int4_per_token_head-all+channels", "tc4_per_token_head-all")  # fmt: skip
 
 
 def kv_configs(skip, page: int = PAGE) -> dict[str, KVCacheConfig]:
@@ -171,6 +171,9 @@ def kv_config(name: str, model_name: str, page: int = PAGE, smoke: bool = False)
     if name.endswith("+channels"):  # every layer int4 with K channel scales (their cost)
         return synthetic_channels(kv_config(name.removesuffix("+channels"), model_name, page, smoke),
                                   model_name, smoke)  # fmt: skip
+    if name == "tc4_per_token_head-all":  # every layer tc4, its K bases seeded (its cost)
+        return synthetic_bases(KVCacheConfig("tc4_per_token_head", page_size=page), model_name,
+                               smoke)  # fmt: skip
     if name.endswith("-all"):
         return KVCacheConfig(name.removesuffix("-all"), page_size=page)
     return KVCacheConfig(name, skip_layers=skip, page_size=page)
@@ -190,6 +193,22 @@ def synthetic_channels(cfg: KVCacheConfig, model_name: str, smoke: bool) -> KVCa
         for i in range(mc["num_hidden_layers"])
     }
     return replace(cfg, k_channel_scales=channels)
+
+
+def synthetic_bases(cfg: KVCacheConfig, model_name: str, smoke: bool) -> KVCacheConfig:
+    """``cfg`` (tc4 on every layer) with a K basis on every layer: seeded orthogonal matrices (a
+    calibrated basis is a rotation times a balancing scale), no trained weights to calibrate on;
+    for the step's cost, which does not depend on the values."""
+    _, config_fn, shape, _ = MODELS[model_name]
+    mc = config_fn(**(SMOKE[model_name] if smoke else shape))
+    kh = mc["num_key_value_heads"]
+    d = mc.get("head_dim") or mc["hidden_size"] // mc["num_attention_heads"]
+    g = torch.Generator().manual_seed(0)
+    bases = {
+        i: KBasis.of(torch.linalg.qr(torch.randn(kh, d, d, generator=g))[0])
+        for i in range(mc["num_hidden_layers"])
+    }
+    return replace(cfg, k_bases=bases)
 
 
 def make_kernel(name: str, smoke: bool):

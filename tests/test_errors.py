@@ -1991,12 +1991,24 @@ def _() -> object:
         return with_channels(lm, None, kv, kv.config(4), None, {"K bases": {}})
 
 
+def _tc4_spec(soft_cap: float | None = None) -> object:
+    layer = AttentionLayerInfo(
+        f"tc{next(_uid)}.attn", HEADS, KV_HEADS, 128, logits_soft_cap=soft_cap
+    )
+    cfg = KVCacheConfig("tc4_per_token_head", page_size=16, k_bases={0: _basis(d=128)})
+    return resolve_layer_specs(cfg, [layer])[0]
+
+
 @case("modes.tc4-flashinfer")
 def _() -> object:
-    layer = AttentionLayerInfo(f"tc{next(_uid)}.attn", HEADS, KV_HEADS, 128)
-    cfg = KVCacheConfig("tc4_per_token_head", page_size=16, k_bases={0: _basis(d=128)})
-    with fake_gpu(arch=(9, 0)):  # no fused kernel reads tc4 caches yet, on any arch
-        return FlashInferKernel().check_supported(resolve_layer_specs(cfg, [layer])[0])
+    with fake_gpu(arch=(8, 9)):  # its decode program and scratch are claimed for sm90 only
+        return FlashInferKernel().check_supported(_tc4_spec())
+
+
+@case("modes.tc4-flashinfer-soft-cap")
+def _() -> object:
+    with fake_gpu(arch=(9, 0)):
+        return FlashInferKernel().check_supported(_tc4_spec(soft_cap=30.0))
 
 
 # --- the tests ----------------------------------------------------------------------------------

@@ -295,3 +295,50 @@ def test_compiled_fuses_and_equals_eager_on_cuda() -> None:
     md = alloc.build_batch([(i, q) for i, (_, q) in enumerate(plan)], device="cuda")
     inputs = tuple(x.cuda() for x in qkv(8, (8, 2), 64, torch.bfloat16))
     check_compiled_equals_eager(layers, model, md, inputs)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU (and FlashInfer)")
+@pytest.mark.parametrize("batch", ["prefill", "decode", "mixed"])
+def test_flashinfer_kernel_matches_the_reference(batch: str) -> None:
+    """FlashInferKernel on sm90 serves tc4 layers (a global one and a sliding one, head 128):
+    decode batches by the first decode program (``triton/decode_tc4.py``), prefill and mixed
+    ones by FlashInfer's prefill over the batch's pages dequantized (aten); each within 1e-2
+    (relative) of the reference kernel on the same codes and side rows."""
+    from torch_kvq.attention.kernels import FlashInferKernel
+    from torch_kvq.attention.kernels.kv_write_tc import write_kv_tc
+
+    plans = {
+        "prefill": ({}, [(10, 40), (11, 130), (12, 17)]),
+        "decode": ({0: 15, 1: 16, 2: 200, 3: 77}, [(0, 1), (1, 1), (2, 1), (3, 1)]),
+        "mixed": ({0: 15, 1: 100}, [(0, 1), (1, 37), (5, 50)]),
+    }
+    hist, step = plans[batch]
+    tag = next(_ids)
+    infos = [AttentionLayerInfo(f"fi{tag}.g", 8, 2, 128),
+             AttentionLayerInfo(f"fi{tag}.s", 8, 2, 128, sliding_window=64)]  # fmt: skip
+    cfg = KVCacheConfig(MODE, page_size=16, k_bases={i: basis(d=128) for i in (0, 1)})
+    layers = resolve_layer_specs(cfg, infos, torch.bfloat16)
+    g = torch.Generator(device="cuda").manual_seed(len(batch))
+    caches = {s.name: Attention(s, 64, device="cuda") for s in layers}
+    alloc = PageAllocator(num_pages=64, page_size=16)
+    mds = [alloc.build_batch(list(hist.items()), device="cuda")] if hist else []
+    md = alloc.build_batch(step, device="cuda")
+    for m in (*mds, md):
+        for s in layers:
+            k, v = (torch.randn(m.num_tokens, 2, 128, device="cuda", generator=g).bfloat16()
+                    for _ in "kv")  # fmt: skip
+            a = caches[s.name]
+            write_kv_tc(a.kv_cache, a.kv_scale, k, v, m.for_window(s.sliding_window).slot_mapping)
+    q = torch.randn(md.num_tokens, 8, 128, device="cuda", generator=g).bfloat16()
+    outs = []
+    for kernel in (ReferenceKernel(), FlashInferKernel()):
+        with forward_context(md, list(layers), kernel) as ctx:
+            outs.append([
+                kernel.attend(ctx, s, q, caches[s.name].kv_cache, 1.0, 1.0, None,
+                              caches[s.name].kv_scale)
+                for s in layers
+            ])  # fmt: skip
+    for s, ref, got in zip(layers, *outs):
+        err = float((got.float() - ref.float()).norm() / ref.float().norm())
+        assert torch.isfinite(got).all() and err < 1e-2, (batch, s.name, err)

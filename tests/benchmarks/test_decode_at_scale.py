@@ -14,6 +14,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 ROOT = Path(__file__).resolve().parents[2]
 from bench_decode_at_scale import MODELS, kv_configs  # noqa: E402
@@ -206,3 +207,20 @@ def test_int4_recommended_config_resolves_on_the_smoke_shapes():
              for i, t in enumerate(gemma_types)]  # fmt: skip
     specs = resolve_layer_specs(kv_config("int4-recommended", "gemma-3-12b", smoke=True), gemma)
     assert [s.index for s in specs if s.is_quantized] == list(SMOKE_LAYERS["gemma-3-12b"])
+
+
+def test_tc4_config_resolves_with_a_basis_on_every_layer():
+    """``tc4_per_token_head-all``: tc4 on every Llama layer, each with a seeded orthogonal K basis
+    of its shape (the step's cost does not depend on the values); 151 bytes a token and kv head."""
+    from bench_decode_at_scale import kv_config
+
+    from torch_kvq.spec import AttentionLayerInfo
+    from torch_kvq.spec_resolve import resolve_layer_specs
+
+    llama = [AttentionLayerInfo(f"l{i}", 32, 8, 128) for i in range(32)]
+    specs = resolve_layer_specs(kv_config("tc4_per_token_head-all", "llama-3.1-8b"), llama)
+    assert {s.mode.value for s in specs} == {"tc4_per_token_head"}
+    p = specs[5].k_basis.matrix()
+    assert p.shape == (8, 128, 128)
+    torch.testing.assert_close(p[0] @ p[0].T, torch.eye(128), atol=1e-5, rtol=0)
+    assert specs[0].cache_bytes_per_token == 8 * 151

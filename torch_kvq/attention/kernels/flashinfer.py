@@ -79,6 +79,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 
+from torch_kvq.attention import quant_tc
 from torch_kvq.attention.kernels import capabilities as caps
 from torch_kvq.attention.kernels import flashinfer_xqa as xqa
 from torch_kvq.attention.kernels.base import KernelUnsupportedError
@@ -90,6 +91,7 @@ from torch_kvq.attention.kernels.flashinfer_plan import (
     plan_wrapper,
 )
 from torch_kvq.attention.kernels.kv_dequant import dequantize_pages
+from torch_kvq.attention.kernels.kv_write_int4 import rotation_signs
 from torch_kvq.attention.metadata import GraphShape
 from torch_kvq.spec import FP8_DTYPE, LayerKVSpec
 
@@ -238,14 +240,16 @@ class FlashInferKernel:
                 "a logit soft-cap is not supported by fa3's FP8 prefill kernel (prefill='fa3_fp8'); "
                 "FlashInferKernel(prefill='fa3') serves it (FP8 layers on fa2)"
             )
+        if why is None and spec.mode.transform_coded and spec.logits_soft_cap:
+            return (
+                "a logit soft-cap is not supported by the tc4 decode program (triton/decode_tc4.py); "
+                "the reference kernel serves such a layer"
+            )
         triton = self.fp8_decode == "triton" and spec.is_quantized
-        if why is None and (triton or spec.mode.per_token_head):
+        codes = spec.mode.per_token_head or spec.mode.transform_coded
+        if why is None and (triton or codes):
             if importlib.util.find_spec("triton") is None:
-                what = (
-                    f"a {spec.mode.value} layer"
-                    if spec.mode.per_token_head
-                    else "fp8_decode='triton'"
-                )
+                what = f"a {spec.mode.value} layer" if codes else "fp8_decode='triton'"
                 return f"{what} needs Triton (pip install triton), which is not installed"
         if why is None and self.prefill != "fa2" and arch != "sm90":
             return (
@@ -271,7 +275,8 @@ class FlashInferKernel:
         """Which FlashInfer kernel serves ``spec`` in ``phase`` ("prefill" | "decode") for a cache
         of ``kv_dtype`` (default: the layer's storage; the model dtype: the unfused form)."""
         kv_dtype = spec.storage_dtype if kv_dtype is None else kv_dtype
-        if spec.mode.per_token_head and kv_dtype == spec.storage_dtype:  # codes + kv_scale
+        codes = spec.mode.per_token_head or spec.mode.transform_coded
+        if codes and kv_dtype == spec.storage_dtype:  # codes + kv_scale (tc4: its side rows)
             if phase == "decode":
                 return "triton-decode"
             return "fa2-compact-prefill" if self.prefill == "fa2" else "fa3-compact-prefill"
@@ -454,6 +459,14 @@ class FlashInferKernel:
             from torch_kvq.attention.triton import decode_tma as tma
 
             t = ctx.plans[(id(self), "xqa_tables", spec.sliding_window)]
+            if spec.mode.transform_coded:  # q in k's dual basis; the side rows read in place
+                from torch_kvq.attention.triton.decode_tc4 import paged_decode_tc4
+
+                signs = rotation_signs(spec.head_size // 2, q.device)
+                return paged_decode_tc4(
+                    q, kv_cache, kv_scale, t.block_tables, t.seq_lens, spec.sm_scale, signs,
+                    window=spec.sliding_window,
+                )  # fmt: skip
             return tma.paged_decode_tma(
                 q, kv_cache, t.block_tables, t.seq_lens, k_scale, v_scale, spec.sm_scale,
                 max_seq_len=t.max_seq_len, window=spec.sliding_window,
@@ -462,7 +475,10 @@ class FlashInferKernel:
         out = torch.empty(q.shape, dtype=key.o_dtype, device=q.device)
         if key.kernel == "compact-prefill":  # the batch's pages, dequantized, in table order
             ids = ctx.metadata_for(spec).kv_indices
-            scratch = dequantize_pages(kv_cache, kv_scale, ids, key.kv_dtype)
+            if spec.mode.transform_coded:  # k in its basis (q is in its dual), v un-rotated
+                scratch = quant_tc.dequantize_pages(kv_cache[ids], kv_scale[ids]).to(key.kv_dtype)
+            else:
+                scratch = dequantize_pages(kv_cache, kv_scale, ids, key.kv_dtype)
             return plan.wrapper.run(q, scratch, out=out)
         if kv_cache.dtype != FP8_DTYPE:
             return plan.wrapper.run(q, kv_cache, out=out)
@@ -484,7 +500,8 @@ def check_kv_scale(
 ) -> None:
     """A per-(token, head) layer's codes come with their ``kv_scale`` and per-tensor scales of
     1.0; every other cache without one (ValueError naming the layer)."""
-    codes = spec.mode.per_token_head and kv_cache.dtype == spec.storage_dtype
+    coded = spec.mode.per_token_head or spec.mode.transform_coded
+    codes = coded and kv_cache.dtype == spec.storage_dtype
     if codes and kv_scale is None:
         raise ValueError(
             f"layer {spec.name!r} ({spec.mode.value}): its {kv_cache.dtype} codes need their "
