@@ -50,6 +50,10 @@ docs/design/fp8_prefill.md, docs/design/fp8_decode_paths.md, benchmarks/RESULTS.
     then the model-dtype prefill wrapper of the ``prefill`` option (fa2; fa3 with ``"fa3"`` or
     ``"fa3_fp8"``). The scratch is rounded to the model dtype once: within the bf16 path's error.
 
+* ``tc4_per_token_head`` layers (codes and side rows; q in k's dual basis), sm90, every
+  configuration, no logit soft-cap: decode by ``attention/triton/decode_tc4.py`` (a first
+  program), prefill / mixed over the batch's pages dequantized by ``quant_tc`` (aten), as above.
+
 The unfused form of a quantized layer hands ``attend`` its batch's pages dequantized to fp32
 (the exact semantics; the rest of that tensor is never written). FlashInfer reads no fp32 cache,
 so ``attend`` casts those pages to the model dtype and runs the model-dtype plan on them: the
