@@ -179,18 +179,23 @@ def kv_config(name: str, model_name: str, page: int = PAGE, smoke: bool = False)
     return KVCacheConfig(name, skip_layers=skip, page_size=page)
 
 
+def kv_shape(model_name: str, smoke: bool) -> tuple[int, int, int]:
+    """(layers, kv heads, head size) of ``model_name``'s shape (``smoke``: ``SMOKE``'s)."""
+    _, config_fn, shape, _ = MODELS[model_name]
+    mc = config_fn(**(SMOKE[model_name] if smoke else shape))
+    d = mc.get("head_dim") or mc["hidden_size"] // mc["num_attention_heads"]
+    return mc["num_hidden_layers"], mc["num_key_value_heads"], d
+
+
 def synthetic_channels(cfg: KVCacheConfig, model_name: str, smoke: bool) -> KVCacheConfig:
     """``cfg`` (int4 on every layer) with K channel scales and means on every layer: seeded
     values in a calibrated one's range (s 0.5..2), no trained weights to calibrate on; for the
     step's cost, which does not depend on the values."""
-    _, config_fn, shape, _ = MODELS[model_name]
-    mc = config_fn(**(SMOKE[model_name] if smoke else shape))
-    kh = mc["num_key_value_heads"]
-    d = mc.get("head_dim") or mc["hidden_size"] // mc["num_attention_heads"]
+    layers, kh, d = kv_shape(model_name, smoke)
     g = torch.Generator().manual_seed(0)
     channels = {
         i: KChannelScale(torch.rand(kh, d, generator=g) * 1.5 + 0.5, torch.randn(kh, d, generator=g))
-        for i in range(mc["num_hidden_layers"])
+        for i in range(layers)
     }
     return replace(cfg, k_channel_scales=channels)
 
@@ -199,14 +204,10 @@ def synthetic_bases(cfg: KVCacheConfig, model_name: str, smoke: bool) -> KVCache
     """``cfg`` (tc4 on every layer) with a K basis on every layer: seeded orthogonal matrices (a
     calibrated basis is a rotation times a balancing scale), no trained weights to calibrate on;
     for the step's cost, which does not depend on the values."""
-    _, config_fn, shape, _ = MODELS[model_name]
-    mc = config_fn(**(SMOKE[model_name] if smoke else shape))
-    kh = mc["num_key_value_heads"]
-    d = mc.get("head_dim") or mc["hidden_size"] // mc["num_attention_heads"]
+    layers, kh, d = kv_shape(model_name, smoke)
     g = torch.Generator().manual_seed(0)
     bases = {
-        i: KBasis.of(torch.linalg.qr(torch.randn(kh, d, d, generator=g))[0])
-        for i in range(mc["num_hidden_layers"])
+        i: KBasis.of(torch.linalg.qr(torch.randn(kh, d, d, generator=g))[0]) for i in range(layers)
     }
     return replace(cfg, k_bases=bases)
 

@@ -25,6 +25,7 @@ def tc4_cache(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Random code rows and valid side rows (fp16 scales in [0.01, 0.1], zero points mid-range):
     the decode's time does not depend on the values, and no scale is inf or NaN."""
+    from torch_kvq.attention import quant_tc
     from torch_kvq.spec import tc4_aux_width
 
     g = torch.Generator(device=device).manual_seed(0)
@@ -34,9 +35,10 @@ def tc4_cache(
                         dtype=torch.uint8)  # fmt: skip
     scales = (torch.rand(pages, kh, 5, page, generator=g, device=device) * 0.09 + 0.01).half()
     b = scales.view(torch.uint8).view(pages, kh, 5, page, 2)  # little-endian byte pairs
-    for i, field in enumerate((0, 2, 4, 9, 11)):
+    ks, kz, vs, vz = quant_tc.AUX_K_SCALES, quant_tc.AUX_K_ZP, quant_tc.AUX_V_SCALES, quant_tc.AUX_V_ZP
+    for i, field in enumerate((ks, ks + 2, ks + 4, vs, vs + 2)):
         aux[:, :, field], aux[:, :, field + 1] = b[:, :, i, :, 0], b[:, :, i, :, 1]
-    for field, zp in ((6, 32), (7, 8), (8, 4), (13, 16), (14, 8)):
+    for field, zp in ((kz, 32), (kz + 1, 8), (kz + 2, 4), (vz, 16), (vz + 1, 8)):
         aux[:, :, field] = zp
     return codes, aux
 

@@ -7,7 +7,7 @@ modes and scales are matched to layers and checked against them.
 from __future__ import annotations
 
 import fnmatch
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 
 import torch
 
@@ -261,18 +261,34 @@ def _layer_of_key(key: int | str, names: Sequence[str], what: str) -> str:
     raise ValueError(f"{what} names unknown layer {key!r}; layer names look like {list(names[:2])}")
 
 
+def _table_entries(
+    table: Sequence[tuple[int | str, object]],
+    what: str,
+    layers: Sequence[AttentionLayerInfo],
+    modes: Sequence[KVQuantMode],
+) -> Iterator[tuple[str, AttentionLayerInfo, KVQuantMode, object]]:
+    """(layer name, info, mode, value) of each entry of a per-layer table (``what``: its field),
+    keys by index or name; a layer given twice is a ValueError."""
+    names = [li.name for li in layers]
+    seen: set[str] = set()
+    for key, value in table:
+        name = _layer_of_key(key, names, what)
+        if name in seen:
+            raise ValueError(f"{what} gives layer {name!r} twice (by index and by name)")
+        seen.add(name)
+        i = names.index(name)
+        yield name, layers[i], modes[i], value
+
+
 def _resolve_k_channels(
     config: KVCacheConfig, layers: Sequence[AttentionLayerInfo], modes: Sequence[KVQuantMode]
 ) -> dict[str, KChannelScale]:
     """Layer name -> its ``KChannelScale``: int4 layers only, of the layer's [KH][D] shape, and
     not centred where a soft cap makes the scores' constant shift matter."""
-    names = [li.name for li in layers]
     out: dict[str, KChannelScale] = {}
-    for key, ch in config.k_channel_scales:
-        name = _layer_of_key(key, names, "k_channel_scales")
-        if name in out:
-            raise ValueError(f"k_channel_scales gives layer {name!r} twice (by index and by name)")
-        info, mode = layers[names.index(name)], modes[names.index(name)]
+    for name, info, mode, ch in _table_entries(
+        config.k_channel_scales, "k_channel_scales", layers, modes
+    ):
         if mode is not KVQuantMode.INT4_PER_TOKEN_HEAD:
             raise ValueError(
                 f"k_channel_scales gives layer {name!r}, whose mode is {mode.value!r}; K channel "
@@ -316,13 +332,8 @@ def _resolve_k_bases(
     config: KVCacheConfig, layers: Sequence[AttentionLayerInfo], modes: Sequence[KVQuantMode]
 ) -> dict[str, KBasis]:
     """Layer name -> its ``KBasis``: tc4 layers only, of the layer's [KH, D, D] shape."""
-    names = [li.name for li in layers]
     out: dict[str, KBasis] = {}
-    for key, basis in config.k_bases:
-        name = _layer_of_key(key, names, "k_bases")
-        if name in out:
-            raise ValueError(f"k_bases gives layer {name!r} twice (by index and by name)")
-        info, mode = layers[names.index(name)], modes[names.index(name)]
+    for name, info, mode, basis in _table_entries(config.k_bases, "k_bases", layers, modes):
         if not mode.transform_coded:
             raise ValueError(
                 f"k_bases gives layer {name!r}, whose mode is {mode.value!r}; a K basis is for "

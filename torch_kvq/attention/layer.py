@@ -169,7 +169,7 @@ class Attention(nn.Module):
         spec = self.spec
         if self.k_channel_scale is not None:
             q, k = scale_qk(q, k, self.k_channel_scale, self.k_channel_mean)
-        if self.k_basis is not None:
+        if spec.mode.transform_coded:  # its K basis: resolve refuses a tc4 layer without one
             q, k = basis_qk(q, k, self.k_basis, self.k_basis_inv_t)
             kc, ka = torch.ops.kvq.quantize_tc(k, "k")
             vc, va = torch.ops.kvq.quantize_tc(v, "v")

@@ -29,6 +29,7 @@ import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -129,38 +130,39 @@ def kv_stats(
     return out
 
 
+def _qk_stats(
+    lm: torch.nn.Module, windows: Sequence[Sequence[int]], make: Callable[[], Any]
+) -> dict:
+    """HF attention path -> ``make()``'s statistics (``ChannelStats``, ``BasisStats``) of the
+    layer after prefilling ``windows`` with a model-dtype cache, fed q and k as the ``Attention``
+    layer gets them (post-RoPE)."""
+    seen: dict[str, Any] = {}
+
+    def hook(mod: Attention, args: tuple[torch.Tensor, ...]) -> None:
+        seen.setdefault(mod.layer_name, make()).add(args[0], args[1])
+
+    _prefill_with(lm, windows, hook)
+    return {path: seen[name] for name, path in lm.layer_paths.items()}
+
+
 @torch.no_grad()
 def k_channel_scales(
     lm: torch.nn.Module, windows: Sequence[Sequence[int]], centred: bool = True
 ) -> dict[str, KChannelScale]:
     """HF attention path -> the layer's ``KChannelScale`` (``centred``: with k's mean), from
-    prefilling ``windows`` with a model-dtype cache; q and k as the ``Attention`` layer gets them
-    (post-RoPE)."""
-    seen: dict[str, ChannelStats] = {}
-
-    def hook(mod: Attention, args: tuple[torch.Tensor, ...]) -> None:
-        seen.setdefault(mod.layer_name, ChannelStats()).add(args[0], args[1])
-
-    _prefill_with(lm, windows, hook)
+    ``windows`` (``_qk_stats``)."""
     out = {}
-    for name, path in lm.layer_paths.items():
-        scale, mean = seen[name].scale_and_mean()
+    for path, stats in _qk_stats(lm, windows, ChannelStats).items():
+        scale, mean = stats.scale_and_mean()
         out[path] = KChannelScale(scale, mean if centred else None)
     return out
 
 
 @torch.no_grad()
 def k_bases(lm: torch.nn.Module, windows: Sequence[Sequence[int]]) -> dict[str, KBasis]:
-    """HF attention path -> the layer's ``KBasis`` (``tc4_per_token_head``), from prefilling
-    ``windows`` with a model-dtype cache; q and k as the ``Attention`` layer gets them
-    (post-RoPE)."""
-    seen: dict[str, BasisStats] = {}
-
-    def hook(mod: Attention, args: tuple[torch.Tensor, ...]) -> None:
-        seen.setdefault(mod.layer_name, BasisStats()).add(args[0], args[1])
-
-    _prefill_with(lm, windows, hook)
-    return {path: seen[name].basis() for name, path in lm.layer_paths.items()}
+    """HF attention path -> the layer's ``KBasis`` (``tc4_per_token_head``), from ``windows``
+    (``_qk_stats``)."""
+    return {path: stats.basis() for path, stats in _qk_stats(lm, windows, BasisStats).items()}
 
 
 def _summary(x: torch.Tensor, percentiles: Sequence[str]) -> dict[str, float]:

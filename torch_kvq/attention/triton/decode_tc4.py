@@ -19,16 +19,25 @@ import torch
 import triton
 import triton.language as tl
 
+from torch_kvq.attention import quant_tc
 from torch_kvq.attention.quant import hadamard_block
 from torch_kvq.attention.triton.hadamard import walsh_hadamard
 from torch_kvq.attention.triton.helpers import combine_splits, split_range, store_split
 
+# a side row's fields (``quant_tc``'s layout): k's three fp16 scales (two bytes each) and zero
+# points, v's two, v's first half's fifth bits
+_KS = tl.constexpr(quant_tc.AUX_K_SCALES)
+_KZ = tl.constexpr(quant_tc.AUX_K_ZP)
+_VS = tl.constexpr(quant_tc.AUX_V_SCALES)
+_VZ = tl.constexpr(quant_tc.AUX_V_ZP)
+_VH = tl.constexpr(quant_tc.AUX_V_HIGH)
+
 
 @triton.jit
-def _field(row, START, WIDTH: tl.constexpr, step):
+def _field(row, START: tl.constexpr, WIDTH: tl.constexpr, step):
     """Bytes [PAGE, WIDTH] of each row at ``row`` [PAGE] (pointers), from byte START on, one byte
     every ``step`` (1 in a code row; a side row's field stride), as int32."""
-    return tl.load(row[:, None] + (START + tl.arange(0, WIDTH))[None, :] * step).to(tl.int32)
+    return tl.load(row[:, None] + (tl.arange(0, WIDTH) + START)[None, :] * step).to(tl.int32)
 
 
 @triton.jit
@@ -125,9 +134,15 @@ def _decode_tc4(
         c = _pairs(_field(k_row, 5 * U, 2 * U, 1), PAGE, 2 * U) | (
             _bitplane(_field(k_row, 7 * U, U, 1), PAGE, U) << 2
         )
-        s = tl.dot(qa, tl.trans(_centred(a, side, a_sf, 6))) * _scale(side, a_sf, 0)[None, :]
-        s += tl.dot(qb, tl.trans(_centred(bb, side, a_sf, 7))) * _scale(side, a_sf, 2)[None, :]
-        s += tl.dot(qc, tl.trans(_centred(c, side, a_sf, 8))) * _scale(side, a_sf, 4)[None, :]
+        s = tl.dot(qa, tl.trans(_centred(a, side, a_sf, _KZ))) * _scale(side, a_sf, _KS)[None, :]
+        s += (
+            tl.dot(qb, tl.trans(_centred(bb, side, a_sf, _KZ + 1)))
+            * _scale(side, a_sf, _KS + 2)[None, :]
+        )
+        s += (
+            tl.dot(qc, tl.trans(_centred(c, side, a_sf, _KZ + 2)))
+            * _scale(side, a_sf, _KS + 4)[None, :]
+        )
         toks = p * PAGE + t
         live = (toks >= lo) & (toks < seq_len)
         s = tl.where(live[None, :], s * qk_scale_log2, float("-inf"))  # [BLOCK_G, PAGE]
@@ -137,13 +152,13 @@ def _decode_tc4(
         l_i = l_i * alpha + tl.sum(w, axis=1)
         # v: half 1 = low nibble | fifth bit (side row) << 4, half 2 a nibble
         v1 = _nibbles(_field(v_row, 0, 4 * U, 1), PAGE, 4 * U) | (
-            _bitplane(_field(side, 15, U, a_sf), PAGE, U) << 4
+            _bitplane(_field(side, _VH, U, a_sf), PAGE, U) << 4
         )
         v2 = _nibbles(_field(v_row, 4 * U, 4 * U, 1), PAGE, 4 * U)
-        w1 = (w * _scale(side, a_sf, 9)[None, :]).to(tl.float16)
-        w2 = (w * _scale(side, a_sf, 11)[None, :]).to(tl.float16)
-        acc1 = acc1 * alpha[:, None] + tl.dot(w1, _centred(v1, side, a_sf, 13))
-        acc2 = acc2 * alpha[:, None] + tl.dot(w2, _centred(v2, side, a_sf, 14))
+        w1 = (w * _scale(side, a_sf, _VS)[None, :]).to(tl.float16)
+        w2 = (w * _scale(side, a_sf, _VS + 2)[None, :]).to(tl.float16)
+        acc1 = acc1 * alpha[:, None] + tl.dot(w1, _centred(v1, side, a_sf, _VZ))
+        acc2 = acc2 * alpha[:, None] + tl.dot(w2, _centred(v2, side, a_sf, _VZ + 1))
         m_i = m_new
     acc1 = _unrotate(acc1, sign_ptr, D // 2, BLOCK_G, LOG2B, RSQRT_B)
     acc2 = _unrotate(acc2, sign_ptr, D // 2, BLOCK_G, LOG2B, RSQRT_B)

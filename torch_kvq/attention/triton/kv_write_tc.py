@@ -18,7 +18,16 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from torch_kvq.attention import quant_tc
 from torch_kvq.attention.triton.hadamard import walsh_hadamard
+
+# a side row's fields (``quant_tc``'s layout): k's three fp16 scales (two bytes each) and zero
+# points, v's two, v's first half's fifth bits
+_KS = tl.constexpr(quant_tc.AUX_K_SCALES)
+_KZ = tl.constexpr(quant_tc.AUX_K_ZP)
+_VS = tl.constexpr(quant_tc.AUX_V_SCALES)
+_VZ = tl.constexpr(quant_tc.AUX_V_ZP)
+_VH = tl.constexpr(quant_tc.AUX_V_HIGH)
 
 
 @triton.jit
@@ -129,9 +138,9 @@ def kv_write_tc_kernel(
         tl.store(dst + (u1 + 4 * U) * c_sd, _plane(a_hi, D // 4, 2))
         tl.store(dst + (u2 + 5 * U) * c_sd, _plane(c - c_hi * 4.0, D // 2, 2))
         tl.store(dst + (u1 + 7 * U) * c_sd, _plane(c_hi, D // 2, 1))
-        _store_scale(side, sa, za, a_sf, 0, 6)
-        _store_scale(side, sb, zb, a_sf, 2, 7)
-        _store_scale(side, sc, zc, a_sf, 4, 8)
+        _store_scale(side, sa, za, a_sf, _KS, _KZ)
+        _store_scale(side, sb, zb, a_sf, _KS + 2, _KZ + 1)
+        _store_scale(side, sc, zc, a_sf, _KS + 4, _KZ + 2)
     else:  # v: halves rotated on their own, 5 and 4 bits
         src = v_ptr + token * v_st + h * v_sh
         x1 = _rotated(src, v_sd, sign_ptr, D // 2, LOG2B, RSQRT_B)
@@ -144,6 +153,6 @@ def kv_write_tc_kernel(
         u4, u1 = tl.arange(0, 4 * U), tl.arange(0, U)
         tl.store(dst + u4 * c_sd, _plane(c1 - hi1 * 16.0, D // 2, 4))
         tl.store(dst + (u4 + 4 * U) * c_sd, _plane(c2, D // 2, 4))
-        _store_scale(side, s1, z1, a_sf, 9, 13)
-        _store_scale(side, s2, z2, a_sf, 11, 14)
-        tl.store(side + (u1 + 15) * a_sf, _plane(hi1, D // 2, 1))
+        _store_scale(side, s1, z1, a_sf, _VS, _VZ)
+        _store_scale(side, s2, z2, a_sf, _VS + 2, _VZ + 1)
+        tl.store(side + (u1 + _VH) * a_sf, _plane(hi1, D // 2, 1))
