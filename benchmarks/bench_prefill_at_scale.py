@@ -16,6 +16,8 @@ layers). Per model one build; per variant ``configure_kv`` and a ``FlashInferKer
   int4_per_token_head / fa3, int4-recommended / fa3   the 4-bit layers the same way (scratch
   int4_per_token_head-all+channels / fa3       dequantized and un-rotated, then fa3; +channels:
                                                every layer int4 with K channel scales)
+  tc4_per_token_head-all / fa3                 every layer tc4 (seeded K bases), its prompt's
+                                               pages dequantized by aten, then fa3
 
 Each prompt is one forward of ``--len`` tokens (engines cap the tokens per step), logits of the
 last token only (``logits_indices``), through ``torch.compile(model, backend=kvq_backend)``
@@ -54,7 +56,7 @@ PER_TOKEN_HEAD_VARIANTS = [
     ("int8_per_token_head", "fa2"), ("int8_per_token_head", "fa3"),
     ("fp8_per_token_head", "fa2"), ("fp8_per_token_head", "fa3"), ("mixed", "fa2"),
     ("int4_per_token_head", "fa3"), ("int4-recommended", "fa3"),
-    ("int4_per_token_head-all+channels", "fa3"),
+    ("int4_per_token_head-all+channels", "fa3"), ("tc4_per_token_head-all", "fa3"),
 ]  # fmt: skip
 PREFILLS = list(dict.fromkeys(p for _, p in VARIANTS))  # the FlashInferKernel prefill options
 
