@@ -31,15 +31,13 @@ def tc4_cache(
     g = torch.Generator(device=device).manual_seed(0)
     codes = torch.randint(0, 256, (pages, 2, page, kh, d // 2), generator=g, device=device,
                           dtype=torch.uint8)  # fmt: skip
-    aux = torch.randint(0, 256, (pages, kh, tc4_aux_width(d), page), generator=g, device=device,
-                        dtype=torch.uint8)  # fmt: skip
-    scales = (torch.rand(pages, kh, 5, page, generator=g, device=device) * 0.09 + 0.01).half()
-    b = scales.view(torch.uint8).view(pages, kh, 5, page, 2)  # little-endian byte pairs
-    ks, kz, vs, vz = quant_tc.AUX_K_SCALES, quant_tc.AUX_K_ZP, quant_tc.AUX_V_SCALES, quant_tc.AUX_V_ZP
-    for i, field in enumerate((ks, ks + 2, ks + 4, vs, vs + 2)):
-        aux[:, :, field], aux[:, :, field + 1] = b[:, :, i, :, 0], b[:, :, i, :, 1]
-    for field, zp in ((kz, 32), (kz + 1, 8), (kz + 2, 4), (vz, 16), (vz + 1, 8)):
-        aux[:, :, field] = zp
+    records = torch.randint(0, 256, (pages, page, kh, tc4_aux_width(d)), generator=g,
+                            device=device, dtype=torch.uint8)  # fmt: skip
+    scales = (torch.rand(pages, page, kh, 5, generator=g, device=device) * 0.09 + 0.01).half()
+    records[..., :10] = scales.view(torch.uint8)  # k's 3 scales, v's 2 (little-endian pairs)
+    zps = torch.tensor([32, 8, 4, 16, 8, 0], dtype=torch.uint8, device=device)
+    records[..., quant_tc.AUX_K_ZP : quant_tc.AUX_V_HIGH] = zps  # k's 3, v's 2, the pad byte
+    aux = quant_tc.aux_to_cache(records)
     return codes, aux
 
 

@@ -146,10 +146,10 @@ TC4_HEAD_MULTIPLE = 16  # tc4's bit planes pack D / 16 bytes of one-bit codes
 
 
 def tc4_aux_width(head_size: int) -> int:
-    """Bytes of ``TC4_PER_TOKEN_HEAD``'s side row per (token, kv head): k's three fp16 group
-    scales and zero points (9), v's two (6), v's first half's fifth bits (D / 16); the layout is
-    ``attention/quant_tc.py``'s."""
-    return 15 + head_size // TC4_HEAD_MULTIPLE
+    """Bytes of ``TC4_PER_TOKEN_HEAD``'s side record per (token, kv head): k's three fp16 group
+    scales and zero points (9), v's two (6), one byte of padding (8 whole fp16 slots), v's first
+    half's fifth bits (D / 16); the layout is ``attention/quant_tc.py``'s."""
+    return 16 + head_size // TC4_HEAD_MULTIPLE
 
 
 _DTYPE_ALIASES: dict[str, tuple[KVQuantMode, torch.dtype | None]] = {

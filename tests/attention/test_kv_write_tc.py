@@ -18,7 +18,7 @@ import sys
 import pytest
 import torch
 
-from torch_kvq.attention import quant
+from torch_kvq.attention import quant, quant_tc
 from torch_kvq.attention.kernels import kv_write_tc
 from torch_kvq.attention.kernels.base import KernelUnsupportedError
 from torch_kvq.spec import tc4_aux_width
@@ -43,6 +43,18 @@ def test_the_programs_rounding_is_round_half_away_then_clamp(levels: int) -> Non
     y = torch.cat(ys)
     want = quant.round_half_away(y).clamp(0, levels)
     assert torch.equal(_program_form(y, levels), want)
+
+
+@pytest.mark.parametrize("t,kh,d,page", [(5, 2, 64, 16), (3, 3, 128, 32), (4, 2, 32, 4)])
+def test_aten_write_reads_back_as_each_rows_round_trip(t, kh, d, page) -> None:
+    """The aten write puts each row where ``quant_tc.dequantize_pages`` reads it (v's bytes in
+    ``v_layout``'s positions where it applies, the aux records in their blocks)."""
+    cache, aux, k, v, slots = _case(t, kh, d, page, torch.float32, seed=d + page)
+    kv_write_tc.write_kv_tc_torch(cache, aux, k, v, slots.long())
+    kv = quant_tc.dequantize_pages(cache, aux)
+    pages, offsets = slots // page, slots % page
+    assert torch.equal(kv[pages, 0, offsets], quant_tc.dequantize_k(*quant_tc.quantize_k(k)))
+    assert torch.equal(kv[pages, 1, offsets], quant_tc.dequantize_v(*quant_tc.quantize_v(v)))
 
 
 # -- the Triton program under the interpreter (CPU, needs Triton) ---------------------------------

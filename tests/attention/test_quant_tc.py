@@ -12,6 +12,7 @@ import torch
 
 from torch_kvq.attention import quant
 from torch_kvq.attention import quant_tc as q
+from torch_kvq.attention.v_layout import v_positions
 
 
 def _rows(*shape: int, seed: int = 0, heavy: bool = False) -> torch.Tensor:
@@ -124,13 +125,12 @@ def test_k_row_and_aux_hold_the_codes_where_the_format_says() -> None:
             a, sa, za = q.quantize_group(y[i, h, : d // 4], 6)
             b, sb, zb = q.quantize_group(y[i, h, d // 4 : d // 2], 4)
             c, sc, zc = q.quantize_group(y[i, h, d // 2 :], 3)
-            row, n = codes[i, h], d // 16
-            a_lo, b_n = _bits(row, 0, 2 * n, 4, d // 4), _bits(row, 2 * n, 4 * n, 4, d // 4)
-            a_hi = _bits(row, 4 * n, 5 * n, 2, d // 4)
-            c_lo, c_hi = _bits(row, 5 * n, 7 * n, 2, d // 2), _bits(row, 7 * n, 8 * n, 1, d // 2)
-            assert [lo | hi << 4 for lo, hi in zip(a_lo, a_hi)] == a.tolist()
-            assert b_n == b.tolist()
-            assert [lo | hi << 2 for lo, hi in zip(c_lo, c_hi)] == c.tolist()
+            # the row as D/4 16-bit lanes: lane j holds a_j, b_j, c_2j, c_2j+1 from bit 0 up
+            fields = _bits(codes[i, h], 0, d // 2, 16, d // 4)
+            assert [f & 63 for f in fields] == a.tolist()
+            assert [f >> 6 & 15 for f in fields] == b.tolist()
+            assert [f >> 10 & 7 for f in fields] == c[0::2].tolist()
+            assert [f >> 13 for f in fields] == c[1::2].tolist()
             r = aux[i, h].tolist()
             scales = [int.from_bytes(bytes(r[j : j + 2]), "little") for j in (0, 2, 4)]
             assert scales == [int(s.view(torch.int16)) & 0xFFFF for s in (sa, sb, sc)]
@@ -163,10 +163,13 @@ def test_v_row_and_aux_hold_the_codes_where_the_format_says() -> None:
             c1, s1, z1 = q.quantize_group(quant.rotate(v[i, h, : d // 2]), 5)
             c2, s2, z2 = q.quantize_group(quant.rotate(v[i, h, d // 2 :]), 4)
             row, r = codes[i, h], aux[i, h]
-            lo = _bits(row, 0, d // 4, 4, d // 2)
-            hi = _bits(r, 6, 6 + d // 16, 1, d // 2)
+            # byte j: half 1's channel j (low nibble: its low 4 bits) and half 2's (high)
+            lo, h2 = _bits(row, 0, d // 2, 4, d)[0::2], _bits(row, 0, d // 2, 4, d)[1::2]
+            # half 1's fifth bits: channel c at bit c // (D/16) of side byte c % (D/16)
+            n = d // 16
+            hi = [int(r[6 + c % n]) >> (c // n) & 1 for c in range(d // 2)]
             assert [a | b << 4 for a, b in zip(lo, hi)] == c1.tolist()
-            assert _bits(row, d // 4, d // 2, 4, d // 2) == c2.tolist()
+            assert h2 == c2.tolist()
             scales = [int.from_bytes(bytes(r[j : j + 2].tolist()), "little") for j in (0, 2)]
             assert scales == [int(s.view(torch.int16)) & 0xFFFF for s in (s1, s2)]
             assert r[4:6].tolist() == [int(z1), int(z2)]
@@ -174,34 +177,54 @@ def test_v_row_and_aux_hold_the_codes_where_the_format_says() -> None:
 
 
 def test_aux_join_split_and_byte_totals() -> None:
-    assert 128 // 2 * 2 + q.aux_width(128) == 151 and 64 // 2 * 2 + q.aux_width(64) == 83
+    assert 128 // 2 * 2 + q.aux_width(128) == 152 and 64 // 2 * 2 + q.aux_width(64) == 84
     k_codes, aux_k = q.quantize_k(_rows(4, 128))
     v_codes, aux_v = q.quantize_v(_rows(4, 128, seed=1))
     aux = q.join_aux(aux_k, aux_v)
     assert aux.shape == (4, q.aux_width(128)) and k_codes.shape[-1] + v_codes.shape[-1] == 128
     back_k, back_v = q.split_aux(aux)
     assert torch.equal(back_k, aux_k) and torch.equal(back_v, aux_v)
-    assert q.AUX_V_HIGH + 128 // 16 == q.aux_width(128) == q.AUX_K_WIDTH + aux_v.shape[-1]
+    assert q.AUX_V_HIGH + 128 // 16 == q.aux_width(128) == q.K_SIDE + q.v_side(128) + 1
+    # the record: fp16 slots k's 3 scales, v's 2, then the zero points (k's 3, v's 2, a 0)
+    slots = aux[:, : 2 * q.AUX_SLOTS].contiguous().view(torch.float16)
+    assert torch.equal(slots[:, :3], aux_k[:, :6].contiguous().view(torch.float16))
+    assert torch.equal(slots[:, 3:5], aux_v[:, :4].contiguous().view(torch.float16))
+    assert torch.equal(aux[:, 10:13], aux_k[:, 6:9]) and torch.equal(aux[:, 13:15], aux_v[:, 4:6])
+    assert not aux[:, 15].any() and torch.equal(aux[:, 16:], aux_v[:, 6:])
 
 
-def test_pages_hold_each_token_where_the_layout_says() -> None:
-    pages, page, kh, d = 3, 4, 2, 32
+@pytest.mark.parametrize("page,d", [(4, 32), (16, 64)])
+def test_pages_hold_each_token_where_the_layout_says(page: int, d: int) -> None:
+    """k's rows a token a row; v's bytes where ``v_layout`` puts them (pages of 16, D / 2 of 32);
+    each page's aux block per kv head: the fp16 slots as [8, page] fp16, then the fifth bits'
+    rows [D / 16, page]."""
+    pages, kh = 3, 2
     k, v = _rows(pages, page, kh, d, seed=11), _rows(pages, page, kh, d, seed=12, heavy=True)
     kv_cache, kv_aux = q.quantize_pages(k, v)
     assert kv_cache.shape == (pages, 2, page, kh, d // 2)
     assert kv_aux.shape == (pages, kh, q.aux_width(d), page) and kv_aux.is_contiguous()
     out = q.dequantize_pages(kv_cache, kv_aux)
     assert out.shape == (pages, 2, page, kh, d) and out.dtype == torch.float32
+    moved = 0
     for p in range(pages):
         for t in range(page):
+            rows, cols = v_positions(torch.tensor([t]), d // 2, page)
+            moved += int((rows != t).any())
             for h in range(kh):
                 kc, ak = q.quantize_k(k[p, t, h])
                 vc, av = q.quantize_v(v[p, t, h])
                 assert torch.equal(kv_cache[p, 0, t, h], kc)
-                assert torch.equal(kv_cache[p, 1, t, h], vc)
-                assert torch.equal(kv_aux[p, h, :, t], q.join_aux(ak, av))
+                assert torch.equal(kv_cache[p, 1, rows[0], h, cols[0]], vc)
+                rec = q.join_aux(ak, av)
+                slots = kv_aux[p, h, : 2 * q.AUX_SLOTS].reshape(-1).view(torch.float16)
+                want = rec[:16].view(torch.float16)
+                assert torch.equal(slots.view(q.AUX_SLOTS, page)[:, t], want)
+                assert torch.equal(kv_aux[p, h, 16:, t], rec[16:])
+                a_rows, a_cols = q.aux_positions(torch.tensor([t]), q.aux_width(d), page)
+                assert torch.equal(kv_aux[p, h, a_rows[0], a_cols[0]], rec)
                 assert torch.equal(out[p, 0, t, h], q.dequantize_k(kc, ak))
                 assert torch.equal(out[p, 1, t, h], q.dequantize_v(vc, av))
+    assert moved == (0 if page == 4 else pages * page)  # v_layout spreads every token's bytes
     with pytest.raises(ValueError, match="aux"):
         q.dequantize_pages(kv_cache, kv_aux[:, :, 1:])
 

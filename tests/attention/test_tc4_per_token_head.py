@@ -60,10 +60,11 @@ def test_mode_spec_and_bytes() -> None:
     (spec,) = resolve_layer_specs(
         KVCacheConfig(MODE, page_size=16, k_bases=(("x", basis(d=128)),)), [info]
     )
-    # per kv head: k's 64 code bytes, v's 64, the side row's 23 (scales, zero points, v's 5th bits)
-    assert tc4_aux_width(128) == quant_tc.aux_width(128) == 23
-    assert spec.cache_bytes_per_token == 2 * (64 + 64 + 23) == 2 * 151
-    assert page_bytes(spec) == 16 * 302  # the memory planner counts codes plus side rows
+    # per kv head: k's 64 code bytes, v's 64, the side record's 24 (scales, zero points, a pad
+    # byte, v's 5th bits)
+    assert tc4_aux_width(128) == quant_tc.aux_width(128) == 24
+    assert spec.cache_bytes_per_token == 2 * (64 + 64 + 24) == 2 * 152
+    assert page_bytes(spec) == 16 * 304  # the memory planner counts codes plus side records
     assert spec.as_dict()["k_basis"] == spec.k_basis.label  # a digest, not the numbers
 
 
@@ -80,7 +81,7 @@ def test_layer_equals_attention_over_the_round_tripped_k_and_v() -> None:
     md, (q, k, v) = make_batch(plan, pages_for(plan)), qkv(8, (8, 2), 32, torch.float32)
     tc4, plain = Attention(spec, pages_for(plan)), Attention(plain_spec, pages_for(plan))
     assert tc4.kv_cache.shape == (pages_for(plan), 2, PAGE, 2, 16)
-    assert tc4.kv_scale.dtype == torch.uint8 and tc4.kv_scale.shape[1:] == (2, 17, PAGE)
+    assert tc4.kv_scale.dtype == torch.uint8 and tc4.kv_scale.shape[1:] == (2, 18, PAGE)
     p = spec.k_basis.matrix()
     assert torch.equal(tc4.k_basis, p)
     qb, kb = basis_qk(q, k, p, inverse_transpose(p))
@@ -95,7 +96,10 @@ def test_layer_equals_attention_over_the_round_tripped_k_and_v() -> None:
     pages, offs = slots // PAGE, slots % PAGE
     assert torch.equal(tc4.kv_cache[pages, 0, offs], kc)
     assert torch.equal(tc4.kv_cache[pages, 1, offs], vc)
-    assert torch.equal(tc4.kv_scale[pages, :, :, offs], quant_tc.join_aux(ka, va))
+    rows, cols = quant_tc.aux_positions(offs, quant_tc.aux_width(32), PAGE)
+    heads = torch.arange(2)[None, :, None]
+    got_aux = tc4.kv_scale[pages[:, None, None], heads, rows[:, None], cols[:, None]]
+    assert torch.equal(got_aux, quant_tc.join_aux(ka, va))
     assert "k_basis=basis" in repr(tc4)
 
 

@@ -11,7 +11,7 @@ from torch_kvq.attention import quant_tc
 
 def test_synthetic_cache_has_valid_scales_and_zero_points() -> None:
     codes, aux = tc4_cache(3, 16, 2, 128, device="cpu")
-    rows = aux.permute(0, 3, 1, 2)  # [pages, page, KH, side bytes]
+    rows = quant_tc.aux_from_cache(aux)  # [pages, page, KH, record bytes]
     k_side, v_side = quant_tc.split_aux(rows)
     scales = torch.cat((k_side[..., :6], v_side[..., :4]), -1).contiguous().view(torch.float16)
     assert scales.shape[-1] == 5 and ((scales >= 0.0099) & (scales <= 0.1)).all()

@@ -211,7 +211,7 @@ def test_int4_recommended_config_resolves_on_the_smoke_shapes():
 
 def test_tc4_config_resolves_with_a_basis_on_every_layer():
     """``tc4_per_token_head-all``: tc4 on every Llama layer, each with a seeded orthogonal K basis
-    of its shape (the step's cost does not depend on the values); 151 bytes a token and kv head."""
+    of its shape (the step's cost does not depend on the values); 152 bytes a token and kv head."""
     from bench_decode_at_scale import kv_config
 
     from torch_kvq.spec import AttentionLayerInfo
@@ -223,4 +223,4 @@ def test_tc4_config_resolves_with_a_basis_on_every_layer():
     p = specs[5].k_basis.matrix()
     assert p.shape == (8, 128, 128)
     torch.testing.assert_close(p[0] @ p[0].T, torch.eye(128), atol=1e-5, rtol=0)
-    assert specs[0].cache_bytes_per_token == 8 * 151
+    assert specs[0].cache_bytes_per_token == 8 * 152

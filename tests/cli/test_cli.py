@@ -401,7 +401,7 @@ def test_inspect_a_map_with_four_bit_layers_counts_their_bytes(capsys):
 def test_inspect_a_tc4_map_with_k_bases_from_a_file(capsys, tmp_path):
     """--k-bases gives a transformers model's tc4 layers their bases (a kvq calibrate file, here
     written by calibrate.write_scales with identity bases): the table shows their bytes (2 kv
-    heads of 16: 2 x (8 + 8 + 16) = 64, bf16 128) and the basis digest; without the file the
+    heads of 16: 2 x (8 + 8 + 17) = 66, bf16 128) and the basis digest; without the file the
     config is refused, naming the option."""
     import torch
 
@@ -418,7 +418,7 @@ def test_inspect_a_tc4_map_with_k_bases_from_a_file(capsys, tmp_path):
     assert code == 0, err
     plan = json.loads(stdout)
     assert [(r["mode"], r["cache_bytes_per_token"]) for r in plan][:3] == [
-        ("tc4_per_token_head", 64), ("none", 128), ("tc4_per_token_head", 64)
+        ("tc4_per_token_head", 66), ("none", 128), ("tc4_per_token_head", 66)
     ]  # fmt: skip
     assert plan[0]["k_basis"] == eye.label and plan[1]["k_basis"] is None
     code, _, err = run_main(capsys, *argv)

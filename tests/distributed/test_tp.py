@@ -220,7 +220,7 @@ TC4 = "tc4_per_token_head"
 @pytest.mark.distributed
 def test_tp2_tc4_layers(tmp_path):
     """``tc4_per_token_head`` under tensor parallelism (``tp_worker.tc4``): each rank's tc4 layers
-    hold their one kv head's code rows [pages, 2, page, 1, D / 2], side rows [pages, 1, 17, page]
+    hold their one kv head's code rows [pages, 2, page, 1, D / 2], aux blocks [pages, 1, 18, page]
     and basis (the whole model's row for that head); the rows a rank wrote equal the whole
     model's on its head (at most 2 bytes apart a layer: a value computed apart in its last bits
     on a rounding boundary), the logits within 1e-5, compiled equal to eager, and both ranks fuse
@@ -233,7 +233,7 @@ def test_tp2_tc4_layers(tmp_path):
         assert row["modes"] == [TC4, INT4, TC4, "none"], row["modes"]
         assert row["max_diff"] <= TOL and row["compiled_diff"] <= TOL, row
         for lay in row["layers"]:
-            assert lay["cache_shape"][1:] == [2, 4, 1, 16] and lay["side_shape"][1:] == [1, 17, 4]
+            assert lay["cache_shape"][1:] == [2, 4, 1, 16] and lay["side_shape"][1:] == [1, 18, 4]
             assert lay["basis_equal"] and lay["slots_written"] > 0, lay
             assert lay["code_bytes_apart"] + lay["side_bytes_apart"] <= 2, lay
             assert lay["compiled_bytes_apart"] == 0, lay

@@ -19,6 +19,7 @@ from pathlib import Path
 import torch
 
 from tests.distributed.code_flips import QuantTrace, code_flips, slot_view
+from torch_kvq.attention import quant_tc
 from torch_kvq.distributed import RankRefusedError, init_tensor_parallel
 from torch_kvq.models import build_model, generate
 from torch_kvq.spec import KVCacheConfig
@@ -266,12 +267,12 @@ def tc4(tp) -> dict:
     layers = []
     for i in (0, 2):
         whole, part, comp_part = (m.attention_layers[i] for m in (single, shard, comp_shard))
-        written = part.kv_scale.any(2).any(1)  # [pages, page]: the slots this run wrote
-        # [slots, 2, kv heads, D / 2] code rows and [slots, kv heads, side bytes] side rows
+        written = part.kv_cache[:, 0].any(-1).any(-1)  # [pages, page]: the slots this run wrote
+        # [slots, 2, kv heads, D / 2] code rows and [slots, kv heads, record bytes] aux records
         codes_w = whole.kv_cache[:, :, :, mine].permute(0, 2, 1, 3, 4)[written]
         codes_s = part.kv_cache.permute(0, 2, 1, 3, 4)[written]
-        side_w = whole.kv_scale[:, mine].permute(0, 3, 1, 2)[written]
-        side_s = part.kv_scale.permute(0, 3, 1, 2)[written]
+        side_w = quant_tc.aux_from_cache(whole.kv_scale[:, mine])[written]
+        side_s = quant_tc.aux_from_cache(part.kv_scale)[written]
         layers.append({
             "cache_shape": list(part.kv_cache.shape),
             "side_shape": list(part.kv_scale.shape),

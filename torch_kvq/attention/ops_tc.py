@@ -83,9 +83,7 @@ def quantize_tc(x: Tensor, side: str) -> tuple[Tensor, Tensor]:
 def _(x: Tensor, side: str) -> tuple[Tensor, Tensor]:
     d = x.shape[-1]
     quant_tc.check_head_size(d)
-    width = (
-        quant_tc.AUX_K_WIDTH if _side(side) == "k" else quant_tc.aux_width(d) - quant_tc.AUX_K_WIDTH
-    )
+    width = quant_tc.K_SIDE if _side(side) == "k" else quant_tc.v_side(d)
     codes = torch.empty((*x.shape[:-1], d // 2), dtype=torch.uint8, device=x.device)
     aux = torch.empty((*x.shape[:-1], width), dtype=torch.uint8, device=x.device)
     return codes, aux
@@ -112,8 +110,8 @@ def cache_write_tc(
     for nm, t, width in (
         ("k_codes", k_codes, d // 2),
         ("v_codes", v_codes, d // 2),
-        ("k_aux", k_aux, quant_tc.AUX_K_WIDTH),
-        ("v_aux", v_aux, tc4_aux_width(d) - quant_tc.AUX_K_WIDTH),
+        ("k_aux", k_aux, quant_tc.K_SIDE),
+        ("v_aux", v_aux, quant_tc.v_side(d)),
     ):
         _check(
             t.dtype == torch.uint8 and tuple(t.shape) == (n, kh, width),

@@ -13,8 +13,14 @@ scale and a zero-point byte per group (``quantize_group``):
 
 Bytes per (token, kv head): K D/2 codes + 9 aux (3 fp16 scales, 3 zero points); V D/2 codes +
 D/16 (the 5-bit half's high-bit plane) + 6 aux; 151 in all at D 128 (``aux_width``: 15 + D/16).
-Every code is stored as 4-bit nibbles and / or 2-bit and 1-bit planes so a decode kernel reads
-whole bytes (``k_row_fields``, ``v_row_fields``, the ``AUX_*`` offsets).
+
+The code rows are laid out for a decode that turns codes into fp16 MMA operands two at a time with
+no shifts per code (``0x6400 | (lane & mask)`` as fp16 is ``1024 + code * 2^s`` while the masked
+bits sit in a 16-bit lane's low 10): K's row is D/4 little-endian 16-bit lanes, lane i = ``A_i |
+B_i << 6 | C_2i << 10 | C_2i+1 << 13`` (``pack_k_lanes``; C's two codes read after one shift of
+the 32-bit word by 8); V's row byte j = ``h1_j & 15 | h2_j << 4`` (half 1's and half 2's channel
+j: the int4 mode's two-nibble byte, one half a nibble), half 1's fifth bits a 1-bit plane in the
+aux row (``pack_plane``; the ``AUX_*`` offsets).
 
 Why: bits where the score is. In the calibrated basis K's coordinates carry unequal shares of
 q . k, so the heavy quarter gets 6 bits and the light half 3; V's halves get 5 / 4 bits with
@@ -31,6 +37,7 @@ from __future__ import annotations
 import torch
 
 from torch_kvq.attention import quant
+from torch_kvq.attention.v_layout import v_from_cache, v_to_cache
 from torch_kvq.spec import tc4_aux_width
 
 Plan = tuple[tuple[float, int], ...]
@@ -40,16 +47,56 @@ V_PLAN: Plan = ((0.5, 5), (0.5, 4))  # V's channel halves, each rotated on its o
 # floor is applied to fp16 values so the stored scale is exactly the one used
 HALF_SCALE_MIN = float(torch.tensor(6.2e-5).half())
 
-# aux row byte offsets: K's 3 fp16 scales, K's 3 zero points, V's 2 fp16 scales, V's 2 zero
-# points, then V half 1's high-bit plane (D/16 bytes)
-AUX_K_SCALES, AUX_K_ZP, AUX_K_WIDTH = 0, 6, 9
-AUX_V_SCALES, AUX_V_ZP, AUX_V_HIGH = 9, 13, 15
+# a token's aux record (bytes): 8 little-endian fp16 slots, K's 3 scales, V's 2, then the zero
+# points a byte each (K's 3, V's 2; the last byte 0), then V half 1's fifth bits (D/16 bytes).
+# ``quantize_k`` / ``quantize_v`` return their sides' parts (K: scales, zero points; V: scales,
+# zero points, fifth bits) as ``K_SIDE`` / ``V_SIDE`` bytes; ``join_aux`` interleaves them.
+AUX_K_SCALES, AUX_V_SCALES, AUX_K_ZP, AUX_V_ZP, AUX_V_HIGH = 0, 6, 10, 13, 16
+AUX_SLOTS = 8  # fp16 slots before the fifth bits
+K_SIDE = 9  # bytes of ``quantize_k``'s side part (``v_side``: ``quantize_v``'s)
+
+
+def v_side(d: int) -> int:
+    """Bytes of ``quantize_v``'s side part at head size ``d``: 2 fp16 scales, 2 zero points,
+    D/16 bytes of fifth bits."""
+    return 6 + d // 16
 
 
 def aux_width(d: int) -> int:
-    """Bytes of one aux row (per token and kv head) at head size ``d`` (the spec's
+    """Bytes of one aux record (per token and kv head) at head size ``d`` (the spec's
     ``tc4_aux_width``, which sizes the layer's ``kv_scale``: one count)."""
     return tc4_aux_width(d)
+
+
+def aux_to_cache(records: torch.Tensor) -> torch.Tensor:
+    """Aux records of whole pages [pages, page, KH, W] -> as a cache holds them, uint8 [pages,
+    KH, W, page]: per (page, kv head) one block, the 8 fp16 slots as fp16 [8, page] (a slot's
+    tokens side by side), then the fifth-bit bytes as rows [D/16, page]; a decode reads a page's
+    slots or bits of one kv head as one box."""
+    pages, page, kh, w = records.shape
+    slots = records[..., : 2 * AUX_SLOTS].contiguous().view(torch.float16)  # [.., 8]
+    slots = slots.permute(0, 2, 3, 1).contiguous().view(torch.uint8)  # [pages, KH, 8, 2 page]
+    bits = records[..., 2 * AUX_SLOTS :].permute(0, 2, 3, 1)
+    return torch.cat((slots.reshape(pages, kh, 2 * AUX_SLOTS, page), bits), 2).contiguous()
+
+
+def aux_from_cache(stored: torch.Tensor) -> torch.Tensor:
+    """``aux_to_cache``'s inverse: uint8 [pages, KH, W, page] -> records [pages, page, KH, W]."""
+    pages, kh, w, page = stored.shape
+    slots = stored[:, :, : 2 * AUX_SLOTS].reshape(pages, kh, AUX_SLOTS, 2 * page)
+    slots = slots.contiguous().view(torch.float16).permute(0, 3, 1, 2)  # [pages, page, KH, 8]
+    slot_bytes = slots.contiguous().view(torch.uint8)
+    return torch.cat((slot_bytes, stored[:, :, 2 * AUX_SLOTS :].permute(0, 3, 1, 2)), -1)
+
+
+def aux_positions(offsets: torch.Tensor, w: int, page: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(rows, columns) [T, w] in a page's aux block [w, page] (``aux_to_cache``) of the record
+    bytes of the tokens at page ``offsets`` [T]."""
+    i = torch.arange(w, device=offsets.device)[None, :]
+    t = offsets[:, None]
+    flat = 2 * ((i // 2) * page + t) + i % 2  # a slot byte's place in the fp16 [8, page] rows
+    in_slots = i < 2 * AUX_SLOTS
+    return torch.where(in_slots, flat // page, i), torch.where(in_slots, flat % page, t)
 
 
 def check_head_size(d: int) -> None:
@@ -70,23 +117,24 @@ def group_bounds(d: int, plan: Plan) -> list[tuple[int, int, int]]:
     return out
 
 
-def k_row_fields(d: int) -> dict[str, tuple[int, int]]:
-    """Byte ranges of a K code row (D/2 bytes): A's low nibbles, B's nibbles, A's high 2 bits,
-    C's low 2 bits, C's high bit (A, B, C: ``K_PLAN``'s 6-, 4- and 3-bit groups)."""
-    u = d // 16
-    return {
-        "a_low": (0, 2 * u),
-        "b": (2 * u, 4 * u),
-        "a_high": (4 * u, 5 * u),
-        "c_low": (5 * u, 7 * u),
-        "c_high": (7 * u, 8 * u),
-    }
+# K lane fields: (shift, bits) of A (6-bit), B (4-bit), C's even and odd channels (3-bit)
+K_LANE = ((0, 6), (6, 4), (10, 3), (13, 3))
 
 
-def v_row_fields(d: int) -> dict[str, tuple[int, int]]:
-    """Byte ranges of a V code row (D/2 bytes): half 1's low nibbles, half 2's nibbles (half 1's
-    fifth bit sits in the aux row at ``AUX_V_HIGH``)."""
-    return {"h1_low": (0, d // 4), "h2": (d // 4, d // 2)}
+def pack_k_lanes(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
+    """K's group codes a, b [..., D/4] and c [..., D/2] (uint8) -> its code row [..., D/2]: D/4
+    little-endian 16-bit lanes, lane i = ``a_i | b_i << 6 | c_2i << 10 | c_2i+1 << 13``."""
+    parts = (a, b, c[..., 0::2], c[..., 1::2])
+    lane = sum(p.to(torch.int32) << shift for p, (shift, _) in zip(parts, K_LANE))
+    return torch.stack((lane & 255, lane >> 8), -1).flatten(-2).to(torch.uint8)
+
+
+def unpack_k_lanes(row: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``pack_k_lanes``' inverse: a K code row [..., D/2] -> (a, b, c) uint8."""
+    pairs = row.to(torch.int32).unflatten(-1, (-1, 2))
+    lane = pairs[..., 0] | (pairs[..., 1] << 8)
+    a, b, c0, c1 = (((lane >> shift) & ((1 << bits) - 1)).to(torch.uint8) for shift, bits in K_LANE)
+    return a, b, torch.stack((c0, c1), -1).flatten(-2)
 
 
 def pack_plane(codes: torch.Tensor, bits: int) -> torch.Tensor:
@@ -105,6 +153,19 @@ def unpack_plane(packed: torch.Tensor, bits: int) -> torch.Tensor:
     mask = (1 << bits) - 1
     parts = [(packed >> (bits * i)) & mask for i in range(8 // bits)]
     return torch.stack(parts, -1).flatten(-2)
+
+
+def pack_fifth_bits(bits: torch.Tensor) -> torch.Tensor:
+    """V half 1's fifth bits [..., D/2] (0 / 1) -> D/16 bytes: bit j of byte f is channel ``f + j
+    * D/16`` (the order the decode's MMA operand rows come out in: ``int4.v_columns``' of V)."""
+    n = bits.shape[-1] // 8
+    return pack_plane(bits.unflatten(-1, (8, n)).transpose(-1, -2).flatten(-2), 1)
+
+
+def unpack_fifth_bits(packed: torch.Tensor) -> torch.Tensor:
+    """``pack_fifth_bits``' inverse: D/16 bytes -> [..., D/2] bits (uint8)."""
+    n = packed.shape[-1]
+    return unpack_plane(packed, 1).unflatten(-1, (n, 8)).transpose(-1, -2).flatten(-2)
 
 
 def _group_codes(
@@ -163,22 +224,17 @@ def quantize_k(y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     (a, sa, za), (b, sb, zb), (c, sc, zc) = (
         quantize_group(y[..., s:e], bits) for s, e, bits in group_bounds(d, K_PLAN)
     )
-    planes = (pack_plane(a & 15, 4), pack_plane(b, 4), pack_plane(a >> 4, 2))
-    row = torch.cat((*planes, pack_plane(c & 3, 2), pack_plane(c >> 2, 1)), -1)
-    return row, torch.cat((_scales_bytes([sa, sb, sc]), torch.stack((za, zb, zc), -1)), -1)
+    return pack_k_lanes(a, b, c), torch.cat(
+        (_scales_bytes([sa, sb, sc]), torch.stack((za, zb, zc), -1)), -1
+    )
 
 
 def dequantize_k(codes: torch.Tensor, aux_k: torch.Tensor) -> torch.Tensor:
     """``quantize_k``'s codes [..., D/2] and aux_k [..., 9] back to fp32 [..., D] (in the basis)."""
     d = codes.shape[-1] * 2
     check_head_size(d)
-    f = k_row_fields(d)
-    field = {k: codes[..., s:e] for k, (s, e) in f.items()}
-    a = unpack_plane(field["a_low"], 4) | (unpack_plane(field["a_high"], 2) << 4)
-    c = unpack_plane(field["c_low"], 2) | (unpack_plane(field["c_high"], 1) << 2)
-    scales = _bytes_scales(aux_k[..., AUX_K_SCALES:AUX_K_ZP])
-    zps = aux_k[..., AUX_K_ZP:AUX_K_WIDTH]
-    groups = (a, unpack_plane(field["b"], 4), c)
+    groups = unpack_k_lanes(codes)
+    scales, zps = _bytes_scales(aux_k[..., :6]), aux_k[..., 6:K_SIDE]
     return torch.cat(
         [dequantize_group(g, scales[..., i], zps[..., i]) for i, g in enumerate(groups)], -1
     )
@@ -192,8 +248,8 @@ def quantize_v(v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     (c1, s1, z1), (c2, s2, z2) = (
         quantize_group(quant.rotate(v[..., s:e]), bits) for s, e, bits in group_bounds(d, V_PLAN)
     )
-    row = torch.cat((pack_plane(c1 & 15, 4), pack_plane(c2, 4)), -1)
-    aux = (_scales_bytes([s1, s2]), torch.stack((z1, z2), -1), pack_plane(c1 >> 4, 1))
+    row = (c1 & 15) | (c2 << 4)
+    aux = (_scales_bytes([s1, s2]), torch.stack((z1, z2), -1), pack_fifth_bits(c1 >> 4))
     return row, torch.cat(aux, -1)
 
 
@@ -202,13 +258,9 @@ def dequantize_v(codes: torch.Tensor, aux_v: torch.Tensor) -> torch.Tensor:
     each half dequantized and un-rotated."""
     d = codes.shape[-1] * 2
     check_head_size(d)
-    f = v_row_fields(d)
-    o = AUX_K_WIDTH  # aux_v's offsets are the aux row's less K's part
-    high = unpack_plane(aux_v[..., AUX_V_HIGH - o :], 1)
-    c1 = unpack_plane(codes[..., slice(*f["h1_low"])], 4) | (high << 4)
-    c2 = unpack_plane(codes[..., slice(*f["h2"])], 4)
-    scales = _bytes_scales(aux_v[..., AUX_V_SCALES - o : AUX_V_ZP - o])
-    zps = aux_v[..., AUX_V_ZP - o : AUX_V_HIGH - o]
+    c1 = (codes & 15) | (unpack_fifth_bits(aux_v[..., 6:]) << 4)
+    c2 = codes >> 4
+    scales, zps = _bytes_scales(aux_v[..., :4]), aux_v[..., 4:6]
     halves = [
         quant.unrotate(dequantize_group(c, scales[..., i], zps[..., i]))
         for i, c in enumerate((c1, c2))
@@ -217,13 +269,20 @@ def dequantize_v(codes: torch.Tensor, aux_v: torch.Tensor) -> torch.Tensor:
 
 
 def join_aux(aux_k: torch.Tensor, aux_v: torch.Tensor) -> torch.Tensor:
-    """aux_k [..., 9] and aux_v [..., 6 + D/16] -> the aux row [..., aux_width(D)]."""
-    return torch.cat((aux_k, aux_v), -1)
+    """aux_k [..., 9] (3 fp16 scales' bytes, 3 zero points) and aux_v [..., 6 + D/16] (2 scales,
+    2 zero points, fifth bits) -> the aux record [..., aux_width(D)] (the ``AUX_*`` offsets)."""
+    pad = torch.zeros_like(aux_k[..., :1])
+    parts = (aux_k[..., :6], aux_v[..., :4], aux_k[..., 6:9], aux_v[..., 4:6], pad, aux_v[..., 6:])
+    return torch.cat(parts, -1)
 
 
 def split_aux(aux: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``join_aux``'s inverse: aux [..., aux_width(D)] -> (aux_k, aux_v)."""
-    return aux[..., :AUX_K_WIDTH], aux[..., AUX_K_WIDTH:]
+    """``join_aux``'s inverse: an aux record [..., aux_width(D)] -> (aux_k, aux_v)."""
+    k = torch.cat(
+        (aux[..., AUX_K_SCALES : AUX_K_SCALES + 6], aux[..., AUX_K_ZP : AUX_K_ZP + 3]), -1
+    )
+    v_parts = (aux[..., AUX_V_SCALES : AUX_V_SCALES + 4], aux[..., AUX_V_ZP : AUX_V_ZP + 2])
+    return k, torch.cat((*v_parts, aux[..., AUX_V_HIGH:]), -1)
 
 
 def quantize_pages(k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -231,7 +290,7 @@ def quantize_pages(k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torc
     kv_aux uint8 [pages, KH, aux_width(D), page]), as a cache holds them (tests, kernels)."""
     kc, ak = quantize_k(k)
     vc, av = quantize_v(v)
-    return torch.stack((kc, vc), 1), join_aux(ak, av).permute(0, 2, 3, 1).contiguous()
+    return torch.stack((kc, v_to_cache(vc)), 1), aux_to_cache(join_aux(ak, av))
 
 
 def dequantize_pages(kv_cache: torch.Tensor, kv_aux: torch.Tensor) -> torch.Tensor:
@@ -243,6 +302,6 @@ def dequantize_pages(kv_cache: torch.Tensor, kv_aux: torch.Tensor) -> torch.Tens
         raise ValueError(
             f"kv_aux rows are {kv_aux.shape[-2]} bytes, tc4 at D {d} needs {aux_width(d)}"
         )
-    aux_k, aux_v = split_aux(kv_aux.permute(0, 3, 1, 2))  # [pages, page, KH, width]
+    aux_k, aux_v = split_aux(aux_from_cache(kv_aux))  # [pages, page, KH, width]
     k = dequantize_k(kv_cache[:, 0], aux_k)
-    return torch.stack((k, dequantize_v(kv_cache[:, 1], aux_v)), 1)
+    return torch.stack((k, dequantize_v(v_from_cache(kv_cache[:, 1]), aux_v)), 1)

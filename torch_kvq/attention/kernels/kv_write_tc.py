@@ -24,6 +24,7 @@ from torch_kvq.attention.kernels.kv_write_int4 import (
 )
 from torch_kvq.attention.kernels.launch import f32, next_pow2, triton_program
 from torch_kvq.attention.quant import INT4_CLIP_RATIOS, SCALE_FLOOR, hadamard_block
+from torch_kvq.attention.v_layout import v_positions
 
 TRITON_HEAD_SIZES = (64, 128, 256)  # the program's groups are tl.arange tiles: powers of two
 
@@ -67,11 +68,18 @@ def put_tc(
     v_aux: torch.Tensor,
     slot_mapping: torch.Tensor,
 ) -> None:
-    """Put code rows [T, KH, D / 2] and side rows into the caches at ``slot_mapping`` [T]."""
-    pages, offsets = pages_and_offsets(slot_mapping, kv_cache.shape[2])
+    """Put code rows [T, KH, D / 2] and side parts into the caches at ``slot_mapping`` [T]: v's
+    bytes at their own positions (``v_layout.v_positions``), the aux records' at theirs
+    (``quant_tc.aux_positions``)."""
+    page, w = kv_cache.shape[2], kv_cache.shape[-1]
+    pages, offsets = pages_and_offsets(slot_mapping, page)
     kv_cache[pages, 0, offsets] = k_codes
-    kv_cache[pages, 1, offsets] = v_codes
-    kv_scale[pages, :, :, offsets] = quant_tc.join_aux(k_aux, v_aux)
+    heads = torch.arange(kv_cache.shape[3], device=offsets.device)[None, :, None]
+    rows, cols = (x[:, None] for x in v_positions(offsets, w, page))
+    kv_cache[pages[:, None, None], 1, rows, heads, cols] = v_codes
+    records = quant_tc.join_aux(k_aux, v_aux)  # [T, KH, width]
+    rows, cols = (x[:, None] for x in quant_tc.aux_positions(offsets, records.shape[-1], page))
+    kv_scale[pages[:, None, None], heads, rows, cols] = records
 
 
 def write_kv_tc_triton(

@@ -2,15 +2,24 @@
 program (split-K, one program per (kv head, split, sequence), pages by plain loads), for
 correctness and a first speed; not the TMA scheme of the tuned 4-bit decodes (``decode_tma``).
 
-The cache (``quant_tc``): code rows uint8 [P, 2, page, KH, D / 2] (k in its basis: groups A, B, C
-at 6 / 4 / 3 bits in nibbles and 2- and 1-bit planes; v: two rotated halves at 5 and 4 bits),
-side rows uint8 [P, KH, 15 + D / 16, page] (fp16 scales, zero points, v's fifth bits). q arrives
-in k's dual basis (``k_basis.basis_qk``), so q . k needs no transform here. Per page: each field
-of a row (nibbles, 2- and 1-bit planes) loaded once and spread into its codes in registers, the
-codes minus their zero points (small integers, exact in fp16) into one MMA per group, each
-group's logits times its per-token fp16 scale (k) in fp32; the weights times each half's
-per-token scale (v) into two MMAs; online softmax in base 2; each half's output un-rotated
-(``quant.unrotate`` over D / 2 channels) before the split's store. Imports Triton.
+The cache (``quant_tc``): code rows uint8 [P, 2, page, KH, D / 2] (k in its basis as 16-bit lanes
+``A | B << 6 | C_even << 10 | C_odd << 13``, groups A, B, C at 6 / 4 / 3 bits; v a byte per
+channel pair of its two rotated halves, in ``v_layout``'s positions), aux uint8 [P, KH, 16 + D /
+16, page] (per page and kv head one block: fp16 slots [8, page] of the scales and zero points,
+then half 1's fifth bits as rows [D / 16, page]). q arrives in k's dual basis
+(``k_basis.basis_qk``), so q . k needs no transform here. Per page:
+
+- k: each lane word to four fp16 operands by the exponent trick (``_unpack_k``: ``0x6400 | (lane
+  & mask)`` is ``1024 + code * 2^s``; compiled, one shift and four ``lop3`` per eight codes), q's
+  group columns divided by those 2^s once per program, one MMA per group (C's two chained); the
+  offsets and zero points come off per logit (``q'`` sums times ``1024 + 2^s zp``), then each
+  group's logits times its token's fp16 scale, in fp32 (``int4.page_int4``'s scheme);
+- v: its bytes centred per element by ``int4.unpack_minus`` (half 1's low 4 bits minus its zero
+  point, 16 times half 2's code minus its own), half 1's fifth bits added as 16s; the weights
+  times each half's scale into two MMAs;
+
+online softmax in base 2; each half's output un-rotated (``quant.unrotate`` over D / 2 channels)
+before the split's store. Imports Triton.
 """
 
 from __future__ import annotations
@@ -22,10 +31,17 @@ import triton.language as tl
 from torch_kvq.attention import quant_tc
 from torch_kvq.attention.quant import hadamard_block
 from torch_kvq.attention.triton.hadamard import walsh_hadamard
-from torch_kvq.attention.triton.helpers import combine_splits, split_range, store_split
+from torch_kvq.attention.triton.helpers import (
+    INTERPRET,
+    combine_splits,
+    split_range,
+    store_split,
+    v_offsets,
+)
+from torch_kvq.attention.triton.int4 import unpack_minus
 
-# a side row's fields (``quant_tc``'s layout): k's three fp16 scales (two bytes each) and zero
-# points, v's two, v's first half's fifth bits
+# an aux record's bytes (``quant_tc``'s layout): k's three fp16 scales (two bytes each), v's
+# two, the zero points (k's three, v's two), v's first half's fifth bits
 _KS = tl.constexpr(quant_tc.AUX_K_SCALES)
 _KZ = tl.constexpr(quant_tc.AUX_K_ZP)
 _VS = tl.constexpr(quant_tc.AUX_V_SCALES)
@@ -34,51 +50,65 @@ _VH = tl.constexpr(quant_tc.AUX_V_HIGH)
 
 
 @triton.jit
-def _field(row, START: tl.constexpr, WIDTH: tl.constexpr, step):
-    """Bytes [PAGE, WIDTH] of each row at ``row`` [PAGE] (pointers), from byte START on, one byte
-    every ``step`` (1 in a code row; a side row's field stride), as int32."""
-    return tl.load(row[:, None] + (tl.arange(0, WIDTH) + START)[None, :] * step).to(tl.int32)
+def _unpack_k(lanes):
+    """K's lanes int16 [PAGE, D / 4] -> fp16 (1024 + A, 1024 + 64 B, 1024 + 4 C_even, 1024 + 32
+    C_odd), exactly: compiled, a word of two lanes shifted right by 8 once (C's bits to a lane's
+    low 10) and one ``lop3`` (mask, or ``0x6400``) per two codes; the interpreter, which runs no
+    PTX, takes the same steps lane by lane."""
+    if INTERPRET:
+        u = lanes.to(tl.int32) & 0xFFFF
+        t = u >> 8
+        return (
+            ((u & 0x3F) | 0x6400).to(tl.int16).to(tl.float16, bitcast=True),
+            ((u & 0x3C0) | 0x6400).to(tl.int16).to(tl.float16, bitcast=True),
+            ((t & 0x1C) | 0x6400).to(tl.int16).to(tl.float16, bitcast=True),
+            ((t & 0xE0) | 0x6400).to(tl.int16).to(tl.float16, bitcast=True),
+        )
+    return tl.inline_asm_elementwise(
+        "{ .reg .b32 t; shr.b32 t, $4, 8; "
+        "lop3.b32 $0, $4, 0x003f003f, 0x64006400, 0xea; "
+        "lop3.b32 $1, $4, 0x03c003c0, 0x64006400, 0xea; "
+        "lop3.b32 $2, t, 0x001c001c, 0x64006400, 0xea; "
+        "lop3.b32 $3, t, 0x00e000e0, 0x64006400, 0xea; }",
+        "=r,=r,=r,=r,r", [lanes], dtype=(tl.float16, tl.float16, tl.float16, tl.float16),
+        is_pure=True, pack=2,
+    )  # fmt: skip
 
 
 @triton.jit
-def _nibbles(x, PAGE: tl.constexpr, M: tl.constexpr):
-    """Bytes x [PAGE, M] -> their 2M nibbles [PAGE, 2M], the low one first
-    (``quant_tc.pack_plane``'s order)."""
-    return tl.reshape(tl.join(x & 15, x >> 4), [PAGE, 2 * M])
-
-
-@triton.jit
-def _pairs(x, PAGE: tl.constexpr, M: tl.constexpr):
-    """A 2-bit plane x [PAGE, M] -> its 4M values [PAGE, 4M] in order (value j at bits 2 (j % 4)
-    of byte j // 4): nested joins, the outermost the fastest index."""
-    v0, v1, v2, v3 = x & 3, (x >> 2) & 3, (x >> 4) & 3, (x >> 6) & 3
-    return tl.reshape(tl.join(tl.join(v0, v2), tl.join(v1, v3)), [PAGE, 4 * M])
-
-
-@triton.jit
-def _bitplane(x, PAGE: tl.constexpr, M: tl.constexpr):
-    """A 1-bit plane x [PAGE, M] -> its 8M values [PAGE, 8M] in order (value j at bit j % 8 of
-    byte j // 8)."""
+def _fifth_bits(block, t, PAGE: tl.constexpr, U: tl.constexpr):
+    """V half 1's fifth bits of the page's tokens as 16s, fp16 [PAGE, 8 U]: rows ``AUX_V_HIGH``
+    .. + U of the aux block, bit j of byte f channel ``f + j * U`` (``quant_tc.pack_fifth_bits``)."""
+    rows = tl.arange(0, U) + _VH
+    x = tl.load(block + rows[None, :] * PAGE + t[:, None]).to(tl.int32)  # [PAGE, U]
+    # bit j of each byte at index j of a new last dim (nested joins: the outermost the fastest)
     even = tl.join(tl.join(x & 1, (x >> 4) & 1), tl.join((x >> 2) & 1, (x >> 6) & 1))
     odd = tl.join(tl.join((x >> 1) & 1, (x >> 5) & 1), tl.join((x >> 3) & 1, (x >> 7) & 1))
-    return tl.reshape(tl.join(even, odd), [PAGE, 8 * M])
+    bits = tl.reshape(tl.join(even, odd), [PAGE, U, 8])  # [t, f, j]
+    return (tl.reshape(tl.permute(bits, (0, 2, 1)), [PAGE, 8 * U]) * 16).to(tl.float16)
 
 
 @triton.jit
-def _scale(side, sf, FIELD: tl.constexpr):
-    """A group's fp16 scales [PAGE] from its two side-row bytes (fields FIELD, FIELD + 1), fp32."""
-    lo = tl.load(side + FIELD * sf).to(tl.int32)
-    hi = tl.load(side + (FIELD + 1) * sf).to(tl.int32)
-    return (lo | (hi << 8)).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+def _scale(block, t, PAGE: tl.constexpr, SLOT: tl.constexpr):
+    """fp16 slot SLOT of the page's tokens t [PAGE] (a group's scales), as fp32."""
+    return tl.load(block.to(tl.pointer_type(tl.float16)) + SLOT * PAGE + t).to(tl.float32)
 
 
 @triton.jit
-def _centred(codes, side, sf, ZP_FIELD: tl.constexpr):
-    """Codes [PAGE, N] minus each token's zero point (side field ZP_FIELD), exact, in fp16, by the
-    exponent trick (``int4.unpack``'s): ``code | 0x6400`` as fp16 is 1024 + code, so the
-    difference of two such is code - zp with no integer-to-float conversion."""
-    zp = (tl.load(side + ZP_FIELD * sf).to(tl.int16) | 0x6400).to(tl.float16, bitcast=True)
-    return (codes.to(tl.int16) | 0x6400).to(tl.float16, bitcast=True) - zp[:, None]
+def _zp16(block, t, PAGE: tl.constexpr, BYTE: tl.constexpr, SHIFT: tl.constexpr):
+    """Each token's zero point (record byte BYTE, in the fp16 slots' rows) as the fp16 ``1024 +
+    zp * 2^SHIFT`` [PAGE] (the bit pattern ``0x6400 | zp << SHIFT``: no conversion)."""
+    zp = tl.load(block + 2 * ((BYTE // 2) * PAGE + t) + BYTE % 2).to(tl.int32)
+    return ((zp << SHIFT) | 0x6400).to(tl.int16).to(tl.float16, bitcast=True)
+
+
+@triton.jit
+def _q_cols(q_row, cols, g_mask, mult):
+    """q's columns ``cols`` times ``mult`` (a power of two: exact), as fp16 [BLOCK_G, n], and
+    their sums [BLOCK_G] (fp32, of the fp16 values)."""
+    x = tl.load(q_row + cols[None, :], mask=g_mask[:, None], other=0.0).to(tl.float32) * mult
+    x = x.to(tl.float16)
+    return x, tl.sum(x.to(tl.float32), axis=1)
 
 
 @triton.jit
@@ -110,10 +140,11 @@ def _decode_tc4(
     g_mask = offs_g < G
     heads = kh * G + offs_g
     q_row = q_ptr + b * stride_qb + heads[:, None] * stride_qh
-    ja, jc = tl.arange(0, D // 4), tl.arange(0, D // 2)  # a group's columns
-    qa = tl.load(q_row + ja[None, :], mask=g_mask[:, None], other=0.0).to(tl.float16)
-    qb = tl.load(q_row + D // 4 + ja[None, :], mask=g_mask[:, None], other=0.0).to(tl.float16)
-    qc = tl.load(q_row + D // 2 + jc[None, :], mask=g_mask[:, None], other=0.0).to(tl.float16)
+    j4 = tl.arange(0, D // 4)  # lane index: A_j, B_j, C_2j, C_2j+1
+    qa, sum_a = _q_cols(q_row, j4, g_mask, 1.0)
+    qb, sum_b = _q_cols(q_row, D // 4 + j4, g_mask, 1.0 / 64)
+    qce, sum_ce = _q_cols(q_row, D // 2 + 2 * j4, g_mask, 1.0 / 4)
+    qco, sum_co = _q_cols(q_row, D // 2 + 2 * j4 + 1, g_mask, 1.0 / 32)
     U: tl.constexpr = D // 16
     m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_G], tl.float32)
@@ -123,26 +154,21 @@ def _decode_tc4(
     for p in range(p_begin, p_end):
         page = tl.load(table + p).to(tl.int64)
         k_row = cache_ptr + page * c_sp + t * c_ss + kh * c_sh  # [PAGE] pointers
-        v_row = k_row + c_skv
-        side = aux_ptr + page * a_sp + kh * a_sh + t * a_ss
-        # k: A = low nibble | high 2 bits << 4, B a nibble, C = low 2 bits | high bit << 2; each
-        # field of the row loaded once and spread in registers
-        a = _nibbles(_field(k_row, 0, 2 * U, 1), PAGE, 2 * U) | (
-            _pairs(_field(k_row, 4 * U, U, 1), PAGE, U) << 4
+        v_base = cache_ptr + page * c_sp + c_skv + kh * c_sh
+        blk = aux_ptr + page * a_sp + kh * a_sh  # the page's aux block of kv head kh
+        lanes = tl.load(k_row.to(tl.pointer_type(tl.int16))[:, None] + j4[None, :])
+        ea, eb, ece, eco = _unpack_k(lanes)
+        # per group: q' . (1024 + 2^s code) - sum(q') (1024 + 2^s zp) = q . (code - zp)
+        s_a = tl.dot(qa, tl.trans(ea)) - sum_a[:, None] * _zp16(blk, t, PAGE, _KZ, 0)[None, :]
+        s_b = tl.dot(qb, tl.trans(eb)) - sum_b[:, None] * _zp16(blk, t, PAGE, _KZ + 1, 6)[None, :]
+        s_c = tl.dot(qco, tl.trans(eco), tl.dot(qce, tl.trans(ece)))
+        s_c -= sum_ce[:, None] * _zp16(blk, t, PAGE, _KZ + 2, 2)[None, :]
+        s_c -= sum_co[:, None] * _zp16(blk, t, PAGE, _KZ + 2, 5)[None, :]
+        s = (
+            s_a * _scale(blk, t, PAGE, _KS // 2)[None, :]
+            + s_b * _scale(blk, t, PAGE, _KS // 2 + 1)[None, :]
         )
-        bb = _nibbles(_field(k_row, 2 * U, 2 * U, 1), PAGE, 2 * U)
-        c = _pairs(_field(k_row, 5 * U, 2 * U, 1), PAGE, 2 * U) | (
-            _bitplane(_field(k_row, 7 * U, U, 1), PAGE, U) << 2
-        )
-        s = tl.dot(qa, tl.trans(_centred(a, side, a_sf, _KZ))) * _scale(side, a_sf, _KS)[None, :]
-        s += (
-            tl.dot(qb, tl.trans(_centred(bb, side, a_sf, _KZ + 1)))
-            * _scale(side, a_sf, _KS + 2)[None, :]
-        )
-        s += (
-            tl.dot(qc, tl.trans(_centred(c, side, a_sf, _KZ + 2)))
-            * _scale(side, a_sf, _KS + 4)[None, :]
-        )
+        s += s_c * _scale(blk, t, PAGE, _KS // 2 + 2)[None, :]
         toks = p * PAGE + t
         live = (toks >= lo) & (toks < seq_len)
         s = tl.where(live[None, :], s * qk_scale_log2, float("-inf"))  # [BLOCK_G, PAGE]
@@ -150,16 +176,19 @@ def _decode_tc4(
         alpha = tl.exp2(m_i - m_new)
         w = tl.exp2(s - m_new[:, None])
         l_i = l_i * alpha + tl.sum(w, axis=1)
-        # v: half 1 = low nibble | fifth bit (side row) << 4, half 2 a nibble
-        v1 = _nibbles(_field(v_row, 0, 4 * U, 1), PAGE, 4 * U) | (
-            _bitplane(_field(side, _VH, U, a_sf), PAGE, U) << 4
-        )
-        v2 = _nibbles(_field(v_row, 4 * U, 4 * U, 1), PAGE, 4 * U)
-        w1 = (w * _scale(side, a_sf, _VS)[None, :]).to(tl.float16)
-        w2 = (w * _scale(side, a_sf, _VS + 2)[None, :]).to(tl.float16)
-        acc1 = acc1 * alpha[:, None] + tl.dot(w1, _centred(v1, side, a_sf, _VZ))
-        acc2 = acc2 * alpha[:, None] + tl.dot(w2, _centred(v2, side, a_sf, _VZ + 1))
+        # v: byte j = half 1's low 4 bits | half 2's code << 4; half 1's fifth bit in the side row
+        tok, col = v_offsets(t, tl.arange(0, D // 2), True, PAGE, c_ss, 1, D // 2)
+        vb = tl.load(v_base + tok[:, None] + col[None, :])  # v_layout's positions
+        z1 = tl.broadcast_to(_zp16(blk, t, PAGE, _VZ, 0)[:, None], [PAGE, D // 2])
+        z2 = tl.broadcast_to(_zp16(blk, t, PAGE, _VZ + 1, 4)[:, None], [PAGE, D // 2])
+        v1, v2 = unpack_minus(vb, z1, z2)  # h1 low - zp1, 16 (h2 - zp2)
+        v1 += _fifth_bits(blk, t, PAGE, U)
+        w1 = (w * _scale(blk, t, PAGE, _VS // 2)[None, :]).to(tl.float16)
+        w2 = (w * _scale(blk, t, PAGE, _VS // 2 + 1)[None, :]).to(tl.float16)
+        acc1 = acc1 * alpha[:, None] + tl.dot(w1, v1)
+        acc2 = acc2 * alpha[:, None] + tl.dot(w2, v2)
         m_i = m_new
+    acc2 = acc2 * 0.0625  # v2 held 16 times half 2's centred codes
     acc1 = _unrotate(acc1, sign_ptr, D // 2, BLOCK_G, LOG2B, RSQRT_B)
     acc2 = _unrotate(acc2, sign_ptr, D // 2, BLOCK_G, LOG2B, RSQRT_B)
     acc = tl.reshape(tl.permute(tl.join(acc1, acc2), [0, 2, 1]), [BLOCK_G, D])
@@ -184,11 +213,19 @@ def paged_decode_tc4(
     """One new token per sequence: q [B, QH, D] (in k's dual basis), the tc4 cache and side rows,
     ``block_table`` [B, max pages] int32, ``seq_lens`` [B] int32 -> out [B, QH, D] in q's dtype.
     ``signs``: ``quant.hadamard_signs(D / 2)`` (fp32, on the device). Head sizes 64, 128, 256;
-    pages of 16 to 64 tokens; the code rows' last dim contiguous (the byte gathers assume it)."""
-    if kv_cache.stride(-1) != 1 or kv_cache.dtype != torch.uint8 or kv_scale.dtype != torch.uint8:
+    pages of 16 to 64 tokens; the code rows' last dim contiguous (the byte gathers assume it),
+    each page's aux block contiguous (its fp16 slots are read as fp16)."""
+    page = kv_cache.shape[2]
+    if (
+        kv_cache.stride(-1) != 1
+        or kv_scale.stride()[-2:] != (page, 1)
+        or kv_cache.dtype != torch.uint8
+        or kv_scale.dtype != torch.uint8
+    ):
         raise ValueError(
-            f"paged_decode_tc4: kv_cache / kv_scale must be uint8 with contiguous rows, got "
-            f"{kv_cache.dtype} strides {kv_cache.stride()} / {kv_scale.dtype}"
+            f"paged_decode_tc4: kv_cache / kv_scale must be uint8 with contiguous rows / aux "
+            f"blocks, got {kv_cache.dtype} strides {kv_cache.stride()} / {kv_scale.dtype} strides "
+            f"{kv_scale.stride()}"
         )
     bsz, qh, d = q.shape
     pages, two, page, kh, half = kv_cache.shape

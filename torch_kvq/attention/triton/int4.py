@@ -166,12 +166,20 @@ def unpack_centred(x, zp, DOT: tl.constexpr):
         z_hi = tl.broadcast_to(
             ((zp << 4) | 0x6400).to(tl.int16).to(tl.float16, bitcast=True), x.shape
         )
-        if INTERPRET:
-            lo, hi = unpack(x, DOT)
-            return lo - z_lo, hi - z_hi
-        return _unpack_centred_fp16(x, z_lo, z_hi)
+        return unpack_minus(x, z_lo, z_hi)
     lo, hi = unpack(x, DOT)
     return lo - zp.to(DOT), hi - (zp * 16).to(DOT)
+
+
+@triton.jit
+def unpack_minus(x, z_lo, z_hi):
+    """Packed bytes ``x`` -> ``unpack``'s fp16 forms minus ``z_lo`` (low nibbles) and ``z_hi``
+    (high), fp16 [x.shape] each (``unpack_centred``'s step, the two nibbles' zero points apart:
+    tc4's v holds two halves a byte)."""
+    if INTERPRET:
+        lo, hi = unpack(x, tl.float16)
+        return lo - z_lo, hi - z_hi
+    return _unpack_centred_fp16(x, z_lo, z_hi)
 
 
 @triton.jit

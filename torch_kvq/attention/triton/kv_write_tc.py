@@ -8,8 +8,9 @@ side, [N, RATIOS_PAD] (a decode step's write is a few rows: its latency is the c
 reductions), each with ``quant_tc._group_codes``' fp32 operations one by one (the launch turns
 off fma contraction, as aten's separate ops never fuse), the scale rounded to fp16 and floored at
 ``HALF_SCALE_MIN``, the zero point's quotient and the reciprocal correctly rounded (``div_rn``),
-the squared errors summed in fp64, the first least kept; then the codes into their bit planes
-(nibbles, 2-bit and 1-bit planes: ``quant_tc``'s row layout) and the fp16 scales and zero points
+the squared errors summed in fp64, the first least kept; then the codes into ``quant_tc``'s rows
+(k: 16-bit lanes of four codes; v: two halves' codes a byte, half 1's fifth bits a 1-bit plane in
+the side row) and the fp16 scales and zero points
 into the row's side bytes. Imports Triton.
 """
 
@@ -20,8 +21,9 @@ import triton.language as tl
 
 from torch_kvq.attention import quant_tc
 from torch_kvq.attention.triton.hadamard import walsh_hadamard
+from torch_kvq.attention.triton.helpers import v_offsets
 
-# a side row's fields (``quant_tc``'s layout): k's three fp16 scales (two bytes each) and zero
+# an aux record's bytes (``quant_tc``'s layout): k's three fp16 scales (two bytes each) and zero
 # points, v's two, v's first half's fifth bits
 _KS = tl.constexpr(quant_tc.AUX_K_SCALES)
 _KZ = tl.constexpr(quant_tc.AUX_K_ZP)
@@ -75,13 +77,26 @@ def _plane(codes, N: tl.constexpr, BITS: tl.constexpr):
 
 
 @triton.jit
-def _store_scale(ptr, s, z, field_stride, SCALE_FIELD: tl.constexpr, ZP_FIELD: tl.constexpr):
-    """A group's fp16 scale as two little-endian bytes at fields SCALE_FIELD, + 1 and its zero
-    point at ZP_FIELD of a side row (``ptr``: the row's field 0 at the token's column)."""
+def _record_byte(block, offset, page_size, a_sf, a_ss, BYTE: tl.constexpr):
+    """Where record byte BYTE of the token at page ``offset`` sits in its page's aux block
+    (``block``: the block's row 0, column 0; ``quant_tc.aux_positions``): in the fp16 slots' [8,
+    page] rows, else row BYTE at the token's column."""
+    if BYTE < 16:
+        idx = 2 * ((BYTE // 2) * page_size + offset) + BYTE % 2
+        return block + (idx // page_size) * a_sf + (idx % page_size) * a_ss
+    return block + BYTE * a_sf + offset * a_ss
+
+
+@triton.jit
+def _store_scale(block, offset, page_size, a_sf, a_ss, s, z, SCALE: tl.constexpr,
+                 ZP: tl.constexpr):  # fmt: skip
+    """A group's fp16 scale as two little-endian bytes at record bytes SCALE, SCALE + 1 and its
+    zero point at ZP."""
     bits = s.to(tl.float16).to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
-    tl.store(ptr + SCALE_FIELD * field_stride, (bits & 0xFF).to(tl.uint8))
-    tl.store(ptr + (SCALE_FIELD + 1) * field_stride, (bits >> 8).to(tl.uint8))
-    tl.store(ptr + ZP_FIELD * field_stride, z.to(tl.int32).to(tl.uint8))
+    tl.store(_record_byte(block, offset, page_size, a_sf, a_ss, SCALE), (bits & 0xFF).to(tl.uint8))
+    hi = _record_byte(block, offset, page_size, a_sf, a_ss, SCALE + 1)
+    tl.store(hi, (bits >> 8).to(tl.uint8))
+    tl.store(_record_byte(block, offset, page_size, a_sf, a_ss, ZP), z.to(tl.int32).to(tl.uint8))
 
 
 @triton.jit
@@ -116,8 +131,8 @@ def kv_write_tc_kernel(
     page = slot // page_size
     offset = slot - page * page_size
     dst = cache_ptr + page * c_sp + kv * c_skv + offset * c_ss + h * c_sh
-    side = aux_ptr + page * a_sp + h * a_sh + offset * a_ss
-    U: tl.constexpr = D // 16  # bytes of D / 2 one-bit codes (and a unit of the row's fields)
+    block = aux_ptr + page * a_sp + h * a_sh
+    U: tl.constexpr = D // 16  # bytes of D / 2 one-bit codes (half 1 of v's fifth bits)
     if kv == 0:  # k: A [0, D/4) 6 bits, B [D/4, D/2) 4 bits, C [D/2, D) 3 bits; no rotation
         src = k_ptr + token * k_st + h * k_sh
         q = tl.arange(0, D // 4)
@@ -130,17 +145,15 @@ def kv_write_tc_kernel(
                            RATIOS_PAD)  # fmt: skip
         c, sc, zc = _group(xc, ratio_ptr, D // 2, 7.0, RCP7, FLOOR, HALF_MIN, NUM_RATIOS,
                            RATIOS_PAD)  # fmt: skip
-        a_hi = tl.floor(a * 0.0625)  # exact: a < 64
-        c_hi = tl.floor(c * 0.25)
-        u2, u1 = tl.arange(0, 2 * U), tl.arange(0, U)
-        tl.store(dst + u2 * c_sd, _plane(a - a_hi * 16.0, D // 4, 4))
-        tl.store(dst + (u2 + 2 * U) * c_sd, _plane(b, D // 4, 4))
-        tl.store(dst + (u1 + 4 * U) * c_sd, _plane(a_hi, D // 4, 2))
-        tl.store(dst + (u2 + 5 * U) * c_sd, _plane(c - c_hi * 4.0, D // 2, 2))
-        tl.store(dst + (u1 + 7 * U) * c_sd, _plane(c_hi, D // 2, 1))
-        _store_scale(side, sa, za, a_sf, _KS, _KZ)
-        _store_scale(side, sb, zb, a_sf, _KS + 2, _KZ + 1)
-        _store_scale(side, sc, zc, a_sf, _KS + 4, _KZ + 2)
+        c_even, c_odd = tl.split(tl.reshape(c, [D // 4, 2]))
+        # 16-bit lanes a | b << 6 | c_even << 10 | c_odd << 13 (exact in fp32), low byte first
+        lane = (a + b * 64.0 + c_even * 1024.0 + c_odd * 8192.0).to(tl.int32)
+        row_bytes = tl.reshape(tl.join(lane & 255, lane >> 8), [D // 2]).to(tl.uint8)
+        tl.store(dst + tl.arange(0, D // 2) * c_sd, row_bytes)
+        _store_scale(block, offset, page_size, a_sf, a_ss, sa, za, _KS, _KZ)
+        _store_scale(block, offset, page_size, a_sf, a_ss, sb, zb, _KS + 2, _KZ + 1)
+        _store_scale(block, offset, page_size, a_sf, a_ss, sc, zc, _KS + 4, _KZ + 2)
+        tl.store(_record_byte(block, offset, page_size, a_sf, a_ss, 15), tl.zeros([], tl.uint8))
     else:  # v: halves rotated on their own, 5 and 4 bits
         src = v_ptr + token * v_st + h * v_sh
         x1 = _rotated(src, v_sd, sign_ptr, D // 2, LOG2B, RSQRT_B)
@@ -150,9 +163,14 @@ def kv_write_tc_kernel(
         c2, s2, z2 = _group(x2, ratio_ptr, D // 2, 15.0, RCP15, FLOOR, HALF_MIN, NUM_RATIOS,
                             RATIOS_PAD)  # fmt: skip
         hi1 = tl.floor(c1 * 0.0625)  # exact: c1 < 32
-        u4, u1 = tl.arange(0, 4 * U), tl.arange(0, U)
-        tl.store(dst + u4 * c_sd, _plane(c1 - hi1 * 16.0, D // 2, 4))
-        tl.store(dst + (u4 + 4 * U) * c_sd, _plane(c2, D // 2, 4))
-        _store_scale(side, s1, z1, a_sf, _VS, _VZ)
-        _store_scale(side, s2, z2, a_sf, _VS + 2, _VZ + 1)
-        tl.store(side + (u1 + _VH) * a_sf, _plane(hi1, D // 2, 1))
+        u1 = tl.arange(0, U)
+        # byte j: half 1's low 4 bits, half 2's code above them
+        row_bytes = (c1 - hi1 * 16.0 + c2 * 16.0).to(tl.int32).to(tl.uint8)
+        # at ``v_layout``'s positions (the tuned 4-bit decodes' operand words)
+        tok, col = v_offsets(offset, tl.arange(0, D // 2), True, page_size, c_ss, c_sd, D // 2)
+        tl.store(dst - offset * c_ss + tok + col, row_bytes)
+        _store_scale(block, offset, page_size, a_sf, a_ss, s1, z1, _VS, _VZ)
+        _store_scale(block, offset, page_size, a_sf, a_ss, s2, z2, _VS + 2, _VZ + 1)
+        # fifth bits: channel f + j * D/16 at bit j of byte f (``quant_tc.pack_fifth_bits``)
+        hi1 = tl.reshape(tl.trans(tl.reshape(hi1, [8, U])), [D // 2])
+        tl.store(block + (u1 + _VH) * a_sf + offset * a_ss, _plane(hi1, D // 2, 1))
