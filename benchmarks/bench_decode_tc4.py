@@ -1,10 +1,11 @@
-"""The ``tc4_per_token_head`` decode's first program (``triton/decode_tc4.py``) per layer at
-32 x 16k on one GPU, beside the tuned int4 decode (``decode_tma``) on the same shape and pages:
-median ms of a CUDA graph of 20 calls, rounds interleaved, and % of copy bandwidth counting code
-and scale bytes (tc4: 151 bytes a token and kv head at D 128, int4 136). Answers issue 33's
-question of what tc4's bit planes cost a decode (docs/design/int4-branch.md).
+"""The ``tc4_per_token_head`` decodes per layer at 32 x 16k on one GPU, the first program
+(``triton/decode_tc4.py``, plain loads) and the TMA one (``triton/decode_tc4_tma.py``), beside the
+tuned int4 decode (``decode_tma``) on the same shape and pages: median ms of a CUDA graph of 20
+calls, rounds interleaved, and % of copy bandwidth counting code and scale bytes (tc4: 152 bytes a
+token and kv head at D 128, int4 136). Answers issue 33's question of what tc4's formats cost a
+decode (docs/design/int4-branch.md).
 
-    python benchmarks/bench_decode_tc4.py [llama] [gemma_global] [--page 32] [--splits 4 8 16]
+    python benchmarks/bench_decode_tc4.py [llama] [gemma_global] [--page 32] [--splits 4 8 16] [--stages 2 3 4]
 """
 
 from __future__ import annotations
@@ -41,13 +42,17 @@ def tc4_cache(
     return codes, aux
 
 
-def time_shape(shape: str, page: int, splits: list[int], warps: list[int], copy: float) -> None:
-    """One line per decode of ``shape`` at 32 x 16k: median ms and % of copy."""
+def time_shape(
+    shape: str, page: int, splits: list[int], warps: list[int], stages: list[int], copy: float
+) -> None:
+    """One line per decode of ``shape`` at 32 x 16k: median ms and % of copy (the first program
+    per splits and warps, the TMA one per splits and stages)."""
     from bench_fp8_decode_paths import Case
     from bench_kv_write import graph_ms
 
     from torch_kvq.attention.quant import hadamard_signs
     from torch_kvq.attention.triton.decode_tc4 import paged_decode_tc4
+    from torch_kvq.attention.triton.decode_tc4_tma import paged_decode_tc4_tma
     from torch_kvq.attention.triton.decode_tma import paged_decode_tma
     from torch_kvq.spec import tc4_aux_width
 
@@ -67,6 +72,10 @@ def time_shape(shape: str, page: int, splits: list[int], warps: list[int], copy:
             calls[f"tc4 splits {s} warps {w}"] = (tc4_bytes, lambda s=s, w=w: paged_decode_tc4(
                 q, codes, aux, c.table, c.seq_lens, c.sm_scale, signs, num_splits=s,
                 num_warps=w))  # fmt: skip
+        for st in stages:
+            calls[f"tc4 tma splits {s} stages {st}"] = (tc4_bytes, lambda s=s, st=st:
+                paged_decode_tc4_tma(q, codes, aux, c.table, c.seq_lens, c.sm_scale,
+                                     num_splits=s, num_stages=st))  # fmt: skip
     times: dict[str, list[float]] = {k: [] for k in calls}
     for _ in range(3):  # interleaved rounds
         for name, (_, fn) in calls.items():
@@ -83,13 +92,14 @@ def main() -> None:
     ap.add_argument("--page", type=int, default=32)
     ap.add_argument("--splits", nargs="+", type=int, default=[8])
     ap.add_argument("--warps", nargs="+", type=int, default=[4])
+    ap.add_argument("--stages", nargs="+", type=int, default=[3])
     args = ap.parse_args()
     from gpu_common import copy_bandwidth, environment
 
     print(environment(), flush=True)
     copy = copy_bandwidth()["GBps"]
     for shape in args.shapes:
-        time_shape(shape, args.page, args.splits, args.warps, copy)
+        time_shape(shape, args.page, args.splits, args.warps, args.stages, copy)
 
 
 if __name__ == "__main__":

@@ -306,7 +306,7 @@ def test_compiled_fuses_and_equals_eager_on_cuda() -> None:
 @pytest.mark.parametrize("batch", ["prefill", "decode", "mixed"])
 def test_flashinfer_kernel_matches_the_reference(batch: str) -> None:
     """FlashInferKernel on sm90 serves tc4 layers (a global one and a sliding one, head 128):
-    decode batches by the first decode program (``triton/decode_tc4.py``), prefill and mixed
+    decode batches by the TMA decode program (``triton/decode_tc4_tma.py``), prefill and mixed
     ones by FlashInfer's prefill over the batch's pages dequantized (aten); each within 1e-2
     (relative) of the reference kernel on the same codes and side rows."""
     from torch_kvq.attention.kernels import FlashInferKernel

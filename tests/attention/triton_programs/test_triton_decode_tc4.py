@@ -14,6 +14,7 @@ from torch_kvq.attention import quant_tc
 from torch_kvq.attention.kernels.reference import ref_attention
 from torch_kvq.attention.quant import hadamard_signs
 from torch_kvq.attention.triton.decode_tc4 import paged_decode_tc4
+from torch_kvq.attention.triton.decode_tc4_tma import paged_decode_tc4_tma
 
 DEVICE = "cuda" if HAS_CUDA else "cpu"
 
@@ -57,11 +58,15 @@ def _reference(q, cache, aux, table, lens, sm_scale, window):
         ([48], 2, 2, 256, 16, 3, None),
     ],
 )
-def test_program_equals_reference(lens, kh, g, d, page, splits, window) -> None:
+@pytest.mark.parametrize("program", ["plain", "tma"])
+def test_program_equals_reference(program, lens, kh, g, d, page, splits, window) -> None:
     q, cache, aux, table, seq_lens = _case(lens, kh, g, d, page, seed=sum(lens) + d)
     want = _reference(q, cache, aux, table, seq_lens, d**-0.5, window)
     dev = [x.to(DEVICE) for x in (q.half(), cache, aux, table, seq_lens)]
-    signs = hadamard_signs(d // 2, DEVICE)
-    got = paged_decode_tc4(*dev, d**-0.5, signs, num_splits=splits, window=window).float().cpu()
-    err = (got - want).norm() / want.norm()
+    if program == "plain":
+        signs = hadamard_signs(d // 2, DEVICE)
+        got = paged_decode_tc4(*dev, d**-0.5, signs, num_splits=splits, window=window)
+    else:
+        got = paged_decode_tc4_tma(*dev, d**-0.5, num_splits=splits, window=window)
+    err = (got.float().cpu() - want).norm() / want.norm()
     assert err < 4e-3, err

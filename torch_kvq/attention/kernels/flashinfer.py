@@ -51,8 +51,8 @@ docs/design/fp8_prefill.md, docs/design/fp8_decode_paths.md, benchmarks/RESULTS.
     ``"fa3_fp8"``). The scratch is rounded to the model dtype once: within the bf16 path's error.
 
 * ``tc4_per_token_head`` layers (codes and side rows; q in k's dual basis), sm90, every
-  configuration, no logit soft-cap: decode by ``attention/triton/decode_tc4.py`` (a first
-  program), prefill / mixed over the batch's pages dequantized by ``quant_tc`` (aten), as above.
+  configuration, no logit soft-cap: decode by ``attention/triton/decode_tc4_tma.py`` (the tuned
+  4-bit decodes' TMA scheme), prefill / mixed over the batch's pages dequantized by ``quant_tc`` (aten), as above.
 
 The unfused form of a quantized layer hands ``attend`` its batch's pages dequantized to fp32
 (the exact semantics; the rest of that tensor is never written). FlashInfer reads no fp32 cache,
@@ -95,7 +95,6 @@ from torch_kvq.attention.kernels.flashinfer_plan import (
     plan_wrapper,
 )
 from torch_kvq.attention.kernels.kv_dequant import dequantize_pages
-from torch_kvq.attention.kernels.kv_write_int4 import rotation_signs
 from torch_kvq.attention.metadata import GraphShape
 from torch_kvq.spec import FP8_DTYPE, LayerKVSpec
 
@@ -246,7 +245,7 @@ class FlashInferKernel:
             )
         if why is None and spec.mode.transform_coded and spec.logits_soft_cap:
             return (
-                "a logit soft-cap is not supported by the tc4 decode program (triton/decode_tc4.py); "
+                "a logit soft-cap is not supported by the tc4 decode program (triton/decode_tc4_tma.py); "
                 "the reference kernel serves such a layer"
             )
         triton = self.fp8_decode == "triton" and spec.is_quantized
@@ -464,11 +463,10 @@ class FlashInferKernel:
 
             t = ctx.plans[(id(self), "xqa_tables", spec.sliding_window)]
             if spec.mode.transform_coded:  # q in k's dual basis; the side rows read in place
-                from torch_kvq.attention.triton.decode_tc4 import paged_decode_tc4
+                from torch_kvq.attention.triton.decode_tc4_tma import paged_decode_tc4_tma
 
-                signs = rotation_signs(spec.head_size // 2, q.device)
-                return paged_decode_tc4(
-                    q, kv_cache, kv_scale, t.block_tables, t.seq_lens, spec.sm_scale, signs,
+                return paged_decode_tc4_tma(
+                    q, kv_cache, kv_scale, t.block_tables, t.seq_lens, spec.sm_scale,
                     window=spec.sliding_window,
                 )  # fmt: skip
             return tma.paged_decode_tma(

@@ -9,7 +9,7 @@ channel pair of its two rotated halves, in ``v_layout``'s positions), aux uint8 
 then half 1's fifth bits as rows [D / 16, page]). q arrives in k's dual basis
 (``k_basis.basis_qk``), so q . k needs no transform here. Per page:
 
-- k: each lane word to four fp16 operands by the exponent trick (``_unpack_k``: ``0x6400 | (lane
+- k: each lane word to four fp16 operands by the exponent trick (``unpack_k``: ``0x6400 | (lane
   & mask)`` is ``1024 + code * 2^s``; compiled, one shift and four ``lop3`` per eight codes), q's
   group columns divided by those 2^s once per program, one MMA per group (C's two chained); the
   offsets and zero points come off per logit (``q'`` sums times ``1024 + 2^s zp``), then each
@@ -50,7 +50,7 @@ _VH = tl.constexpr(quant_tc.AUX_V_HIGH)
 
 
 @triton.jit
-def _unpack_k(lanes):
+def unpack_k(lanes):
     """K's lanes int16 [PAGE, D / 4] -> fp16 (1024 + A, 1024 + 64 B, 1024 + 4 C_even, 1024 + 32
     C_odd), exactly: compiled, a word of two lanes shifted right by 8 once (C's bits to a lane's
     low 10) and one ``lop3`` (mask, or ``0x6400``) per two codes; the interpreter, which runs no
@@ -103,7 +103,7 @@ def _zp16(block, t, PAGE: tl.constexpr, BYTE: tl.constexpr, SHIFT: tl.constexpr)
 
 
 @triton.jit
-def _q_cols(q_row, cols, g_mask, mult):
+def q_cols(q_row, cols, g_mask, mult):
     """q's columns ``cols`` times ``mult`` (a power of two: exact), as fp16 [BLOCK_G, n], and
     their sums [BLOCK_G] (fp32, of the fp16 values)."""
     x = tl.load(q_row + cols[None, :], mask=g_mask[:, None], other=0.0).to(tl.float32) * mult
@@ -141,10 +141,10 @@ def _decode_tc4(
     heads = kh * G + offs_g
     q_row = q_ptr + b * stride_qb + heads[:, None] * stride_qh
     j4 = tl.arange(0, D // 4)  # lane index: A_j, B_j, C_2j, C_2j+1
-    qa, sum_a = _q_cols(q_row, j4, g_mask, 1.0)
-    qb, sum_b = _q_cols(q_row, D // 4 + j4, g_mask, 1.0 / 64)
-    qce, sum_ce = _q_cols(q_row, D // 2 + 2 * j4, g_mask, 1.0 / 4)
-    qco, sum_co = _q_cols(q_row, D // 2 + 2 * j4 + 1, g_mask, 1.0 / 32)
+    qa, sum_a = q_cols(q_row, j4, g_mask, 1.0)
+    qb, sum_b = q_cols(q_row, D // 4 + j4, g_mask, 1.0 / 64)
+    qce, sum_ce = q_cols(q_row, D // 2 + 2 * j4, g_mask, 1.0 / 4)
+    qco, sum_co = q_cols(q_row, D // 2 + 2 * j4 + 1, g_mask, 1.0 / 32)
     U: tl.constexpr = D // 16
     m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_G], tl.float32)
@@ -157,7 +157,7 @@ def _decode_tc4(
         v_base = cache_ptr + page * c_sp + c_skv + kh * c_sh
         blk = aux_ptr + page * a_sp + kh * a_sh  # the page's aux block of kv head kh
         lanes = tl.load(k_row.to(tl.pointer_type(tl.int16))[:, None] + j4[None, :])
-        ea, eb, ece, eco = _unpack_k(lanes)
+        ea, eb, ece, eco = unpack_k(lanes)
         # per group: q' . (1024 + 2^s code) - sum(q') (1024 + 2^s zp) = q . (code - zp)
         s_a = tl.dot(qa, tl.trans(ea)) - sum_a[:, None] * _zp16(blk, t, PAGE, _KZ, 0)[None, :]
         s_b = tl.dot(qb, tl.trans(eb)) - sum_b[:, None] * _zp16(blk, t, PAGE, _KZ + 1, 6)[None, :]

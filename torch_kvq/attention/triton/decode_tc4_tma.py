@@ -1,0 +1,222 @@
+"""Paged decode attention over a ``tc4_per_token_head`` cache by the tuned 4-bit decodes' scheme
+(``int4``, ``k8v4``): one TMA box per page for K's lanes, one for V's bytes, one for the page's
+fp16 slots (scales, zero points) and one for V's fifth bits, the tokens on the MMA's M dimension
+and the heads on its N, split-K over the pages.
+
+Per page (``_page``): K's lane words to fp16 operands by the exponent trick
+(``decode_tc4.unpack_k``: one ``shr`` and four ``lop3`` per eight codes), one MMA per group (C's
+two chained), the ``1024`` offsets and zero points taken out per logit (q's group sums, from the
+prologue, times ``1024 + 2^s zp``), each group's logits times its token's fp16 scale; V's bytes
+in ``int4.v_columns`` order (``int4.v_tile``, the cache's ``v_layout``), centred per element
+with each half's zero point (``int4.unpack_minus``), half 1's fifth bits as 16s in the same
+rows (``_fifth_bits``: bit j of aux byte f is the operand's row 8 f + j), into half 1's
+accumulator as a second chained MMA; the weights times each half's scale (times ``PV_SCALE``);
+online softmax in base 2 (``int4.rescale``). Epilogue: ``int4.unrotate_store`` with the halves'
+un-rotation as one block-diagonal +-1 matrix (``rotation_matrices``). Imports Triton.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
+
+from torch_kvq.attention import quant_tc
+from torch_kvq.attention.quant import _walsh_hadamard, hadamard_block, hadamard_signs
+from torch_kvq.attention.triton.decode_tc4 import q_cols, unpack_k
+from torch_kvq.attention.triton.helpers import combine_splits, split_outputs, split_range
+from torch_kvq.attention.triton.int4 import (
+    rescale,
+    store_split_int4,
+    unpack_minus,
+    v_columns,
+    v_tile,
+)
+
+_KZ = tl.constexpr(quant_tc.AUX_K_ZP)
+_SLOTS = tl.constexpr(quant_tc.AUX_SLOTS)
+PV_SCALE = tl.constexpr(16.0)  # the weights times v's scales, times this in fp16 (``int4.int4_pv_shift``'s 4)
+
+_ROTATIONS: dict[tuple[int, torch.device], torch.Tensor] = {}
+
+
+def rotation_matrices(d: int, device: torch.device) -> torch.Tensor:
+    """[D * D + D] fp16 (cached per (D, device)), ``int4.rotation_matrices``' form for tc4's v:
+    U [D, D] +-1, ``(R1^T y1, R2^T y2) * sqrt(b) = u @ U`` for u = (half 1's accumulator, half
+    2's), each in ``v_columns`` order (R: ``quant.rotate`` over D / 2 channels, b its block);
+    then D zeros (no q rotation)."""
+    key = (d, torch.device(device))
+    if key not in _ROTATIONS:
+        n = d // 2
+        a = _walsh_hadamard(torch.eye(n), hadamard_block(n)) * hadamard_signs(n)
+        a = a[v_columns(d)]
+        u = torch.zeros(d, d)
+        u[:n, :n], u[n:, n:] = a, a
+        _ROTATIONS[key] = torch.cat((u.flatten(), torch.zeros(d))).half().to(device).contiguous()
+    return _ROTATIONS[key]
+
+
+@triton.jit
+def _slots(slot_desc, blk, PAGE: tl.constexpr, ROWS16: tl.constexpr):
+    """A page's 8 fp16 slots of one kv head (its aux block ``blk``), each [PAGE]."""
+    r = tl.permute(tl.reshape(slot_desc.load([blk * ROWS16, 0]), [2, 2, 2, PAGE]), [3, 0, 1, 2])
+    x0, x1 = tl.split(r)  # slot 4a + 2b + c: c
+    x00, x01 = tl.split(x0)  # b
+    x10, x11 = tl.split(x1)
+    s0, s4 = tl.split(x00)  # a
+    s2, s6 = tl.split(x01)
+    s1, s5 = tl.split(x10)
+    s3, s7 = tl.split(x11)
+    return s0, s1, s2, s3, s4, s5, s6, s7
+
+
+@triton.jit
+def _fifth_bits(bit_desc, blk, ROWS8: tl.constexpr, U: tl.constexpr, PAGE: tl.constexpr):
+    """Half 1's fifth bits as 16s, fp16 [8 U, PAGE]: row 8 f + j bit j of the page's aux byte row
+    f (channel ``f + j * U``: the ``v_columns`` order of half 1's accumulator rows)."""
+    x = bit_desc.load([blk * ROWS8 + 2 * _SLOTS, 0]).to(tl.int32)  # [U, PAGE]
+    even = tl.join(tl.join(x & 1, (x >> 4) & 1), tl.join((x >> 2) & 1, (x >> 6) & 1))
+    odd = tl.join(tl.join((x >> 1) & 1, (x >> 5) & 1), tl.join((x >> 3) & 1, (x >> 7) & 1))
+    bits = tl.permute(tl.reshape(tl.join(even, odd), [U, PAGE, 8]), (0, 2, 1))
+    return (tl.reshape(bits, [8 * U, PAGE]) * 16).to(tl.float16)
+
+
+@triton.jit
+def _off(z, SHIFT: tl.constexpr):
+    """``1024 + zp * 2^SHIFT`` (fp32) of zero points z (int32) [PAGE], as a column."""
+    return (1024.0 + z.to(tl.float32) * (1 << SHIFT))[:, None]
+
+
+@triton.jit
+def _decode_tc4_tma(
+    q_ptr, k_desc, v_desc, slot_desc, bit_desc, block_table_ptr, seq_lens_ptr, part_o_ptr,
+    part_lse_ptr, out_ptr, rot_ptr, qk_scale_log2, window,
+    stride_qb, stride_qh, stride_ob, stride_oh, stride_bt,
+    KH: tl.constexpr, QH: tl.constexpr, G: tl.constexpr, BLOCK_G: tl.constexpr, D: tl.constexpr,
+    PAGE: tl.constexpr, NUM_SPLITS: tl.constexpr, STAGES: tl.constexpr,
+    USE_WINDOW: tl.constexpr, DIRECT: tl.constexpr, RSQRT_B: tl.constexpr,
+):  # fmt: skip
+    kh = tl.program_id(0)
+    split = tl.program_id(1)
+    b = tl.program_id(2)
+    seq_len = tl.load(seq_lens_ptr + b)
+    table = block_table_ptr + b.to(tl.int64) * stride_bt
+    lo, p_begin, p_end = split_range(seq_len, window, split, PAGE, NUM_SPLITS, USE_WINDOW)
+    offs_g = tl.arange(0, BLOCK_G)
+    g_mask = offs_g < G
+    heads = kh * G + offs_g
+    q_row = q_ptr + b * stride_qb + heads[:, None] * stride_qh
+    j4 = tl.arange(0, D // 4)  # lane j: A_j, B_j, C_2j, C_2j+1
+    qa, _ = q_cols(q_row, j4, g_mask, 1.0)
+    qb, _ = q_cols(q_row, D // 4 + j4, g_mask, 1.0 / 64)
+    qce, _ = q_cols(q_row, D // 2 + 2 * j4, g_mask, 1.0 / 4)
+    qco, _ = q_cols(q_row, D // 2 + 2 * j4 + 1, g_mask, 1.0 / 32)
+    # q's group sums in the logits' layout [PAGE, BLOCK_G] (products with ones)
+    ones = tl.full([PAGE, D // 4], 1.0, tl.float16)
+    sum_a = tl.dot(ones, tl.trans(qa))
+    sum_b = tl.dot(ones, tl.trans(qb))
+    sum_ce = tl.dot(ones, tl.trans(qce))
+    sum_co = tl.dot(ones, tl.trans(qco))
+    U: tl.constexpr = D // 16
+    ROWS8: tl.constexpr = 2 * _SLOTS + U  # an aux block's rows of PAGE bytes
+    offs_t = tl.arange(0, PAGE)
+    m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
+    l_acc = tl.zeros([PAGE, BLOCK_G], tl.float32)
+    acc_lo = tl.zeros([D // 2, BLOCK_G], tl.float32)  # half 1, rows in v_columns order
+    acc_hi = tl.zeros([D // 2, BLOCK_G], tl.float32)  # half 2 (16 times)
+    for p in tl.range(p_begin, p_end, num_stages=STAGES):
+        page = tl.load(table + p)
+        row = page * (2 * PAGE)
+        blk = page * KH + kh
+        ea, eb, ece, eco = unpack_k(k_desc.load([row, kh * (D // 4)]))  # [PAGE, D / 4] each
+        v = v_tile(v_desc.load([row + PAGE, kh * (D // 2)]), PAGE, D // 2)
+        sa, sb, sc, s1, s2, z_ab, z_c1, z_2 = _slots(slot_desc, blk, PAGE, ROWS8 // 2)
+        zi = z_ab.to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
+        zc1 = z_c1.to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
+        z2 = z_2.to(tl.int16, bitcast=True).to(tl.int32) & 0xFF
+        za, zb, zc, z1 = zi & 0xFF, zi >> 8, zc1 & 0xFF, zc1 >> 8
+        s = (tl.dot(ea, tl.trans(qa)) - _off(za, 0) * sum_a) * sa.to(tl.float32)[:, None]
+        s += (tl.dot(eb, tl.trans(qb)) - _off(zb, 6) * sum_b) * sb.to(tl.float32)[:, None]
+        s_c = tl.dot(eco, tl.trans(qco), tl.dot(ece, tl.trans(qce)))
+        s_c -= _off(zc, 2) * sum_ce + _off(zc, 5) * sum_co
+        s += s_c * sc.to(tl.float32)[:, None]
+        toks = p * PAGE + offs_t
+        live = (toks >= lo) & (toks < seq_len)
+        s = tl.where(live[:, None], s * qk_scale_log2, float("-inf"))  # [PAGE, BLOCK_G]
+        acc_lo, acc_hi, l_acc, m_i, m_safe = rescale(acc_lo, acc_hi, l_acc, m_i, tl.max(s, 0))
+        pr = tl.exp2(s - m_safe[None, :])
+        l_acc += pr
+        z_lo = tl.broadcast_to((z1 | 0x6400).to(tl.int16).to(tl.float16, bitcast=True)[:, None],
+                               [PAGE, D // 2])  # fmt: skip
+        z_hi = tl.broadcast_to(
+            ((z2 << 4) | 0x6400).to(tl.int16).to(tl.float16, bitcast=True)[:, None], [PAGE, D // 2]
+        )
+        v_lo, v_hi = unpack_minus(v, z_lo, z_hi)  # half 1's low 4 bits - zp1, 16 (half 2 - zp2)
+        w1 = (pr * (s1.to(tl.float32) * PV_SCALE)[:, None]).to(tl.float16)
+        w2 = (pr * (s2.to(tl.float32) * PV_SCALE)[:, None]).to(tl.float16)
+        acc_lo = tl.dot(_fifth_bits(bit_desc, blk, ROWS8, U, PAGE), w1, acc_lo)
+        acc_lo = tl.dot(tl.trans(v_lo), w1, acc_lo)
+        acc_hi = tl.dot(tl.trans(v_hi), w2, acc_hi)
+    store_split_int4(
+        tl.trans(acc_lo), tl.trans(acc_hi) * 0.0625, m_i, tl.sum(l_acc, axis=0), b, split, heads,
+        g_mask, out_ptr, part_o_ptr, part_lse_ptr, 1.0 / PV_SCALE, rot_ptr, stride_ob, stride_oh,
+        QH, D, NUM_SPLITS, DIRECT, tl.float16, RSQRT_B,
+    )  # fmt: skip
+
+
+def paged_decode_tc4_tma(
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    kv_scale: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    sm_scale: float,
+    num_splits: int = 8,
+    window: int | None = None,
+    num_warps: int = 1,
+    num_stages: int = 3,
+) -> torch.Tensor:
+    """One new token per sequence over a tc4 cache (``decode_tc4.paged_decode_tc4``'s arguments
+    but the signs): q [B, QH, D] in k's dual basis, ``kv_cache`` uint8 [P, 2, page, KH, D / 2]
+    and ``kv_scale`` uint8 [P, KH, 16 + D / 16, page], both contiguous; head sizes 64, 128,
+    256; pages of 16, 32 or 64 tokens. Returns out [B, QH, D] in q's dtype. ValueError on other
+    shapes."""
+    bsz, qh, d = q.shape
+    pages, two, page, kh, half = kv_cache.shape
+    aux = quant_tc.aux_width(d)
+    if (
+        d not in (64, 128, 256)
+        or page not in (16, 32, 64)
+        or (two, half) != (2, d // 2)
+        or tuple(kv_scale.shape) != (pages, kh, aux, page)
+        or kv_cache.dtype != torch.uint8
+        or kv_scale.dtype != torch.uint8
+        or not (kv_cache.is_contiguous() and kv_scale.is_contiguous())
+        or qh % kh
+    ):
+        raise ValueError(
+            f"paged_decode_tc4_tma: q {tuple(q.shape)}, kv_cache {kv_cache.dtype} "
+            f"{tuple(kv_cache.shape)}, kv_scale {kv_scale.dtype} {tuple(kv_scale.shape)}: need "
+            f"head size 64 / 128 / 256, pages of 16 / 32 / 64, contiguous uint8 [P, 2, page, KH, "
+            f"D / 2] and [P, KH, {aux}, page], QH a multiple of KH"
+        )
+    lanes = kv_cache.view(torch.int16).view(pages * 2 * page, kh * d // 4)
+    k_desc = TensorDescriptor(lanes, list(lanes.shape), [kh * d // 4, 1], [page, d // 4])
+    rows = kv_cache.view(pages * 2 * page, kh * d // 2)
+    v_desc = TensorDescriptor(rows, list(rows.shape), [kh * d // 2, 1], [page, d // 2])
+    aux8 = kv_scale.view(pages * kh * aux, page)
+    bit_desc = TensorDescriptor(aux8, list(aux8.shape), [page, 1], [d // 16, page])
+    aux16 = kv_scale.view(-1).view(torch.float16).view(pages * kh * aux // 2, page)
+    slot_desc = TensorDescriptor(aux16, list(aux16.shape), [page, 1], [quant_tc.AUX_SLOTS, page])
+    out, part_o, part_lse = split_outputs("paged_decode_tc4_tma", q, None, num_splits, None)
+    g = qh // kh
+    _decode_tc4_tma[(kh, num_splits, bsz)](
+        q, k_desc, v_desc, slot_desc, bit_desc, block_table, seq_lens, part_o, part_lse, out,
+        rotation_matrices(d, q.device), sm_scale * 1.4426950408889634, window or 0,
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1), block_table.stride(0),
+        KH=kh, QH=qh, G=g, BLOCK_G=max(8, triton.next_power_of_2(g)), D=d, PAGE=page,
+        NUM_SPLITS=num_splits, STAGES=num_stages, USE_WINDOW=window is not None,
+        DIRECT=num_splits == 1, RSQRT_B=hadamard_block(d // 2) ** -0.5, num_warps=num_warps,
+    )  # fmt: skip
+    return combine_splits(part_o, part_lse, out, 1.0, num_splits)
