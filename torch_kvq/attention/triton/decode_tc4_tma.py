@@ -36,7 +36,8 @@ from torch_kvq.attention.triton.int4 import (
 
 _KZ = tl.constexpr(quant_tc.AUX_K_ZP)
 _SLOTS = tl.constexpr(quant_tc.AUX_SLOTS)
-PV_SCALE = tl.constexpr(16.0)  # the weights times v's scales, times this in fp16 (``int4.int4_pv_shift``'s 4)
+# the weights times v's scales, times this in fp16 (``int4.int4_pv_shift``'s 4, eager softmax)
+PV_SCALE = tl.constexpr(16.0)
 
 _ROTATIONS: dict[tuple[int, torch.device], torch.Tensor] = {}
 
@@ -75,11 +76,14 @@ def _slots(slot_desc, blk, PAGE: tl.constexpr, ROWS16: tl.constexpr):
 def _fifth_bits(bit_desc, blk, ROWS8: tl.constexpr, U: tl.constexpr, PAGE: tl.constexpr):
     """Half 1's fifth bits as 16s, fp16 [8 U, PAGE]: row 8 f + j bit j of the page's aux byte row
     f (channel ``f + j * U``: the ``v_columns`` order of half 1's accumulator rows)."""
-    x = bit_desc.load([blk * ROWS8 + 2 * _SLOTS, 0]).to(tl.int32)  # [U, PAGE]
-    even = tl.join(tl.join(x & 1, (x >> 4) & 1), tl.join((x >> 2) & 1, (x >> 6) & 1))
-    odd = tl.join(tl.join((x >> 1) & 1, (x >> 5) & 1), tl.join((x >> 3) & 1, (x >> 7) & 1))
+    x = bit_desc.load([blk * ROWS8 + 2 * _SLOTS, 0]).to(tl.int16)  # [U, PAGE]
+    # bit j as the fp16 16.0 (0x4C00) or 0, no conversion
+    b0, b1, b2, b3 = (x & 1) * 0x4C00, (x & 2) * 0x2600, (x & 4) * 0x1300, (x & 8) * 0x0980
+    b4, b5, b6, b7 = (x & 16) * 0x04C0, (x & 32) * 0x0260, (x & 64) * 0x0130, (x & 128) * 0x0098
+    even = tl.join(tl.join(b0, b4), tl.join(b2, b6))
+    odd = tl.join(tl.join(b1, b5), tl.join(b3, b7))
     bits = tl.permute(tl.reshape(tl.join(even, odd), [U, PAGE, 8]), (0, 2, 1))
-    return (tl.reshape(bits, [8 * U, PAGE]) * 16).to(tl.float16)
+    return tl.reshape(bits, [8 * U, PAGE]).to(tl.float16, bitcast=True)
 
 
 @triton.jit
