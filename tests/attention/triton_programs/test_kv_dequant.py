@@ -9,8 +9,9 @@ import pytest
 import torch
 
 from tests.support.triton_case import HAS_CUDA, INTERPRETING  # sets the interpreter up first
-from torch_kvq.attention import quant
+from torch_kvq.attention import quant, quant_tc
 from torch_kvq.attention.kernels.kv_dequant import dequantize_pages, dequantize_pages_triton
+from torch_kvq.attention.kernels.kv_dequant_tc import dequantize_pages_tc_triton
 from torch_kvq.spec import FP8_DTYPE
 
 DEVICE = "cuda" if HAS_CUDA else "cpu"
@@ -92,3 +93,43 @@ def test_cpu_cache_takes_the_aten_form() -> None:
     ids = torch.tensor([1, 0])
     want = quant.dequantize_pages_per_token_head(cache, scales, ids, torch.bfloat16)
     assert torch.equal(dequantize_pages(cache, scales, ids, torch.bfloat16), want)
+
+
+TC4_CASES = [(2, 16, 128), (3, 16, 64), (1, 32, 256), (8, 32, 128)]
+
+
+def _check_tc4(kh: int, page: int, d: int, dtype: torch.dtype) -> None:
+    g = torch.Generator().manual_seed(kh + page + d)
+    k = torch.randn(6, page, kh, d, generator=g) * torch.rand(6, page, kh, 1, generator=g) * 4
+    v = torch.randn(6, page, kh, d, generator=g)
+    v[..., 3] += 20.0 * (torch.rand(6, page, kh, generator=g) > 0.9)
+    cache, aux = (x.to(DEVICE) for x in quant_tc.quantize_pages(k, v))
+    ids = torch.tensor([4, 0, 5, 4], dtype=torch.int32, device=DEVICE)
+    want = quant_tc.dequantize_pages(cache[ids.long()], aux[ids.long()]).to(dtype)
+    got = dequantize_pages_tc_triton(cache, aux, ids, dtype)
+    assert got.dtype == dtype and got.shape == want.shape
+    assert torch.equal(got.view(torch.uint8), want.view(torch.uint8))
+
+
+@on_interpreter
+@pytest.mark.parametrize("kh,page,d", TC4_CASES)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_interpreter_tc4_pass_equals_aten(kh, page, d, dtype) -> None:
+    """tc4 (``kernels/kv_dequant_tc.py``): k's lanes per group, v's bytes from their ``v_layout``
+    positions with half 1's fifth bits, each half un-rotated: the aten scratch, bit for bit."""
+    _check_tc4(kh, page, d, dtype)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
+@pytest.mark.parametrize("kh,page,d", TC4_CASES)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_gpu_tc4_pass_equals_aten(kh, page, d, dtype) -> None:
+    _check_tc4(kh, page, d, dtype)
+
+
+def test_tc4_pass_refuses_a_head_size_it_does_not_take() -> None:
+    cache = torch.zeros(2, 2, 16, 1, 24, dtype=torch.uint8)
+    aux = torch.zeros(2, 1, quant_tc.aux_width(48), 16, dtype=torch.uint8)
+    with pytest.raises(ValueError, match=r"head size D in \(64, 128, 256\)"):
+        dequantize_pages_tc_triton(cache, aux, torch.zeros(1, dtype=torch.int32), torch.float32)

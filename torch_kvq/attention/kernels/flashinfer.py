@@ -52,7 +52,8 @@ docs/design/fp8_prefill.md, docs/design/fp8_decode_paths.md, benchmarks/RESULTS.
 
 * ``tc4_per_token_head`` layers (codes and side rows; q in k's dual basis), sm90, every
   configuration, no logit soft-cap: decode by ``attention/triton/decode_tc4_tma.py`` (the tuned
-  4-bit decodes' TMA scheme), prefill / mixed over the batch's pages dequantized by ``quant_tc`` (aten), as above.
+  4-bit decodes' TMA scheme), prefill / mixed over the batch's pages dequantized in one Triton pass
+  (``kv_dequant_tc``: k left in its basis, v un-rotated), as above.
 
 The unfused form of a quantized layer hands ``attend`` its batch's pages dequantized to fp32
 (the exact semantics; the rest of that tensor is never written). FlashInfer reads no fp32 cache,
@@ -83,7 +84,6 @@ from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 
-from torch_kvq.attention import quant_tc
 from torch_kvq.attention.kernels import capabilities as caps
 from torch_kvq.attention.kernels import flashinfer_xqa as xqa
 from torch_kvq.attention.kernels.base import KernelUnsupportedError
@@ -95,6 +95,7 @@ from torch_kvq.attention.kernels.flashinfer_plan import (
     plan_wrapper,
 )
 from torch_kvq.attention.kernels.kv_dequant import dequantize_pages
+from torch_kvq.attention.kernels.kv_dequant_tc import dequantize_pages_tc
 from torch_kvq.attention.metadata import GraphShape
 from torch_kvq.spec import FP8_DTYPE, LayerKVSpec
 
@@ -478,7 +479,7 @@ class FlashInferKernel:
         if key.kernel == "compact-prefill":  # the batch's pages, dequantized, in table order
             ids = ctx.metadata_for(spec).kv_indices
             if spec.mode.transform_coded:  # k in its basis (q is in its dual), v un-rotated
-                scratch = quant_tc.dequantize_pages(kv_cache[ids], kv_scale[ids]).to(key.kv_dtype)
+                scratch = dequantize_pages_tc(kv_cache, kv_scale, ids, key.kv_dtype)
             else:
                 scratch = dequantize_pages(kv_cache, kv_scale, ids, key.kv_dtype)
             return plan.wrapper.run(q, scratch, out=out)
