@@ -383,3 +383,17 @@ def v_offsets(t, c, is_v, page, s_row, s_col, W: tl.constexpr):
         tok = t * s_row
         col = c * s_col
     return tok, col
+
+
+@triton.jit
+def store_rounded(dst, y, mask):
+    """fp32 y at ``dst`` in its element dtype, rounded to nearest even as aten's cast (the
+    interpreter's bf16 cast truncates: there the rounding is done on the bits; finite values)."""
+    if dst.dtype.element_ty == tl.float32:
+        tl.store(dst, y, mask=mask)
+    elif INTERPRET and dst.dtype.element_ty == tl.bfloat16:
+        bits = y.to(tl.uint32, bitcast=True)
+        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
+        tl.store(dst.to(tl.pointer_type(tl.uint16)), bits.to(tl.uint16), mask=mask)
+    else:
+        tl.store(dst, y.to(dst.dtype.element_ty, fp_downcast_rounding="rtne"), mask=mask)

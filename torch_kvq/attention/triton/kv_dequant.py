@@ -17,7 +17,7 @@ import triton
 import triton.language as tl
 
 from torch_kvq.attention.triton.hadamard import walsh_hadamard
-from torch_kvq.attention.triton.helpers import INTERPRET, v_offsets
+from torch_kvq.attention.triton.helpers import store_rounded, v_offsets
 
 
 @triton.jit
@@ -77,11 +77,4 @@ def kv_dequant_pages_kernel(
         y = codes.to(tl.float32) * stored[:, None]
         dst = out_ptr + (i * 2 + kv) * (PAGE * KH * D) + r[:, None] * D + d[None, :]
         mask = ok[:, None]
-    if out_ptr.dtype.element_ty == tl.float32:
-        tl.store(dst, y, mask=mask)
-    elif INTERPRET and out_ptr.dtype.element_ty == tl.bfloat16:  # its bf16 cast truncates
-        bits = y.to(tl.uint32, bitcast=True)
-        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16  # to nearest even (finite values)
-        tl.store(dst.to(tl.pointer_type(tl.uint16)), bits.to(tl.uint16), mask=mask)
-    else:  # round to nearest even, as aten's cast
-        tl.store(dst, y.to(out_ptr.dtype.element_ty, fp_downcast_rounding="rtne"), mask=mask)
+    store_rounded(dst, y, mask)

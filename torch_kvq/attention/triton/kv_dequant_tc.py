@@ -18,7 +18,7 @@ import triton.language as tl
 
 from torch_kvq.attention import quant_tc
 from torch_kvq.attention.triton.hadamard import walsh_hadamard
-from torch_kvq.attention.triton.helpers import INTERPRET, v_offsets
+from torch_kvq.attention.triton.helpers import store_rounded, v_offsets
 
 _KS = tl.constexpr(quant_tc.AUX_K_SCALES)
 _VS = tl.constexpr(quant_tc.AUX_V_SCALES)
@@ -39,19 +39,6 @@ def _slot(block, t, ok, PAGE: tl.constexpr, SLOT: tl.constexpr):
 def _zp(block, t, ok, PAGE: tl.constexpr, BYTE: tl.constexpr):
     """Record byte BYTE (a zero point, in the slots' rows) of tokens t, fp32."""
     return tl.load(block + 2 * ((BYTE // 2) * PAGE + t) + BYTE % 2, mask=ok, other=0).to(tl.float32)
-
-
-@triton.jit
-def _store(dst, y, mask):
-    """y at ``dst`` in the scratch's dtype, rounded to nearest even as aten's cast."""
-    if dst.dtype.element_ty == tl.float32:
-        tl.store(dst, y, mask=mask)
-    elif INTERPRET and dst.dtype.element_ty == tl.bfloat16:  # its bf16 cast truncates
-        bits = y.to(tl.uint32, bitcast=True)
-        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16  # to nearest even (finite values)
-        tl.store(dst.to(tl.pointer_type(tl.uint16)), bits.to(tl.uint16), mask=mask)
-    else:
-        tl.store(dst, y.to(dst.dtype.element_ty, fp_downcast_rounding="rtne"), mask=mask)
 
 
 @triton.jit
@@ -90,15 +77,15 @@ def kv_dequant_tc_kernel(
         x = tl.load(lanes[:, None] + j[None, :], mask=ok[:, None]).to(tl.int32) & 0xFFFF
         za = _zp(block, t, ok, PAGE, _KZ)
         y = ((x & 63).to(tl.float32) - za[:, None]) * _slot(block, t, ok, PAGE, _KS // 2)[:, None]
-        _store(out_row[:, None] + j[None, :], y, ok[:, None])
+        store_rounded(out_row[:, None] + j[None, :], y, ok[:, None])
         zb = _zp(block, t, ok, PAGE, _KZ + 1)
         sb = _slot(block, t, ok, PAGE, _KS // 2 + 1)
         y = (((x >> 6) & 15).to(tl.float32) - zb[:, None]) * sb[:, None]
-        _store(out_row[:, None] + Q + j[None, :], y, ok[:, None])
+        store_rounded(out_row[:, None] + Q + j[None, :], y, ok[:, None])
         cc = tl.reshape(tl.join((x >> 10) & 7, x >> 13), [ROWS, C])  # channel 2j, 2j + 1
         zc = _zp(block, t, ok, PAGE, _KZ + 2)
         y = (cc.to(tl.float32) - zc[:, None]) * _slot(block, t, ok, PAGE, _KS // 2 + 2)[:, None]
-        _store(out_row[:, None] + C + tl.arange(0, C)[None, :], y, ok[:, None])
+        store_rounded(out_row[:, None] + C + tl.arange(0, C)[None, :], y, ok[:, None])
     else:  # v: byte j = half 1's low 4 bits | half 2's code << 4, at v_layout's positions
         U: tl.constexpr = D // 16
         c = tl.arange(0, C)
@@ -114,5 +101,5 @@ def kv_dequant_tc_kernel(
         y2 = _half(codes >> 4, _zp(block, t, ok, PAGE, _VZ + 1),
                    _slot(block, t, ok, PAGE, _VS // 2 + 1), signs_ptr, inv_sqrt_b, C, ROWS,
                    LOG2C)  # fmt: skip
-        _store(out_row[None, :] + c[:, None], y1, ok[None, :])
-        _store(out_row[None, :] + C + c[:, None], y2, ok[None, :])
+        store_rounded(out_row[None, :] + c[:, None], y1, ok[None, :])
+        store_rounded(out_row[None, :] + C + c[:, None], y2, ok[None, :])
