@@ -73,9 +73,11 @@ def time_shape(
                 q, codes, aux, c.table, c.seq_lens, c.sm_scale, signs, num_splits=s,
                 num_warps=w))  # fmt: skip
         for st in stages:
-            calls[f"tc4 tma splits {s} stages {st}"] = (tc4_bytes, lambda s=s, st=st:
-                paged_decode_tc4_tma(q, codes, aux, c.table, c.seq_lens, c.sm_scale,
-                                     num_splits=s, num_stages=st))  # fmt: skip
+            for lazy in (True, False):
+                calls[f"tc4 tma splits {s} stages {st}{'' if lazy else ' eager'}"] = (
+                    tc4_bytes, lambda s=s, st=st, lazy=lazy: paged_decode_tc4_tma(
+                        q, codes, aux, c.table, c.seq_lens, c.sm_scale, num_splits=s,
+                        num_stages=st, lazy_rescale=lazy))  # fmt: skip
     times: dict[str, list[float]] = {k: [] for k in calls}
     for _ in range(3):  # interleaved rounds
         for name, (_, fn) in calls.items():

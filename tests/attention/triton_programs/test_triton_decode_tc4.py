@@ -58,7 +58,7 @@ def _reference(q, cache, aux, table, lens, sm_scale, window):
         ([48], 2, 2, 256, 16, 3, None),
     ],
 )
-@pytest.mark.parametrize("program", ["plain", "tma"])
+@pytest.mark.parametrize("program", ["plain", "tma", "tma-eager"])
 def test_program_equals_reference(program, lens, kh, g, d, page, splits, window) -> None:
     q, cache, aux, table, seq_lens = _case(lens, kh, g, d, page, seed=sum(lens) + d)
     want = _reference(q, cache, aux, table, seq_lens, d**-0.5, window)
@@ -67,6 +67,9 @@ def test_program_equals_reference(program, lens, kh, g, d, page, splits, window)
         signs = hadamard_signs(d // 2, DEVICE)
         got = paged_decode_tc4(*dev, d**-0.5, signs, num_splits=splits, window=window)
     else:
-        got = paged_decode_tc4_tma(*dev, d**-0.5, num_splits=splits, window=window)
+        lazy = program == "tma"
+        got = paged_decode_tc4_tma(
+            *dev, d**-0.5, num_splits=splits, window=window, lazy_rescale=lazy
+        )
     err = (got.float().cpu() - want).norm() / want.norm()
     assert err < 4e-3, err

@@ -11,7 +11,7 @@ in ``int4.v_columns`` order (``int4.v_tile``, the cache's ``v_layout``), centred
 with each half's zero point (``int4.unpack_minus``), half 1's fifth bits as 16s in the same
 rows (``_fifth_bits``: bit j of aux byte f is the operand's row 8 f + j), into half 1's
 accumulator as a second chained MMA; the weights times each half's scale (times ``PV_SCALE``);
-online softmax in base 2 (``int4.rescale``). Epilogue: ``int4.unrotate_store`` with the halves'
+online softmax in base 2 (``int4.rescale``; lazy by default: the max moves only past 8). Epilogue: ``int4.unrotate_store`` with the halves'
 un-rotation as one block-diagonal +-1 matrix (``rotation_matrices``). Imports Triton.
 """
 
@@ -36,8 +36,8 @@ from torch_kvq.attention.triton.int4 import (
 
 _KZ = tl.constexpr(quant_tc.AUX_K_ZP)
 _SLOTS = tl.constexpr(quant_tc.AUX_SLOTS)
-# the weights times v's scales, times this in fp16 (``int4.int4_pv_shift``'s 4, eager softmax)
-PV_SCALE = tl.constexpr(16.0)
+# the weights times v's scales, times this in fp16 (``int4.int4_pv_shift``'s: 16 eager, 1 lazy)
+PV_EAGER, PV_LAZY = 16.0, 1.0
 
 _ROTATIONS: dict[tuple[int, torch.device], torch.Tensor] = {}
 
@@ -99,7 +99,8 @@ def _decode_tc4_tma(
     stride_qb, stride_qh, stride_ob, stride_oh, stride_bt,
     KH: tl.constexpr, QH: tl.constexpr, G: tl.constexpr, BLOCK_G: tl.constexpr, D: tl.constexpr,
     PAGE: tl.constexpr, NUM_SPLITS: tl.constexpr, STAGES: tl.constexpr,
-    USE_WINDOW: tl.constexpr, DIRECT: tl.constexpr, RSQRT_B: tl.constexpr,
+    USE_WINDOW: tl.constexpr, DIRECT: tl.constexpr, RSQRT_B: tl.constexpr, LAZY: tl.constexpr,
+    PV_SCALE: tl.constexpr,
 ):  # fmt: skip
     kh = tl.program_id(0)
     split = tl.program_id(1)
@@ -125,7 +126,7 @@ def _decode_tc4_tma(
     U: tl.constexpr = D // 16
     ROWS8: tl.constexpr = 2 * _SLOTS + U  # an aux block's rows of PAGE bytes
     offs_t = tl.arange(0, PAGE)
-    m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
+    m_i = tl.full([BLOCK_G], -1e30 if LAZY else float("-inf"), tl.float32)
     l_acc = tl.zeros([PAGE, BLOCK_G], tl.float32)
     acc_lo = tl.zeros([D // 2, BLOCK_G], tl.float32)  # half 1, rows in v_columns order
     acc_hi = tl.zeros([D // 2, BLOCK_G], tl.float32)  # half 2 (16 times)
@@ -148,8 +149,16 @@ def _decode_tc4_tma(
         toks = p * PAGE + offs_t
         live = (toks >= lo) & (toks < seq_len)
         s = tl.where(live[:, None], s * qk_scale_log2, float("-inf"))  # [PAGE, BLOCK_G]
-        acc_lo, acc_hi, l_acc, m_i, m_safe = rescale(acc_lo, acc_hi, l_acc, m_i, tl.max(s, 0))
-        pr = tl.exp2(s - m_safe[None, :])
+        if LAZY:  # the reference max moves only when a logit passes it by more than 8 (base 2)
+            pr = tl.exp2(s - m_i[None, :])
+            if tl.max(tl.max(s - m_i[None, :], axis=1), axis=0) > 8.0:
+                acc_lo, acc_hi, l_acc, m_i, m_safe = rescale(
+                    acc_lo, acc_hi, l_acc, m_i, tl.max(s, 0)
+                )  # fmt: skip
+                pr = tl.exp2(s - m_safe[None, :])
+        else:
+            acc_lo, acc_hi, l_acc, m_i, m_safe = rescale(acc_lo, acc_hi, l_acc, m_i, tl.max(s, 0))
+            pr = tl.exp2(s - m_safe[None, :])
         l_acc += pr
         z_lo = tl.broadcast_to((z1 | 0x6400).to(tl.int16).to(tl.float16, bitcast=True)[:, None],
                                [PAGE, D // 2])  # fmt: skip
@@ -180,12 +189,14 @@ def paged_decode_tc4_tma(
     window: int | None = None,
     num_warps: int = 1,
     num_stages: int = 3,
+    lazy_rescale: bool = True,
 ) -> torch.Tensor:
     """One new token per sequence over a tc4 cache (``decode_tc4.paged_decode_tc4``'s arguments
     but the signs): q [B, QH, D] in k's dual basis, ``kv_cache`` uint8 [P, 2, page, KH, D / 2]
     and ``kv_scale`` uint8 [P, KH, 16 + D / 16, page], both contiguous; head sizes 64, 128,
-    256; pages of 16, 32 or 64 tokens. Returns out [B, QH, D] in q's dtype. ValueError on other
-    shapes."""
+    256; pages of 16, 32 or 64 tokens. ``lazy_rescale``: the softmax's reference max moves only
+    when a logit passes it by more than 8 (base 2; ``decode_tma``'s). Returns out [B, QH, D] in
+    q's dtype. ValueError on other shapes."""
     bsz, qh, d = q.shape
     pages, two, page, kh, half = kv_cache.shape
     aux = quant_tc.aux_width(d)
@@ -221,6 +232,7 @@ def paged_decode_tc4_tma(
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), block_table.stride(0),
         KH=kh, QH=qh, G=g, BLOCK_G=max(8, triton.next_power_of_2(g)), D=d, PAGE=page,
         NUM_SPLITS=num_splits, STAGES=num_stages, USE_WINDOW=window is not None,
-        DIRECT=num_splits == 1, RSQRT_B=hadamard_block(d // 2) ** -0.5, num_warps=num_warps,
+        DIRECT=num_splits == 1, RSQRT_B=hadamard_block(d // 2) ** -0.5, LAZY=lazy_rescale,
+        PV_SCALE=PV_LAZY if lazy_rescale else PV_EAGER, num_warps=num_warps,
     )  # fmt: skip
     return combine_splits(part_o, part_lse, out, 1.0, num_splits)
