@@ -1852,6 +1852,28 @@ def _() -> object:
     return parse_kv("int4-recommended:skip=0")
 
 
+@case("modes.preset-tc4-options")
+def _() -> object:
+    from torch_kvq.evaluation.kv_arg import parse_kv
+
+    return parse_kv("tc4-recommended:channels=calibrate")
+
+
+@case("modes.preset-no-sensitive-layers")
+def _() -> object:
+    from torch_kvq.kv_presets import kv_preset
+
+    return kv_preset("tc4-recommended", sensitive_layers=[0])
+
+
+@case("modes.preset-tc4-without-bases")
+def _() -> object:
+    from torch_kvq.kv_presets import kv_preset
+
+    cfg = kv_preset("tc4-recommended")
+    return resolve_layer_specs(cfg, [AttentionLayerInfo("l0.attn", 4, 2, 64)])
+
+
 def _channel(kh: int = KV_HEADS, d: int = 64, mean: bool = True) -> object:
     from torch_kvq.spec_channels import KChannelScale
 

@@ -14,6 +14,13 @@ lists candidates, whose map wants the same check: single-layer deltas near the t
 the order of the noise between text slices). ``KVPreset.measured`` holds them for the shipped
 models; another model passes its own (``sensitive_layers``), and without them the preset raises
 rather than guess.
+
+``tc4-recommended`` is ``tc4_per_token_head`` on every full-attention layer, sliding-window
+layers in the model dtype (docs/accuracy.md, "``tc4_per_token_head``: the transform-coded
+mode"): it needs no per-model layer list, but each tc4 layer needs its K basis, calibrated per
+model (``kvq calibrate``; ``--kv tc4-recommended:basis=calibrate`` in ``kvq eval``;
+``from_hf(k_bases_from=)``): the preset's config carries none, and resolving it without them is
+the ``ValueError`` that says so.
 """
 
 from __future__ import annotations
@@ -27,16 +34,19 @@ from torch_kvq.spec import KVCacheConfig
 @dataclass(frozen=True)
 class KVPreset:
     """A named map: ``kv_cache_dtype`` everywhere no rule selects, ``rules`` on every model,
-    ``sensitive_mode`` on each model's ``measured`` layers (indices); ``page_size``: the tokens
-    a page its decode measured fastest at (the caller may pass another)."""
+    ``sensitive_mode`` on each model's ``measured`` layers (indices; None: no per-model layers);
+    ``page_size``: the tokens a page its decode measured fastest at (the caller may pass
+    another); ``tables``: the per-layer tables its layers take (``kvq eval``'s ``channels=`` /
+    ``basis=`` options: K channel scales, K bases)."""
 
     name: str
     kv_cache_dtype: str
     rules: tuple[tuple[int | str, str], ...]
-    sensitive_mode: str
+    sensitive_mode: str | None
     measured: Mapping[str, tuple[int, ...]]
-    how_to_measure: str
+    how_to_measure: str | None
     page_size: int
+    tables: tuple[str, ...]
 
 
 PRESETS: dict[str, KVPreset] = {
@@ -51,6 +61,17 @@ PRESETS: dict[str, KVPreset] = {
         # the 4-bit decode reads 32-token pages closer to copy bandwidth than 16-token ones
         # (docs/performance.md, "4-bit layers and the page size")
         page_size=32,
+        tables=("channels",),
+    ),
+    "tc4-recommended": KVPreset(
+        name="tc4-recommended",
+        kv_cache_dtype="tc4_per_token_head",
+        rules=(("sliding_window", "auto"),),
+        sensitive_mode=None,
+        measured={},
+        how_to_measure=None,
+        page_size=32,  # as the 4-bit decodes' (its TMA decode is theirs)
+        tables=("basis",),
     ),
 }
 
@@ -69,7 +90,14 @@ def kv_preset(
     if name not in PRESETS:
         raise ValueError(f"unknown KV preset {name!r}; expected one of {sorted(PRESETS)}")
     preset = PRESETS[name]
-    if sensitive_layers is None:
+    if preset.sensitive_mode is None:
+        if sensitive_layers is not None:
+            raise ValueError(
+                f"KV preset {name!r} takes no sensitive layers (got {list(sensitive_layers)}): "
+                "its map is the same on every model"
+            )
+        sensitive_layers = ()
+    elif sensitive_layers is None:
         if model not in preset.measured:
             raise ValueError(
                 f"KV preset {name!r} has no measured layers for model {model!r} (measured: "
@@ -78,7 +106,7 @@ def kv_preset(
                 "with kvq eval)"
             )
         sensitive_layers = preset.measured[model]
-    sensitive = tuple((int(i), preset.sensitive_mode) for i in sensitive_layers)
+    sensitive = tuple((int(i), str(preset.sensitive_mode)) for i in sensitive_layers)
     return KVCacheConfig(
         kv_cache_dtype=preset.kv_cache_dtype,
         layer_modes=preset.rules + sensitive,

@@ -137,13 +137,16 @@ def test_eval_with_calibrated_k_channels(tmp_path, capsys):
 
 def test_eval_with_calibrated_k_bases(tmp_path, capsys):
     """basis=calibrate: K bases calibrated once on the calibration split, for the tc4 layers of
-    the config, a map's too (every SmolLM2 layer is full attention: the same row); basis= files
-    are test_calibrate_text.py's."""
+    the config, a map's and the tc4-recommended preset's too (every SmolLM2 layer is full
+    attention: the same row); basis= files are test_calibrate_text.py's."""
     out = tmp_path / "eval.json"
     kvs = ["--kv", "tc=tc4_per_token_head:basis=calibrate"]
     kvs += ["--kv", "map=auto:basis=calibrate:map=full_attention:tc4_per_token_head"]
+    kvs += ["--kv", "rec=tc4-recommended:basis=calibrate"]
     argv = ["--model", "smollm2-135m", *kvs, *SHORT, "--json", str(out)]
     assert cli.main(["eval", *argv]) == 0
     rows = {r["kv"]: r for r in json.loads(out.read_text())["rows"]}
     assert rows["tc"]["quantized_layers"] == rows["map"]["quantized_layers"] == 30
+    assert rows["rec"]["quantized_layers"] == 30
     assert math.isfinite(rows["tc"]["ppl"]) and rows["tc"]["ppl"] == rows["map"]["ppl"]
+    assert rows["rec"]["ppl"] == rows["tc"]["ppl"]

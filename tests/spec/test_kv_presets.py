@@ -57,9 +57,44 @@ def test_every_preset_names_layers_that_exist() -> None:
     """Each measured model's layers resolve (a stale index would be a ValueError)."""
     layers = {"smollm2-135m": _smollm2(), "gemma3-270m": _gemma3_270m()}
     for preset in PRESETS.values():
+        if preset.sensitive_mode is None:  # one map for every model
+            assert not preset.measured
+            continue
         assert set(preset.measured) == set(layers)
         for model in preset.measured:
             resolve_layer_specs(kv_preset(preset.name, model=model), layers[model])
+
+
+def _with_bases(cfg, layers):
+    """``cfg`` with an identity K basis on every full-attention layer (the preset carries none)."""
+    from dataclasses import replace
+
+    import torch
+
+    from torch_kvq.spec_channels import KBasis
+
+    bases = tuple(
+        (i.name, KBasis.of(torch.eye(i.head_size).expand(i.num_kv_heads, -1, -1)))
+        for i in layers
+        if i.sliding_window is None
+    )
+    return replace(cfg, k_bases=bases)
+
+
+def test_tc4_recommended_is_tc4_on_the_full_layers_of_any_model() -> None:
+    """The map measured in docs/accuracy.md: tc4 on every full-attention layer (SmolLM2: all 30),
+    sliding layers in the model dtype (Gemma-3: 5, 11, 17 quantized); no per-model layer list."""
+    preset = PRESETS["tc4-recommended"]
+    assert (preset.sensitive_mode, preset.tables, preset.page_size) == (None, ("basis",), 32)
+    for layers, quantized in ((_smollm2(), list(range(30))), (_gemma3_270m(), [5, 11, 17])):
+        cfg = kv_preset("tc4-recommended", model="any-model")
+        specs = resolve_layer_specs(_with_bases(cfg, layers), layers)
+        assert [s.index for s in specs if s.is_quantized] == quantized
+        assert {s.mode.value for s in specs if s.is_quantized} == {"tc4_per_token_head"}
+        assert all(s.k_basis is not None for s in specs if s.is_quantized)
+    kv = parse_kv("t=tc4-recommended:basis=calibrate")
+    assert (kv.preset, kv.basis, kv.channels) == ("tc4-recommended", "calibrate", None)
+    assert kv.config(16, model="gemma3-270m") == kv_preset("tc4-recommended", page_size=16)
 
 
 def test_kv_arg_resolves_a_preset_per_model() -> None:

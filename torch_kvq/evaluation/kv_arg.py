@@ -19,9 +19,9 @@
 - ``map=RULE:MODE[,RULE:MODE...]``: a per-layer mode map (``parse_kv_map``; the last option: it
   takes the rest of ``SPEC``), e.g. ``auto:map=0:fp8,full_attention:int8_per_token_head``.
 
-A ``DTYPE`` may instead be a named preset of ``torch_kvq.kv_presets`` (``int4-recommended``), with
-no option but ``channels=``: it is resolved per model when the model is known (``KVArg.config``'s
-``model``).
+A ``DTYPE`` may instead be a named preset of ``torch_kvq.kv_presets`` (``int4-recommended``,
+``tc4-recommended``), with no option but the tables its layers take (``channels=``; ``basis=``):
+it is resolved per model when the model is known (``KVArg.config``'s ``model``).
 
 ``NAME=`` is optional (the row's label; default: ``SPEC`` itself). Examples: ``fp8``,
 ``fp8-sliding-bf16=fp8:skip=sliding_window``, ``cal=fp8:scales=/tmp/kv_scales.safetensors``.
@@ -166,16 +166,17 @@ def parse_kv(text: str) -> KVArg:
     from torch_kvq.kv_presets import PRESETS
 
     if dtype in PRESETS:
-        other = [o for o in opts if not o.startswith("channels=")]
-        if other or len(opts) > 1:
+        preset = PRESETS[dtype]
+        keys = [o.partition("=")[0] for o in opts]
+        if any(k not in preset.tables for k in keys) or len(set(keys)) < len(keys):
+            takes = " or ".join(f"one {t}=" for t in preset.tables)
             raise ValueError(
-                f"--kv {text!r}: the preset {dtype!r} takes no option but one channels= (got "
+                f"--kv {text!r}: the preset {dtype!r} takes no option but {takes} (got "
                 f"{':'.join(opts)!r}); write its map out with map= to change it"
             )
-        preset = PRESETS[dtype]
-        channels = _channels(opts[0].partition("=")[2], text) if opts else None
+        tables = {k: _table_source(k, o.partition("=")[2], text) for k, o in zip(keys, opts)}
         return KVArg(name=name or spec, spec=spec, kv_cache_dtype=preset.kv_cache_dtype,
-                     preset=dtype, channels=channels)  # fmt: skip
+                     preset=dtype, **tables)  # type: ignore[arg-type]  # fmt: skip
     import torch
 
     try:
