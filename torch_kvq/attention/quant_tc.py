@@ -27,9 +27,10 @@ q . k, so the heavy quarter gets 6 bits and the light half 3; V's halves get 5 /
 their own rotation. fp16 scales with a separate zero-point byte keep the aux small (3 bytes a
 group) with the zero point exact.
 
-Cache layout: ``kv_cache`` uint8 [pages, 2, page, KH, D/2] (slot 0: K code rows, slot 1: V code
-rows), ``kv_aux`` uint8 [pages, KH, aux_width(D), page] (``kv_aux[p, h, :, t]`` is token t's aux
-row: a page's aux rows of one kv head contiguous, one field byte per row).
+Cache layout: ``kv_cache`` uint8 [pages, 2, page, KH, D/2] (slot 0: K code rows; slot 1: V's
+bytes, at ``v_layout``'s positions where it applies), ``kv_aux`` uint8 [pages, KH, aux_width(D),
+page]: per page and kv head one contiguous block, the records' fp16 slots as fp16 [8, page], then
+the fifth-bit bytes as rows [D/16, page] (``aux_to_cache``; a token's bytes: ``aux_positions``).
 """
 
 from __future__ import annotations
