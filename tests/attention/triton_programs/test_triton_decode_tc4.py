@@ -73,3 +73,14 @@ def test_program_equals_reference(program, lens, kh, g, d, page, splits, window)
         )
     err = (got.float().cpu() - want).norm() / want.norm()
     assert err < 4e-3, err
+
+
+def test_tma_program_default_splits() -> None:
+    """``num_splits`` None: the split grid's default for the shape (here, one sequence of 9
+    pages, as many splits as pages allow), still the reference's output."""
+    q, cache, aux, table, seq_lens = _case([140], 2, 4, 64, 16, seed=5)
+    want = _reference(q, cache, aux, table, seq_lens, 64**-0.5, None)
+    dev = [x.to(DEVICE) for x in (q.half(), cache, aux, table, seq_lens)]
+    got = paged_decode_tc4_tma(*dev, 64**-0.5, max_seq_len=140)
+    err = (got.float().cpu() - want).norm() / want.norm()
+    assert err < 4e-3, err

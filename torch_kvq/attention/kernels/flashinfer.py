@@ -468,7 +468,7 @@ class FlashInferKernel:
 
                 return paged_decode_tc4_tma(
                     q, kv_cache, kv_scale, t.block_tables, t.seq_lens, spec.sm_scale,
-                    window=spec.sliding_window,
+                    window=spec.sliding_window, max_seq_len=t.max_seq_len,
                 )  # fmt: skip
             return tma.paged_decode_tma(
                 q, kv_cache, t.block_tables, t.seq_lens, k_scale, v_scale, spec.sm_scale,

@@ -24,6 +24,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 
 from torch_kvq.attention import quant_tc
 from torch_kvq.attention.quant import _walsh_hadamard, hadamard_block, hadamard_signs
+from torch_kvq.attention.triton.decode_config import default_num_splits, sm_count
 from torch_kvq.attention.triton.decode_tc4 import q_cols, unpack_k
 from torch_kvq.attention.triton.helpers import combine_splits, split_outputs, split_range
 from torch_kvq.attention.triton.int4 import (
@@ -185,18 +186,21 @@ def paged_decode_tc4_tma(
     block_table: torch.Tensor,
     seq_lens: torch.Tensor,
     sm_scale: float,
-    num_splits: int = 8,
+    num_splits: int | None = None,
     window: int | None = None,
     num_warps: int = 1,
     num_stages: int = 3,
     lazy_rescale: bool = True,
+    max_seq_len: int | None = None,
 ) -> torch.Tensor:
     """One new token per sequence over a tc4 cache (``decode_tc4.paged_decode_tc4``'s arguments
     but the signs): q [B, QH, D] in k's dual basis, ``kv_cache`` uint8 [P, 2, page, KH, D / 2]
     and ``kv_scale`` uint8 [P, KH, 16 + D / 16, page], both contiguous; head sizes 64, 128,
     256; pages of 16, 32 or 64 tokens. ``lazy_rescale``: the softmax's reference max moves only
-    when a logit passes it by more than 8 (base 2; ``decode_tma``'s). Returns out [B, QH, D] in
-    q's dtype. ValueError on other shapes."""
+    when a logit passes it by more than 8 (base 2; ``decode_tma``'s). ``num_splits`` None: the
+    split grid's default for the shape (``decode_config.default_num_splits``, ``max_seq_len`` a
+    host bound on ``seq_lens``: never read from the device), 8 without one. Returns out [B, QH,
+    D] in q's dtype. ValueError on other shapes."""
     bsz, qh, d = q.shape
     pages, two, page, kh, half = kv_cache.shape
     aux = quant_tc.aux_width(d)
@@ -224,6 +228,11 @@ def paged_decode_tc4_tma(
     bit_desc = TensorDescriptor(aux8, list(aux8.shape), [page, 1], [d // 16, page])
     aux16 = kv_scale.view(-1).view(torch.float16).view(pages * kh * aux // 2, page)
     slot_desc = TensorDescriptor(aux16, list(aux16.shape), [page, 1], [quant_tc.AUX_SLOTS, page])
+    if num_splits is None:
+        num_splits = 8
+        if max_seq_len is not None:
+            sms = sm_count(q.device)
+            num_splits = default_num_splits(bsz, kh, max_seq_len, page, sms)
     out, part_o, part_lse = split_outputs("paged_decode_tc4_tma", q, None, num_splits, None)
     g = qh // kh
     _decode_tc4_tma[(kh, num_splits, bsz)](
