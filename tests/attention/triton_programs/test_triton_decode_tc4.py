@@ -76,8 +76,8 @@ def test_program_equals_reference(program, lens, kh, g, d, page, splits, window)
 
 
 def test_tma_program_default_splits() -> None:
-    """``num_splits`` None: the split grid's default for the shape (here, one sequence of 9
-    pages, as many splits as pages allow), still the reference's output."""
+    """``num_splits`` None: the split grid's default for the shape (here one split: a split keeps
+    at least 64 pages), still the reference's output."""
     q, cache, aux, table, seq_lens = _case([140], 2, 4, 64, 16, seed=5)
     want = _reference(q, cache, aux, table, seq_lens, 64**-0.5, None)
     dev = [x.to(DEVICE) for x in (q.half(), cache, aux, table, seq_lens)]
