@@ -27,14 +27,15 @@ BOUND = {"bf16": "tab:blue", "fp8": "black", "int8_per_token_head": "tab:brown",
          "fp8_per_token_head": "tab:pink", "mixed": "tab:olive",
          "int8_per_token_head-all": "tab:gray", "fp8_per_token_head-all": "tab:cyan",
          "int4_per_token_head-all": "tab:green", "int4-recommended": "darkgreen",
-         "int4_per_token_head-all+channels": "lime"}  # fmt: skip
+         "int4_per_token_head-all+channels": "lime", "tc4_per_token_head-all": "tab:red"}  # fmt: skip
 BOUND_NAME = {"bf16": "bf16", "fp8": "FP8", "int8_per_token_head": "int8 per (token, head)",
               "fp8_per_token_head": "FP8 per (token, head)", "mixed": "mode map",
               "int8_per_token_head-all": "int8 per (token, head), every layer",
               "fp8_per_token_head-all": "FP8 per (token, head), every layer",
               "int4_per_token_head-all": "int4 per (token, head), every layer",
               "int4-recommended": "int4-recommended",
-              "int4_per_token_head-all+channels": "int4, every layer, K channel scales"}  # fmt: skip
+              "int4_per_token_head-all+channels": "int4, every layer, K channel scales",
+              "tc4_per_token_head-all": "tc4 (transform-coded 4-bit), every layer"}  # fmt: skip
 LABELS = {
     ("bf16", "bf16"): ("all-bf16 KV", "tab:blue"),
     ("fp8", "tc-bf16"): ("FP8 KV, tensor cores, bf16 math (accurate, ~2e-3)", "tab:red"),
@@ -75,6 +76,10 @@ LABELS = {
     ("int4_per_token_head-all+channels", "triton"): (
         "int4 on every layer with K channel scales, torch_kvq Triton TMA kernel",
         "lime",
+    ),
+    ("tc4_per_token_head-all", "triton"): (
+        "tc4 (transform-coded 4-bit) on every layer, torch_kvq Triton TMA kernel",
+        "firebrick",
     ),
 }
 
