@@ -103,12 +103,26 @@ def _zp16(block, t, PAGE: tl.constexpr, BYTE: tl.constexpr, SHIFT: tl.constexpr)
 
 
 @triton.jit
-def q_cols(q_row, cols, g_mask, mult):
+def _q_cols(q_row, cols, g_mask, mult):
     """q's columns ``cols`` times ``mult`` (a power of two: exact), as fp16 [BLOCK_G, n], and
     their sums [BLOCK_G] (fp32, of the fp16 values)."""
     x = tl.load(q_row + cols[None, :], mask=g_mask[:, None], other=0.0).to(tl.float32) * mult
     x = x.to(tl.float16)
     return x, tl.sum(x.to(tl.float32), axis=1)
+
+
+@triton.jit
+def q_groups(q_ptr, b, heads, g_mask, stride_qb, stride_qh, D: tl.constexpr):
+    """q's rows of ``heads`` of sequence ``b`` as K's lane operands [BLOCK_G, D / 4] in fp16 (A's
+    columns, B's / 64, C's even / 4 and odd / 32: ``unpack_k``'s 2^s taken out), then their sums
+    [BLOCK_G] (fp32)."""
+    q_row = q_ptr + b * stride_qb + heads[:, None] * stride_qh
+    j = tl.arange(0, D // 4)  # lane j: A_j, B_j, C_2j, C_2j+1
+    qa, sum_a = _q_cols(q_row, j, g_mask, 1.0)
+    qb, sum_b = _q_cols(q_row, D // 4 + j, g_mask, 1.0 / 64)
+    qce, sum_ce = _q_cols(q_row, D // 2 + 2 * j, g_mask, 1.0 / 4)
+    qco, sum_co = _q_cols(q_row, D // 2 + 2 * j + 1, g_mask, 1.0 / 32)
+    return qa, qb, qce, qco, sum_a, sum_b, sum_ce, sum_co
 
 
 @triton.jit
@@ -139,12 +153,10 @@ def _decode_tc4(
     offs_g = tl.arange(0, BLOCK_G)
     g_mask = offs_g < G
     heads = kh * G + offs_g
-    q_row = q_ptr + b * stride_qb + heads[:, None] * stride_qh
-    j4 = tl.arange(0, D // 4)  # lane index: A_j, B_j, C_2j, C_2j+1
-    qa, sum_a = q_cols(q_row, j4, g_mask, 1.0)
-    qb, sum_b = q_cols(q_row, D // 4 + j4, g_mask, 1.0 / 64)
-    qce, sum_ce = q_cols(q_row, D // 2 + 2 * j4, g_mask, 1.0 / 4)
-    qco, sum_co = q_cols(q_row, D // 2 + 2 * j4 + 1, g_mask, 1.0 / 32)
+    qa, qb, qce, qco, sum_a, sum_b, sum_ce, sum_co = q_groups(
+        q_ptr, b, heads, g_mask, stride_qb, stride_qh, D
+    )  # fmt: skip
+    j4 = tl.arange(0, D // 4)  # a K row's lanes
     U: tl.constexpr = D // 16
     m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_G], tl.float32)

@@ -25,7 +25,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 from torch_kvq.attention import quant_tc
 from torch_kvq.attention.quant import _walsh_hadamard, hadamard_block, hadamard_signs
 from torch_kvq.attention.triton.decode_config import default_num_splits, sm_count
-from torch_kvq.attention.triton.decode_tc4 import q_cols, unpack_k
+from torch_kvq.attention.triton.decode_tc4 import q_groups, unpack_k
 from torch_kvq.attention.triton.helpers import combine_splits, split_outputs, split_range
 from torch_kvq.attention.triton.int4 import (
     rescale,
@@ -112,12 +112,7 @@ def _decode_tc4_tma(
     offs_g = tl.arange(0, BLOCK_G)
     g_mask = offs_g < G
     heads = kh * G + offs_g
-    q_row = q_ptr + b * stride_qb + heads[:, None] * stride_qh
-    j4 = tl.arange(0, D // 4)  # lane j: A_j, B_j, C_2j, C_2j+1
-    qa, _ = q_cols(q_row, j4, g_mask, 1.0)
-    qb, _ = q_cols(q_row, D // 4 + j4, g_mask, 1.0 / 64)
-    qce, _ = q_cols(q_row, D // 2 + 2 * j4, g_mask, 1.0 / 4)
-    qco, _ = q_cols(q_row, D // 2 + 2 * j4 + 1, g_mask, 1.0 / 32)
+    qa, qb, qce, qco, _, _, _, _ = q_groups(q_ptr, b, heads, g_mask, stride_qb, stride_qh, D)
     # q's group sums in the logits' layout [PAGE, BLOCK_G] (products with ones)
     ones = tl.full([PAGE, D // 4], 1.0, tl.float16)
     sum_a = tl.dot(ones, tl.trans(qa))
