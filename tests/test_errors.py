@@ -2013,11 +2013,11 @@ def _() -> object:
         return with_channels(lm, None, kv, kv.config(4), None, {"K bases": {}})
 
 
-def _tc4_spec(soft_cap: float | None = None) -> object:
+def _tc4_spec(soft_cap: float | None = None, page: int = 16) -> object:
     layer = AttentionLayerInfo(
         f"tc{next(_uid)}.attn", HEADS, KV_HEADS, 128, logits_soft_cap=soft_cap
     )
-    cfg = KVCacheConfig("tc4_per_token_head", page_size=16, k_bases={0: _basis(d=128)})
+    cfg = KVCacheConfig("tc4_per_token_head", page_size=page, k_bases={0: _basis(d=128)})
     return resolve_layer_specs(cfg, [layer])[0]
 
 
@@ -2031,6 +2031,12 @@ def _() -> object:
 def _() -> object:
     with fake_gpu(arch=(9, 0)):
         return FlashInferKernel().check_supported(_tc4_spec(soft_cap=30.0))
+
+
+@case("modes.tc4-flashinfer-page")
+def _() -> object:
+    with fake_gpu(arch=(9, 0)):
+        return FlashInferKernel().check_supported(_tc4_spec(page=128))
 
 
 # --- the tests ----------------------------------------------------------------------------------

@@ -249,6 +249,11 @@ class FlashInferKernel:
                 "a logit soft-cap is not supported by the tc4 decode program (triton/decode_tc4_tma.py); "
                 "the reference kernel serves such a layer"
             )
+        if why is None and spec.mode.transform_coded and spec.page_size not in (16, 32, 64):
+            return (
+                f"pages of {spec.page_size} tokens are not supported by the tc4 decode program "
+                "(triton/decode_tc4_tma.py: 16, 32 or 64); the reference kernel serves such a layer"
+            )
         triton = self.fp8_decode == "triton" and spec.is_quantized
         codes = spec.mode.per_token_head or spec.mode.transform_coded
         if why is None and (triton or codes):
