@@ -122,6 +122,16 @@ def test_interpreter_refuses_a_head_size_it_does_not_take() -> None:
         kv_write_tc.write_kv_tc_triton(cache, aux, k, v, slots)
 
 
+def test_program_refuses_aux_blocks_that_are_not_contiguous() -> None:
+    """Its records' fp16 slots are two adjacent bytes: a strided aux is refused before launch,
+    nothing written."""
+    cache, aux, k, v, slots = _case(2, 1, 64, 16, torch.float32, seed=0)
+    wide = torch.zeros(*aux.shape[:-1], 2 * aux.shape[-1], dtype=torch.uint8)[..., ::2]
+    with pytest.raises(ValueError, match=r"aux block contiguous \(strides \[\.\.\., 16, 1\]\)"):
+        kv_write_tc.write_kv_tc_triton(cache, wide, k, v, slots)
+    assert not wide.any()
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
 @pytest.mark.parametrize("t,kh,d,page,dtype,layout", CASES + [(64, 8, 128, 32, torch.bfloat16,

@@ -89,8 +89,15 @@ def write_kv_tc_triton(
     v: torch.Tensor,
     slot_mapping: torch.Tensor,
 ) -> None:
-    """``kv_write_tc_kernel`` over the T * KH rows of k and of v (any strides)."""
+    """``kv_write_tc_kernel`` over the T * KH rows of k and of v (any strides for k, v and the
+    cache; ``kv_scale``'s aux blocks contiguous: ValueError)."""
     t, kh, d = k.shape
+    page = kv_cache.shape[2]
+    if kv_scale.stride()[-2:] != (page, 1):
+        raise ValueError(
+            f"the tc4 cache write's Triton program needs each page's aux block contiguous "
+            f"(strides [..., {page}, 1]), got kv_scale strides {kv_scale.stride()}"
+        )
     if d not in TRITON_HEAD_SIZES:
         raise KernelUnsupportedError(
             f"the tc4 cache write's Triton program takes head sizes {TRITON_HEAD_SIZES}, got {d}"
@@ -103,7 +110,7 @@ def write_kv_tc_triton(
     program[(t * kh, 2)](
         k, v, kv_cache, kv_scale, slot_mapping, rotation_signs(d // 2, kv_cache.device),
         clip_ratios(kv_cache.device), *k.stride(), *v.stride(), *kv_cache.stride(),
-        *kv_scale.stride(), kv_cache.shape[2],
+        kv_scale.stride(0), kv_scale.stride(1), page,
         KH=kh, D=d, LOG2B=b.bit_length() - 1, RSQRT_B=f32(b**-0.5), FLOOR=f32(SCALE_FLOOR),
         HALF_MIN=quant_tc.HALF_SCALE_MIN, NUM_RATIOS=len(INT4_CLIP_RATIOS),
         RATIOS_PAD=next_pow2(len(INT4_CLIP_RATIOS)), RCP63=f32(1 / 63), RCP31=f32(1 / 31),

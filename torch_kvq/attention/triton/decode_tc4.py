@@ -28,7 +28,6 @@ import torch
 import triton
 import triton.language as tl
 
-from torch_kvq.attention import quant_tc
 from torch_kvq.attention.quant import hadamard_block
 from torch_kvq.attention.triton.hadamard import walsh_hadamard
 from torch_kvq.attention.triton.helpers import (
@@ -39,14 +38,7 @@ from torch_kvq.attention.triton.helpers import (
     v_offsets,
 )
 from torch_kvq.attention.triton.int4 import unpack_minus
-
-# an aux record's bytes (``quant_tc``'s layout): k's three fp16 scales (two bytes each), v's
-# two, the zero points (k's three, v's two), v's first half's fifth bits
-_KS = tl.constexpr(quant_tc.AUX_K_SCALES)
-_KZ = tl.constexpr(quant_tc.AUX_K_ZP)
-_VS = tl.constexpr(quant_tc.AUX_V_SCALES)
-_VZ = tl.constexpr(quant_tc.AUX_V_ZP)
-_VH = tl.constexpr(quant_tc.AUX_V_HIGH)
+from torch_kvq.attention.triton.tc4_aux import KS, KZ, VH, VS, VZ, aux_byte, aux_slot, offset16
 
 
 @triton.jit
@@ -79,7 +71,7 @@ def unpack_k(lanes):
 def _fifth_bits(block, t, PAGE: tl.constexpr, U: tl.constexpr):
     """V half 1's fifth bits of the page's tokens as 16s, fp16 [PAGE, 8 U]: rows ``AUX_V_HIGH``
     .. + U of the aux block, bit j of byte f channel ``f + j * U`` (``quant_tc.pack_fifth_bits``)."""
-    rows = tl.arange(0, U) + _VH
+    rows = tl.arange(0, U) + VH
     x = tl.load(block + rows[None, :] * PAGE + t[:, None]).to(tl.int32)  # [PAGE, U]
     # bit j of each byte at index j of a new last dim (nested joins: the outermost the fastest)
     even = tl.join(tl.join(x & 1, (x >> 4) & 1), tl.join((x >> 2) & 1, (x >> 6) & 1))
@@ -91,15 +83,14 @@ def _fifth_bits(block, t, PAGE: tl.constexpr, U: tl.constexpr):
 @triton.jit
 def _scale(block, t, PAGE: tl.constexpr, SLOT: tl.constexpr):
     """fp16 slot SLOT of the page's tokens t [PAGE] (a group's scales), as fp32."""
-    return tl.load(block.to(tl.pointer_type(tl.float16)) + SLOT * PAGE + t).to(tl.float32)
+    return tl.load(aux_slot(block, t, PAGE, SLOT)).to(tl.float32)
 
 
 @triton.jit
 def _zp16(block, t, PAGE: tl.constexpr, BYTE: tl.constexpr, SHIFT: tl.constexpr):
     """Each token's zero point (record byte BYTE, in the fp16 slots' rows) as the fp16 ``1024 +
     zp * 2^SHIFT`` [PAGE] (the bit pattern ``0x6400 | zp << SHIFT``: no conversion)."""
-    zp = tl.load(block + 2 * ((BYTE // 2) * PAGE + t) + BYTE % 2).to(tl.int32)
-    return ((zp << SHIFT) | 0x6400).to(tl.int16).to(tl.float16, bitcast=True)
+    return offset16(tl.load(aux_byte(block, t, PAGE, BYTE)).to(tl.int32), SHIFT)
 
 
 @triton.jit
@@ -139,7 +130,7 @@ def _decode_tc4(
     q_ptr, cache_ptr, aux_ptr, block_table_ptr, seq_lens_ptr, part_o_ptr, part_lse_ptr, out_ptr,
     sign_ptr, qk_scale_log2, window,
     stride_qb, stride_qh, stride_ob, stride_oh, stride_bt,
-    c_sp, c_skv, c_ss, c_sh, a_sp, a_sh, a_sf, a_ss,
+    c_sp, c_skv, c_ss, c_sh, a_sp, a_sh,
     QH: tl.constexpr, G: tl.constexpr, BLOCK_G: tl.constexpr, D: tl.constexpr,
     PAGE: tl.constexpr, NUM_SPLITS: tl.constexpr, USE_WINDOW: tl.constexpr,
     DIRECT: tl.constexpr, LOG2B: tl.constexpr, RSQRT_B: tl.constexpr,
@@ -171,16 +162,16 @@ def _decode_tc4(
         lanes = tl.load(k_row.to(tl.pointer_type(tl.int16))[:, None] + j4[None, :])
         ea, eb, ece, eco = unpack_k(lanes)
         # per group: q' . (1024 + 2^s code) - sum(q') (1024 + 2^s zp) = q . (code - zp)
-        s_a = tl.dot(qa, tl.trans(ea)) - sum_a[:, None] * _zp16(blk, t, PAGE, _KZ, 0)[None, :]
-        s_b = tl.dot(qb, tl.trans(eb)) - sum_b[:, None] * _zp16(blk, t, PAGE, _KZ + 1, 6)[None, :]
+        s_a = tl.dot(qa, tl.trans(ea)) - sum_a[:, None] * _zp16(blk, t, PAGE, KZ, 0)[None, :]
+        s_b = tl.dot(qb, tl.trans(eb)) - sum_b[:, None] * _zp16(blk, t, PAGE, KZ + 1, 6)[None, :]
         s_c = tl.dot(qco, tl.trans(eco), tl.dot(qce, tl.trans(ece)))
-        s_c -= sum_ce[:, None] * _zp16(blk, t, PAGE, _KZ + 2, 2)[None, :]
-        s_c -= sum_co[:, None] * _zp16(blk, t, PAGE, _KZ + 2, 5)[None, :]
+        s_c -= sum_ce[:, None] * _zp16(blk, t, PAGE, KZ + 2, 2)[None, :]
+        s_c -= sum_co[:, None] * _zp16(blk, t, PAGE, KZ + 2, 5)[None, :]
         s = (
-            s_a * _scale(blk, t, PAGE, _KS // 2)[None, :]
-            + s_b * _scale(blk, t, PAGE, _KS // 2 + 1)[None, :]
+            s_a * _scale(blk, t, PAGE, KS // 2)[None, :]
+            + s_b * _scale(blk, t, PAGE, KS // 2 + 1)[None, :]
         )
-        s += s_c * _scale(blk, t, PAGE, _KS // 2 + 2)[None, :]
+        s += s_c * _scale(blk, t, PAGE, KS // 2 + 2)[None, :]
         toks = p * PAGE + t
         live = (toks >= lo) & (toks < seq_len)
         s = tl.where(live[None, :], s * qk_scale_log2, float("-inf"))  # [BLOCK_G, PAGE]
@@ -191,12 +182,12 @@ def _decode_tc4(
         # v: byte j = half 1's low 4 bits | half 2's code << 4; half 1's fifth bit in the side row
         tok, col = v_offsets(t, tl.arange(0, D // 2), True, PAGE, c_ss, 1, D // 2)
         vb = tl.load(v_base + tok[:, None] + col[None, :])  # v_layout's positions
-        z1 = tl.broadcast_to(_zp16(blk, t, PAGE, _VZ, 0)[:, None], [PAGE, D // 2])
-        z2 = tl.broadcast_to(_zp16(blk, t, PAGE, _VZ + 1, 4)[:, None], [PAGE, D // 2])
+        z1 = tl.broadcast_to(_zp16(blk, t, PAGE, VZ, 0)[:, None], [PAGE, D // 2])
+        z2 = tl.broadcast_to(_zp16(blk, t, PAGE, VZ + 1, 4)[:, None], [PAGE, D // 2])
         v1, v2 = unpack_minus(vb, z1, z2)  # h1 low - zp1, 16 (h2 - zp2)
         v1 += _fifth_bits(blk, t, PAGE, U)
-        w1 = (w * _scale(blk, t, PAGE, _VS // 2)[None, :]).to(tl.float16)
-        w2 = (w * _scale(blk, t, PAGE, _VS // 2 + 1)[None, :]).to(tl.float16)
+        w1 = (w * _scale(blk, t, PAGE, VS // 2)[None, :]).to(tl.float16)
+        w2 = (w * _scale(blk, t, PAGE, VS // 2 + 1)[None, :]).to(tl.float16)
         acc1 = acc1 * alpha[:, None] + tl.dot(w1, v1)
         acc2 = acc2 * alpha[:, None] + tl.dot(w2, v2)
         m_i = m_new
@@ -251,7 +242,7 @@ def paged_decode_tc4(
         sm_scale * 1.4426950408889634, window or 0,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), block_table.stride(0),
         kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3),
-        *kv_scale.stride(),
+        kv_scale.stride(0), kv_scale.stride(1),
         QH=qh, G=g, BLOCK_G=max(16, triton.next_power_of_2(g)), D=d, PAGE=page,
         NUM_SPLITS=num_splits, USE_WINDOW=window is not None, DIRECT=num_splits == 1,
         LOG2B=blk.bit_length() - 1, RSQRT_B=blk**-0.5, num_warps=num_warps,

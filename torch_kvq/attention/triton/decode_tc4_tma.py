@@ -34,9 +34,8 @@ from torch_kvq.attention.triton.int4 import (
     v_columns,
     v_tile,
 )
+from torch_kvq.attention.triton.tc4_aux import SLOTS, offset16
 
-_KZ = tl.constexpr(quant_tc.AUX_K_ZP)
-_SLOTS = tl.constexpr(quant_tc.AUX_SLOTS)
 # the weights times v's scales, times this in fp16 (``int4.int4_pv_shift``'s: 16 eager, 1 lazy)
 PV_EAGER, PV_LAZY = 16.0, 1.0
 
@@ -77,7 +76,7 @@ def _slots(slot_desc, blk, PAGE: tl.constexpr, ROWS16: tl.constexpr):
 def _fifth_bits(bit_desc, blk, ROWS8: tl.constexpr, U: tl.constexpr, PAGE: tl.constexpr):
     """Half 1's fifth bits as 16s, fp16 [8 U, PAGE]: row 8 f + j bit j of the page's aux byte row
     f (channel ``f + j * U``: the ``v_columns`` order of half 1's accumulator rows)."""
-    x = bit_desc.load([blk * ROWS8 + 2 * _SLOTS, 0]).to(tl.int16)  # [U, PAGE]
+    x = bit_desc.load([blk * ROWS8 + 2 * SLOTS, 0]).to(tl.int16)  # [U, PAGE]
     # bit j as the fp16 16.0 (0x4C00) or 0, no conversion
     b0, b1, b2, b3 = (x & 1) * 0x4C00, (x & 2) * 0x2600, (x & 4) * 0x1300, (x & 8) * 0x0980
     b4, b5, b6, b7 = (x & 16) * 0x04C0, (x & 32) * 0x0260, (x & 64) * 0x0130, (x & 128) * 0x0098
@@ -120,7 +119,7 @@ def _decode_tc4_tma(
     sum_ce = tl.dot(ones, tl.trans(qce))
     sum_co = tl.dot(ones, tl.trans(qco))
     U: tl.constexpr = D // 16
-    ROWS8: tl.constexpr = 2 * _SLOTS + U  # an aux block's rows of PAGE bytes
+    ROWS8: tl.constexpr = 2 * SLOTS + U  # an aux block's rows of PAGE bytes
     offs_t = tl.arange(0, PAGE)
     m_i = tl.full([BLOCK_G], -1e30 if LAZY else float("-inf"), tl.float32)
     l_acc = tl.zeros([PAGE, BLOCK_G], tl.float32)
@@ -156,11 +155,8 @@ def _decode_tc4_tma(
             acc_lo, acc_hi, l_acc, m_i, m_safe = rescale(acc_lo, acc_hi, l_acc, m_i, tl.max(s, 0))
             pr = tl.exp2(s - m_safe[None, :])
         l_acc += pr
-        z_lo = tl.broadcast_to((z1 | 0x6400).to(tl.int16).to(tl.float16, bitcast=True)[:, None],
-                               [PAGE, D // 2])  # fmt: skip
-        z_hi = tl.broadcast_to(
-            ((z2 << 4) | 0x6400).to(tl.int16).to(tl.float16, bitcast=True)[:, None], [PAGE, D // 2]
-        )
+        z_lo = tl.broadcast_to(offset16(z1, 0)[:, None], [PAGE, D // 2])
+        z_hi = tl.broadcast_to(offset16(z2, 4)[:, None], [PAGE, D // 2])
         v_lo, v_hi = unpack_minus(v, z_lo, z_hi)  # half 1's low 4 bits - zp1, 16 (half 2 - zp2)
         w1 = (pr * (s1.to(tl.float32) * PV_SCALE)[:, None]).to(tl.float16)
         w2 = (pr * (s2.to(tl.float32) * PV_SCALE)[:, None]).to(tl.float16)

@@ -16,29 +16,21 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from torch_kvq.attention import quant_tc
 from torch_kvq.attention.triton.hadamard import walsh_hadamard
 from torch_kvq.attention.triton.helpers import store_rounded, v_offsets
-
-_KS = tl.constexpr(quant_tc.AUX_K_SCALES)
-_VS = tl.constexpr(quant_tc.AUX_V_SCALES)
-_KZ = tl.constexpr(quant_tc.AUX_K_ZP)
-_VZ = tl.constexpr(quant_tc.AUX_V_ZP)
-_VH = tl.constexpr(quant_tc.AUX_V_HIGH)
+from torch_kvq.attention.triton.tc4_aux import KS, KZ, VH, VS, VZ, aux_byte, aux_slot
 
 
 @triton.jit
 def _slot(block, t, ok, PAGE: tl.constexpr, SLOT: tl.constexpr):
-    """fp16 slot SLOT of tokens t [ROWS] from their aux blocks (``block`` [ROWS], bytes), fp32."""
-    return tl.load(block.to(tl.pointer_type(tl.float16)) + SLOT * PAGE + t, mask=ok, other=1.0).to(
-        tl.float32
-    )
+    """fp16 slot SLOT of tokens t [ROWS] from their aux blocks (``block`` [ROWS]), fp32."""
+    return tl.load(aux_slot(block, t, PAGE, SLOT), mask=ok, other=1.0).to(tl.float32)
 
 
 @triton.jit
 def _zp(block, t, ok, PAGE: tl.constexpr, BYTE: tl.constexpr):
-    """Record byte BYTE (a zero point, in the slots' rows) of tokens t, fp32."""
-    return tl.load(block + 2 * ((BYTE // 2) * PAGE + t) + BYTE % 2, mask=ok, other=0).to(tl.float32)
+    """Record byte BYTE (a zero point) of tokens t, fp32."""
+    return tl.load(aux_byte(block, t, PAGE, BYTE), mask=ok, other=0).to(tl.float32)
 
 
 @triton.jit
@@ -75,16 +67,16 @@ def kv_dequant_tc_kernel(
         j = tl.arange(0, Q)
         lanes = cache_ptr.to(tl.pointer_type(tl.int16)) + (page * 2 * PAGE * KH + r) * Q
         x = tl.load(lanes[:, None] + j[None, :], mask=ok[:, None]).to(tl.int32) & 0xFFFF
-        za = _zp(block, t, ok, PAGE, _KZ)
-        y = ((x & 63).to(tl.float32) - za[:, None]) * _slot(block, t, ok, PAGE, _KS // 2)[:, None]
+        za = _zp(block, t, ok, PAGE, KZ)
+        y = ((x & 63).to(tl.float32) - za[:, None]) * _slot(block, t, ok, PAGE, KS // 2)[:, None]
         store_rounded(out_row[:, None] + j[None, :], y, ok[:, None])
-        zb = _zp(block, t, ok, PAGE, _KZ + 1)
-        sb = _slot(block, t, ok, PAGE, _KS // 2 + 1)
+        zb = _zp(block, t, ok, PAGE, KZ + 1)
+        sb = _slot(block, t, ok, PAGE, KS // 2 + 1)
         y = (((x >> 6) & 15).to(tl.float32) - zb[:, None]) * sb[:, None]
         store_rounded(out_row[:, None] + Q + j[None, :], y, ok[:, None])
         cc = tl.reshape(tl.join((x >> 10) & 7, x >> 13), [ROWS, C])  # channel 2j, 2j + 1
-        zc = _zp(block, t, ok, PAGE, _KZ + 2)
-        y = (cc.to(tl.float32) - zc[:, None]) * _slot(block, t, ok, PAGE, _KS // 2 + 2)[:, None]
+        zc = _zp(block, t, ok, PAGE, KZ + 2)
+        y = (cc.to(tl.float32) - zc[:, None]) * _slot(block, t, ok, PAGE, KS // 2 + 2)[:, None]
         store_rounded(out_row[:, None] + C + tl.arange(0, C)[None, :], y, ok[:, None])
     else:  # v: byte j = half 1's low 4 bits | half 2's code << 4, at v_layout's positions
         U: tl.constexpr = D // 16
@@ -93,13 +85,13 @@ def kv_dequant_tc_kernel(
         src = cache_ptr + (page * 2 + 1) * (PAGE * KH * C) + (tok + h * C)[None, :] + col[:, None]
         codes = tl.load(src, mask=ok[None, :]).to(tl.int32)  # [C, ROWS], channels first
         # half 1's fifth bit of channel c: bit c // U of aux row AUX_V_HIGH + c % U
-        fifth = tl.load(block[None, :] + (c % U + _VH)[:, None] * PAGE + t[None, :],
+        fifth = tl.load(block[None, :] + (c % U + VH)[:, None] * PAGE + t[None, :],
                         mask=ok[None, :], other=0).to(tl.int32)  # fmt: skip
         c1 = (codes & 15) | (((fifth >> (c // U)[:, None]) & 1) << 4)
-        y1 = _half(c1, _zp(block, t, ok, PAGE, _VZ), _slot(block, t, ok, PAGE, _VS // 2),
+        y1 = _half(c1, _zp(block, t, ok, PAGE, VZ), _slot(block, t, ok, PAGE, VS // 2),
                    signs_ptr, inv_sqrt_b, C, ROWS, LOG2C)  # fmt: skip
-        y2 = _half(codes >> 4, _zp(block, t, ok, PAGE, _VZ + 1),
-                   _slot(block, t, ok, PAGE, _VS // 2 + 1), signs_ptr, inv_sqrt_b, C, ROWS,
+        y2 = _half(codes >> 4, _zp(block, t, ok, PAGE, VZ + 1),
+                   _slot(block, t, ok, PAGE, VS // 2 + 1), signs_ptr, inv_sqrt_b, C, ROWS,
                    LOG2C)  # fmt: skip
         store_rounded(out_row[None, :] + c[:, None], y1, ok[None, :])
         store_rounded(out_row[None, :] + C + c[:, None], y2, ok[None, :])

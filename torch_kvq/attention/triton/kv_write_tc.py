@@ -10,8 +10,8 @@ off fma contraction, as aten's separate ops never fuse), the scale rounded to fp
 ``HALF_SCALE_MIN``, the zero point's quotient and the reciprocal correctly rounded (``div_rn``),
 the squared errors summed in fp64, the first least kept; then the codes into ``quant_tc``'s rows
 (k: 16-bit lanes of four codes; v: two halves' codes a byte, half 1's fifth bits a 1-bit plane in
-the side row) and the fp16 scales and zero points
-into the row's side bytes. Imports Triton.
+the aux block) and the fp16 scales and zero points into the aux record (``tc4_aux``). Imports
+Triton.
 """
 
 from __future__ import annotations
@@ -19,17 +19,9 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from torch_kvq.attention import quant_tc
 from torch_kvq.attention.triton.hadamard import walsh_hadamard
 from torch_kvq.attention.triton.helpers import v_offsets
-
-# an aux record's bytes (``quant_tc``'s layout): k's three fp16 scales (two bytes each) and zero
-# points, v's two, v's first half's fifth bits
-_KS = tl.constexpr(quant_tc.AUX_K_SCALES)
-_KZ = tl.constexpr(quant_tc.AUX_K_ZP)
-_VS = tl.constexpr(quant_tc.AUX_V_SCALES)
-_VZ = tl.constexpr(quant_tc.AUX_V_ZP)
-_VH = tl.constexpr(quant_tc.AUX_V_HIGH)
+from torch_kvq.attention.triton.tc4_aux import KS, KZ, VH, VS, VZ, aux_byte
 
 
 @triton.jit
@@ -77,26 +69,13 @@ def _plane(codes, N: tl.constexpr, BITS: tl.constexpr):
 
 
 @triton.jit
-def _record_byte(block, offset, page_size, a_sf, a_ss, BYTE: tl.constexpr):
-    """Where record byte BYTE of the token at page ``offset`` sits in its page's aux block
-    (``block``: the block's row 0, column 0; ``quant_tc.aux_positions``): in the fp16 slots' [8,
-    page] rows, else row BYTE at the token's column."""
-    if BYTE < 16:
-        idx = 2 * ((BYTE // 2) * page_size + offset) + BYTE % 2
-        return block + (idx // page_size) * a_sf + (idx % page_size) * a_ss
-    return block + BYTE * a_sf + offset * a_ss
-
-
-@triton.jit
-def _store_scale(block, offset, page_size, a_sf, a_ss, s, z, SCALE: tl.constexpr,
-                 ZP: tl.constexpr):  # fmt: skip
+def _store_scale(block, offset, page_size, s, z, SCALE: tl.constexpr, ZP: tl.constexpr):
     """A group's fp16 scale as two little-endian bytes at record bytes SCALE, SCALE + 1 and its
-    zero point at ZP."""
+    zero point at ZP (``tc4_aux.aux_byte``)."""
     bits = s.to(tl.float16).to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
-    tl.store(_record_byte(block, offset, page_size, a_sf, a_ss, SCALE), (bits & 0xFF).to(tl.uint8))
-    hi = _record_byte(block, offset, page_size, a_sf, a_ss, SCALE + 1)
-    tl.store(hi, (bits >> 8).to(tl.uint8))
-    tl.store(_record_byte(block, offset, page_size, a_sf, a_ss, ZP), z.to(tl.int32).to(tl.uint8))
+    tl.store(aux_byte(block, offset, page_size, SCALE), (bits & 0xFF).to(tl.uint8))
+    tl.store(aux_byte(block, offset, page_size, SCALE + 1), (bits >> 8).to(tl.uint8))
+    tl.store(aux_byte(block, offset, page_size, ZP), z.to(tl.int32).to(tl.uint8))
 
 
 @triton.jit
@@ -112,17 +91,18 @@ def _rotated(src, sd, sign_ptr, H: tl.constexpr, LOG2B: tl.constexpr, RSQRT_B: t
 def kv_write_tc_kernel(
     k_ptr, v_ptr, cache_ptr, aux_ptr, slot_ptr, sign_ptr, ratio_ptr,
     k_st, k_sh, k_sd, v_st, v_sh, v_sd,
-    c_sp, c_skv, c_ss, c_sh, c_sd, a_sp, a_sh, a_sf, a_ss, page_size,
+    c_sp, c_skv, c_ss, c_sh, c_sd, a_sp, a_sh, page_size,
     KH: tl.constexpr, D: tl.constexpr, LOG2B: tl.constexpr, RSQRT_B: tl.constexpr,
     FLOOR: tl.constexpr, HALF_MIN: tl.constexpr, NUM_RATIOS: tl.constexpr,
     RATIOS_PAD: tl.constexpr, RCP63: tl.constexpr, RCP31: tl.constexpr, RCP15: tl.constexpr,
     RCP7: tl.constexpr,
 ):  # fmt: skip
     """Row ``program_id(0)`` (token * KH + kv head) of k (``program_id(1)`` 0: already in its
-    basis) or of v (1) into ``cache[page, 0 / 1, offset, head]`` (D / 2 bytes) and its side bytes
-    into ``aux[page, head, field, offset]``. ``sign_ptr``: the rotation's signs over D / 2
-    channels; ``ratio_ptr``: the clip ratios. Any strides (``*_s*``: token / page, k-or-v, slot,
-    head, dim; ``a_sf``: a side row's field); ``RCP<n>``: fp32(1 / n), the products aten takes."""
+    basis) or of v (1) into ``cache[page, 0 / 1, offset, head]`` (D / 2 bytes) and its aux
+    record into the page's block of its head (``tc4_aux``: each block contiguous, ``a_sp`` /
+    ``a_sh`` apart). ``sign_ptr``: the rotation's signs over D / 2 channels; ``ratio_ptr``: the
+    clip ratios. Any strides for k, v and the cache (``*_s*``: token / page, k-or-v, slot, head,
+    dim); ``RCP<n>``: fp32(1 / n), the products aten takes."""
     row = tl.program_id(0).to(tl.int64)
     kv = tl.program_id(1)
     token = row // KH
@@ -150,10 +130,10 @@ def kv_write_tc_kernel(
         lane = (a + b * 64.0 + c_even * 1024.0 + c_odd * 8192.0).to(tl.int32)
         row_bytes = tl.reshape(tl.join(lane & 255, lane >> 8), [D // 2]).to(tl.uint8)
         tl.store(dst + tl.arange(0, D // 2) * c_sd, row_bytes)
-        _store_scale(block, offset, page_size, a_sf, a_ss, sa, za, _KS, _KZ)
-        _store_scale(block, offset, page_size, a_sf, a_ss, sb, zb, _KS + 2, _KZ + 1)
-        _store_scale(block, offset, page_size, a_sf, a_ss, sc, zc, _KS + 4, _KZ + 2)
-        tl.store(_record_byte(block, offset, page_size, a_sf, a_ss, 15), tl.zeros([], tl.uint8))
+        _store_scale(block, offset, page_size, sa, za, KS, KZ)
+        _store_scale(block, offset, page_size, sb, zb, KS + 2, KZ + 1)
+        _store_scale(block, offset, page_size, sc, zc, KS + 4, KZ + 2)
+        tl.store(aux_byte(block, offset, page_size, 15), tl.zeros([], tl.uint8))
     else:  # v: halves rotated on their own, 5 and 4 bits
         src = v_ptr + token * v_st + h * v_sh
         x1 = _rotated(src, v_sd, sign_ptr, D // 2, LOG2B, RSQRT_B)
@@ -169,8 +149,8 @@ def kv_write_tc_kernel(
         # at ``v_layout``'s positions (the tuned 4-bit decodes' operand words)
         tok, col = v_offsets(offset, tl.arange(0, D // 2), True, page_size, c_ss, c_sd, D // 2)
         tl.store(dst - offset * c_ss + tok + col, row_bytes)
-        _store_scale(block, offset, page_size, a_sf, a_ss, s1, z1, _VS, _VZ)
-        _store_scale(block, offset, page_size, a_sf, a_ss, s2, z2, _VS + 2, _VZ + 1)
+        _store_scale(block, offset, page_size, s1, z1, VS, VZ)
+        _store_scale(block, offset, page_size, s2, z2, VS + 2, VZ + 1)
         # fifth bits: channel f + j * D/16 at bit j of byte f (``quant_tc.pack_fifth_bits``)
         hi1 = tl.reshape(tl.trans(tl.reshape(hi1, [8, U])), [D // 2])
-        tl.store(block + (u1 + _VH) * a_sf + offset * a_ss, _plane(hi1, D // 2, 1))
+        tl.store(block + (u1 + VH) * page_size + offset, _plane(hi1, D // 2, 1))
