@@ -33,7 +33,7 @@ LOOP_OPS = ("LDS.U8", "LDS.64", "LDS.128", "LDSM.16.M88.4", "LDSM.16.MT88.4", "S
 # FP8 per tensor; codes per (token, head): int8, e4m3, int4 (two per byte, rotated: int4.py),
 # k int8 / v int4 (k8v4.py)
 CACHES = ("fp8", "int8_per_token_head", "fp8_per_token_head", "int4_per_token_head",
-          "k8v4_per_token_head")  # fmt: skip
+          "k8v4_per_token_head", "tc4_per_token_head")  # fmt: skip
 # the arguments the JIT specializes as divisible by 16 at a launch on torch tensors (16-byte
 # aligned allocations, strides and the table's row a multiple of 16, window 0)
 ALIGNED = ("q_ptr", "block_table_ptr", "seq_lens_ptr", "part_o_ptr", "part_lse_ptr", "out_ptr",
@@ -117,6 +117,55 @@ def compile_kernel(
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=opts)
 
 
+def compile_tc4(head: int, group: int, stages: int, warps: int, lazy: bool, page: int = 16):
+    """The compiled ``decode_tc4_tma._decode_tc4_tma`` (tc4's TMA decode; no TUNED entry: the
+    arguments are the config), split-K, fp16 q, 16-divisible pointers and strides."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        raise RuntimeError("TRITON_INTERPRET=1 is set: the interpreter compiles nothing; unset it")
+    from torch_kvq.attention.quant import hadamard_block
+    from torch_kvq.attention.triton import decode_tc4_tma as tc4
+
+    fn = tc4._decode_tc4_tma
+    sig = {
+        "q_ptr": "*fp16", "k_desc": f"tensordesc<i16[{page}, {head // 4}]>",
+        "v_desc": f"tensordesc<u8[{page}, {head // 2}]>", "slot_desc": f"tensordesc<fp16[8, {page}]>",
+        "bit_desc": f"tensordesc<u8[{head // 16}, {page}]>", "block_table_ptr": "*i32",
+        "seq_lens_ptr": "*i32", "part_o_ptr": "*fp32", "part_lse_ptr": "*fp32", "out_ptr": "*fp16",
+        "rot_ptr": "*fp16", "qk_scale_log2": "fp32", "window": "i32", "stride_qb": "i32",
+        "stride_qh": "i32", "stride_ob": "i32", "stride_oh": "i32", "stride_bt": "i32",
+    }  # fmt: skip
+    const = dict(KH=8, QH=group * 8, G=group, BLOCK_G=max(8, triton.next_power_of_2(group)),
+                 D=head, PAGE=page, NUM_SPLITS=8, STAGES=stages, USE_WINDOW=False, DIRECT=False,
+                 RSQRT_B=hadamard_block(head // 2) ** -0.5, LAZY=lazy,
+                 PV_SCALE=tc4.PV_LAZY if lazy else tc4.PV_EAGER)  # fmt: skip
+    sig.update(dict.fromkeys(const, "constexpr"))
+    attrs = {(fn.arg_names.index(n),): [["tt.divisibility", 16]] for n in ALIGNED if n in sig}
+    src = ASTSource(
+        fn=fn,
+        signature=sig,
+        constexprs={(fn.arg_names.index(k),): v for k, v in const.items()},
+        attrs=attrs,
+    )
+    opts = dict(num_warps=warps, num_stages=stages)
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=opts)
+
+
+def tma_buffers(kernel) -> list[int]:
+    """Buffers per TMA copy's destination (the leading dim of each multi-buffered shared
+    allocation in the TTGIR, ``memdesc<N x tile>``; 1 where a loop's loads were given none): how
+    many pages the pipeliner keeps in flight, which the stage count sets only through its split
+    between the page table's load and the copies that hang off it."""
+    allocs = re.findall(
+        r"ttg\.local_alloc\s*:\s*\(\)\s*->\s*!ttg\.memdesc<([0-9x]+)x[a-z]", kernel.asm["ttgir"]
+    )
+    tiles = [dims.split("x") for dims in allocs if not dims.endswith("x1")]  # not the mbarriers
+    return sorted({int(d[0]) if len(d) >= 3 else 1 for d in tiles}) or [1]
+
+
 def main_loop(ins: list[tuple[int, str]], target) -> tuple[int, int]:
     """(first, last) address of the main loop in ``ins`` [(address, instruction)]: the backward
     branch (``target(instruction)``: its destination address, or None) whose span holds the most
@@ -159,6 +208,7 @@ def sass_stats(kernel) -> tuple[dict[str, int], list[str], str]:
         "stack_bytes": int(re.search(r"STACK:(\d+)", usage).group(1)),  # > 0: spills
         "shared_bytes": kernel.metadata.shared,
         "loop_instructions": len(body),
+        "tma_buffers": tma_buffers(kernel),
     }
     return {**head, **{op: ops[op] for op in LOOP_OPS if ops[op]}}, body, sass
 
@@ -220,6 +270,14 @@ def main() -> None:
     args = ap.parse_args()
     from torch_kvq.attention.triton.decode_config import BALANCED, TUNED, mode_cache_kind, tuned
 
+    if args.cache == "tc4_per_token_head":  # no TUNED entry: the arguments (or these defaults)
+        for head in [args.head] if args.head else [64, 128, 256]:
+            cfg = dict(head=head, group=args.group or (2 if head == 256 else 4),
+                       stages=args.stages or 3, warps=args.warps or 1,
+                       lazy=True if args.lazy is None else args.lazy, page=args.page)  # fmt: skip
+            stats, _, sass = sass_stats(compile_tc4(**cfg))
+            print(json.dumps({**cfg, **stats}) if args.json else f"{cfg} {stats}")
+        return
     kind = mode_cache_kind(args.cache)
     for head in [args.head] if args.head else sorted(TUNED[kind]):
         t = tuned(head, kind, page=args.page)
