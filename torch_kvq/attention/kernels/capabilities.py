@@ -275,9 +275,9 @@ def default_kernel(arch: str) -> str:
 # (attention/triton/decode_tma.py: bulk tensor copies, Hopper and later), claimed on sm90 only,
 # where it was run; elsewhere they serve model-dtype layers only. It takes any head size FlashInfer does, pages of 16 to 128, soft-caps.
 # Per-(token, head) layers (int8 / e4m3 / int4 codes, or k int8 and v int4, with fp32 scales; and
-# tc4's codes with their side rows, written and checked on the CPU, claimed here for the GPU gate
-# to run: its decode is triton/decode_tc4_tma.py, its scratch aten's) run
-# on sm90 in every configuration:
+# tc4's codes with their side rows: prefill and mixed batches only, run on an H200 in the
+# thirtieth session; FlashInferKernel refuses their decode, whose program gave wrong output there)
+# run on sm90 in every configuration:
 # decode on the same Triton kernel with the scales per logit / weight column, prefill and mixed
 # batches on FlashInfer's model-dtype prefill over the batch's pages dequantized into a compact
 # scratch (kernels/flashinfer.py); bf16 / fp16 q, no FP8 output, pages of 16 to 64 tokens (the
@@ -297,7 +297,7 @@ _PTH_MODES = (
     KVQuantMode.FP8_PER_TOKEN_HEAD,
     KVQuantMode.INT4_PER_TOKEN_HEAD,
     KVQuantMode.K8V4_PER_TOKEN_HEAD,
-    KVQuantMode.TC4_PER_TOKEN_HEAD,  # its TMA decode (triton/decode_tc4_tma.py), no soft cap
+    KVQuantMode.TC4_PER_TOKEN_HEAD,  # no soft cap; its decode refused (kernels/flashinfer.py)
 )
 _PTH_PAGE_SIZES = (16, 32, 64)
 for _arch in _FI_ARCHS:

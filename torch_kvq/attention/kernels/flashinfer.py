@@ -51,9 +51,10 @@ docs/design/fp8_prefill.md, docs/design/fp8_decode_paths.md, benchmarks/RESULTS.
     ``"fa3_fp8"``). The scratch is rounded to the model dtype once: within the bf16 path's error.
 
 * ``tc4_per_token_head`` layers (codes and side rows; q in k's dual basis), sm90, every
-  configuration, no logit soft-cap: decode by ``attention/triton/decode_tc4_tma.py`` (the tuned
-  4-bit decodes' TMA scheme), prefill / mixed over the batch's pages dequantized in one Triton pass
-  (``kv_dequant_tc``: k left in its basis, v un-rotated), as above.
+  configuration, no logit soft-cap: prefill / mixed over the batch's pages dequantized in one
+  Triton pass (``kv_dequant_tc``: k left in its basis, v un-rotated), as above. Decode-only
+  batches are refused: their program (``attention/triton/decode_tc4_tma.py``) gave wrong output
+  on a GPU (docs/design/int4-branch.md); the reference kernel decodes tc4 layers.
 
 The unfused form of a quantized layer hands ``attend`` its batch's pages dequantized to fp32
 (the exact semantics; the rest of that tensor is never written). FlashInfer reads no fp32 cache,
@@ -286,6 +287,13 @@ class FlashInferKernel:
         kv_dtype = spec.storage_dtype if kv_dtype is None else kv_dtype
         codes = spec.mode.per_token_head or spec.mode.transform_coded
         if codes and kv_dtype == spec.storage_dtype:  # codes + kv_scale (tc4: its side rows)
+            if phase == "decode" and spec.mode.transform_coded:
+                raise KernelUnsupportedError(
+                    f"layer {spec.name!r} ({spec.mode.value}): FlashInfer's tc4 decode "
+                    "(triton/decode_tc4_tma.py) gave wrong output on an H200 and is refused until "
+                    "its GPU tests pass (docs/design/int4-branch.md); the reference kernel serves "
+                    "tc4 decode, FlashInferKernel tc4 prefill and mixed batches"
+                )
             if phase == "decode":
                 return "triton-decode"
             return "fa2-compact-prefill" if self.prefill == "fa2" else "fa3-compact-prefill"
