@@ -53,8 +53,6 @@ def compile_kernel(
     other registers and loop lengths than what runs)."""
     import triton
     import triton.language as tl
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
 
     if os.environ.get("TRITON_INTERPRET") == "1":
         raise RuntimeError("TRITON_INTERPRET=1 is set: the interpreter compiles nothing; unset it")
@@ -99,7 +97,20 @@ def compile_kernel(
         sig = {**{k: v for k, v in sig.items() if k != "stride_qb"}, "B": "i32", "stride_qb": "i32"}
         del const["QH"], const["NUM_SPLITS"], const["DIRECT"]
         const.update(KH=8, BLOCK_B=128)
-    sig.update(dict.fromkeys(const, "constexpr"))
+    opts = dict(num_warps=warps, num_stages=stages)
+    if max_registers:
+        opts["maxnreg"] = max_registers
+    return _compile(fn, sig, const, align, opts)
+
+
+def _compile(fn, sig: dict, const: dict, align: bool, opts: dict):
+    """``fn`` compiled for sm90 with ``sig``'s argument types, ``const``'s constexprs and (with
+    ``align``) ``ALIGNED``'s arguments divisible by 16."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    sig = {**sig, **dict.fromkeys(const, "constexpr")}
     attrs = {
         (fn.arg_names.index(n),): [["tt.divisibility", 16]]
         for n in ALIGNED
@@ -111,9 +122,6 @@ def compile_kernel(
         constexprs={(fn.arg_names.index(k),): v for k, v in const.items()},
         attrs=attrs,
     )
-    opts = dict(num_warps=warps, num_stages=stages)
-    if max_registers:
-        opts["maxnreg"] = max_registers
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=opts)
 
 
@@ -121,8 +129,6 @@ def compile_tc4(head: int, group: int, stages: int, warps: int, lazy: bool, page
     """The compiled ``decode_tc4_tma._decode_tc4_tma`` (tc4's TMA decode; no TUNED entry: the
     arguments are the config), split-K, fp16 q, 16-divisible pointers and strides."""
     import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
 
     if os.environ.get("TRITON_INTERPRET") == "1":
         raise RuntimeError("TRITON_INTERPRET=1 is set: the interpreter compiles nothing; unset it")
@@ -142,16 +148,7 @@ def compile_tc4(head: int, group: int, stages: int, warps: int, lazy: bool, page
                  D=head, PAGE=page, NUM_SPLITS=8, STAGES=stages, USE_WINDOW=False, DIRECT=False,
                  RSQRT_B=hadamard_block(head // 2) ** -0.5, LAZY=lazy,
                  PV_SCALE=tc4.PV_LAZY if lazy else tc4.PV_EAGER)  # fmt: skip
-    sig.update(dict.fromkeys(const, "constexpr"))
-    attrs = {(fn.arg_names.index(n),): [["tt.divisibility", 16]] for n in ALIGNED if n in sig}
-    src = ASTSource(
-        fn=fn,
-        signature=sig,
-        constexprs={(fn.arg_names.index(k),): v for k, v in const.items()},
-        attrs=attrs,
-    )
-    opts = dict(num_warps=warps, num_stages=stages)
-    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=opts)
+    return _compile(fn, sig, const, True, dict(num_warps=warps, num_stages=stages))
 
 
 def tma_buffers(kernel) -> list[int]:
