@@ -143,3 +143,15 @@ def test_lines_attribute_the_whole_loop_to_source_lines() -> None:
     assert int(n) == json.loads(stats_line)["loop_instructions"]
     top = [item.rsplit(" ", 1) for item in per_line.split(", ")][:3]
     assert any(src.startswith("int4.py:") for src, _ in top), top
+
+
+def test_tc4_loop_buffers_follow_the_stages() -> None:
+    """tc4's TMA decode: four copies a page (K's lanes, V's bytes, the fp16 slots, the fifth
+    bits) and the pipeliner's buffers per copy by the stage count, which it splits between the
+    page table's load and the copies: one at 3 stages (no page in flight while a page computes),
+    two at 6 (docs/design/int4-branch.md, thirtieth session)."""
+    for stages, buffers in ((3, [1]), (6, [2])):
+        stats = sass_json("--cache", "tc4_per_token_head", "--head", "128", "--page", "32",
+                          "--stages", str(stages))  # fmt: skip
+        assert stats["stages"] == stages and stats["UTMALDG.2D"] == 4
+        assert stats["tma_buffers"] == buffers, stats
