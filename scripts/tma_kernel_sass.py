@@ -54,8 +54,6 @@ def compile_kernel(
     import triton
     import triton.language as tl
 
-    if os.environ.get("TRITON_INTERPRET") == "1":
-        raise RuntimeError("TRITON_INTERPRET=1 is set: the interpreter compiles nothing; unset it")
     from torch_kvq.attention.triton import decode_tma as tma
 
     if balanced:
@@ -110,6 +108,8 @@ def _compile(fn, sig: dict, const: dict, align: bool, opts: dict):
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        raise RuntimeError("TRITON_INTERPRET=1 is set: the interpreter compiles nothing; unset it")
     sig = {**sig, **dict.fromkeys(const, "constexpr")}
     attrs = {
         (fn.arg_names.index(n),): [["tt.divisibility", 16]]
@@ -130,8 +130,6 @@ def compile_tc4(head: int, group: int, stages: int, warps: int, lazy: bool, page
     arguments are the config), split-K, fp16 q, 16-divisible pointers and strides."""
     import triton
 
-    if os.environ.get("TRITON_INTERPRET") == "1":
-        raise RuntimeError("TRITON_INTERPRET=1 is set: the interpreter compiles nothing; unset it")
     from torch_kvq.attention.quant import hadamard_block
     from torch_kvq.attention.triton import decode_tc4_tma as tc4
 
@@ -274,6 +272,8 @@ def main() -> None:
                        lazy=True if args.lazy is None else args.lazy, page=args.page)  # fmt: skip
             stats, _, sass = sass_stats(compile_tc4(**cfg))
             print(json.dumps({**cfg, **stats}) if args.json else f"{cfg} {stats}")
+            if args.dump:
+                args.dump.write_text(sass)
         return
     kind = mode_cache_kind(args.cache)
     for head in [args.head] if args.head else sorted(TUNED[kind]):

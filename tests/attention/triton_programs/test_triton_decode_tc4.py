@@ -108,8 +108,8 @@ def _unpacks(lanes_ptr, bytes_ptr, z_ptr, out_ptr, N: tl.constexpr):
     r = tl.program_id(0)
     i = r * N + tl.arange(0, N)[None, :]  # [1, N]
     a, b, ce, co = unpack_k(tl.load(lanes_ptr + i))
-    z_lo = tl.broadcast_to(tl.load(z_ptr + r + tl.zeros([1, N], tl.int32)), [1, N])
-    z_hi = tl.broadcast_to(tl.load(z_ptr + N + r + tl.zeros([1, N], tl.int32)), [1, N])
+    z_lo = tl.load(z_ptr + r + tl.zeros([1, N], tl.int32))
+    z_hi = tl.load(z_ptr + N + r + tl.zeros([1, N], tl.int32))
     v_lo, v_hi = unpack_minus(tl.load(bytes_ptr + i), z_lo, z_hi)
     tl.store(out_ptr + i, a)
     tl.store(out_ptr + N * N + i, b)

@@ -287,14 +287,14 @@ class FlashInferKernel:
         kv_dtype = spec.storage_dtype if kv_dtype is None else kv_dtype
         codes = spec.mode.per_token_head or spec.mode.transform_coded
         if codes and kv_dtype == spec.storage_dtype:  # codes + kv_scale (tc4: its side rows)
-            if phase == "decode" and spec.mode.transform_coded:
-                raise KernelUnsupportedError(
-                    f"layer {spec.name!r} ({spec.mode.value}): FlashInfer's tc4 decode "
-                    "(triton/decode_tc4_tma.py) gave wrong output on an H200 and is refused until "
-                    "its GPU tests pass (docs/design/int4-branch.md); the reference kernel serves "
-                    "tc4 decode, FlashInferKernel tc4 prefill and mixed batches"
-                )
             if phase == "decode":
+                if spec.mode.transform_coded:
+                    raise KernelUnsupportedError(
+                        f"layer {spec.name!r} ({spec.mode.value}): FlashInfer's tc4 decode "
+                        "(triton/decode_tc4_tma.py) gave wrong output on an H200 and is refused "
+                        "until its GPU tests pass (docs/design/int4-branch.md); the reference "
+                        "kernel serves tc4 decode, FlashInferKernel tc4 prefill and mixed batches"
+                    )
                 return "triton-decode"
             return "fa2-compact-prefill" if self.prefill == "fa2" else "fa3-compact-prefill"
         if phase == "prefill":
