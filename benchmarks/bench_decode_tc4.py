@@ -1,11 +1,10 @@
-"""The ``tc4_per_token_head`` decodes per layer at 32 x 16k on one GPU, the first program
-(``triton/decode_tc4.py``, plain loads) and the TMA one (``triton/decode_tc4_tma.py``), beside the
-tuned int4 decode (``decode_tma``) on the same shape and pages: median ms of a CUDA graph of 20
+"""The ``tc4_per_token_head`` decode per layer at 32 x 16k on one GPU (``triton/decode_tc4_tma.py``)
+per splits, warps and stages, beside the tuned int4 decode (``decode_tma``) on the same shape and pages: median ms of a CUDA graph of 20
 calls, rounds interleaved, and % of copy bandwidth counting code and scale bytes (tc4: 152 bytes a
 token and kv head at D 128, int4 136). Answers issue 33's question of what tc4's formats cost a
 decode (docs/design/int4-branch.md).
 
-    python benchmarks/bench_decode_tc4.py [llama] [gemma_global] [--page 32] [--splits 4 8 16] [--stages 2 3 4]
+    python benchmarks/bench_decode_tc4.py [llama] [gemma_global] [--page 32] [--splits 4 8] [--warps 1 4] [--stages 4 6] [--eager]
 """
 
 from __future__ import annotations
@@ -43,15 +42,19 @@ def tc4_cache(
 
 
 def time_shape(
-    shape: str, page: int, splits: list[int], warps: list[int], stages: list[int], copy: float
+    shape: str,
+    page: int,
+    splits: list[int],
+    warps: list[int],
+    stages: list[int],
+    eager: bool,
+    copy: float,
 ) -> None:
-    """One line per decode of ``shape`` at 32 x 16k: median ms and % of copy (the first program
-    per splits and warps, the TMA one per splits and stages)."""
+    """One line per decode of ``shape`` at 32 x 16k: median ms and % of copy (tc4 per splits,
+    warps and stages; lazy rescaling, and eager too with ``eager``)."""
     from bench_fp8_decode_paths import Case
     from bench_kv_write import graph_ms
 
-    from torch_kvq.attention.quant import hadamard_signs
-    from torch_kvq.attention.triton.decode_tc4 import paged_decode_tc4
     from torch_kvq.attention.triton.decode_tc4_tma import paged_decode_tc4_tma
     from torch_kvq.attention.triton.decode_tma import paged_decode_tma
     from torch_kvq.spec import tc4_aux_width
@@ -59,7 +62,6 @@ def time_shape(
     c = Case(shape, 32, 16384, page)
     int4_codes, int4_scales = c.per_token_head("int4")
     codes, aux = tc4_cache(c.batch * c.per_seq, page, c.kh, c.d)
-    signs = hadamard_signs(c.d // 2, "cuda")
     q = c.q.half()
     tc4_bytes = c.batch * c.ctx * c.kh * (c.d + tc4_aux_width(c.d))
     calls = {
@@ -69,14 +71,11 @@ def time_shape(
     }  # fmt: skip
     for s in splits:
         for w in warps:
-            calls[f"tc4 splits {s} warps {w}"] = (tc4_bytes, lambda s=s, w=w: paged_decode_tc4(
-                q, codes, aux, c.table, c.seq_lens, c.sm_scale, signs, num_splits=s,
-                num_warps=w))  # fmt: skip
-        for st in stages:
-            for lazy in (True, False):
-                calls[f"tc4 tma splits {s} stages {st}{'' if lazy else ' eager'}"] = (
-                    tc4_bytes, lambda s=s, st=st, lazy=lazy: paged_decode_tc4_tma(
-                        q, codes, aux, c.table, c.seq_lens, c.sm_scale, num_splits=s,
+            for st in stages:
+                for lazy in (True, False) if eager else (True,):
+                    name = f"tc4 splits {s} warps {w} stages {st}{'' if lazy else ' eager'}"
+                    calls[name] = (tc4_bytes, lambda s=s, w=w, st=st, lazy=lazy: paged_decode_tc4_tma(
+                        q, codes, aux, c.table, c.seq_lens, c.sm_scale, num_splits=s, num_warps=w,
                         num_stages=st, lazy_rescale=lazy))  # fmt: skip
     times: dict[str, list[float]] = {k: [] for k in calls}
     for _ in range(3):  # interleaved rounds
@@ -93,15 +92,16 @@ def main() -> None:
     ap.add_argument("shapes", nargs="*", default=["llama"])
     ap.add_argument("--page", type=int, default=32)
     ap.add_argument("--splits", nargs="+", type=int, default=[8])
-    ap.add_argument("--warps", nargs="+", type=int, default=[4])
-    ap.add_argument("--stages", nargs="+", type=int, default=[3])
+    ap.add_argument("--warps", nargs="+", type=int, default=[1])
+    ap.add_argument("--stages", nargs="+", type=int, default=[6])
+    ap.add_argument("--eager", action="store_true", help="also time eager rescaling")
     args = ap.parse_args()
     from gpu_common import copy_bandwidth, environment
 
     print(environment(), flush=True)
     copy = copy_bandwidth()["GBps"]
     for shape in args.shapes:
-        time_shape(shape, args.page, args.splits, args.warps, args.stages, copy)
+        time_shape(shape, args.page, args.splits, args.warps, args.stages, args.eager, copy)
 
 
 if __name__ == "__main__":

@@ -137,7 +137,7 @@ def compile_tc4(head: int, group: int, stages: int, warps: int, lazy: bool, page
     sig = {
         "q_ptr": "*fp16", "k_desc": f"tensordesc<i16[{page}, {head // 4}]>",
         "v_desc": f"tensordesc<u8[{page}, {head // 2}]>", "slot_desc": f"tensordesc<fp16[8, {page}]>",
-        "bit_desc": f"tensordesc<u8[{head // 16}, {page}]>", "block_table_ptr": "*i32",
+        "bit_desc": f"tensordesc<u8[{tc4.bit_box_rows(head, page)}, {page}]>", "block_table_ptr": "*i32",
         "seq_lens_ptr": "*i32", "part_o_ptr": "*fp32", "part_lse_ptr": "*fp32", "out_ptr": "*fp16",
         "rot_ptr": "*fp16", "qk_scale_log2": "fp32", "window": "i32", "stride_qb": "i32",
         "stride_qh": "i32", "stride_ob": "i32", "stride_oh": "i32", "stride_bt": "i32",
@@ -145,7 +145,8 @@ def compile_tc4(head: int, group: int, stages: int, warps: int, lazy: bool, page
     const = dict(KH=8, QH=group * 8, G=group, BLOCK_G=max(8, triton.next_power_of_2(group)),
                  D=head, PAGE=page, NUM_SPLITS=8, STAGES=stages, USE_WINDOW=False, DIRECT=False,
                  RSQRT_B=hadamard_block(head // 2) ** -0.5, LAZY=lazy,
-                 PV_SCALE=tc4.PV_LAZY if lazy else tc4.PV_EAGER)  # fmt: skip
+                 PV_SCALE=tc4.PV_LAZY if lazy else tc4.PV_EAGER,
+                 BIT_BOX=tc4.bit_box_rows(head, page))  # fmt: skip
     return _compile(fn, sig, const, True, dict(num_warps=warps, num_stages=stages))
 
 
@@ -159,6 +160,31 @@ def tma_buffers(kernel) -> list[int]:
     )
     tiles = [dims.split("x") for dims in allocs if not dims.endswith("x1")]  # not the mbarriers
     return sorted({int(d[0]) if len(d) >= 3 else 1 for d in tiles}) or [1]
+
+
+def dot_k_short(kernel) -> list[str]:
+    """The MMA operands (the TTGIR's ``dot_op`` types, m16n8k16) whose K is shorter than the 4
+    kWidth that a quad of lanes spans: Triton 3.6 gave tc4's fifth bits kWidth 8 at a page of 16
+    tokens, and the products came out wrong on the GPU (docs/design/int4-branch.md)."""
+    found = re.findall(
+        r"tensor<(\d+)x(\d+)x(\w+), #ttg\.dot_op<\{opIdx = (\d), parent = #mma, kWidth = (\d+)\}>>",
+        kernel.asm["ttgir"],
+    )
+    return sorted(
+        {f"{a}x{b}x{t} opIdx {i} kWidth {w}" for a, b, t, i, w in found
+         if 4 * int(w) > int(b if i == "0" else a)}
+    )  # fmt: skip
+
+
+def tma_misaligned(kernel) -> list[int]:
+    """The shared offsets (constant ones: the prologue's copies) of TMA copies' destinations that
+    are not 128-byte aligned, as a copy's must be: Triton 3.6 packed the pipeliner's buffers of a
+    64-byte box back to back (a misaligned-address fault on the GPU)."""
+    pattern = (
+        r'cp\.async\.bulk\.tensor.*?"b,r,l,r,r,r"\(i1 %\d+, ptr addrspace\(3\) '
+        r"getelementptr \(i8, ptr addrspace\(3\) @global_smem, i32 (\d+)\)"
+    )
+    return sorted({int(o) for o in re.findall(pattern, kernel.asm["llir"]) if int(o) % 128})
 
 
 def main_loop(ins: list[tuple[int, str]], target) -> tuple[int, int]:
@@ -204,6 +230,8 @@ def sass_stats(kernel) -> tuple[dict[str, int], list[str], str]:
         "shared_bytes": kernel.metadata.shared,
         "loop_instructions": len(body),
         "tma_buffers": tma_buffers(kernel),
+        "dot_k_short": dot_k_short(kernel),
+        "tma_misaligned": tma_misaligned(kernel),
     }
     return {**head, **{op: ops[op] for op in LOOP_OPS if ops[op]}}, body, sass
 

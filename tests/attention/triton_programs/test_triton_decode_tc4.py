@@ -1,5 +1,5 @@
-"""The ``tc4_per_token_head`` decodes' Triton programs (``triton/decode_tc4.py``,
-``triton/decode_tc4_tma.py``) against the reference: dense fp32 attention over
+"""The ``tc4_per_token_head`` decode's Triton program (``triton/decode_tc4_tma.py``) against the
+reference: dense fp32 attention over
 ``quant_tc.dequantize_pages`` of the same cache (k in its basis, so q is taken as given), one new
 token per sequence, shuffled pages, several splits, a sliding window; and their unpacks, exactly.
 CPU: under Triton's interpreter (``tests/support/triton_case.py`` sets it); GPU: compiled, the
@@ -16,9 +16,7 @@ triton = pytest.importorskip("triton")  # after triton_case, which sets the inte
 tl = triton.language
 from torch_kvq.attention import quant_tc  # noqa: E402
 from torch_kvq.attention.kernels.reference import ref_attention  # noqa: E402
-from torch_kvq.attention.quant import hadamard_signs  # noqa: E402
-from torch_kvq.attention.triton.decode_tc4 import paged_decode_tc4, unpack_k  # noqa: E402
-from torch_kvq.attention.triton.decode_tc4_tma import paged_decode_tc4_tma  # noqa: E402
+from torch_kvq.attention.triton.decode_tc4_tma import paged_decode_tc4_tma, unpack_k  # noqa: E402
 from torch_kvq.attention.triton.int4 import unpack_minus  # noqa: E402
 
 # each test on both: the interpreter where there is no GPU, the compiled program where there is one
@@ -67,20 +65,30 @@ def _reference(q, cache, aux, table, lens, sm_scale, window):
         ([48], 2, 2, 256, 16, 3, None),
     ],
 )
-@pytest.mark.parametrize("program", ["plain", "tma", "tma-eager"])
+@pytest.mark.parametrize("lazy", [True, False], ids=["lazy", "eager"])
 @pytest.mark.parametrize("device", DEVICES)
-def test_program_equals_reference(device, program, lens, kh, g, d, page, splits, window) -> None:
+def test_program_equals_reference(device, lazy, lens, kh, g, d, page, splits, window) -> None:
     q, cache, aux, table, seq_lens = _case(lens, kh, g, d, page, seed=sum(lens) + d)
     want = _reference(q, cache, aux, table, seq_lens, d**-0.5, window)
     dev = [x.to(device) for x in (q.half(), cache, aux, table, seq_lens)]
-    if program == "plain":
-        signs = hadamard_signs(d // 2, device)
-        got = paged_decode_tc4(*dev, d**-0.5, signs, num_splits=splits, window=window)
-    else:
-        lazy = program == "tma"
-        got = paged_decode_tc4_tma(
-            *dev, d**-0.5, num_splits=splits, window=window, lazy_rescale=lazy
-        )
+    got = paged_decode_tc4_tma(*dev, d**-0.5, num_splits=splits, window=window, lazy_rescale=lazy)
+    err = (got.float().cpu() - want).norm() / want.norm()
+    assert err < 4e-3, err
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("d,page", [(64, 16), (128, 16), (128, 32), (128, 64), (256, 32)])
+@pytest.mark.parametrize("warps,stages", [(1, 1), (1, 8), (4, 3)])
+def test_program_configs(device, d, page, warps, stages) -> None:
+    """Every page size at the warps and stages the benchmarks sweep: compiled, the pipeliner
+    buffers the four TMA copies by the stage count and the layouts follow the warps (the
+    interpreter runs neither; there these cases repeat the pages and heads). Head 64 at 16-token
+    pages with 8 stages faulted (misaligned address) before ``bit_box_rows``."""
+    lens = [3 * page + 5, page - 1]
+    q, cache, aux, table, seq_lens = _case(lens, 2, 4, d, page, seed=page + d)
+    want = _reference(q, cache, aux, table, seq_lens, d**-0.5, None)
+    dev = [x.to(device) for x in (q.half(), cache, aux, table, seq_lens)]
+    got = paged_decode_tc4_tma(*dev, d**-0.5, num_splits=2, num_warps=warps, num_stages=stages)
     err = (got.float().cpu() - want).norm() / want.norm()
     assert err < 4e-3, err
 

@@ -1,18 +1,27 @@
-"""Paged decode attention over a ``tc4_per_token_head`` cache by the tuned 4-bit decodes' scheme
-(``int4``, ``k8v4``): one TMA box per page for K's lanes, one for V's bytes, one for the page's
-fp16 slots (scales, zero points) and one for V's fifth bits, the tokens on the MMA's M dimension
-and the heads on its N, split-K over the pages.
+"""Paged decode attention over a ``tc4_per_token_head`` cache, read in place, by the tuned 4-bit
+decodes' scheme (``int4``, ``k8v4``): one TMA box per page for K's lanes, one for V's bytes, one
+for the page's fp16 slots (scales, zero points) and one for V's fifth bits, the tokens on the
+MMA's M dimension and the heads on its N, split-K over the pages.
 
-Per page (``_page``): K's lane words to fp16 operands by the exponent trick
-(``decode_tc4.unpack_k``: one ``shr`` and four ``lop3`` per eight codes), one MMA per group (C's
-two chained), the ``1024`` offsets and zero points taken out per logit (q's group sums, from the
-prologue, times ``1024 + 2^s zp``), each group's logits times its token's fp16 scale; V's bytes
-in ``int4.v_columns`` order (``int4.v_tile``, the cache's ``v_layout``), centred per element
-with each half's zero point (``int4.unpack_minus``), half 1's fifth bits as 16s in the same
-rows (``_fifth_bits``: bit j of aux byte f is the operand's row 8 f + j), into half 1's
-accumulator as a second chained MMA; the weights times each half's scale (times ``PV_SCALE``);
-online softmax in base 2 (``int4.rescale``; lazy by default: the max moves only past 8). Epilogue: ``int4.unrotate_store`` with the halves'
-un-rotation as one block-diagonal +-1 matrix (``rotation_matrices``). Imports Triton.
+The cache (``quant_tc``): code rows uint8 [P, 2, page, KH, D / 2] (k in its basis as 16-bit lanes
+``A | B << 6 | C_even << 10 | C_odd << 13``, groups A, B, C at 6 / 4 / 3 bits; v a byte per
+channel pair of its two rotated halves, in ``v_layout``'s positions), aux uint8 [P, KH, 16 + D /
+16, page] (per page and kv head one block: fp16 slots [8, page] of the scales and zero points,
+then half 1's fifth bits as rows [D / 16, page]). q arrives in k's dual basis
+(``k_basis.basis_qk``), so q . k needs no transform here.
+
+Per page: K's lane words to fp16 operands by the exponent trick (``unpack_k``:
+``0x6400 | (lane & mask)`` is ``1024 + code * 2^s``; one ``shr`` and four ``lop3`` per eight
+codes), q's group columns divided by those 2^s once per program (``q_groups``), one MMA per group
+(C's two chained), the ``1024`` offsets and zero points taken out per logit (q's group sums, from
+the prologue, times ``1024 + 2^s zp``), each group's logits times its token's fp16 scale; V's
+bytes in ``int4.v_columns`` order (``int4.v_tile``, the cache's ``v_layout``), centred per element
+with each half's zero point (``int4.unpack_minus``), half 1's fifth bits as 16s in the same rows
+(``_fifth_bits``: bit j of aux byte f is the operand's row 8 f + j), into half 1's accumulator as
+a second chained MMA; the weights times each half's scale (times ``PV_SCALE``); online softmax in
+base 2 (``int4.rescale``; lazy by default: the max moves only past 8). Epilogue:
+``int4.unrotate_store`` with the halves' un-rotation as one block-diagonal +-1 matrix
+(``rotation_matrices``). Imports Triton.
 """
 
 from __future__ import annotations
@@ -25,8 +34,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 from torch_kvq.attention import quant_tc
 from torch_kvq.attention.quant import _walsh_hadamard, hadamard_block, hadamard_signs
 from torch_kvq.attention.triton.decode_config import default_num_splits, sm_count
-from torch_kvq.attention.triton.decode_tc4 import q_groups, unpack_k
-from torch_kvq.attention.triton.helpers import combine_splits, split_outputs, split_range
+from torch_kvq.attention.triton.helpers import INTERPRET, combine_splits, split_outputs, split_range
 from torch_kvq.attention.triton.int4 import (
     rescale,
     store_split_int4,
@@ -59,6 +67,63 @@ def rotation_matrices(d: int, device: torch.device) -> torch.Tensor:
 
 
 @triton.jit
+def unpack_k(lanes):
+    """K's lanes int16 [PAGE, D / 4] -> fp16 (1024 + A, 1024 + 64 B, 1024 + 4 C_even, 1024 + 32
+    C_odd), exactly: compiled, a word of two lanes shifted right by 8 once (C's bits to a lane's
+    low 10) and one ``lop3`` (mask, or ``0x6400``) per two codes; the interpreter, which runs no
+    PTX, takes the same steps lane by lane."""
+    if INTERPRET:
+        u = lanes.to(tl.int32) & 0xFFFF
+        t = u >> 8
+        return (
+            ((u & 0x3F) | 0x6400).to(tl.int16).to(tl.float16, bitcast=True),
+            ((u & 0x3C0) | 0x6400).to(tl.int16).to(tl.float16, bitcast=True),
+            ((t & 0x1C) | 0x6400).to(tl.int16).to(tl.float16, bitcast=True),
+            ((t & 0xE0) | 0x6400).to(tl.int16).to(tl.float16, bitcast=True),
+        )
+    return tl.inline_asm_elementwise(
+        "{ .reg .b32 t; shr.b32 t, $4, 8; "
+        "lop3.b32 $0, $4, 0x003f003f, 0x64006400, 0xea; "
+        "lop3.b32 $1, $4, 0x03c003c0, 0x64006400, 0xea; "
+        "lop3.b32 $2, t, 0x001c001c, 0x64006400, 0xea; "
+        "lop3.b32 $3, t, 0x00e000e0, 0x64006400, 0xea; }",
+        "=r,=r,=r,=r,r", [lanes], dtype=(tl.float16, tl.float16, tl.float16, tl.float16),
+        is_pure=True, pack=2,
+    )  # fmt: skip
+
+
+@triton.jit
+def _q_cols(q_row, cols, g_mask, mult):
+    """q's columns ``cols`` times ``mult`` (a power of two: exact), as fp16 [BLOCK_G, n], and
+    their sums [BLOCK_G] (fp32, of the fp16 values)."""
+    x = tl.load(q_row + cols[None, :], mask=g_mask[:, None], other=0.0).to(tl.float32) * mult
+    x = x.to(tl.float16)
+    return x, tl.sum(x.to(tl.float32), axis=1)
+
+
+@triton.jit
+def q_groups(q_ptr, b, heads, g_mask, stride_qb, stride_qh, D: tl.constexpr):
+    """q's rows of ``heads`` of sequence ``b`` as K's lane operands [BLOCK_G, D / 4] in fp16 (A's
+    columns, B's / 64, C's even / 4 and odd / 32: ``unpack_k``'s 2^s taken out), then their sums
+    [BLOCK_G] (fp32)."""
+    q_row = q_ptr + b * stride_qb + heads[:, None] * stride_qh
+    j = tl.arange(0, D // 4)  # lane j: A_j, B_j, C_2j, C_2j+1
+    qa, sum_a = _q_cols(q_row, j, g_mask, 1.0)
+    qb, sum_b = _q_cols(q_row, D // 4 + j, g_mask, 1.0 / 64)
+    qce, sum_ce = _q_cols(q_row, D // 2 + 2 * j, g_mask, 1.0 / 4)
+    qco, sum_co = _q_cols(q_row, D // 2 + 2 * j + 1, g_mask, 1.0 / 32)
+    return qa, qb, qce, qco, sum_a, sum_b, sum_ce, sum_co
+
+
+def bit_box_rows(d: int, page: int) -> int:
+    """Rows of the fifth bits' TMA box: their D / 16, or twice that where those would make a box
+    under 128 bytes (head 64, 16-token pages). A copy's shared destination must be 128-byte
+    aligned, and Triton 3.6 packs the pipeliner's buffers of a smaller box back to back (a
+    misaligned-address fault on the GPU; ``tma_kernel_sass``'s ``tma_misaligned``)."""
+    return max(d // 16, 128 // page)
+
+
+@triton.jit
 def _slots(slot_desc, blk, PAGE: tl.constexpr, ROWS16: tl.constexpr):
     """A page's 8 fp16 slots of one kv head (its aux block ``blk``), each [PAGE]."""
     r = tl.permute(tl.reshape(slot_desc.load([blk * ROWS16, 0]), [2, 2, 2, PAGE]), [3, 0, 1, 2])
@@ -73,11 +138,24 @@ def _slots(slot_desc, blk, PAGE: tl.constexpr, ROWS16: tl.constexpr):
 
 
 @triton.jit
-def _fifth_bits(bit_desc, blk, ROWS8: tl.constexpr, U: tl.constexpr, PAGE: tl.constexpr):
+def _fifth_bits(
+    bit_desc, blk, ROWS8: tl.constexpr, U: tl.constexpr, PAGE: tl.constexpr, BOX: tl.constexpr
+):
     """Half 1's fifth bits as 16s, fp16 [8 U, PAGE]: row 8 f + j bit j of the page's aux byte row
-    f (channel ``f + j * U``: the ``v_columns`` order of half 1's accumulator rows)."""
-    x = bit_desc.load([blk * ROWS8 + 2 * SLOTS, 0]).to(tl.int16)  # [U, PAGE]
-    # bit j as the fp16 16.0 (0x4C00) or 0, no conversion
+    f (channel ``f + j * U``: the ``v_columns`` order of half 1's accumulator rows), each the
+    fp16 16.0 (0x4C00) or 0, no conversion. A page of 16 tokens takes them by one shift per bit
+    from a broadcast: from the joins Triton 3.6 makes the MMA's A operand with kWidth 8, which
+    needs a K of 32 (at 16 the products came out wrong on the GPU; ``tma_kernel_sass``'s
+    ``dot_k_short`` checks it offline). The box has ``BOX`` rows (``bit_box_rows``), the first U
+    of them the bits."""
+    x = bit_desc.load([blk * ROWS8 + 2 * SLOTS, 0])  # [BOX, PAGE]
+    if BOX > U:  # 2 U rows: the next block's first U rows dropped
+        x, _ = tl.split(tl.permute(tl.reshape(x, [2, U, PAGE]), [1, 2, 0]))
+    if PAGE == 16:
+        j = tl.arange(0, 8)
+        bits = tl.reshape((x.to(tl.int32)[:, None, :] >> j[None, :, None]) & 1, [8 * U, PAGE])
+        return (bits * 0x4C00).to(tl.int16).to(tl.float16, bitcast=True)
+    x = x.to(tl.int16)
     b0, b1, b2, b3 = (x & 1) * 0x4C00, (x & 2) * 0x2600, (x & 4) * 0x1300, (x & 8) * 0x0980
     b4, b5, b6, b7 = (x & 16) * 0x04C0, (x & 32) * 0x0260, (x & 64) * 0x0130, (x & 128) * 0x0098
     even = tl.join(tl.join(b0, b4), tl.join(b2, b6))
@@ -100,7 +178,7 @@ def _decode_tc4_tma(
     KH: tl.constexpr, QH: tl.constexpr, G: tl.constexpr, BLOCK_G: tl.constexpr, D: tl.constexpr,
     PAGE: tl.constexpr, NUM_SPLITS: tl.constexpr, STAGES: tl.constexpr,
     USE_WINDOW: tl.constexpr, DIRECT: tl.constexpr, RSQRT_B: tl.constexpr, LAZY: tl.constexpr,
-    PV_SCALE: tl.constexpr,
+    PV_SCALE: tl.constexpr, BIT_BOX: tl.constexpr,
 ):  # fmt: skip
     kh = tl.program_id(0)
     split = tl.program_id(1)
@@ -160,7 +238,7 @@ def _decode_tc4_tma(
         v_lo, v_hi = unpack_minus(v, z_lo, z_hi)  # half 1's low 4 bits - zp1, 16 (half 2 - zp2)
         w1 = (pr * (s1.to(tl.float32) * PV_SCALE)[:, None]).to(tl.float16)
         w2 = (pr * (s2.to(tl.float32) * PV_SCALE)[:, None]).to(tl.float16)
-        acc_lo = tl.dot(_fifth_bits(bit_desc, blk, ROWS8, U, PAGE), w1, acc_lo)
+        acc_lo = tl.dot(_fifth_bits(bit_desc, blk, ROWS8, U, PAGE, BIT_BOX), w1, acc_lo)
         acc_lo = tl.dot(tl.trans(v_lo), w1, acc_lo)
         acc_hi = tl.dot(tl.trans(v_hi), w2, acc_hi)
     store_split_int4(
@@ -180,18 +258,19 @@ def paged_decode_tc4_tma(
     num_splits: int | None = None,
     window: int | None = None,
     num_warps: int = 1,
-    num_stages: int = 3,
+    num_stages: int = 6,
     lazy_rescale: bool = True,
     max_seq_len: int | None = None,
 ) -> torch.Tensor:
-    """One new token per sequence over a tc4 cache (``decode_tc4.paged_decode_tc4``'s arguments
-    but the signs): q [B, QH, D] in k's dual basis, ``kv_cache`` uint8 [P, 2, page, KH, D / 2]
-    and ``kv_scale`` uint8 [P, KH, 16 + D / 16, page], both contiguous; head sizes 64, 128,
+    """One new token per sequence over a tc4 cache: q [B, QH, D] in k's dual basis, ``kv_cache``
+    uint8 [P, 2, page, KH, D / 2] and ``kv_scale`` uint8 [P, KH, 16 + D / 16, page], both
+    contiguous, ``block_table`` [B, max pages] int32, ``seq_lens`` [B] int32; head sizes 64, 128,
     256; pages of 16, 32 or 64 tokens. ``lazy_rescale``: the softmax's reference max moves only
     when a logit passes it by more than 8 (base 2; ``decode_tma``'s). ``num_splits`` None: the
     split grid's default for the shape (``decode_config.default_num_splits``, ``max_seq_len`` a
-    host bound on ``seq_lens``: never read from the device), 8 without one. Returns out [B, QH,
-    D] in q's dtype. ValueError on other shapes."""
+    host bound on ``seq_lens``: never read from the device), 8 without one. ``num_stages``: the
+    pipeliner's, which keeps a page in flight from 6 (docs/design/int4-branch.md measures 6 and
+    8). Returns out [B, QH, D] in q's dtype. ValueError on other shapes."""
     bsz, qh, d = q.shape
     pages, two, page, kh, half = kv_cache.shape
     aux = quant_tc.aux_width(d)
@@ -216,7 +295,8 @@ def paged_decode_tc4_tma(
     rows = kv_cache.view(pages * 2 * page, kh * d // 2)
     v_desc = TensorDescriptor(rows, list(rows.shape), [kh * d // 2, 1], [page, d // 2])
     aux8 = kv_scale.view(pages * kh * aux, page)
-    bit_desc = TensorDescriptor(aux8, list(aux8.shape), [page, 1], [d // 16, page])
+    box = bit_box_rows(d, page)
+    bit_desc = TensorDescriptor(aux8, list(aux8.shape), [page, 1], [box, page])
     aux16 = kv_scale.view(-1).view(torch.float16).view(pages * kh * aux // 2, page)
     slot_desc = TensorDescriptor(aux16, list(aux16.shape), [page, 1], [quant_tc.AUX_SLOTS, page])
     if num_splits is None:
@@ -233,6 +313,6 @@ def paged_decode_tc4_tma(
         KH=kh, QH=qh, G=g, BLOCK_G=max(8, triton.next_power_of_2(g)), D=d, PAGE=page,
         NUM_SPLITS=num_splits, STAGES=num_stages, USE_WINDOW=window is not None,
         DIRECT=num_splits == 1, RSQRT_B=hadamard_block(d // 2) ** -0.5, LAZY=lazy_rescale,
-        PV_SCALE=PV_LAZY if lazy_rescale else PV_EAGER, num_warps=num_warps,
+        PV_SCALE=PV_LAZY if lazy_rescale else PV_EAGER, BIT_BOX=box, num_warps=num_warps,
     )  # fmt: skip
     return combine_splits(part_o, part_lse, out, 1.0, num_splits)
