@@ -2039,12 +2039,6 @@ def _() -> object:
         return FlashInferKernel().check_supported(_tc4_spec(page=128))
 
 
-@case("modes.tc4-flashinfer-decode")
-def _() -> object:
-    with fake_gpu(arch=(9, 0)):
-        return FlashInferKernel().variant(_tc4_spec(), "decode")
-
-
 # --- the tests ----------------------------------------------------------------------------------
 
 

@@ -303,20 +303,20 @@ def test_compiled_fuses_and_equals_eager_on_cuda() -> None:
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU (and FlashInfer)")
-@pytest.mark.parametrize("batch", ["prefill", "mixed"])
+@pytest.mark.parametrize("batch", ["prefill", "decode", "mixed"])
 def test_flashinfer_kernel_matches_the_reference(batch: str) -> None:
     """FlashInferKernel on sm90 serves tc4 layers (a global one and a sliding one, head 128) in
     prefill and mixed batches by FlashInfer's prefill over the batch's pages dequantized (one
-    Triton pass), within 1e-2 (relative) of the reference kernel on the same codes and side rows.
-    Decode batches are refused (errors row ``modes.tc4-flashinfer-decode``): the TMA decode's
-    output was wrong on an H200 (relative error 1.36 on this test's decode batch, thirtieth
-    session); its program tests (``triton_programs/test_triton_decode_tc4.py``) say when it is
-    fixed, and the decode case comes back here then."""
+    Triton pass) and in decode batches by our TMA decode over the codes and side rows, within
+    1e-2 (relative) of the reference kernel on the same codes and side rows. The decode gave
+    a relative error of 1.36 here on an H200 (thirtieth session, refused then) until its fifth
+    bits' MMA operand was fixed at 16-token pages (thirty-first)."""
     from torch_kvq.attention.kernels import FlashInferKernel
     from torch_kvq.attention.kernels.kv_write_tc import write_kv_tc
 
     plans = {
         "prefill": ({}, [(10, 40), (11, 130), (12, 17)]),
+        "decode": ({0: 15, 1: 16, 2: 200, 3: 77}, [(0, 1), (1, 1), (2, 1), (3, 1)]),
         "mixed": ({0: 15, 1: 100}, [(0, 1), (1, 37), (5, 50)]),
     }
     hist, step = plans[batch]

@@ -275,8 +275,8 @@ def default_kernel(arch: str) -> str:
 # (attention/triton/decode_tma.py: bulk tensor copies, Hopper and later), claimed on sm90 only,
 # where it was run; elsewhere they serve model-dtype layers only. It takes any head size FlashInfer does, pages of 16 to 128, soft-caps.
 # Per-(token, head) layers (int8 / e4m3 / int4 codes, or k int8 and v int4, with fp32 scales; and
-# tc4's codes with their side rows: prefill and mixed batches only, run on an H200 in the
-# thirtieth session; FlashInferKernel refuses their decode, whose program gave wrong output there)
+# tc4's codes with their side rows, run on an H200 in the thirtieth session and, the decode
+# fixed, on an H100 in the thirty-first)
 # run on sm90 in every configuration:
 # decode on the same Triton kernel with the scales per logit / weight column, prefill and mixed
 # batches on FlashInfer's model-dtype prefill over the batch's pages dequantized into a compact

@@ -52,9 +52,9 @@ docs/design/fp8_prefill.md, docs/design/fp8_decode_paths.md, benchmarks/RESULTS.
 
 * ``tc4_per_token_head`` layers (codes and side rows; q in k's dual basis), sm90, every
   configuration, no logit soft-cap: prefill / mixed over the batch's pages dequantized in one
-  Triton pass (``kv_dequant_tc``: k left in its basis, v un-rotated), as above. Decode-only
-  batches are refused: their program (``attention/triton/decode_tc4_tma.py``) gave wrong output
-  on a GPU (docs/design/int4-branch.md); the reference kernel decodes tc4 layers.
+  Triton pass (``kv_dequant_tc``: k left in its basis, v un-rotated), as above; decode-only
+  batches on our Triton program in the 4-bit decodes' TMA scheme
+  (``attention/triton/decode_tc4_tma.py``), the codes and side rows read in place.
 
 The unfused form of a quantized layer hands ``attend`` its batch's pages dequantized to fp32
 (the exact semantics; the rest of that tensor is never written). FlashInfer reads no fp32 cache,
@@ -288,13 +288,6 @@ class FlashInferKernel:
         codes = spec.mode.per_token_head or spec.mode.transform_coded
         if codes and kv_dtype == spec.storage_dtype:  # codes + kv_scale (tc4: its side rows)
             if phase == "decode":
-                if spec.mode.transform_coded:
-                    raise KernelUnsupportedError(
-                        f"layer {spec.name!r} ({spec.mode.value}): FlashInfer's tc4 decode "
-                        "(triton/decode_tc4_tma.py) gave wrong output on an H200 and is refused "
-                        "until its GPU tests pass (docs/design/int4-branch.md); the reference "
-                        "kernel serves tc4 decode, FlashInferKernel tc4 prefill and mixed batches"
-                    )
                 return "triton-decode"
             return "fa2-compact-prefill" if self.prefill == "fa2" else "fa3-compact-prefill"
         if phase == "prefill":
