@@ -1,15 +1,17 @@
 """The ``tc4_per_token_head`` decode per layer at 32 x 16k on one GPU (``triton/decode_tc4_tma.py``)
-per splits, warps and stages, beside the tuned int4 decode (``decode_tma``) on the same shape and pages: median ms of a CUDA graph of 20
-calls, rounds interleaved, and % of copy bandwidth counting code and scale bytes (tc4: 152 bytes a
-token and kv head at D 128, int4 136). Answers issue 33's question of what tc4's formats cost a
-decode (docs/design/int4-branch.md).
+per splits, warps, stages and register cap, beside the tuned int4 decode (``decode_tma``) on the
+same shape and pages: median ms of a CUDA graph of 20 calls, rounds interleaved, and % of copy
+bandwidth counting code and scale bytes (tc4: 152 bytes a token and kv head at D 128, int4 136).
+Answers issue 33's question of what tc4's formats cost a decode (docs/design/int4-branch.md).
 
-    python benchmarks/bench_decode_tc4.py [llama] [gemma_global] [--page 32] [--splits 4 8] [--warps 1 4] [--stages 4 6] [--eager]
+    python benchmarks/bench_decode_tc4.py [llama] [gemma_global] [--page 32] [--splits 4 8]
+        [--warps 1 4] [--stages 4 6] [--eager] [--max-registers 0 184]
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import statistics
 import sys
 from pathlib import Path
@@ -48,10 +50,12 @@ def time_shape(
     warps: list[int],
     stages: list[int],
     eager: bool,
+    regs: list[int | None],
     copy: float,
 ) -> None:
     """One line per decode of ``shape`` at 32 x 16k: median ms and % of copy (tc4 per splits,
-    warps and stages; lazy rescaling, and eager too with ``eager``)."""
+    warps, stages and register cap, None the launcher's; lazy rescaling, and eager too with
+    ``eager``)."""
     from bench_fp8_decode_paths import Case
     from bench_kv_write import graph_ms
 
@@ -69,14 +73,12 @@ def time_shape(
             c.q, int4_codes, c.table, c.seq_lens, 1.0, 1.0, c.sm_scale, max_seq_len=c.ctx,
             kv_scale=int4_scales)),
     }  # fmt: skip
-    for s in splits:
-        for w in warps:
-            for st in stages:
-                for lazy in (True, False) if eager else (True,):
-                    name = f"tc4 splits {s} warps {w} stages {st}{'' if lazy else ' eager'}"
-                    calls[name] = (tc4_bytes, lambda s=s, w=w, st=st, lazy=lazy: paged_decode_tc4_tma(
-                        q, codes, aux, c.table, c.seq_lens, c.sm_scale, num_splits=s, num_warps=w,
-                        num_stages=st, lazy_rescale=lazy))  # fmt: skip
+    for s, w, st, r in itertools.product(splits, warps, stages, regs):
+        for lazy in (True, False) if eager else (True,):
+            name = f"tc4 splits {s} warps {w} stages {st} regs {r}{'' if lazy else ' eager'}"
+            calls[name] = (tc4_bytes, lambda s=s, w=w, st=st, r=r, lazy=lazy: paged_decode_tc4_tma(
+                q, codes, aux, c.table, c.seq_lens, c.sm_scale, num_splits=s, num_warps=w,
+                num_stages=st, lazy_rescale=lazy, max_registers=r))  # fmt: skip
     times: dict[str, list[float]] = {k: [] for k in calls}
     for _ in range(3):  # interleaved rounds
         for name, (_, fn) in calls.items():
@@ -95,13 +97,24 @@ def main() -> None:
     ap.add_argument("--warps", nargs="+", type=int, default=[1])
     ap.add_argument("--stages", nargs="+", type=int, default=[6])
     ap.add_argument("--eager", action="store_true", help="also time eager rescaling")
+    ap.add_argument("--max-registers", nargs="+", type=int, default=[None],
+                    help="Triton's maxnreg (0: none; default: decode_tc4_tma.MAX_REGISTERS's)")  # fmt: skip
     args = ap.parse_args()
     from gpu_common import copy_bandwidth, environment
 
     print(environment(), flush=True)
     copy = copy_bandwidth()["GBps"]
     for shape in args.shapes:
-        time_shape(shape, args.page, args.splits, args.warps, args.stages, args.eager, copy)
+        time_shape(
+            shape,
+            args.page,
+            args.splits,
+            args.warps,
+            args.stages,
+            args.eager,
+            args.max_registers,
+            copy,
+        )
 
 
 if __name__ == "__main__":
