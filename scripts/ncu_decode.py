@@ -5,9 +5,11 @@ int4-branch.md, "Where the 4-bit decodes stall"). On the device machine:
       --metrics 'regex:smsp__average_warps_issue_stalled_.*_per_issue_active\\.ratio' \
       python3 scripts/ncu_decode.py int4 llama [num_stages=4 ...]
 
-MODE: int8 | fp8 | int4 | k8v4 (``bench_fp8_decode_paths.Case.per_token_head``); SHAPE: llama |
-gemma_global; then ``paged_decode_tma`` keyword arguments as KEY=INT (``page=N``: N tokens a cache
-page, not an argument; default 16). Three calls: compile, then two to skip."""
+MODE: int8 | fp8 | int4 | k8v4 (``bench_fp8_decode_paths.Case.per_token_head``), or tc4
+(``decode_tc4_tma.paged_decode_tc4_tma`` over ``bench_decode_tc4.tc4_cache``; ``-k
+regex:_decode_tc4_tma``); SHAPE: llama | gemma_global; then the decode's keyword arguments as
+KEY=INT (``page=N``: N tokens a cache page, not an argument; default 16). Three calls: compile,
+then two to skip."""
 
 from __future__ import annotations
 
@@ -28,6 +30,18 @@ def main() -> None:
     mode, shape = sys.argv[1], sys.argv[2]
     kw = {k: int(v) for k, v in (a.split("=") for a in sys.argv[3:])}
     c = Case(shape, 32, 16384, kw.pop("page", 16))
+    if mode == "tc4":
+        from bench_decode_tc4 import tc4_cache
+
+        from torch_kvq.attention.triton.decode_tc4_tma import paged_decode_tc4_tma
+
+        codes, aux = tc4_cache(c.batch * c.per_seq, c.page, c.kh, c.d)
+        for _ in range(3):
+            paged_decode_tc4_tma(
+                c.q.half(), codes, aux, c.table, c.seq_lens, c.sm_scale, max_seq_len=c.ctx, **kw
+            )
+        torch.cuda.synchronize()
+        return
     codes, scales = c.per_token_head(mode)
     for _ in range(3):
         paged_decode_tma(

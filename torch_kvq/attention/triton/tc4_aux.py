@@ -1,6 +1,6 @@
 """Where a tc4 aux record's bytes sit in a page's aux block (``quant_tc.aux_to_cache``: contiguous
 rows of ``page`` bytes, the 8 fp16 slots as fp16 [8, page], then the fifth bits' rows), for the
-Triton programs that write or read it (the cache write, both decodes, the scratch pass): the
+Triton programs that write or read it (the cache write, the decode, the scratch pass): the
 record's offsets as constexprs, a token's byte and slot addresses, and a zero point as the fp16
 offset the exponent trick subtracts. One home for the layout on the device side, as
 ``quant_tc.aux_positions`` is on the host's. Imports Triton.
