@@ -182,3 +182,32 @@ def test_hf_model_with_a_calibrated_tc4_layer_compiles_to_eager():
     with pytest.raises(ValueError, match="no layer of this KV config is tc4_per_token_head"):
         lm.with_k_bases(KVCacheConfig("fp8"), table)
     lm.detach()
+
+
+def test_k_channels_and_bases_attach_in_either_order_on_a_map_with_both():
+    """A map with an int4 layer and a tc4 layer (issue 33's hybrid maps, ``kvq eval``'s
+    ``channels=calibrate:basis=calibrate``): the K channel scales go to the int4 layer and the K
+    basis to the tc4 one whichever is attached first (``with_k_channels`` once resolved the
+    whole config, which refused the tc4 layer still without its basis)."""
+    from torch_kvq.evaluation.calibrate import k_bases, k_channel_scales
+
+    lm = KVQCausalLM.from_hf(
+        hf_model("llama", torch.bfloat16), KVCacheConfig(page_size=PAGE_SIZE), num_pages=NUM_PAGES
+    )
+    g = torch.Generator().manual_seed(1)
+    windows = torch.randint(0, lm.config.vocab_size, (2, 24), generator=g).tolist()
+    bases, channels = k_bases(lm, windows), k_channel_scales(lm, windows)
+    modes = ((0, "tc4_per_token_head"), (1, "int4_per_token_head"))
+    cfg = KVCacheConfig("auto", layer_modes=modes, page_size=PAGE_SIZE)
+    paths = [lm.layer_paths[s.name] for s in lm.kv_specs[:2]]
+    for both in (
+        lm.with_k_bases(lm.with_k_channels(cfg, channels), bases),
+        lm.with_k_channels(lm.with_k_bases(cfg, bases), channels),
+    ):
+        assert [p for p, _ in both.k_bases] == paths[:1]
+        assert [p for p, _ in both.k_channel_scales] == paths[1:]
+        lm.configure_kv(both)
+        tc4, int4 = lm.kv_specs[:2]
+        assert tc4.k_basis is not None and tc4.k_channel is None
+        assert int4.k_channel is not None and int4.k_basis is None
+    lm.detach()

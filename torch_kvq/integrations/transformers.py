@@ -240,11 +240,14 @@ class KVQCausalLM(PagedKV):
         self, cfg: KVCacheConfig, channels: Mapping[str, KChannelScale]
     ) -> KVCacheConfig:
         """``cfg`` with ``channels`` (HF path -> ``KChannelScale``, e.g. ``kvq calibrate``'s) as
-        the K channel scales of its ``int4_per_token_head`` layers. ValueError if ``cfg`` has no
-        such layer or ``channels`` misses one of them."""
-        specs = self.resolve_kv_specs(replace(cfg, k_channel_scales=()))
+        the K channel scales of its ``int4_per_token_head`` layers (by the layers' modes alone,
+        as ``with_k_bases``: a map with tc4 layers takes either first). ValueError if ``cfg`` has
+        no such layer or ``channels`` misses one of them."""
+        modes = layer_modes(self._layer_config(cfg), self.layer_infos(), self.dtype)
         int4 = {
-            self.layer_paths[s.name] for s in specs if s.mode is KVQuantMode.INT4_PER_TOKEN_HEAD
+            p
+            for p, m in zip(self.layer_paths.values(), modes)
+            if m is KVQuantMode.INT4_PER_TOKEN_HEAD
         }
         return replace(
             cfg,
