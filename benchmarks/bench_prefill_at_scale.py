@@ -35,6 +35,7 @@ Writes $OUT/prefill_at_scale.json and prefill_at_scale.md.
 from __future__ import annotations
 
 import argparse
+import functools
 import gc
 import os
 import sys
@@ -45,7 +46,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_decode_at_scale import KV_CONFIGS, MODELS, PAGE, _git_head, build, kv_config  # noqa: E402
-from bench_model_decode import sync  # noqa: E402
+from bench_model_decode import profile_steps, sync  # noqa: E402
 from gpu_common import environment, write_results  # noqa: E402
 
 from torch_kvq import kvq_backend  # noqa: E402
@@ -92,7 +93,9 @@ def prebuild_all(model, kvs: dict, variants: list[tuple[str, str]]) -> None:
 
 def run_model(name: str, args, env, save) -> list[dict]:
     device = "cpu" if args.smoke else "cuda"
-    kvs = {kv: kv_config(kv, name, args.page, args.smoke) for kv in dict.fromkeys(["bf16", *args.kv])}
+    kvs = {
+        kv: kv_config(kv, name, args.page, args.smoke) for kv in dict.fromkeys(["bf16", *args.kv])
+    }
     pages = -(-args.len // args.page) + 1
     torch.manual_seed(0)
     model = build(name, kvs["bf16"], ReferenceKernel(), device, args.smoke, pages, None)
@@ -125,6 +128,11 @@ def run_model(name: str, args, env, save) -> list[dict]:
             sync(device)
             row["ttft_s"] = time.perf_counter() - t0
             row["tokens_per_s"] = args.prompts * args.len / row["ttft_s"]
+            if args.profile:  # one more prompt under torch.profiler: GPU time by kernel
+                step = functools.partial(prefill, model, fn, 20_000, prompts[0])
+                prof = profile_steps(step, device, 1)
+                row["gpu_ms_by_kind"] = prof["gpu_ms_by_kind"]
+                row["kernels"] = prof["kernels_per_step"][:12]
             out = torch.cat(logits).float()
             if ref is None:
                 ref = out
@@ -177,6 +185,9 @@ def main() -> None:
     ap.add_argument("--page", type=int, default=PAGE, help="tokens per cache page, every config")
     ap.add_argument("--smoke", action="store_true", help="CPU, tiny shapes, reference kernel")
     ap.add_argument("--eager", action="store_true", help="no torch.compile (bf16 variants only)")
+    ap.add_argument("--profile", action="store_true",
+                    help="one more prompt per variant under torch.profiler: GPU ms by kernel kind "
+                         "and the top kernels (where a mode's write and scratch pass go)")  # fmt: skip
     ap.add_argument("--prefills", nargs="+", default=PREFILLS, choices=PREFILLS)
     ap.add_argument("--kv", nargs="+", default=["bf16", "fp8"], choices=KV_CONFIGS,
                     help="KV configs (bench_decode_at_scale.KV_CONFIGS); bf16 / fa2 is the "

@@ -109,16 +109,18 @@ def test_smoke_run_and_plot(tmp_path):
 
 def test_prefill_at_scale_smoke_run(tmp_path):
     """The TTFT benchmark's CPU smoke run: every variant timed, bf16/fa2 is its own reference,
-    and the FP8 config's last-token logits differ from it (the cache really is FP8)."""
+    and the FP8 config's last-token logits differ from it (the cache really is FP8); with
+    ``--profile`` each row carries the profiled prompt's GPU time by kernel kind (none on a CPU)."""
     env = {**os.environ, "OUT": str(tmp_path), "PYTHONPATH": str(ROOT)}
     cmd = [sys.executable, str(ROOT / "benchmarks" / "bench_prefill_at_scale.py"), "--smoke",
-           "--models", "llama-3.1-8b", "--commit", "test"]  # fmt: skip
+           "--models", "llama-3.1-8b", "--commit", "test", "--profile"]  # fmt: skip
     subprocess.run(cmd, env=env, check=True, capture_output=True, timeout=600)
     rows = json.loads((tmp_path / "prefill_at_scale.json").read_text())["rows"]
     assert [(r["kv_config"], r["prefill"]) for r in rows] == [
         ("bf16", "fa2"), ("bf16", "fa3"), ("fp8", "fa2"), ("fp8", "fa3"), ("fp8", "fa3_fp8")
     ]  # fmt: skip
     assert all("error" not in r and r["ttft_s"] > 0 for r in rows), rows
+    assert all(r["gpu_ms_by_kind"] == {} and r["kernels"] == [] for r in rows), rows
     errs = {(r["kv_config"], r["prefill"]): r["logits_rel_err_vs_bf16_fa2"] for r in rows}
     assert errs[("bf16", "fa2")] == 0.0 and 0 < errs[("fp8", "fa2")] < 0.1
 
