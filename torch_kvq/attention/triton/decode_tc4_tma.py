@@ -151,8 +151,8 @@ def _fifth_bits(
     fp16 16.0 (0x4C00) or 0, no conversion. A page of 16 tokens takes them by one shift per bit
     from a broadcast: from the joins Triton 3.6 makes the MMA's A operand with kWidth 8, which
     needs a K of 32 (at 16 the products came out wrong on the GPU; ``tma_kernel_sass``'s
-    ``dot_k_short`` checks it offline). The box has ``BOX`` rows (``bit_box_rows``), the first U
-    of them the bits."""
+    ``dot_k_short`` checks it offline; fixed upstream after 3.6, triton-lang/triton#11691).
+    The box has ``BOX`` rows (``bit_box_rows``), the first U of them the bits."""
     x = bit_desc.load([blk * ROWS8 + 2 * SLOTS, 0])  # [BOX, PAGE]
     if BOX > U:  # 2 U rows: the next block's first U rows dropped
         x, _ = tl.split(tl.permute(tl.reshape(x, [2, U, PAGE]), [1, 2, 0]))
