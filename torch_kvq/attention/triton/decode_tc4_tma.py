@@ -124,7 +124,8 @@ def bit_box_rows(d: int, page: int) -> int:
     """Rows of the fifth bits' TMA box: their D / 16, or twice that where those would make a box
     under 128 bytes (head 64, 16-token pages). A copy's shared destination must be 128-byte
     aligned, and Triton 3.6 packs the pipeliner's buffers of a smaller box back to back (a
-    misaligned-address fault on the GPU; ``tma_kernel_sass``'s ``tma_misaligned``)."""
+    misaligned-address fault on the GPU; ``tma_kernel_sass``'s ``tma_misaligned``;
+    triton-lang/triton#10474, whose fix leaves such a box unpipelined instead)."""
     return max(d // 16, 128 // page)
 
 
