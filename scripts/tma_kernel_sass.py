@@ -296,10 +296,10 @@ def main() -> None:
     args = ap.parse_args()
     from torch_kvq.attention.triton.decode_config import BALANCED, TUNED, mode_cache_kind, tuned
 
-    if args.cache == "tc4_per_token_head":  # no TUNED entry: the arguments (or these defaults)
+    if args.cache == "tc4_per_token_head":  # no TUNED entry: the arguments, else the launcher's
         for head in [args.head] if args.head else [64, 128, 256]:
             cfg = dict(head=head, group=args.group or (2 if head == 256 else 4),
-                       stages=args.stages or 3, warps=args.warps or 1,
+                       stages=args.stages or 6, warps=args.warps or 1,
                        lazy=True if args.lazy is None else args.lazy, page=args.page)  # fmt: skip
             stats, _, sass = sass_stats(compile_tc4(**cfg))
             print(json.dumps({**cfg, **stats}) if args.json else f"{cfg} {stats}")

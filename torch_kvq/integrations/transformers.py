@@ -243,12 +243,7 @@ class KVQCausalLM(PagedKV):
         the K channel scales of its ``int4_per_token_head`` layers (by the layers' modes alone,
         as ``with_k_bases``: a map with tc4 layers takes either first). ValueError if ``cfg`` has
         no such layer or ``channels`` misses one of them."""
-        modes = layer_modes(self._layer_config(cfg), self.layer_infos(), self.dtype)
-        int4 = {
-            p
-            for p, m in zip(self.layer_paths.values(), modes)
-            if m is KVQuantMode.INT4_PER_TOKEN_HEAD
-        }
+        int4 = self._paths_where(cfg, lambda m: m is KVQuantMode.INT4_PER_TOKEN_HEAD)
         return replace(
             cfg,
             k_channel_scales=layer_table(
@@ -260,10 +255,15 @@ class KVQCausalLM(PagedKV):
         """``cfg`` with ``bases`` (HF path -> ``KBasis``, e.g. ``calibrate.k_bases``'s) as the K
         bases of its ``tc4_per_token_head`` layers. ValueError if ``cfg`` has no such layer or
         ``bases`` misses one of them."""
-        modes = layer_modes(self._layer_config(cfg), self.layer_infos(), self.dtype)
-        tc4 = {p for p, m in zip(self.layer_paths.values(), modes) if m.transform_coded}
+        tc4 = self._paths_where(cfg, lambda m: m.transform_coded)
         table = layer_table(bases, tc4, "K bases", "tc4_per_token_head", "basis=calibrate")
         return replace(cfg, k_bases=table)
+
+    def _paths_where(self, cfg: KVCacheConfig, keep: Callable[[KVQuantMode], bool]) -> set[str]:
+        """HF paths of the layers whose mode under ``cfg``'s rules ``keep`` takes (the modes
+        alone: no per-layer table is checked, so tables can be attached in any order)."""
+        modes = layer_modes(self._layer_config(cfg), self.layer_infos(), self.dtype)
+        return {p for p, m in zip(self.layer_paths.values(), modes) if keep(m)}
 
     def layer_infos(self) -> list[AttentionLayerInfo]:
         """What HF passed each attention layer in the dry run (no quantization choices)."""

@@ -297,7 +297,7 @@ _PTH_MODES = (
     KVQuantMode.FP8_PER_TOKEN_HEAD,
     KVQuantMode.INT4_PER_TOKEN_HEAD,
     KVQuantMode.K8V4_PER_TOKEN_HEAD,
-    KVQuantMode.TC4_PER_TOKEN_HEAD,  # no soft cap; its decode refused (kernels/flashinfer.py)
+    KVQuantMode.TC4_PER_TOKEN_HEAD,  # its TMA decode (triton/decode_tc4_tma.py), no soft cap
 )
 _PTH_PAGE_SIZES = (16, 32, 64)
 for _arch in _FI_ARCHS:

@@ -99,25 +99,23 @@ def unpack_k(lanes):
 
 @triton.jit
 def _q_cols(q_row, cols, g_mask, mult):
-    """q's columns ``cols`` times ``mult`` (a power of two: exact), as fp16 [BLOCK_G, n], and
-    their sums [BLOCK_G] (fp32, of the fp16 values)."""
+    """q's columns ``cols`` times ``mult`` (a power of two: exact), as fp16 [BLOCK_G, n]."""
     x = tl.load(q_row + cols[None, :], mask=g_mask[:, None], other=0.0).to(tl.float32) * mult
-    x = x.to(tl.float16)
-    return x, tl.sum(x.to(tl.float32), axis=1)
+    return x.to(tl.float16)
 
 
 @triton.jit
 def q_groups(q_ptr, b, heads, g_mask, stride_qb, stride_qh, D: tl.constexpr):
     """q's rows of ``heads`` of sequence ``b`` as K's lane operands [BLOCK_G, D / 4] in fp16 (A's
-    columns, B's / 64, C's even / 4 and odd / 32: ``unpack_k``'s 2^s taken out), then their sums
-    [BLOCK_G] (fp32)."""
+    columns, B's / 64, C's even / 4 and odd / 32: ``unpack_k``'s 2^s taken out); their sums come
+    in the logits' layout from MMAs with ones (``_decode_tc4_tma``'s prologue)."""
     q_row = q_ptr + b * stride_qb + heads[:, None] * stride_qh
     j = tl.arange(0, D // 4)  # lane j: A_j, B_j, C_2j, C_2j+1
-    qa, sum_a = _q_cols(q_row, j, g_mask, 1.0)
-    qb, sum_b = _q_cols(q_row, D // 4 + j, g_mask, 1.0 / 64)
-    qce, sum_ce = _q_cols(q_row, D // 2 + 2 * j, g_mask, 1.0 / 4)
-    qco, sum_co = _q_cols(q_row, D // 2 + 2 * j + 1, g_mask, 1.0 / 32)
-    return qa, qb, qce, qco, sum_a, sum_b, sum_ce, sum_co
+    qa = _q_cols(q_row, j, g_mask, 1.0)
+    qb = _q_cols(q_row, D // 4 + j, g_mask, 1.0 / 64)
+    qce = _q_cols(q_row, D // 2 + 2 * j, g_mask, 1.0 / 4)
+    qco = _q_cols(q_row, D // 2 + 2 * j + 1, g_mask, 1.0 / 32)
+    return qa, qb, qce, qco
 
 
 def bit_box_rows(d: int, page: int) -> int:
@@ -195,7 +193,7 @@ def _decode_tc4_tma(
     offs_g = tl.arange(0, BLOCK_G)
     g_mask = offs_g < G
     heads = kh * G + offs_g
-    qa, qb, qce, qco, _, _, _, _ = q_groups(q_ptr, b, heads, g_mask, stride_qb, stride_qh, D)
+    qa, qb, qce, qco = q_groups(q_ptr, b, heads, g_mask, stride_qb, stride_qh, D)
     # q's group sums in the logits' layout [PAGE, BLOCK_G] (products with ones)
     ones = tl.full([PAGE, D // 4], 1.0, tl.float16)
     sum_a = tl.dot(ones, tl.trans(qa))
