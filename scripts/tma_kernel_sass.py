@@ -301,8 +301,12 @@ def main() -> None:
             cfg = dict(head=head, group=args.group or (2 if head == 256 else 4),
                        stages=args.stages or 6, warps=args.warps or 1,
                        lazy=True if args.lazy is None else args.lazy, page=args.page)  # fmt: skip
-            stats, _, sass = sass_stats(compile_tc4(**cfg))
+            kernel = compile_tc4(**cfg)
+            stats, _, sass = sass_stats(kernel)
             print(json.dumps({**cfg, **stats}) if args.json else f"{cfg} {stats}")
+            if args.lines:
+                n, per_line = loop_lines(kernel)
+                print(f"loop {n}: " + ", ".join(f"{src} {k}" for src, k in per_line if k >= 4))
             if args.dump:
                 args.dump.write_text(sass)
         return

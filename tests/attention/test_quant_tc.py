@@ -165,9 +165,9 @@ def test_v_row_and_aux_hold_the_codes_where_the_format_says() -> None:
             row, r = codes[i, h], aux[i, h]
             # byte j: half 1's channel j (low nibble: its low 4 bits) and half 2's (high)
             lo, h2 = _bits(row, 0, d // 2, 4, d)[0::2], _bits(row, 0, d // 2, 4, d)[1::2]
-            # half 1's fifth bits: channel c at bit c // (D/16) of side byte c % (D/16)
-            n = d // 16
-            hi = [int(r[6 + c % n]) >> (c // n) & 1 for c in range(d // 2)]
+            # half 1's fifth bits, D 64 (U = D/16 = 4): channel c = 4 g + i at bit 4 (g % 2) + i
+            # of side byte g // 2 (the decode's operand order)
+            hi = [int(r[6 + c // 8]) >> (4 * (c // 4 % 2) + c % 4) & 1 for c in range(d // 2)]
             assert [a | b << 4 for a, b in zip(lo, hi)] == c1.tolist()
             assert h2 == c2.tolist()
             scales = [int.from_bytes(bytes(r[j : j + 2].tolist()), "little") for j in (0, 2)]
@@ -244,3 +244,20 @@ def test_head_size_not_a_multiple_of_16_is_refused() -> None:
     with pytest.raises(ValueError, match="40"):
         q.check_head_size(40)
     q.check_head_size(48)
+
+
+@pytest.mark.parametrize("d", [48, 64, 80, 128, 256])
+def test_fifth_bit_positions_place_every_channel_once(d: int) -> None:
+    """Each of half 1's D/2 fifth bits has its own bit among the D/16 bytes, in the decode's
+    operand order where D is a multiple of 64 (one aux row's byte of token t holds its bits of
+    channels g U + 4 ih .. + 3 for g = 2 (byte % 4), + 1: a lane's words of a 16-token step)."""
+    pos = q.fifth_bit_positions(d)
+    assert sorted(pos.tolist()) == list(range(d // 2))
+    bits = torch.randint(0, 2, (3, d // 2), dtype=torch.uint8)
+    assert torch.equal(q.unpack_fifth_bits(q.pack_fifth_bits(bits)), bits)
+    u = d // 16
+    if u % 4 == 0:  # byte 4 ih + g2 holds channels (2 g2 + n) U + 4 ih + il at bit 4 n + il
+        for byte in range(u):
+            ih, g2 = divmod(byte, 4)
+            want = [(2 * g2 + b // 4) * u + 4 * ih + b % 4 for b in range(8)]
+            assert [int((pos == 8 * byte + b).nonzero()) for b in range(8)] == want

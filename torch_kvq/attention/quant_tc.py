@@ -20,7 +20,7 @@ bits sit in a 16-bit lane's low 10): K's row is D/4 little-endian 16-bit lanes, 
 B_i << 6 | C_2i << 10 | C_2i+1 << 13`` (``pack_k_lanes``; C's two codes read after one shift of
 the 32-bit word by 8); V's row byte j = ``h1_j & 15 | h2_j << 4`` (half 1's and half 2's channel
 j: the int4 mode's two-nibble byte, one half a nibble), half 1's fifth bits a 1-bit plane in the
-aux row (``pack_plane``; the ``AUX_*`` offsets).
+aux row (``fifth_bit_positions``: the decode's operand order; the ``AUX_*`` offsets).
 
 Why: bits where the score is. In the calibrated basis K's coordinates carry unequal shares of
 q . k, so the heavy quarter gets 6 bits and the light half 3; V's halves get 5 / 4 bits with
@@ -156,17 +156,31 @@ def unpack_plane(packed: torch.Tensor, bits: int) -> torch.Tensor:
     return torch.stack(parts, -1).flatten(-2)
 
 
+def fifth_bit_positions(d: int) -> torch.Tensor:
+    """[D/2] int64: where V half 1's channel c has its fifth bit among a token's D/16 bytes, as 8 *
+    byte + bit. With U = D/16 and c = g U + i (g < 8): where U is a multiple of 4 (D of 64, 128,
+    256: every head size the decode takes) bit 4 (g % 2) + i % 4 of byte 4 (i // 4) + g // 2, so
+    that one aux row at four consecutive tokens holds the 16 bits of one lane's MMA operand words
+    (``triton/decode_tc4_tma._fifth_words``); else bit g of byte i."""
+    u = d // 16
+    c = torch.arange(d // 2)
+    g, i = c // u, c % u
+    if u % 4 == 0:
+        return 8 * (4 * (i // 4) + g // 2) + 4 * (g % 2) + i % 4
+    return 8 * i + g
+
+
 def pack_fifth_bits(bits: torch.Tensor) -> torch.Tensor:
-    """V half 1's fifth bits [..., D/2] (0 / 1) -> D/16 bytes: bit j of byte f is channel ``f + j
-    * D/16`` (the order the decode's MMA operand rows come out in: ``int4.v_columns``' of V)."""
-    n = bits.shape[-1] // 8
-    return pack_plane(bits.unflatten(-1, (8, n)).transpose(-1, -2).flatten(-2), 1)
+    """V half 1's fifth bits [..., D/2] (0 / 1) -> D/16 bytes at ``fifth_bit_positions``."""
+    placed = torch.empty_like(bits)
+    placed[..., fifth_bit_positions(2 * bits.shape[-1]).to(bits.device)] = bits
+    return pack_plane(placed, 1)
 
 
 def unpack_fifth_bits(packed: torch.Tensor) -> torch.Tensor:
     """``pack_fifth_bits``' inverse: D/16 bytes -> [..., D/2] bits (uint8)."""
-    n = packed.shape[-1]
-    return unpack_plane(packed, 1).unflatten(-1, (n, 8)).transpose(-1, -2).flatten(-2)
+    pos = fifth_bit_positions(16 * packed.shape[-1]).to(packed.device)
+    return unpack_plane(packed, 1)[..., pos]
 
 
 def _group_codes(

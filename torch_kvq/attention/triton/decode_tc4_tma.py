@@ -15,10 +15,11 @@ Per page: K's lane words to fp16 operands by the exponent trick (``unpack_k``:
 codes), q's group columns divided by those 2^s once per program (``q_groups``), one MMA per group
 (C's two chained), the ``1024`` offsets and zero points taken out per logit (q's group sums, from
 the prologue, times ``1024 + 2^s zp``), each group's logits times its token's fp16 scale; V's
-bytes in ``int4.v_columns`` order (``int4.v_tile``, the cache's ``v_layout``), centred per element
-with each half's zero point (``int4.unpack_minus``), half 1's fifth bits as 16s in the same rows
-(``_fifth_bits``: bit j of aux byte f is the operand's row 8 f + j), into half 1's accumulator as
-a second chained MMA; the weights times each half's scale (times ``PV_SCALE``); online softmax in
+bytes in ``int4.v_columns`` order (``int4.v_tile``, the cache's ``v_layout``), unpacked straight
+into the MMA's A operands (``unpack5_minus``: half 1's fifth bit ORed in by the low nibble's own
+``lop3``, from words of the plane built one shift and one ``lop3`` a register pair,
+``_fifth_words``; the plane in that order: ``quant_tc.fifth_bit_positions``), centred per element
+with each half's zero point; the weights times each half's scale (times ``PV_SCALE``); online softmax in
 base 2 (``int4.rescale``; lazy by default: the max moves only past 8). Epilogue:
 ``int4.unrotate_store`` with the halves' un-rotation as one block-diagonal +-1 matrix
 (``rotation_matrices``). Imports Triton.
@@ -38,7 +39,6 @@ from torch_kvq.attention.triton.helpers import INTERPRET, combine_splits, split_
 from torch_kvq.attention.triton.int4 import (
     rescale,
     store_split_int4,
-    unpack_minus,
     v_columns,
     v_tile,
 )
@@ -142,30 +142,64 @@ def _slots(slot_desc, blk, PAGE: tl.constexpr, ROWS16: tl.constexpr):
 
 
 @triton.jit
-def _fifth_bits(
+def _fifth_words(
     bit_desc, blk, ROWS8: tl.constexpr, U: tl.constexpr, PAGE: tl.constexpr, BOX: tl.constexpr
 ):
-    """Half 1's fifth bits as 16s, fp16 [8 U, PAGE]: row 8 f + j bit j of the page's aux byte row
-    f (channel ``f + j * U``: the ``v_columns`` order of half 1's accumulator rows), each the
-    fp16 16.0 (0x4C00) or 0, no conversion. A page of 16 tokens takes them by one shift per bit
-    from a broadcast: from the joins Triton 3.6 makes the MMA's A operand with kWidth 8, which
-    needs a K of 32 (at 16 the products came out wrong on the GPU; ``tma_kernel_sass``'s
-    ``dot_k_short`` checks it offline; fixed upstream after 3.6, triton-lang/triton#11691).
-    The box has ``BOX`` rows (``bit_box_rows``), the first U of them the bits."""
+    """Half 1's fifth bits as ``unpack5_minus``'s words, uint32 [D / 2, PAGE] (the MMA's A
+    operand's shape, ``int4.v_tile``'s labels transposed): the element of column c = 32 h + 8 w +
+    g, token t holds ``b0 << 4 | b1 << 20`` for the two tokens (b0 the even one) of its pair in
+    the operand's register (tokens 16 s + 4 t' + 2 jp, + 1); compiled, one shift and one ``lop3``
+    a pair. The plane (``quant_tc.fifth_bit_positions``): aux row 4 h + g // 2 of token t holds
+    column c's bit at 4 (g % 2) + w, so one row's 4 bytes at tokens 16 s + 4 t' .. + 3 are a
+    lane's 16 bits of a 16-token step. The interpreter, which runs no PTX, gets each element its
+    own half (``b << 4``). The box has ``BOX`` rows (``bit_box_rows``), the first U the bits."""
     x = bit_desc.load([blk * ROWS8 + 2 * SLOTS, 0])  # [BOX, PAGE]
     if BOX > U:  # 2 U rows: the next block's first U rows dropped
         x, _ = tl.split(tl.permute(tl.reshape(x, [2, U, PAGE]), [1, 2, 0]))
-    if PAGE == 16:
-        j = tl.arange(0, 8)
-        bits = tl.reshape((x.to(tl.int32)[:, None, :] >> j[None, :, None]) & 1, [8 * U, PAGE])
-        return (bits * 0x4C00).to(tl.int16).to(tl.float16, bitcast=True)
-    x = x.to(tl.int16)
-    b0, b1, b2, b3 = (x & 1) * 0x4C00, (x & 2) * 0x2600, (x & 4) * 0x1300, (x & 8) * 0x0980
-    b4, b5, b6, b7 = (x & 16) * 0x04C0, (x & 32) * 0x0260, (x & 64) * 0x0130, (x & 128) * 0x0098
-    even = tl.join(tl.join(b0, b4), tl.join(b2, b6))
-    odd = tl.join(tl.join(b1, b5), tl.join(b3, b7))
-    bits = tl.permute(tl.reshape(tl.join(even, odd), [U, PAGE, 8]), (0, 2, 1))
-    return tl.reshape(bits, [8 * U, PAGE]).to(tl.float16, bitcast=True)
+    H: tl.constexpr = U // 4
+    S: tl.constexpr = PAGE // 16
+    x = tl.reshape(x.to(tl.uint32), [H, 4, S, 4, 4])  # h, g // 2, s, t', j
+    j = tl.arange(0, 4)
+    # a register's tokens j to bytes 0, 2, 1, 3: a pair's two bits 16 apart
+    q = tl.sum(x << ((j & 1) * 16 + (j >> 1) * 8)[None, None, None, None, :], axis=4)
+    n = tl.arange(0, 2)  # lane g = 2 g2 + n: its bits w in nibble n, each moved to bit 4 + w
+    q = q[:, :, None, :, :] << (4 - 4 * n)[None, None, :, None, None]  # [H, 4, 2, S, 4]
+    q = tl.permute(tl.reshape(q, [H, 8, S, 4]), [2, 0, 1, 3])  # s, h, g, t'
+    w = tl.arange(0, 4)
+    jp = tl.arange(0, 2)
+    sh = w[:, None] + 8 * jp[None, :]  # [4, 2]
+    f = (q[:, :, :, :, None, None] >> sh[None, None, None, None, :, :]) & 0x00100010
+    if INTERPRET:  # each element its own half
+        e = tl.arange(0, 2)
+        f = (f[:, :, :, :, :, :, None] >> (16 * e)[None, None, None, None, None, None, :]) & 0xFFFF
+    else:  # both elements of a pair the word
+        f = tl.broadcast_to(f[:, :, :, :, :, :, None], [S, H, 8, 4, 4, 2, 2])
+    f = tl.reshape(f, [S, H, 8, 4, 4, 4])  # s, h, g, t', w, j
+    f = tl.permute(f, [1, 4, 2, 0, 3, 5])  # as ``int4.v_tile``
+    return tl.reshape(f, [8 * U, PAGE])
+
+
+@triton.jit
+def unpack5_minus(x, f, z_lo, z_hi):
+    """``int4.unpack_minus`` with half 1's fifth bits: V's bytes ``x`` (uint8) and
+    ``_fifth_words`` ``f`` -> (low nibble + 16 fifth bit + 1024 - ``z_lo``, ``16 *`` high nibble +
+    1024 - ``z_hi``) fp16 each, exactly; compiled, the fifth bits cost nothing here: the byte
+    permutes fill with ``0x64`` (fp16's exponent of 1024), so the low nibbles' ``lop3`` takes
+    one mask and ORs ``f`` in."""
+    if INTERPRET:
+        lo = ((x & 0xF).to(tl.uint32) | f | 0x6400).to(tl.uint16).to(tl.float16, bitcast=True)
+        hi = ((x & 0xF0).to(tl.uint16) | 0x6400).to(tl.float16, bitcast=True)
+        return lo - z_lo, hi - z_hi
+    return tl.inline_asm_elementwise(
+        "{ .reg .b32 t0, t1, u; "
+        "prmt.b32 t0, $4, 0x64646464, 0x4140; prmt.b32 t1, $4, 0x64646464, 0x4342; "
+        "lop3.b32 u, t0, 0x640f640f, $5, 0xea; sub.rn.f16x2 $0, u, $9; "
+        "lop3.b32 u, t1, 0x640f640f, $7, 0xea; sub.rn.f16x2 $1, u, $10; "
+        "and.b32 u, t0, 0x64f064f0; sub.rn.f16x2 $2, u, $11; "
+        "and.b32 u, t1, 0x64f064f0; sub.rn.f16x2 $3, u, $12; }",
+        "=r,=r,=r,=r,r,r,r,r,r,r,r,r,r", [x, f, z_lo, z_hi], dtype=(tl.float16, tl.float16),
+        is_pure=True, pack=4,
+    )  # fmt: skip
 
 
 @triton.jit
@@ -237,14 +271,15 @@ def _decode_tc4_tma(
             acc_lo, acc_hi, l_acc, m_i, m_safe = rescale(acc_lo, acc_hi, l_acc, m_i, tl.max(s, 0))
             pr = tl.exp2(s - m_safe[None, :])
         l_acc += pr
-        z_lo = tl.broadcast_to(offset16(z1, 0)[:, None], [PAGE, D // 2])
-        z_hi = tl.broadcast_to(offset16(z2, 4)[:, None], [PAGE, D // 2])
-        v_lo, v_hi = unpack_minus(v, z_lo, z_hi)  # half 1's low 4 bits - zp1, 16 (half 2 - zp2)
+        z_lo = tl.broadcast_to(offset16(z1, 0)[None, :], [D // 2, PAGE])
+        z_hi = tl.broadcast_to(offset16(z2, 4)[None, :], [D // 2, PAGE])
+        fifth = _fifth_words(bit_desc, blk, ROWS8, U, PAGE, BIT_BOX)
+        # half 1's 5 bits - zp1, 16 (half 2 - zp2), [D / 2, PAGE]: the MMA's A operands
+        v_lo, v_hi = unpack5_minus(tl.trans(v), fifth, z_lo, z_hi)
         w1 = (pr * (s1.to(tl.float32) * PV_SCALE)[:, None]).to(tl.float16)
         w2 = (pr * (s2.to(tl.float32) * PV_SCALE)[:, None]).to(tl.float16)
-        acc_lo = tl.dot(_fifth_bits(bit_desc, blk, ROWS8, U, PAGE, BIT_BOX), w1, acc_lo)
-        acc_lo = tl.dot(tl.trans(v_lo), w1, acc_lo)
-        acc_hi = tl.dot(tl.trans(v_hi), w2, acc_hi)
+        acc_lo = tl.dot(v_lo, w1, acc_lo)
+        acc_hi = tl.dot(v_hi, w2, acc_hi)
     store_split_int4(
         tl.trans(acc_lo), tl.trans(acc_hi) * 0.0625, m_i, tl.sum(l_acc, axis=0), b, split, heads,
         g_mask, out_ptr, part_o_ptr, part_lse_ptr, 1.0 / PV_SCALE, rot_ptr, stride_ob, stride_oh,

@@ -18,7 +18,16 @@ import triton.language as tl
 
 from torch_kvq.attention.triton.hadamard import walsh_hadamard
 from torch_kvq.attention.triton.helpers import store_rounded, v_offsets
-from torch_kvq.attention.triton.tc4_aux import KS, KZ, VH, VS, VZ, aux_byte, aux_slot
+from torch_kvq.attention.triton.tc4_aux import (
+    KS,
+    KZ,
+    VH,
+    VS,
+    VZ,
+    aux_byte,
+    aux_slot,
+    fifth_bit_at,
+)
 
 
 @triton.jit
@@ -84,10 +93,11 @@ def kv_dequant_tc_kernel(
         tok, col = v_offsets(t, c, True, PAGE, KH * C, 1, C)
         src = cache_ptr + (page * 2 + 1) * (PAGE * KH * C) + (tok + h * C)[None, :] + col[:, None]
         codes = tl.load(src, mask=ok[None, :]).to(tl.int32)  # [C, ROWS], channels first
-        # half 1's fifth bit of channel c: bit c // U of aux row AUX_V_HIGH + c % U
-        fifth = tl.load(block[None, :] + (c % U + VH)[:, None] * PAGE + t[None, :],
+        # half 1's fifth bit of channel c: aux row AUX_V_HIGH + byte, at bit (fifth_bit_at)
+        byte, bit = fifth_bit_at(c, U)
+        fifth = tl.load(block[None, :] + (byte + VH)[:, None] * PAGE + t[None, :],
                         mask=ok[None, :], other=0).to(tl.int32)  # fmt: skip
-        c1 = (codes & 15) | (((fifth >> (c // U)[:, None]) & 1) << 4)
+        c1 = (codes & 15) | (((fifth >> bit[:, None]) & 1) << 4)
         y1 = _half(c1, _zp(block, t, ok, PAGE, VZ), _slot(block, t, ok, PAGE, VS // 2),
                    signs_ptr, inv_sqrt_b, C, ROWS, LOG2C)  # fmt: skip
         y2 = _half(codes >> 4, _zp(block, t, ok, PAGE, VZ + 1),

@@ -151,6 +151,10 @@ def kv_write_tc_kernel(
         tl.store(dst - offset * c_ss + tok + col, row_bytes)
         _store_scale(block, offset, page_size, s1, z1, VS, VZ)
         _store_scale(block, offset, page_size, s2, z2, VS + 2, VZ + 1)
-        # fifth bits: channel f + j * D/16 at bit j of byte f (``quant_tc.pack_fifth_bits``)
-        hi1 = tl.reshape(tl.trans(tl.reshape(hi1, [8, U])), [D // 2])
+        # fifth bits at ``quant_tc.fifth_bit_positions``: channel (2 g2 + n) U + 4 ih + il at
+        # bit 4 n + il of byte 4 ih + g2 (U a multiple of 4), else channel g U + i at bit g of i
+        if U % 4 == 0:
+            hi1 = tl.reshape(tl.permute(tl.reshape(hi1, [4, 2, U // 4, 4]), [2, 0, 1, 3]), [D // 2])
+        else:
+            hi1 = tl.reshape(tl.trans(tl.reshape(hi1, [8, U])), [D // 2])
         tl.store(block + (u1 + VH) * page_size + offset, _plane(hi1, D // 2, 1))

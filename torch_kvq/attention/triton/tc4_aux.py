@@ -42,3 +42,14 @@ def offset16(zp, SHIFT: tl.constexpr):
     """Zero points ``zp`` (ints below 2^(10 - SHIFT)) as the fp16 ``1024 + zp * 2^SHIFT``: the bit
     pattern ``0x6400 | zp << SHIFT``, no conversion."""
     return ((zp << SHIFT) | 0x6400).to(tl.int16).to(tl.float16, bitcast=True)
+
+
+@triton.jit
+def fifth_bit_at(c, U: tl.constexpr):
+    """(byte, bit) among a token's U = D / 16 fifth-bit bytes of V half 1's channels ``c``
+    (``quant_tc.fifth_bit_positions``)."""
+    g = c // U
+    i = c - g * U
+    if U % 4 == 0:
+        return 4 * (i // 4) + g // 2, 4 * (g % 2) + i % 4
+    return i, g
