@@ -50,7 +50,7 @@ def time_shape(
     warps: list[int],
     stages: list[int],
     eager: bool,
-    regs: list[int | None],
+    regs: list[int],
     copy: float,
 ) -> None:
     """One line per decode of ``shape`` at 32 x 16k: median ms and % of copy (tc4 per splits,
@@ -97,8 +97,8 @@ def main() -> None:
     ap.add_argument("--warps", nargs="+", type=int, default=[1])
     ap.add_argument("--stages", nargs="+", type=int, default=[6])
     ap.add_argument("--eager", action="store_true", help="also time eager rescaling")
-    ap.add_argument("--max-registers", nargs="+", type=int, default=[None],
-                    help="Triton's maxnreg (0: none; default: decode_tc4_tma.MAX_REGISTERS's)")  # fmt: skip
+    ap.add_argument("--max-registers", nargs="+", type=int, default=[0],
+                    help="Triton's maxnreg (0: none, the launcher's default)")  # fmt: skip
     args = ap.parse_args()
     from gpu_common import copy_bandwidth, environment
 

@@ -185,13 +185,21 @@ def spin_gpu(device: str, seconds: float = 1.0) -> None:
 
 
 # kernel kinds by name, first match wins; attention splits by the KV dtype in FlashInfer's template
-# names (XQA, "kernel_mha", and our Triton decode, "_decode_pages" / "_decode_balanced" /
-# "_combine*", run only on FP8 caches here)
+# names (XQA, "kernel_mha", and our Triton decodes, "_decode_pages" / "_decode_balanced" /
+# "_decode_tc4_tma" / "_combine*", run only on quantized caches here: the key keeps its first
+# name, FP8's)
 KERNEL_KINDS = (
     ("all_reduce", ("nccl", "AllReduce", "all_reduce")),  # tensor-parallel runs (bench_tp_decode)
     (
         "attention_fp8_kv",
-        ("kernel_mha", "__nv_fp8", "_decode_pages", "_decode_balanced", "_combine"),
+        (
+            "kernel_mha",
+            "__nv_fp8",
+            "_decode_pages",
+            "_decode_balanced",
+            "_decode_tc4_tma",
+            "_combine",
+        ),
     ),
     ("attention_bf16_kv", ("flashinfer::", "MergeState")),
     ("gemm", ("nvjet", "gemm", "cutlass", "xmma", "splitKreduce")),

@@ -127,7 +127,7 @@ def _compile(fn, sig: dict, const: dict, align: bool, opts: dict):
 
 def compile_tc4(head: int, group: int, stages: int, warps: int, lazy: bool, page: int = 16):
     """The compiled ``decode_tc4_tma._decode_tc4_tma`` (tc4's TMA decode; no TUNED entry: the
-    arguments are the config, the register cap its launcher's ``MAX_REGISTERS``), split-K, fp16
+    arguments are the config, no register cap: the launcher's default), split-K, fp16
     q, 16-divisible pointers and strides."""
     import triton
 
@@ -148,9 +148,7 @@ def compile_tc4(head: int, group: int, stages: int, warps: int, lazy: bool, page
                  RSQRT_B=hadamard_block(head // 2) ** -0.5, LAZY=lazy,
                  PV_SCALE=tc4.PV_LAZY if lazy else tc4.PV_EAGER,
                  BIT_BOX=tc4.bit_box_rows(head, page))  # fmt: skip
-    opts = dict(num_warps=warps, num_stages=stages)
-    regs = tc4.MAX_REGISTERS.get((head, page))  # the launcher's cap for the shape, if any
-    return _compile(fn, sig, const, True, {**opts, **({"maxnreg": regs} if regs else {})})
+    return _compile(fn, sig, const, True, dict(num_warps=warps, num_stages=stages))
 
 
 def tma_buffers(kernel) -> list[int]:

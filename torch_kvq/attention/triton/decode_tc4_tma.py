@@ -47,10 +47,6 @@ from torch_kvq.attention.triton.tc4_aux import SLOTS, offset16
 # the weights times v's scales, times this in fp16 (``int4.int4_pv_shift``'s: 16 eager, 1 lazy)
 PV_EAGER, PV_LAZY = 16.0, 1.0
 
-# Triton's maxnreg per (head size, page) where a cap measured faster, spill-free, for the programs
-# it adds per SM (Llama's shape at 32 x 16k on an H100, one warp; docs/design/int4-branch.md,
-# thirty-first session); others: Triton's choice.
-MAX_REGISTERS = {(128, 16): 144, (128, 32): 184}
 
 _ROTATIONS: dict[tuple[int, torch.device], torch.Tensor] = {}
 
@@ -300,7 +296,7 @@ def paged_decode_tc4_tma(
     num_stages: int = 6,
     lazy_rescale: bool = True,
     max_seq_len: int | None = None,
-    max_registers: int | None = None,
+    max_registers: int = 0,
 ) -> torch.Tensor:
     """One new token per sequence over a tc4 cache: q [B, QH, D] in k's dual basis, ``kv_cache``
     uint8 [P, 2, page, KH, D / 2] and ``kv_scale`` uint8 [P, KH, 16 + D / 16, page], both
@@ -310,7 +306,8 @@ def paged_decode_tc4_tma(
     split grid's default for the shape (``decode_config.default_num_splits``, ``max_seq_len`` a
     host bound on ``seq_lens``: never read from the device), 8 without one. ``num_stages``: the
     pipeliner's, which keeps a page in flight from 6 (docs/design/int4-branch.md measures 6 and
-    8). ``max_registers``: Triton's maxnreg; None: ``MAX_REGISTERS``'s for the shape, 0: none.
+    8). ``max_registers``: Triton's maxnreg (0: Triton's choice; no cap measured faster since the fifth
+    bits left their MMA, docs/design/int4-branch.md).
     Returns out [B, QH, D] in q's dtype. ValueError on other shapes."""
     bsz, qh, d = q.shape
     pages, two, page, kh, half = kv_cache.shape
@@ -347,8 +344,6 @@ def paged_decode_tc4_tma(
             num_splits = default_num_splits(bsz, kh, max_seq_len, page, sms)
     out, part_o, part_lse = split_outputs("paged_decode_tc4_tma", q, None, num_splits, None)
     g = qh // kh
-    if max_registers is None:
-        max_registers = MAX_REGISTERS.get((d, page), 0)
     _decode_tc4_tma[(kh, num_splits, bsz)](
         q, k_desc, v_desc, slot_desc, bit_desc, block_table, seq_lens, part_o, part_lse, out,
         rotation_matrices(d, q.device), sm_scale * 1.4426950408889634, window or 0,
