@@ -150,3 +150,17 @@ def test_unpacks_are_exact(device) -> None:
         1024 + (codes.int() & 0xF) - z_lo[:, None], 1024 + (codes.int() & 0xF0) - z_hi[:, None],
     )).float()  # fmt: skip
     assert torch.equal(out.float().cpu(), want)
+
+
+def test_default_splits_keep_one_resident_wave() -> None:
+    """The split grid aims at ``GRID`` (4) programs per SM, not int4's 8: at 32 x 16k with 8 kv
+    heads on 132 SMs 4 splits (1,024 programs, ~7.8 an SM, all resident), which measured faster
+    than 8 on an H100 (86.3% of copy against 82.5% at head 128; docs/design/int4-branch.md)."""
+    from torch_kvq.attention.triton import decode_tc4_tma as m
+
+    q = torch.zeros(1)  # off CUDA: the H200's 132 SMs
+    assert m.GRID == 4
+    assert m.default_splits(32, 8, 16384, 32, q) == 4
+    assert m.default_splits(32, 8, 16384, 16, q) == 4
+    assert m.default_splits(8, 8, 16384, 32, q) == 8  # capped: a split keeps >= 64 pages
+    assert m.default_splits(128, 8, 16384, 32, q) == 1

@@ -18,9 +18,9 @@ the prologue, times ``1024 + 2^s zp``), each group's logits times its token's fp
 bytes in ``int4.v_columns`` order (``int4.v_tile``, the cache's ``v_layout``), unpacked straight
 into the MMA's A operands (``unpack5_minus``: half 1's fifth bit ORed in by the low nibble's own
 ``lop3``, from words of the plane built one shift and one ``lop3`` a register pair,
-``_fifth_words``; the plane in that order: ``quant_tc.fifth_bit_positions``), centred per element
-with each half's zero point; the weights times each half's scale (times ``PV_SCALE``); online softmax in
-base 2 (``int4.rescale``; lazy by default: the max moves only past 8). Epilogue:
+``_fifth_words``; the plane in that order: ``quant_tc.fifth_bit_positions``), centred per
+element with each half's zero point; the weights times each half's scale (times ``PV_SCALE``);
+online softmax in base 2 (``int4.rescale``; lazy by default: the max moves only past 8). Epilogue:
 ``int4.unrotate_store`` with the halves' un-rotation as one block-diagonal +-1 matrix
 (``rotation_matrices``). Imports Triton.
 """
@@ -47,6 +47,11 @@ from torch_kvq.attention.triton.tc4_aux import SLOTS, offset16
 # the weights times v's scales, times this in fp16 (``int4.int4_pv_shift``'s: 16 eager, 1 lazy)
 PV_EAGER, PV_LAZY = 16.0, 1.0
 
+
+# programs per SM the split grid aims at (``decode_config.default_num_splits``): one resident
+# wave (head 128 holds ~11 programs an SM by its registers, head 256 ~8); int4's 8 gives 8
+# splits at 32 x 16k, 15.5 programs an SM, and measured slower (docs/design/int4-branch.md)
+GRID = 4
 
 _ROTATIONS: dict[tuple[int, torch.device], torch.Tensor] = {}
 
@@ -283,6 +288,12 @@ def _decode_tc4_tma(
     )  # fmt: skip
 
 
+def default_splits(batch: int, kv_heads: int, max_seq_len: int, page: int, q: torch.Tensor) -> int:
+    """The split grid's splits per (sequence, kv head) for the shape on q's device: ``GRID``
+    programs per SM (``decode_config.default_num_splits``)."""
+    return default_num_splits(batch, kv_heads, max_seq_len, page, sm_count(q.device), GRID)
+
+
 def paged_decode_tc4_tma(
     q: torch.Tensor,
     kv_cache: torch.Tensor,
@@ -303,12 +314,12 @@ def paged_decode_tc4_tma(
     contiguous, ``block_table`` [B, max pages] int32, ``seq_lens`` [B] int32; head sizes 64, 128,
     256; pages of 16, 32 or 64 tokens. ``lazy_rescale``: the softmax's reference max moves only
     when a logit passes it by more than 8 (base 2; ``decode_tma``'s). ``num_splits`` None: the
-    split grid's default for the shape (``decode_config.default_num_splits``, ``max_seq_len`` a
-    host bound on ``seq_lens``: never read from the device), 8 without one. ``num_stages``: the
-    pipeliner's, which keeps a page in flight from 6 (docs/design/int4-branch.md measures 6 and
-    8). ``max_registers``: Triton's maxnreg (0: Triton's choice; no cap measured faster since the fifth
-    bits left their MMA, docs/design/int4-branch.md).
-    Returns out [B, QH, D] in q's dtype. ValueError on other shapes."""
+    split grid's default for the shape (``decode_config.default_num_splits`` at ``GRID``
+    programs per SM, ``max_seq_len`` a host bound on ``seq_lens``: never read from the device),
+    8 without one. ``num_stages``: the pipeliner's, which keeps a page in flight from 6
+    (docs/design/int4-branch.md measures 6 and 8). ``max_registers``: Triton's maxnreg (0: its
+    own choice; no cap measured faster since the fifth bits left their MMA). Returns out [B, QH,
+    D] in q's dtype. ValueError on other shapes."""
     bsz, qh, d = q.shape
     pages, two, page, kh, half = kv_cache.shape
     aux = quant_tc.aux_width(d)
@@ -338,10 +349,7 @@ def paged_decode_tc4_tma(
     aux16 = kv_scale.view(-1).view(torch.float16).view(pages * kh * aux // 2, page)
     slot_desc = TensorDescriptor(aux16, list(aux16.shape), [page, 1], [quant_tc.AUX_SLOTS, page])
     if num_splits is None:
-        num_splits = 8
-        if max_seq_len is not None:
-            sms = sm_count(q.device)
-            num_splits = default_num_splits(bsz, kh, max_seq_len, page, sms)
+        num_splits = 8 if max_seq_len is None else default_splits(bsz, kh, max_seq_len, page, q)
     out, part_o, part_lse = split_outputs("paged_decode_tc4_tma", q, None, num_splits, None)
     g = qh // kh
     _decode_tc4_tma[(kh, num_splits, bsz)](
