@@ -125,9 +125,12 @@ def _compile(fn, sig: dict, const: dict, align: bool, opts: dict):
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=opts)
 
 
-def compile_tc4(head: int, group: int, stages: int, warps: int, lazy: bool, page: int = 16):
+def compile_tc4(
+    head: int, group: int, stages: int, warps: int, lazy: bool, page: int = 16,
+    max_registers: int | None = None,
+):  # fmt: skip
     """The compiled ``decode_tc4_tma._decode_tc4_tma`` (tc4's TMA decode; no TUNED entry: the
-    arguments are the config, no register cap: the launcher's default), split-K, fp16
+    arguments are the config; ``max_registers`` a cap, none by default as in the launcher), split-K, fp16
     q, 16-divisible pointers and strides."""
     import triton
 
@@ -148,7 +151,10 @@ def compile_tc4(head: int, group: int, stages: int, warps: int, lazy: bool, page
                  RSQRT_B=hadamard_block(head // 2) ** -0.5, LAZY=lazy,
                  PV_SCALE=tc4.PV_LAZY if lazy else tc4.PV_EAGER,
                  BIT_BOX=tc4.bit_box_rows(head, page))  # fmt: skip
-    return _compile(fn, sig, const, True, dict(num_warps=warps, num_stages=stages))
+    opts = dict(num_warps=warps, num_stages=stages)
+    return _compile(
+        fn, sig, const, True, {**opts, **({"maxnreg": max_registers} if max_registers else {})}
+    )
 
 
 def tma_buffers(kernel) -> list[int]:
@@ -298,7 +304,8 @@ def main() -> None:
         for head in [args.head] if args.head else [64, 128, 256]:
             cfg = dict(head=head, group=args.group or (2 if head == 256 else 4),
                        stages=args.stages or 6, warps=args.warps or 1,
-                       lazy=True if args.lazy is None else args.lazy, page=args.page)  # fmt: skip
+                       lazy=True if args.lazy is None else args.lazy, page=args.page,
+                       max_registers=args.max_registers)  # fmt: skip
             kernel = compile_tc4(**cfg)
             stats, _, sass = sass_stats(kernel)
             print(json.dumps({**cfg, **stats}) if args.json else f"{cfg} {stats}")
