@@ -116,6 +116,28 @@ def test_the_basis_leaves_every_score_unchanged() -> None:
     assert not torch.allclose(kb, k)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_the_16_bit_basis_products_round_as_the_fp32_ones(dtype) -> None:
+    """16-bit q and k take the basis in two matrices of their dtype (one product of twice the
+    length, fp32 accumulation, one rounding): the fp32 products' result rounded to the dtype but
+    in near-ties (here under 1% of the elements, each a last-bit difference of a value that the
+    sum's order moves), and no further from the fp32 product than that rounding."""
+    g = torch.Generator().manual_seed(2)
+    p = torch.linalg.qr(torch.randn(2, 32, 32, generator=g))[0] * (
+        torch.rand(2, 1, 32, generator=g) * 3 + 0.2
+    )  # not orthogonal: P^-T != P
+    q = (torch.randn(40, 8, 32, generator=g) * 3).to(dtype)
+    k = (torch.randn(40, 2, 32, generator=g) * 3).to(dtype)
+    got = basis_qk(q, k, p, inverse_transpose(p))
+    exact = basis_qk(q.float(), k.float(), p, inverse_transpose(p))  # fp32 products
+    for x, ref in zip(got, exact, strict=True):
+        assert x.dtype == dtype
+        rounded = ref.to(dtype)
+        assert (x != rounded).float().mean() < 0.01
+        err, floor = (x.float() - ref).norm(), (rounded.float() - ref).norm()
+        assert err <= floor * 1.01, (err, floor)
+
+
 def test_calibrated_basis_sorts_the_weight_and_folds_the_group_rotations() -> None:
     """BasisStats' P = R T: T's coordinates have E[q'^2] = E[k'^2] = sigma, descending (the
     balanced basis), and R is orthogonal and block-diagonal over K's groups."""

@@ -14,7 +14,8 @@ group spread evenly over it); that rotation is folded into the basis here, P = R
 cache write and the decode see one matrix and no rotation of k.
 
 The layer applies P to k and P^-T to q before its flow (``basis_qk``): a batched matrix product per
-kv head, which ``torch.compile`` keeps beside the ops that made q and k (RoPE).
+kv head (of the model's dtype where that is 16-bit: P as two such matrices, one product of twice
+the length), which ``torch.compile`` keeps beside the ops that made q and k (RoPE).
 """
 
 from __future__ import annotations
@@ -28,14 +29,30 @@ from torch_kvq.spec_channels import KBasis
 def basis_qk(
     q: torch.Tensor, k: torch.Tensor, p: torch.Tensor, p_inv_t: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(P^-T q, P k) in fp32, returned in q's and k's dtypes. q [T, H, D], k [T, KH, D], p and
-    p_inv_t [KH, D, D] float32; query head h takes the matrix of kv head h // (H / KH)."""
+    """(P^-T q, P k) in q's and k's dtypes. q [T, H, D], k [T, KH, D], p and p_inv_t [KH, D, D]
+    float32; query head h takes the matrix of kv head h // (H / KH). fp32 products for fp32 q
+    and k; for 16-bit ones (``_split_product``) products of that dtype, on tensor cores."""
     t, h, d = q.shape
     kh = p.shape[0]
+    if q.dtype == k.dtype and q.dtype in (torch.bfloat16, torch.float16):
+        qb = _split_product(p_inv_t, q.reshape(t, kh, h // kh, d), "hde,thge->thgd")
+        return qb.reshape(t, h, d), _split_product(p, k, "hde,the->thd")
     qg = q.float().reshape(t, kh, h // kh, d)
     qb = torch.einsum("hde,thge->thgd", p_inv_t, qg)
     kb = torch.einsum("hde,the->thd", p, k.float())
     return qb.reshape(t, h, d).to(q.dtype), kb.to(k.dtype)
+
+
+def _split_product(m: torch.Tensor, x: torch.Tensor, spec: str) -> torch.Tensor:
+    """``einsum(spec, m, x)`` for fp32 m and a 16-bit x, in x's dtype: m as the sum of two
+    matrices of that dtype (m rounded, then the rest rounded: some 16 more bits), x against
+    both in one product of twice the length, accumulated in fp32 and rounded once. x is exact
+    in its dtype, so this is the fp32 product but for m's last bits and the order of the sum
+    (the same rounded result but in near-ties, ``tests/attention/test_tc4_per_token_head.py``),
+    at a 16-bit product's speed: fp32 ones run on the CUDA cores, over every prompt token."""
+    hi = m.to(x.dtype)
+    lo = (m - hi.float()).to(x.dtype)
+    return torch.einsum(spec, torch.cat((hi, lo), -1), torch.cat((x, x), -1))
 
 
 def _sqrtm(a: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,59 @@
+"""A tc4 layer's K-basis products (``k_basis.basis_qk``: P k and P^-T q) on one GPU: fp32 products
+(the form before the thirty-second session, and what fp32 q and k still take) against the 16-bit
+form (``k_basis._split_product``: P as two matrices of the model's dtype, one product of twice
+the length). Llama-3.1-8B's layer (QH 32, KH 8, D 128), bf16 q and k, at a decode batch of 32
+tokens and one 16k-token prompt; median ms per call of a CUDA graph of ``--calls`` calls over
+``--rounds`` replays, both through ``torch.compile`` as the layer runs them.
+
+    python benchmarks/bench_basis_qk.py [--tokens 32 16384]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+
+def fp32_products(q, k, p, p_inv_t):
+    """The fp32 form: (P^-T q, P k) in fp32, rounded to q's and k's dtypes."""
+    t, h, d = q.shape
+    kh = p.shape[0]
+    qb = torch.einsum("hde,thge->thgd", p_inv_t, q.float().reshape(t, kh, h // kh, d))
+    kb = torch.einsum("hde,the->thd", p, k.float())
+    return qb.reshape(t, h, d).to(q.dtype), kb.to(k.dtype)
+
+
+def main() -> None:
+    from bench_kv_write import graph_ms
+    from gpu_common import environment
+
+    from torch_kvq.attention.k_basis import basis_qk, inverse_transpose
+
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--tokens", type=int, nargs="+", default=[32, 16384])
+    ap.add_argument("--calls", type=int, default=20)
+    ap.add_argument("--rounds", type=int, default=5)
+    args = ap.parse_args()
+    print(environment())
+    g = torch.Generator(device="cuda").manual_seed(0)
+    p = torch.linalg.qr(torch.randn(8, 128, 128, device="cuda", generator=g))[0]
+    p_inv_t = inverse_transpose(p)
+    forms = {"fp32": torch.compile(fp32_products), "16-bit": torch.compile(basis_qk)}
+    for t in args.tokens:
+        q = torch.randn(t, 32, 128, device="cuda", generator=g).bfloat16()
+        k = torch.randn(t, 8, 128, device="cuda", generator=g).bfloat16()
+        for name, fn in forms.items():
+            call = lambda fn=fn, q=q, k=k: fn(q, k, p, p_inv_t)  # noqa: E731
+            ms = statistics.median(graph_ms(call, args.calls, args.rounds))
+            print(f"basis_qk tokens {t} {name}: {ms:.4f} ms")
+
+
+if __name__ == "__main__":
+    main()
