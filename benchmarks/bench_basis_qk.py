@@ -1,7 +1,7 @@
 """A tc4 layer's K-basis products (``k_basis.basis_qk``: P k and P^-T q) on one GPU: fp32 products
 (the form before the thirty-second session, and what fp32 q and k still take) against the 16-bit
-form (``k_basis._split_product``: P as two matrices of the model's dtype, one product of twice
-the length). Llama-3.1-8B's layer (QH 32, KH 8, D 128), bf16 q and k, at a decode batch of 32
+form (``k_basis.basis_operand``'s pair, built once: P as two matrices of the model's dtype, one
+product of twice the length). Llama-3.1-8B's layer (QH 32, KH 8, D 128), bf16 q and k, at a decode batch of 32
 tokens and one 16k-token prompt; median ms per call of a CUDA graph of ``--calls`` calls over
 ``--rounds`` replays, both through ``torch.compile`` as the layer runs them.
 
@@ -34,7 +34,7 @@ def main() -> None:
     from bench_kv_write import graph_ms
     from gpu_common import environment
 
-    from torch_kvq.attention.k_basis import basis_qk, inverse_transpose
+    from torch_kvq.attention.k_basis import basis_operand, basis_qk, inverse_transpose
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--tokens", type=int, nargs="+", default=[32, 16384])
@@ -45,12 +45,14 @@ def main() -> None:
     g = torch.Generator(device="cuda").manual_seed(0)
     p = torch.linalg.qr(torch.randn(8, 128, 128, device="cuda", generator=g))[0]
     p_inv_t = inverse_transpose(p)
+    pair = [basis_operand(m, torch.bfloat16) for m in (p, p_inv_t)]  # built once, as a layer
     forms = {"fp32": torch.compile(fp32_products), "16-bit": torch.compile(basis_qk)}
+    mats = {"fp32": (p, p_inv_t), "16-bit": pair}
     for t in args.tokens:
         q = torch.randn(t, 32, 128, device="cuda", generator=g).bfloat16()
         k = torch.randn(t, 8, 128, device="cuda", generator=g).bfloat16()
         for name, fn in forms.items():
-            call = lambda fn=fn, q=q, k=k: fn(q, k, p, p_inv_t)  # noqa: E731
+            call = lambda fn=fn, q=q, k=k, m=mats[name]: fn(q, k, *m)  # noqa: E731
             ms = statistics.median(graph_ms(call, args.calls, args.rounds))
             print(f"basis_qk tokens {t} {name}: {ms:.4f} ms")
 

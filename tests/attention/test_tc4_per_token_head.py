@@ -28,7 +28,13 @@ from torch_kvq.attention import (
     forward_context,
     quant_tc,
 )
-from torch_kvq.attention.k_basis import BasisStats, basis_qk, group_rotation, inverse_transpose
+from torch_kvq.attention.k_basis import (
+    BasisStats,
+    basis_operand,
+    basis_qk,
+    group_rotation,
+    inverse_transpose,
+)
 from torch_kvq.attention.memory import page_bytes
 from torch_kvq.distributed import shard_specs
 from torch_kvq.spec import AttentionLayerInfo, KVCacheConfig, KVQuantMode, tc4_aux_width
@@ -128,14 +134,18 @@ def test_the_16_bit_basis_products_round_as_the_fp32_ones(dtype) -> None:
     )  # not orthogonal: P^-T != P
     q = (torch.randn(40, 8, 32, generator=g) * 3).to(dtype)
     k = (torch.randn(40, 2, 32, generator=g) * 3).to(dtype)
-    got = basis_qk(q, k, p, inverse_transpose(p))
-    exact = basis_qk(q.float(), k.float(), p, inverse_transpose(p))  # fp32 products
+    pair, pair_inv_t = (basis_operand(m, dtype) for m in (p, inverse_transpose(p)))
+    assert pair.shape == (2, 32, 64) and pair.dtype == dtype
+    got = basis_qk(q, k, pair, pair_inv_t)
+    exact = basis_qk(q.float(), k.float(), p, inverse_transpose(p))  # fp32 products, fp32 out
     for x, ref in zip(got, exact, strict=True):
         assert x.dtype == dtype
         rounded = ref.to(dtype)
         assert (x != rounded).float().mean() < 0.01
         err, floor = (x.float() - ref).norm(), (rounded.float() - ref).norm()
         assert err <= floor * 1.01, (err, floor)
+    with pytest.raises(ValueError, match="basis pair is"):
+        basis_qk(q.float(), k.float(), pair, pair_inv_t)
 
 
 def test_calibrated_basis_sorts_the_weight_and_folds_the_group_rotations() -> None:

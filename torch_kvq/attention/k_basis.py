@@ -14,8 +14,9 @@ group spread evenly over it); that rotation is folded into the basis here, P = R
 cache write and the decode see one matrix and no rotation of k.
 
 The layer applies P to k and P^-T to q before its flow (``basis_qk``): a batched matrix product per
-kv head (of the model's dtype where that is 16-bit: P as two such matrices, one product of twice
-the length), which ``torch.compile`` keeps beside the ops that made q and k (RoPE).
+kv head (in the model's dtype where that is 16-bit: P as two such matrices, ``basis_operand``,
+one product of twice the length), which ``torch.compile`` keeps beside the ops that made q and k
+(RoPE).
 """
 
 from __future__ import annotations
@@ -26,33 +27,40 @@ from torch_kvq.attention import quant, quant_tc
 from torch_kvq.spec_channels import KBasis
 
 
+def basis_operand(p: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """P (or P^-T) [KH, D, D] float32 as ``basis_qk`` takes it in a model of ``dtype``, built once
+    per layer: for bf16 / fp16 the pair [KH, D, 2D] of that dtype (P rounded, then the rest
+    rounded: some 16 bits more than one), so that the products run on tensor cores as one of
+    twice the length, accumulated in fp32 and rounded once; else P itself (fp32 products)."""
+    if dtype in (torch.bfloat16, torch.float16):
+        hi = p.to(dtype)
+        return torch.cat((hi, (p - hi.float()).to(dtype)), -1)
+    return p
+
+
 def basis_qk(
     q: torch.Tensor, k: torch.Tensor, p: torch.Tensor, p_inv_t: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(P^-T q, P k) in q's and k's dtypes. q [T, H, D], k [T, KH, D], p and p_inv_t [KH, D, D]
-    float32; query head h takes the matrix of kv head h // (H / KH). fp32 products for fp32 q
-    and k; for 16-bit ones (``_split_product``) products of that dtype, on tensor cores."""
+    """(P^-T q, P k) in q's and k's dtypes. q [T, H, D], k [T, KH, D]; p and p_inv_t as
+    ``basis_operand`` made them: [KH, D, D] float32 (fp32 products, any q and k), or the pair
+    [KH, D, 2D] of q's and k's 16-bit dtype (x against both halves at once: the fp32 products'
+    result rounded to that dtype but in near-ties, ``tests/attention/test_tc4_per_token_head.py``,
+    at a 16-bit product's speed: fp32 ones run on the CUDA cores, over every prompt token). Query
+    head h takes the matrix of kv head h // (H / KH). ValueError for a pair of another dtype."""
     t, h, d = q.shape
     kh = p.shape[0]
-    if q.dtype == k.dtype and q.dtype in (torch.bfloat16, torch.float16):
-        qb = _split_product(p_inv_t, q.reshape(t, kh, h // kh, d), "hde,thge->thgd")
-        return qb.reshape(t, h, d), _split_product(p, k, "hde,the->thd")
-    qg = q.float().reshape(t, kh, h // kh, d)
-    qb = torch.einsum("hde,thge->thgd", p_inv_t, qg)
+    qg = q.reshape(t, kh, h // kh, d)
+    if p.shape[-1] == 2 * d:
+        if not q.dtype == k.dtype == p.dtype == p_inv_t.dtype:
+            raise ValueError(
+                f"basis_qk: the 16-bit basis pair is {p.dtype}, q {q.dtype} and k {k.dtype}: "
+                "need one dtype (k_basis.basis_operand of the model's dtype)"
+            )
+        qb = torch.einsum("hde,thge->thgd", p_inv_t, torch.cat((qg, qg), -1))
+        return qb.reshape(t, h, d), torch.einsum("hde,the->thd", p, torch.cat((k, k), -1))
+    qb = torch.einsum("hde,thge->thgd", p_inv_t, qg.float())
     kb = torch.einsum("hde,the->thd", p, k.float())
     return qb.reshape(t, h, d).to(q.dtype), kb.to(k.dtype)
-
-
-def _split_product(m: torch.Tensor, x: torch.Tensor, spec: str) -> torch.Tensor:
-    """``einsum(spec, m, x)`` for fp32 m and a 16-bit x, in x's dtype: m as the sum of two
-    matrices of that dtype (m rounded, then the rest rounded: some 16 more bits), x against
-    both in one product of twice the length, accumulated in fp32 and rounded once. x is exact
-    in its dtype, so this is the fp32 product but for m's last bits and the order of the sum
-    (the same rounded result but in near-ties, ``tests/attention/test_tc4_per_token_head.py``),
-    at a 16-bit product's speed: fp32 ones run on the CUDA cores, over every prompt token."""
-    hi = m.to(x.dtype)
-    lo = (m - hi.float()).to(x.dtype)
-    return torch.einsum(spec, torch.cat((hi, lo), -1), torch.cat((x, x), -1))
 
 
 def _sqrtm(a: torch.Tensor) -> torch.Tensor:
@@ -131,4 +139,4 @@ def inverse_transpose(p: torch.Tensor) -> torch.Tensor:
     return torch.linalg.inv(p.double()).transpose(-1, -2).float()
 
 
-__all__ = ["BasisStats", "basis_qk", "inverse_transpose"]
+__all__ = ["BasisStats", "basis_operand", "basis_qk", "inverse_transpose"]

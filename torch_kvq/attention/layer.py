@@ -16,7 +16,7 @@ from torch_kvq.attention import ops as _ops  # noqa: F401  (registers torch.ops.
 from torch_kvq.attention import ops_per_token_head as _ops_pth  # noqa: F401  (likewise)
 from torch_kvq.attention import ops_tc as _ops_tc  # noqa: F401  (likewise)
 from torch_kvq.attention import registry
-from torch_kvq.attention.k_basis import basis_qk, inverse_transpose
+from torch_kvq.attention.k_basis import basis_operand, basis_qk, inverse_transpose
 from torch_kvq.attention.k_channels import scale_qk
 from torch_kvq.attention.quant import FP8_MAX, quantize_fp8, quantize_per_token_head
 from torch_kvq.spec import LayerKVSpec, check_positive_int, tc4_aux_width
@@ -61,7 +61,8 @@ class Attention(nn.Module):
     ``tc4_per_token_head`` (``ops_tc``): ``kv_cache`` uint8 [pages, 2, page, KH, D / 2] (k's codes
     in its basis, v's), ``kv_scale`` uint8 [pages, KH, tc4_aux_width(D), page] (each (token, kv
     head)'s group scales, zero points and v's fifth bits). The layer holds its ``spec.k_basis``
-    as ``k_basis`` P and ``k_basis_inv_t`` P^-T [KH, D, D] float32 and starts its flow with
+    as ``k_basis`` P and ``k_basis_inv_t`` P^-T (``k_basis.basis_operand`` of the model's dtype:
+    [KH, D, D] float32, or a 16-bit model's pair [KH, D, 2D]) and starts its flow with
     ``k_basis.basis_qk`` (P k, P^-T q); the read gives k in that basis and v in the model's, so
     attention needs nothing more. ``quant_form="op"`` only.
     """
@@ -117,9 +118,9 @@ class Attention(nn.Module):
         p = None if spec.k_basis is None else spec.k_basis.matrix()
         p_inv_t = None if p is None else inverse_transpose(p)
         for name, value in (("k_basis", p), ("k_basis_inv_t", p_inv_t)):
-            self.register_buffer(
-                name, None if value is None else value.to(device), persistent=False
-            )
+            if value is not None:  # as basis_qk takes it in the model's dtype
+                value = basis_operand(value, spec.model_dtype).to(device)
+            self.register_buffer(name, value, persistent=False)
         registry.register(self)
 
     def extra_repr(self) -> str:
