@@ -17,7 +17,8 @@ layers). Per model one build; per variant ``configure_kv`` and a ``FlashInferKer
   int4_per_token_head-all+channels / fa3       dequantized and un-rotated, then fa3; +channels:
                                                every layer int4 with K channel scales)
   tc4_per_token_head-all / fa3                 every layer tc4 (seeded K bases), its prompt's
-                                               pages dequantized by aten, then fa3
+                                               pages dequantized by one Triton pass
+                                               (``kernels/kv_dequant_tc.py``), then fa3
 
 Each prompt is one forward of ``--len`` tokens (engines cap the tokens per step), logits of the
 last token only (``logits_indices``), through ``torch.compile(model, backend=kvq_backend)``
