@@ -2013,6 +2013,15 @@ def _() -> object:
         return with_channels(lm, None, kv, kv.config(4), None, {"K bases": {}})
 
 
+@case("modes.tc4-basis-dtype")
+def _() -> object:
+    from torch_kvq.attention.k_basis import basis_operand, basis_qk
+
+    pair = basis_operand(torch.eye(16).expand(2, 16, 16), torch.bfloat16)  # a bf16 model's
+    q, k = torch.zeros(3, 4, 16, dtype=torch.float16), torch.zeros(3, 2, 16, dtype=torch.float16)
+    return basis_qk(q, k, pair, pair)
+
+
 def _tc4_spec(soft_cap: float | None = None, page: int = 16) -> object:
     layer = AttentionLayerInfo(
         f"tc{next(_uid)}.attn", HEADS, KV_HEADS, 128, logits_soft_cap=soft_cap
