@@ -47,7 +47,6 @@ from torch_kvq.attention.triton.tc4_aux import SLOTS, offset16
 # the weights times v's scales, times this in fp16 (``int4.int4_pv_shift``'s: 16 eager, 1 lazy)
 PV_EAGER, PV_LAZY = 16.0, 1.0
 
-
 # programs per SM the split grid aims at (``decode_config.default_num_splits``): one resident
 # wave (head 128 holds ~11 programs an SM by its registers, head 256 ~8); int4's 8 gives 8
 # splits at 32 x 16k, 15.5 programs an SM, and measured slower (docs/design/int4-branch.md)
