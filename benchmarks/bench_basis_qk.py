@@ -1,9 +1,10 @@
 """A tc4 layer's K-basis products (``k_basis.basis_qk``: P k and P^-T q) on one GPU: fp32 products
-(the form before the thirty-second session, and what fp32 q and k still take) against the 16-bit
-form (``k_basis.basis_operand``'s pair, built once: P as two matrices of the model's dtype, one
-product of twice the length). Llama-3.1-8B's layer (QH 32, KH 8, D 128), bf16 q and k, at a decode batch of 32
-tokens and one 16k-token prompt; median ms per call of a CUDA graph of ``--calls`` calls over
-``--rounds`` replays, both through ``torch.compile`` as the layer runs them.
+(fp32 P: the form before the thirty-second session, and what fp32 models still take) against
+the 16-bit form (``k_basis.basis_operand``'s pair, built once: P as two matrices of the model's
+dtype, one product of twice the length). Llama-3.1-8B's layer (QH 32, KH 8, D 128), bf16 q and
+k, at a decode batch of 32 tokens and one 16k-token prompt; median ms per call of a CUDA graph
+of ``--calls`` calls over ``--rounds`` replays, both through ``torch.compile`` as the layer runs
+them.
 
     python benchmarks/bench_basis_qk.py [--tokens 32 16384]
 """
@@ -21,15 +22,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 
-def fp32_products(q, k, p, p_inv_t):
-    """The fp32 form: (P^-T q, P k) in fp32, rounded to q's and k's dtypes."""
-    t, h, d = q.shape
-    kh = p.shape[0]
-    qb = torch.einsum("hde,thge->thgd", p_inv_t, q.float().reshape(t, kh, h // kh, d))
-    kb = torch.einsum("hde,the->thd", p, k.float())
-    return qb.reshape(t, h, d).to(q.dtype), kb.to(k.dtype)
-
-
 def main() -> None:
     from bench_kv_write import graph_ms
     from gpu_common import environment
@@ -45,14 +37,17 @@ def main() -> None:
     g = torch.Generator(device="cuda").manual_seed(0)
     p = torch.linalg.qr(torch.randn(8, 128, 128, device="cuda", generator=g))[0]
     p_inv_t = inverse_transpose(p)
-    pair = [basis_operand(m, torch.bfloat16) for m in (p, p_inv_t)]  # built once, as a layer
-    forms = {"fp32": torch.compile(fp32_products), "16-bit": torch.compile(basis_qk)}
-    mats = {"fp32": (p, p_inv_t), "16-bit": pair}
+    # basis_qk's two forms by the matrices it is given (fp32 P: fp32 products), built once
+    mats = {
+        "fp32": (p, p_inv_t),
+        "16-bit": [basis_operand(m, torch.bfloat16) for m in (p, p_inv_t)],
+    }
+    fn = torch.compile(basis_qk)
     for t in args.tokens:
         q = torch.randn(t, 32, 128, device="cuda", generator=g).bfloat16()
         k = torch.randn(t, 8, 128, device="cuda", generator=g).bfloat16()
-        for name, fn in forms.items():
-            call = lambda fn=fn, q=q, k=k, m=mats[name]: fn(q, k, *m)  # noqa: E731
+        for name, m in mats.items():
+            call = lambda q=q, k=k, m=m: fn(q, k, *m)  # noqa: E731
             ms = statistics.median(graph_ms(call, args.calls, args.rounds))
             print(f"basis_qk tokens {t} {name}: {ms:.4f} ms")
 

@@ -54,8 +54,8 @@ def time_shape(
     copy: float,
 ) -> None:
     """One line per decode of ``shape`` at 32 x 16k: median ms and % of copy (tc4 per splits,
-    warps, stages and register cap, None the launcher's; lazy rescaling, and eager too with
-    ``eager``)."""
+    warps, stages and register cap, 0 none as the launcher's default; lazy rescaling, and eager
+    too with ``eager``)."""
     from bench_fp8_decode_paths import Case
     from bench_kv_write import graph_ms
 

@@ -130,8 +130,8 @@ def compile_tc4(
     max_registers: int | None = None,
 ):  # fmt: skip
     """The compiled ``decode_tc4_tma._decode_tc4_tma`` (tc4's TMA decode; no TUNED entry: the
-    arguments are the config; ``max_registers`` a cap, none by default as in the launcher), split-K, fp16
-    q, 16-divisible pointers and strides."""
+    arguments are the config; ``max_registers`` a cap, none by default as in the launcher),
+    split-K, fp16 q, 16-divisible pointers and strides."""
     import triton
 
     from torch_kvq.attention.quant import hadamard_block
@@ -152,9 +152,9 @@ def compile_tc4(
                  PV_SCALE=tc4.PV_LAZY if lazy else tc4.PV_EAGER,
                  BIT_BOX=tc4.bit_box_rows(head, page))  # fmt: skip
     opts = dict(num_warps=warps, num_stages=stages)
-    return _compile(
-        fn, sig, const, True, {**opts, **({"maxnreg": max_registers} if max_registers else {})}
-    )
+    if max_registers:
+        opts["maxnreg"] = max_registers
+    return _compile(fn, sig, const, True, opts)
 
 
 def tma_buffers(kernel) -> list[int]:
