@@ -112,7 +112,7 @@ def test_layer_equals_attention_over_the_round_tripped_k_and_v() -> None:
 def test_the_basis_leaves_every_score_unchanged() -> None:
     """(P^-T q) . (P k) = q . k: only the cache sees other values."""
     g = torch.Generator().manual_seed(1)
-    q, k = torch.randn(5, 8, 32, generator=g), torch.randn(7, 2, 32, generator=g)
+    q, k = torch.randn(7, 8, 32, generator=g), torch.randn(7, 2, 32, generator=g)
     p = basis().matrix()
     qb, kb = basis_qk(q, k, p, inverse_transpose(p))  # fp32
     rep = lambda x: x.repeat_interleave(4, 1)  # noqa: E731  (query head h reads kv head h // 4)

@@ -13,10 +13,10 @@ the score is). Each group is rotated by its own Hadamard before its uniform code
 group spread evenly over it); that rotation is folded into the basis here, P = R_groups T, so the
 cache write and the decode see one matrix and no rotation of k.
 
-The layer applies P to k and P^-T to q before its flow (``basis_qk``): a batched matrix product per
-kv head (in the model's dtype where that is 16-bit: P as two such matrices, ``basis_operand``,
-one product of twice the length), which ``torch.compile`` keeps beside the ops that made q and k
-(RoPE).
+The layer applies P to k and P^-T to q before its flow (``kvq.basis_qk``; ``basis_qk`` here is
+its math): a batched matrix product per kv head (in the model's dtype where that is 16-bit: P as
+two such matrices, ``basis_operand``, one product of twice the length). On CUDA the op runs both
+products in one Triton launch (``kernels/basis_qk.py``).
 """
 
 from __future__ import annotations
@@ -38,6 +38,35 @@ def basis_operand(p: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return p
 
 
+def check_basis_operands(
+    q: torch.Tensor, k: torch.Tensor, p: torch.Tensor, p_inv_t: torch.Tensor
+) -> bool:
+    """Whether P and P^-T are ``basis_operand``'s 16-bit pair (else fp32 matrices) for q [T, H,
+    D] and k [T, KH, D]. ValueError for other shapes, or for a pair of another dtype than q's and
+    k's."""
+    t, h, d = q.shape
+    kh = p.shape[0]
+    if (
+        tuple(k.shape) != (t, kh, d)
+        or h % kh
+        or p.shape != p_inv_t.shape
+        or tuple(p.shape) not in ((kh, d, d), (kh, d, 2 * d))
+    ):
+        raise ValueError(
+            f"basis_qk: q {tuple(q.shape)}, k {tuple(k.shape)}, P {tuple(p.shape)}, P^-T "
+            f"{tuple(p_inv_t.shape)}: need q [T, H, D], k [T, KH, D] with H a multiple of KH, "
+            "both matrices [KH, D, D] float32 or [KH, D, 2 D] (a 16-bit pair)"
+        )
+    if p.shape[-1] == d:
+        return False
+    if not q.dtype == k.dtype == p.dtype == p_inv_t.dtype:
+        raise ValueError(
+            f"basis_qk: the 16-bit basis pair is {p.dtype}, q {q.dtype} and k {k.dtype}: "
+            "need one dtype (k_basis.basis_operand of the model's dtype)"
+        )
+    return True
+
+
 def basis_qk(
     q: torch.Tensor, k: torch.Tensor, p: torch.Tensor, p_inv_t: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -46,16 +75,14 @@ def basis_qk(
     [KH, D, 2D] of q's and k's 16-bit dtype (x against both halves at once: the fp32 products'
     result rounded to that dtype but in near-ties, ``tests/attention/test_tc4_per_token_head.py``,
     at a 16-bit product's speed: fp32 ones run on the CUDA cores, over every prompt token). Query
-    head h takes the matrix of kv head h // (H / KH). ValueError for a pair of another dtype."""
+    head h takes the matrix of kv head h // (H / KH). ValueError as ``check_basis_operands``
+    says. The readable form; ``kvq.basis_qk`` runs one Triton launch on CUDA
+    (``kernels/basis_qk.py``)."""
+    pair = check_basis_operands(q, k, p, p_inv_t)
     t, h, d = q.shape
     kh = p.shape[0]
     qg = q.reshape(t, kh, h // kh, d)
-    if p.shape[-1] == 2 * d:
-        if not q.dtype == k.dtype == p.dtype == p_inv_t.dtype:
-            raise ValueError(
-                f"basis_qk: the 16-bit basis pair is {p.dtype}, q {q.dtype} and k {k.dtype}: "
-                "need one dtype (k_basis.basis_operand of the model's dtype)"
-            )
+    if pair:
         qb = torch.einsum("hde,thge->thgd", p_inv_t, torch.cat((qg, qg), -1))
         return qb.reshape(t, h, d), torch.einsum("hde,the->thd", p, torch.cat((k, k), -1))
     qb = torch.einsum("hde,thge->thgd", p_inv_t, qg.float())
@@ -139,4 +166,10 @@ def inverse_transpose(p: torch.Tensor) -> torch.Tensor:
     return torch.linalg.inv(p.double()).transpose(-1, -2).float()
 
 
-__all__ = ["BasisStats", "basis_operand", "basis_qk", "inverse_transpose"]
+__all__ = [
+    "BasisStats",
+    "basis_operand",
+    "basis_qk",
+    "check_basis_operands",
+    "inverse_transpose",
+]

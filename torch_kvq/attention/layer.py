@@ -16,7 +16,7 @@ from torch_kvq.attention import ops as _ops  # noqa: F401  (registers torch.ops.
 from torch_kvq.attention import ops_per_token_head as _ops_pth  # noqa: F401  (likewise)
 from torch_kvq.attention import ops_tc as _ops_tc  # noqa: F401  (likewise)
 from torch_kvq.attention import registry
-from torch_kvq.attention.k_basis import basis_operand, basis_qk, inverse_transpose
+from torch_kvq.attention.k_basis import basis_operand, inverse_transpose
 from torch_kvq.attention.k_channels import scale_qk
 from torch_kvq.attention.quant import FP8_MAX, quantize_fp8, quantize_per_token_head
 from torch_kvq.spec import LayerKVSpec, check_positive_int, tc4_aux_width
@@ -63,7 +63,7 @@ class Attention(nn.Module):
     head)'s group scales, zero points and v's fifth bits). The layer holds its ``spec.k_basis``
     as ``k_basis`` P and ``k_basis_inv_t`` P^-T (``k_basis.basis_operand`` of the model's dtype:
     [KH, D, D] float32, or a 16-bit model's pair [KH, D, 2D]) and starts its flow with
-    ``k_basis.basis_qk`` (P k, P^-T q); the read gives k in that basis and v in the model's, so
+    ``kvq.basis_qk`` (P k, P^-T q: ``k_basis.basis_qk``'s math, one Triton launch on CUDA); the read gives k in that basis and v in the model's, so
     attention needs nothing more. ``quant_form="op"`` only.
     """
 
@@ -171,7 +171,7 @@ class Attention(nn.Module):
         if self.k_channel_scale is not None:
             q, k = scale_qk(q, k, self.k_channel_scale, self.k_channel_mean)
         if spec.mode.transform_coded:  # its K basis: resolve refuses a tc4 layer without one
-            q, k = basis_qk(q, k, self.k_basis, self.k_basis_inv_t)
+            q, k = torch.ops.kvq.basis_qk(q, k, self.k_basis, self.k_basis_inv_t)
             kc, ka = torch.ops.kvq.quantize_tc(k, "k")
             vc, va = torch.ops.kvq.quantize_tc(v, "v")
             torch.ops.kvq.cache_write_tc(kc, vc, ka, va, self.kv_cache, self.kv_scale, spec.name)

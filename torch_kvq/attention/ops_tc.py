@@ -5,7 +5,7 @@ A layer's codes live in ``kv_cache`` uint8 [pages, 2, page, KH, D / 2] (slot 0: 
 basis, slot 1: v's) and each (token, kv head)'s group scales, zero points and v's fifth bits in
 ``kv_scale`` uint8 [pages, KH, tc4_aux_width(D), page]. The layer's flow (reference semantics)::
 
-    q, k = k_basis.basis_qk(q, k, P, P^-T)                  # plain ops, before the flow
+    q, k = kvq.basis_qk(q, k, P, P^-T)                      # before the flow
     kc, ka = kvq.quantize_tc(k, "k"); vc, va = kvq.quantize_tc(v, "v")
     kvq.cache_write_tc(kc, vc, ka, va, kv_cache, kv_scale, layer)   # mutates both
     kv = kvq.dequantize_kv_cache_tc(kv_cache, kv_scale, layer, float32)  # k in P's basis
@@ -29,6 +29,7 @@ from torch import Tensor
 
 from torch_kvq.attention import quant_tc
 from torch_kvq.attention.context import get_forward_context
+from torch_kvq.attention.kernels.basis_qk import apply_basis
 from torch_kvq.attention.kernels.kv_write_tc import put_tc, write_kv_tc
 from torch_kvq.attention.metadata import BatchMetadata
 from torch_kvq.attention.ops import _check, _check_cache, _check_capacity, _check_q, _new_output
@@ -67,6 +68,19 @@ def _check_tc_cache(
 def _side(side: str) -> str:
     _check(side in SIDES, f"side {side!r} unknown; expected 'k' or 'v'")
     return side
+
+
+@torch.library.custom_op("kvq::basis_qk", mutates_args=())
+def basis_qk(q: Tensor, k: Tensor, p: Tensor, p_inv_t: Tensor) -> tuple[Tensor, Tensor]:
+    """(P^-T q, P k): the layer's K basis on q [T, H, D] and k [T, KH, D], P and P^-T as
+    ``k_basis.basis_operand`` made them (``kernels/basis_qk.apply_basis``: one Triton launch on
+    CUDA, ``k_basis.basis_qk``'s einsums elsewhere)."""
+    return apply_basis(q, k, p, p_inv_t)
+
+
+@basis_qk.register_fake
+def _(q: Tensor, k: Tensor, p: Tensor, p_inv_t: Tensor) -> tuple[Tensor, Tensor]:
+    return _new_output(q, q.dtype), _new_output(k, k.dtype)
 
 
 @torch.library.custom_op("kvq::quantize_tc", mutates_args=())
