@@ -225,6 +225,7 @@ def test_opcheck() -> None:
             (ops.dequantize_kv_cache_tc.default, (cache, side, spec.name, torch.float32)),
             (ops.quant_cache_write_tc.default, (k, v, *_clones(a), spec.name)),
             (ops.paged_attention_tc.default, (q, cache, side, spec.name)),
+            (ops.basis_qk.default, (q, k, a.k_basis, a.k_basis_inv_t)),
         ]
         for op, args in cases:
             opcheck(op, args)
