@@ -5,7 +5,7 @@ bandwidth counting code and scale bytes (tc4: 152 bytes a token and kv head at D
 Answers issue 33's question of what tc4's formats cost a decode (docs/design/int4-branch.md).
 
     python benchmarks/bench_decode_tc4.py [llama] [gemma_global] [--page 32] [--splits 4 8]
-        [--warps 1 4] [--stages 4 6] [--eager] [--max-registers 0 184]
+        [--warps 1 4] [--stages 4 6] [--eager] [--max-registers 0 184] [--ctxs 8192 16384]
 """
 
 from __future__ import annotations
@@ -52,8 +52,9 @@ def time_shape(
     eager: bool,
     regs: list[int],
     copy: float,
+    ctx: int = 16384,
 ) -> None:
-    """One line per decode of ``shape`` at 32 x 16k: median ms and % of copy (tc4 per splits,
+    """One line per decode of ``shape`` at 32 x ``ctx``: median ms and % of copy (tc4 per splits,
     warps, stages and register cap, 0 none as the launcher's default; lazy rescaling, and eager
     too with ``eager``)."""
     from bench_fp8_decode_paths import Case
@@ -63,7 +64,7 @@ def time_shape(
     from torch_kvq.attention.triton.decode_tma import paged_decode_tma
     from torch_kvq.spec import tc4_aux_width
 
-    c = Case(shape, 32, 16384, page)
+    c = Case(shape, 32, ctx, page)
     int4_codes, int4_scales = c.per_token_head("int4")
     codes, aux = tc4_cache(c.batch * c.per_seq, page, c.kh, c.d)
     q = c.q.half()
@@ -86,7 +87,7 @@ def time_shape(
     for name, (nbytes, _) in calls.items():
         ms = statistics.median(times[name])
         pct = 100 * nbytes / (ms * 1e-3) / 1e9 / copy
-        print(f"{shape} 32 x 16k page {page} {name}: {ms:.4f} ms, {pct:.1f}% copy", flush=True)
+        print(f"{shape} 32 x {ctx} page {page} {name}: {ms:.4f} ms, {pct:.1f}% copy", flush=True)
 
 
 def main() -> None:
@@ -97,6 +98,8 @@ def main() -> None:
     ap.add_argument("--warps", nargs="+", type=int, default=[1])
     ap.add_argument("--stages", nargs="+", type=int, default=[6])
     ap.add_argument("--eager", action="store_true", help="also time eager rescaling")
+    ap.add_argument("--ctxs", nargs="+", type=int, default=[16384],
+                    help="tokens a sequence (several: the fixed cost is the intercept)")  # fmt: skip
     ap.add_argument("--max-registers", nargs="+", type=int, default=[0],
                     help="Triton's maxnreg (0: none, the launcher's default)")  # fmt: skip
     args = ap.parse_args()
@@ -104,7 +107,7 @@ def main() -> None:
 
     print(environment(), flush=True)
     copy = copy_bandwidth()["GBps"]
-    for shape in args.shapes:
+    for shape, ctx in itertools.product(args.shapes, args.ctxs):
         time_shape(
             shape,
             args.page,
@@ -114,6 +117,7 @@ def main() -> None:
             args.eager,
             args.max_registers,
             copy,
+            ctx,
         )
 
 
