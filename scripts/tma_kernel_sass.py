@@ -138,10 +138,11 @@ def compile_tc4(
     from torch_kvq.attention.triton import decode_tc4_tma as tc4
 
     fn = tc4._decode_tc4_tma
+    step = tc4.step_tokens(head, page)  # the boxes' tokens
     sig = {
-        "q_ptr": "*fp16", "k_desc": f"tensordesc<i16[{page}, {head // 4}]>",
-        "v_desc": f"tensordesc<u8[{page}, {head // 2}]>", "slot_desc": f"tensordesc<fp16[8, {page}]>",
-        "bit_desc": f"tensordesc<u8[{tc4.bit_box_rows(head, page)}, {page}]>", "block_table_ptr": "*i32",
+        "q_ptr": "*fp16", "k_desc": f"tensordesc<i16[{step}, {head // 4}]>",
+        "v_desc": f"tensordesc<u8[{step}, {head // 2}]>", "slot_desc": f"tensordesc<fp16[8, {step}]>",
+        "bit_desc": f"tensordesc<u8[{tc4.bit_box_rows(head, step)}, {step}]>", "block_table_ptr": "*i32",
         "seq_lens_ptr": "*i32", "part_o_ptr": "*fp32", "part_lse_ptr": "*fp32", "out_ptr": "*fp16",
         "rot_ptr": "*fp16", "qk_scale_log2": "fp32", "window": "i32", "stride_qb": "i32",
         "stride_qh": "i32", "stride_ob": "i32", "stride_oh": "i32", "stride_bt": "i32",
@@ -150,7 +151,7 @@ def compile_tc4(
                  D=head, PAGE=page, NUM_SPLITS=8, STAGES=stages, USE_WINDOW=False, DIRECT=False,
                  RSQRT_B=hadamard_block(head // 2) ** -0.5, LAZY=lazy,
                  PV_SCALE=tc4.PV_LAZY if lazy else tc4.PV_EAGER,
-                 BIT_BOX=tc4.bit_box_rows(head, page))  # fmt: skip
+                 BIT_BOX=tc4.bit_box_rows(head, step), STEP=step)  # fmt: skip
     opts = dict(num_warps=warps, num_stages=stages)
     if max_registers:
         opts["maxnreg"] = max_registers

@@ -63,6 +63,8 @@ def _reference(q, cache, aux, table, lens, sm_scale, window):
         ([33, 64, 5], 2, 4, 128, 16, 4, None),
         ([70, 9], 1, 8, 128, 32, 2, 24),
         ([48], 2, 2, 256, 16, 3, None),
+        ([100, 37], 1, 2, 256, 32, 2, 40),  # head 256's pages in steps of 16 tokens
+        ([130], 1, 2, 256, 64, 1, None),
     ],
 )
 @pytest.mark.parametrize("lazy", [True, False], ids=["lazy", "eager"])
@@ -83,7 +85,8 @@ def test_program_configs(device, d, page, warps, stages) -> None:
     """Every page size at the warps and stages the benchmarks sweep: compiled, the pipeliner
     buffers the four TMA copies by the stage count and the layouts follow the warps (the
     interpreter runs neither; there these cases repeat the pages and heads). Head 64 at 16-token
-    pages with 8 stages faulted (misaligned address) before ``bit_box_rows``."""
+    pages with 8 stages faulted (misaligned address) before ``bit_box_rows``; head 256 at 32-token
+    pages takes them in two steps (``step_tokens``), eight copies a page."""
     lens = [3 * page + 5, page - 1]
     q, cache, aux, table, seq_lens = _case(lens, 2, 4, d, page, seed=page + d)
     want = _reference(q, cache, aux, table, seq_lens, d**-0.5, None)

@@ -20,7 +20,9 @@ into the MMA's A operands (``unpack5_minus``: half 1's fifth bit ORed in by the 
 ``lop3``, from words of the plane built one shift and one ``lop3`` a register pair,
 ``_fifth_words``; the plane in that order: ``quant_tc.fifth_bit_positions``), centred per
 element with each half's zero point; the weights times each half's scale (times ``PV_SCALE``);
-online softmax in base 2 (``int4.rescale``; lazy by default: the max moves only past 8). Epilogue:
+online softmax in base 2 (``int4.rescale``; lazy by default: the max moves only past 8). Head 256
+takes a page in steps of 16 tokens (``step_tokens``: the boxes hold a step, so a 32-token page's
+registers are a 16-token page's, not more than the SM holds). Epilogue:
 ``int4.unrotate_store`` with the halves' un-rotation as one block-diagonal +-1 matrix
 (``rotation_matrices``). Imports Triton.
 """
@@ -52,7 +54,18 @@ PV_EAGER, PV_LAZY = 16.0, 1.0
 # splits at 32 x 16k, 15.5 programs an SM, and measured slower (docs/design/int4-branch.md)
 GRID = 4
 
+# tokens a loop step takes where not the whole page, by head size: head 256's 32-token page in
+# one step holds more than the registers (255 and a stack), two of 16 hold what a 16-token page
+# does (docs/design/int4-branch.md)
+STEP_BY_HEAD = {256: 16}
+
 _ROTATIONS: dict[tuple[int, torch.device], torch.Tensor] = {}
+
+
+def step_tokens(d: int, page: int) -> int:
+    """Tokens of a page the decode's loop takes at a time (its TMA boxes' rows): the page, or
+    ``STEP_BY_HEAD``'s where the page is larger."""
+    return min(page, STEP_BY_HEAD.get(d, page))
 
 
 def rotation_matrices(d: int, device: torch.device) -> torch.Tensor:
@@ -128,9 +141,10 @@ def bit_box_rows(d: int, page: int) -> int:
 
 
 @triton.jit
-def _slots(slot_desc, blk, PAGE: tl.constexpr, ROWS16: tl.constexpr):
-    """A page's 8 fp16 slots of one kv head (its aux block ``blk``), each [PAGE]."""
-    r = tl.permute(tl.reshape(slot_desc.load([blk * ROWS16, 0]), [2, 2, 2, PAGE]), [3, 0, 1, 2])
+def _slots(slot_desc, blk, col, PAGE: tl.constexpr, ROWS16: tl.constexpr):
+    """The 8 fp16 slots of one kv head (its aux block ``blk``) of a page's PAGE tokens from
+    ``col``, each [PAGE]."""
+    r = tl.permute(tl.reshape(slot_desc.load([blk * ROWS16, col]), [2, 2, 2, PAGE]), [3, 0, 1, 2])
     x0, x1 = tl.split(r)  # slot 4a + 2b + c: c
     x00, x01 = tl.split(x0)  # b
     x10, x11 = tl.split(x1)
@@ -143,8 +157,9 @@ def _slots(slot_desc, blk, PAGE: tl.constexpr, ROWS16: tl.constexpr):
 
 @triton.jit
 def _fifth_words(
-    bit_desc, blk, ROWS8: tl.constexpr, U: tl.constexpr, PAGE: tl.constexpr, BOX: tl.constexpr
-):
+    bit_desc, blk, col, ROWS8: tl.constexpr, U: tl.constexpr, PAGE: tl.constexpr,
+    BOX: tl.constexpr,
+):  # fmt: skip
     """Half 1's fifth bits as ``unpack5_minus``'s words, uint32 [D / 2, PAGE] (the MMA's A
     operand's shape, ``int4.v_tile``'s labels transposed): the element of column c = 32 h + 8 w +
     g, token t holds ``b0 << 4 | b1 << 20`` for the two tokens (b0 the even one) of its pair in
@@ -152,8 +167,9 @@ def _fifth_words(
     a pair. The plane (``quant_tc.fifth_bit_positions``): aux row 4 h + g // 2 of token t holds
     column c's bit at 4 (g % 2) + w, so one row's 4 bytes at tokens 16 s + 4 t' .. + 3 are a
     lane's 16 bits of a 16-token step. The interpreter, which runs no PTX, gets each element its
-    own half (``b << 4``). The box has ``BOX`` rows (``bit_box_rows``), the first U the bits."""
-    x = bit_desc.load([blk * ROWS8 + 2 * SLOTS, 0])  # [BOX, PAGE]
+    own half (``b << 4``). The box has ``BOX`` rows (``bit_box_rows``), the first U the bits, and
+    PAGE columns from ``col`` (a step of a page: ``_decode_tc4_tma``'s ``STEP``)."""
+    x = bit_desc.load([blk * ROWS8 + 2 * SLOTS, col])  # [BOX, PAGE]
     if BOX > U:  # 2 U rows: the next block's first U rows dropped
         x, _ = tl.split(tl.permute(tl.reshape(x, [2, U, PAGE]), [1, 2, 0]))
     H: tl.constexpr = U // 4
@@ -209,6 +225,54 @@ def _off(z, SHIFT: tl.constexpr):
 
 
 @triton.jit
+def _step(
+    k_desc, v_desc, slot_desc, bit_desc, k_row, v_row, blk, col, tok0, lo, seq_len, kh,
+    qa, qb, qce, qco, sum_a, sum_b, sum_ce, sum_co, acc_lo, acc_hi, l_acc, m_i, qk_scale_log2,
+    KH: tl.constexpr, D: tl.constexpr, STEP: tl.constexpr, LAZY: tl.constexpr,
+    PV_SCALE: tl.constexpr, BIT_BOX: tl.constexpr,
+):  # fmt: skip
+    """STEP tokens of a page from token ``tok0`` (K's rows from ``k_row``, V's from ``v_row``, the
+    aux block ``blk``'s columns from ``col``): their logits, the online softmax, ``p @ v``.
+    Returns the updated (acc_lo, acc_hi, l_acc, m_i)."""
+    U: tl.constexpr = D // 16
+    ROWS8: tl.constexpr = 2 * SLOTS + U  # an aux block's rows of PAGE bytes
+    ea, eb, ece, eco = unpack_k(k_desc.load([k_row, kh * (D // 4)]))  # [STEP, D / 4] each
+    v = v_tile(v_desc.load([v_row, kh * (D // 2)]), STEP, D // 2)
+    sa, sb, sc, s1, s2, z_ab, z_c1, z_2 = _slots(slot_desc, blk, col, STEP, ROWS8 // 2)
+    zi = z_ab.to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
+    zc1 = z_c1.to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
+    z2 = z_2.to(tl.int16, bitcast=True).to(tl.int32) & 0xFF
+    za, zb, zc, z1 = zi & 0xFF, zi >> 8, zc1 & 0xFF, zc1 >> 8
+    s = (tl.dot(ea, tl.trans(qa)) - _off(za, 0) * sum_a) * sa.to(tl.float32)[:, None]
+    s += (tl.dot(eb, tl.trans(qb)) - _off(zb, 6) * sum_b) * sb.to(tl.float32)[:, None]
+    s_c = tl.dot(eco, tl.trans(qco), tl.dot(ece, tl.trans(qce)))
+    s_c -= _off(zc, 2) * sum_ce + _off(zc, 5) * sum_co
+    s += s_c * sc.to(tl.float32)[:, None]
+    toks = tok0 + tl.arange(0, STEP)
+    live = (toks >= lo) & (toks < seq_len)
+    s = tl.where(live[:, None], s * qk_scale_log2, float("-inf"))  # [STEP, BLOCK_G]
+    if LAZY:  # the reference max moves only when a logit passes it by more than 8 (base 2)
+        pr = tl.exp2(s - m_i[None, :])
+        if tl.max(tl.max(s - m_i[None, :], axis=1), axis=0) > 8.0:
+            acc_lo, acc_hi, l_acc, m_i, m_safe = rescale(acc_lo, acc_hi, l_acc, m_i, tl.max(s, 0))
+            pr = tl.exp2(s - m_safe[None, :])
+    else:
+        acc_lo, acc_hi, l_acc, m_i, m_safe = rescale(acc_lo, acc_hi, l_acc, m_i, tl.max(s, 0))
+        pr = tl.exp2(s - m_safe[None, :])
+    l_acc += pr
+    z_lo = tl.broadcast_to(offset16(z1, 0)[None, :], [D // 2, STEP])
+    z_hi = tl.broadcast_to(offset16(z2, 4)[None, :], [D // 2, STEP])
+    fifth = _fifth_words(bit_desc, blk, col, ROWS8, U, STEP, BIT_BOX)
+    # half 1's 5 bits - zp1, 16 (half 2 - zp2), [D / 2, STEP]: the MMA's A operands
+    v_lo, v_hi = unpack5_minus(tl.trans(v), fifth, z_lo, z_hi)
+    w1 = (pr * (s1.to(tl.float32) * PV_SCALE)[:, None]).to(tl.float16)
+    w2 = (pr * (s2.to(tl.float32) * PV_SCALE)[:, None]).to(tl.float16)
+    acc_lo = tl.dot(v_lo, w1, acc_lo)
+    acc_hi = tl.dot(v_hi, w2, acc_hi)
+    return acc_lo, acc_hi, l_acc, m_i
+
+
+@triton.jit
 def _decode_tc4_tma(
     q_ptr, k_desc, v_desc, slot_desc, bit_desc, block_table_ptr, seq_lens_ptr, part_o_ptr,
     part_lse_ptr, out_ptr, rot_ptr, qk_scale_log2, window,
@@ -216,7 +280,7 @@ def _decode_tc4_tma(
     KH: tl.constexpr, QH: tl.constexpr, G: tl.constexpr, BLOCK_G: tl.constexpr, D: tl.constexpr,
     PAGE: tl.constexpr, NUM_SPLITS: tl.constexpr, STAGES: tl.constexpr,
     USE_WINDOW: tl.constexpr, DIRECT: tl.constexpr, RSQRT_B: tl.constexpr, LAZY: tl.constexpr,
-    PV_SCALE: tl.constexpr, BIT_BOX: tl.constexpr,
+    PV_SCALE: tl.constexpr, BIT_BOX: tl.constexpr, STEP: tl.constexpr,
 ):  # fmt: skip
     kh = tl.program_id(0)
     split = tl.program_id(1)
@@ -228,58 +292,27 @@ def _decode_tc4_tma(
     g_mask = offs_g < G
     heads = kh * G + offs_g
     qa, qb, qce, qco = q_groups(q_ptr, b, heads, g_mask, stride_qb, stride_qh, D)
-    # q's group sums in the logits' layout [PAGE, BLOCK_G] (products with ones)
-    ones = tl.full([PAGE, D // 4], 1.0, tl.float16)
+    # q's group sums in the logits' layout [STEP, BLOCK_G] (products with ones)
+    ones = tl.full([STEP, D // 4], 1.0, tl.float16)
     sum_a = tl.dot(ones, tl.trans(qa))
     sum_b = tl.dot(ones, tl.trans(qb))
     sum_ce = tl.dot(ones, tl.trans(qce))
     sum_co = tl.dot(ones, tl.trans(qco))
-    U: tl.constexpr = D // 16
-    ROWS8: tl.constexpr = 2 * SLOTS + U  # an aux block's rows of PAGE bytes
-    offs_t = tl.arange(0, PAGE)
     m_i = tl.full([BLOCK_G], -1e30 if LAZY else float("-inf"), tl.float32)
-    l_acc = tl.zeros([PAGE, BLOCK_G], tl.float32)
+    l_acc = tl.zeros([STEP, BLOCK_G], tl.float32)
     acc_lo = tl.zeros([D // 2, BLOCK_G], tl.float32)  # half 1, rows in v_columns order
     acc_hi = tl.zeros([D // 2, BLOCK_G], tl.float32)  # half 2 (16 times)
     for p in tl.range(p_begin, p_end, num_stages=STAGES):
         page = tl.load(table + p)
         row = page * (2 * PAGE)
         blk = page * KH + kh
-        ea, eb, ece, eco = unpack_k(k_desc.load([row, kh * (D // 4)]))  # [PAGE, D / 4] each
-        v = v_tile(v_desc.load([row + PAGE, kh * (D // 2)]), PAGE, D // 2)
-        sa, sb, sc, s1, s2, z_ab, z_c1, z_2 = _slots(slot_desc, blk, PAGE, ROWS8 // 2)
-        zi = z_ab.to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
-        zc1 = z_c1.to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
-        z2 = z_2.to(tl.int16, bitcast=True).to(tl.int32) & 0xFF
-        za, zb, zc, z1 = zi & 0xFF, zi >> 8, zc1 & 0xFF, zc1 >> 8
-        s = (tl.dot(ea, tl.trans(qa)) - _off(za, 0) * sum_a) * sa.to(tl.float32)[:, None]
-        s += (tl.dot(eb, tl.trans(qb)) - _off(zb, 6) * sum_b) * sb.to(tl.float32)[:, None]
-        s_c = tl.dot(eco, tl.trans(qco), tl.dot(ece, tl.trans(qce)))
-        s_c -= _off(zc, 2) * sum_ce + _off(zc, 5) * sum_co
-        s += s_c * sc.to(tl.float32)[:, None]
-        toks = p * PAGE + offs_t
-        live = (toks >= lo) & (toks < seq_len)
-        s = tl.where(live[:, None], s * qk_scale_log2, float("-inf"))  # [PAGE, BLOCK_G]
-        if LAZY:  # the reference max moves only when a logit passes it by more than 8 (base 2)
-            pr = tl.exp2(s - m_i[None, :])
-            if tl.max(tl.max(s - m_i[None, :], axis=1), axis=0) > 8.0:
-                acc_lo, acc_hi, l_acc, m_i, m_safe = rescale(
-                    acc_lo, acc_hi, l_acc, m_i, tl.max(s, 0)
-                )  # fmt: skip
-                pr = tl.exp2(s - m_safe[None, :])
-        else:
-            acc_lo, acc_hi, l_acc, m_i, m_safe = rescale(acc_lo, acc_hi, l_acc, m_i, tl.max(s, 0))
-            pr = tl.exp2(s - m_safe[None, :])
-        l_acc += pr
-        z_lo = tl.broadcast_to(offset16(z1, 0)[None, :], [D // 2, PAGE])
-        z_hi = tl.broadcast_to(offset16(z2, 4)[None, :], [D // 2, PAGE])
-        fifth = _fifth_words(bit_desc, blk, ROWS8, U, PAGE, BIT_BOX)
-        # half 1's 5 bits - zp1, 16 (half 2 - zp2), [D / 2, PAGE]: the MMA's A operands
-        v_lo, v_hi = unpack5_minus(tl.trans(v), fifth, z_lo, z_hi)
-        w1 = (pr * (s1.to(tl.float32) * PV_SCALE)[:, None]).to(tl.float16)
-        w2 = (pr * (s2.to(tl.float32) * PV_SCALE)[:, None]).to(tl.float16)
-        acc_lo = tl.dot(v_lo, w1, acc_lo)
-        acc_hi = tl.dot(v_hi, w2, acc_hi)
+        for h in tl.static_range(PAGE // STEP):  # the page's steps of STEP tokens
+            acc_lo, acc_hi, l_acc, m_i = _step(
+                k_desc, v_desc, slot_desc, bit_desc, row + h * STEP, row + PAGE + h * STEP, blk,
+                h * STEP, p * PAGE + h * STEP, lo, seq_len, kh, qa, qb, qce, qco, sum_a, sum_b,
+                sum_ce, sum_co, acc_lo, acc_hi, l_acc, m_i, qk_scale_log2, KH, D, STEP, LAZY,
+                PV_SCALE, BIT_BOX,
+            )  # fmt: skip
     store_split_int4(
         tl.trans(acc_lo), tl.trans(acc_hi) * 0.0625, m_i, tl.sum(l_acc, axis=0), b, split, heads,
         g_mask, out_ptr, part_o_ptr, part_lse_ptr, 1.0 / PV_SCALE, rot_ptr, stride_ob, stride_oh,
@@ -338,15 +371,16 @@ def paged_decode_tc4_tma(
             f"head size 64 / 128 / 256, pages of 16 / 32 / 64, contiguous uint8 [P, 2, page, KH, "
             f"D / 2] and [P, KH, {aux}, page], QH a multiple of KH"
         )
+    step = step_tokens(d, page)  # every box holds one step's tokens
     lanes = kv_cache.view(torch.int16).view(pages * 2 * page, kh * d // 4)
-    k_desc = TensorDescriptor(lanes, list(lanes.shape), [kh * d // 4, 1], [page, d // 4])
+    k_desc = TensorDescriptor(lanes, list(lanes.shape), [kh * d // 4, 1], [step, d // 4])
     rows = kv_cache.view(pages * 2 * page, kh * d // 2)
-    v_desc = TensorDescriptor(rows, list(rows.shape), [kh * d // 2, 1], [page, d // 2])
+    v_desc = TensorDescriptor(rows, list(rows.shape), [kh * d // 2, 1], [step, d // 2])
     aux8 = kv_scale.view(pages * kh * aux, page)
-    box = bit_box_rows(d, page)
-    bit_desc = TensorDescriptor(aux8, list(aux8.shape), [page, 1], [box, page])
+    box = bit_box_rows(d, step)
+    bit_desc = TensorDescriptor(aux8, list(aux8.shape), [page, 1], [box, step])
     aux16 = kv_scale.view(-1).view(torch.float16).view(pages * kh * aux // 2, page)
-    slot_desc = TensorDescriptor(aux16, list(aux16.shape), [page, 1], [quant_tc.AUX_SLOTS, page])
+    slot_desc = TensorDescriptor(aux16, list(aux16.shape), [page, 1], [quant_tc.AUX_SLOTS, step])
     if num_splits is None:
         num_splits = 8 if max_seq_len is None else default_splits(bsz, kh, max_seq_len, page, q)
     out, part_o, part_lse = split_outputs("paged_decode_tc4_tma", q, None, num_splits, None)
@@ -358,7 +392,8 @@ def paged_decode_tc4_tma(
         KH=kh, QH=qh, G=g, BLOCK_G=max(8, triton.next_power_of_2(g)), D=d, PAGE=page,
         NUM_SPLITS=num_splits, STAGES=num_stages, USE_WINDOW=window is not None,
         DIRECT=num_splits == 1, RSQRT_B=hadamard_block(d // 2) ** -0.5, LAZY=lazy_rescale,
-        PV_SCALE=PV_LAZY if lazy_rescale else PV_EAGER, BIT_BOX=box, num_warps=num_warps,
+        PV_SCALE=PV_LAZY if lazy_rescale else PV_EAGER, BIT_BOX=box, STEP=step,
+        num_warps=num_warps,
         **({"maxnreg": max_registers} if max_registers else {}),
     )  # fmt: skip
     return combine_splits(part_o, part_lse, out, 1.0, num_splits)
