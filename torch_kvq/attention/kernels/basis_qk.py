@@ -11,7 +11,9 @@ from torch_kvq.attention.k_basis import basis_qk, check_basis_operands
 from torch_kvq.attention.kernels.launch import triton_program
 
 BLOCK_M = 64  # rows (token, head) of a program
-BLOCK_K = 64  # the matrix's columns a product step takes
+# (output columns, the matrix's columns a product step takes) of the 16-bit pair's tensor-core
+# products and of fp32's FMA ones (smaller: larger tiles spill, offline sm90)
+TILES = {True: (128, 64), False: (64, 16)}
 
 
 def apply_basis(
@@ -44,11 +46,11 @@ def apply_basis_triton(
         return qo, ko
     g = h // kh
     tile = d & -d  # the largest power of two dividing D: the program's tiles
-    block_n = min(tile, 128)
+    block_n, block_k = (min(tile, x) for x in TILES[pair])
     kernel = triton_program("basis_qk", "basis_qk_kernel", "the K-basis products")
     kernel[(-(-(t * g) // BLOCK_M), kh, 2)](
         q, k, p, p_inv_t, qo, ko, t, q.stride(0), q.stride(1), k.stride(0), k.stride(1),
         KH=kh, G=g, D=d, PAIR=pair, BLOCK_M=BLOCK_M, BLOCK_N=block_n,
-        BLOCK_K=min(tile, BLOCK_K), num_warps=4,
+        BLOCK_K=block_k, num_warps=4,
     )  # fmt: skip
     return qo, ko
