@@ -2,11 +2,11 @@
 ``basis_qk_kernel``, host side ``attention/kernels/basis_qk.py``, math ``k_basis.basis_qk``.
 
 Each program takes a block of rows of one kv head's q (a row per (token, query head of the
-group)) or of its k, and multiplies them by that kv head's matrix in blocks on the tensor cores.
-A 16-bit model's matrix is ``k_basis.basis_operand``'s pair [D, 2 D] (P rounded, then the rest):
-x against each half, both into one fp32 accumulator, rounded once, as the einsum over ``cat(x,
-x)`` is, without that concatenation's trip through memory. fp32 matrices take fp32 products
-(``input_precision="ieee"``). Imports Triton.
+group)) or of its k, and multiplies them by that kv head's matrix in blocks. A 16-bit model's
+matrix is ``k_basis.basis_operand``'s pair [D, 2 D] (P rounded, then the rest): x against each
+half on the tensor cores, both into one fp32 accumulator, rounded once, as the einsum over
+``cat(x, x)`` is, without that concatenation's trip through memory. fp32 matrices take fp32
+products (``input_precision="ieee"``, FMAs). Imports Triton.
 """
 
 from __future__ import annotations
