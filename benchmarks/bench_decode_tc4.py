@@ -28,7 +28,7 @@ def tc4_cache(
     """Random code rows and valid side rows (fp16 scales in [0.01, 0.1], zero points mid-range):
     the decode's time does not depend on the values, and no scale is inf or NaN."""
     from torch_kvq.attention import quant_tc
-    from torch_kvq.spec import tc4_aux_width
+    from torch_kvq.spec_modes import tc4_aux_width
 
     g = torch.Generator(device=device).manual_seed(0)
     codes = torch.randint(0, 256, (pages, 2, page, kh, d // 2), generator=g, device=device,
@@ -62,7 +62,7 @@ def time_shape(
 
     from torch_kvq.attention.triton.decode_tc4_tma import paged_decode_tc4_tma
     from torch_kvq.attention.triton.decode_tma import paged_decode_tma
-    from torch_kvq.spec import tc4_aux_width
+    from torch_kvq.spec_modes import tc4_aux_width
 
     c = Case(shape, 32, ctx, page)
     int4_codes, int4_scales = c.per_token_head("int4")

@@ -32,7 +32,8 @@ from gpu_common import environment, time_per_call, write_results  # noqa: E402
 
 from torch_kvq.attention import BatchMetadata, forward_context  # noqa: E402
 from torch_kvq.attention.kernels import FlashInferKernel  # noqa: E402
-from torch_kvq.spec import FP8_DTYPE, AttentionLayerInfo, KVCacheConfig  # noqa: E402
+from torch_kvq.spec import AttentionLayerInfo, KVCacheConfig  # noqa: E402
+from torch_kvq.spec_modes import FP8_DTYPE  # noqa: E402
 from torch_kvq.spec_resolve import resolve_layer_specs  # noqa: E402
 
 QH, KH, D, PAGE, B, L = 32, 8, 128, 16, 16, 4096

@@ -33,7 +33,7 @@ declare -A KV=(
     --kv fp8pth-sliding-int8pth-global=fp8_per_token_head:map=full_attention:int8_per_token_head"
 )
 for m in smollm2 gemma3; do  # convert each GGUF once before the processes that share it start
-  python3 -c "from torch_kvq.integrations.trained import converted_folder as c; print(c('/tmp/models/$m.gguf'))" \
+  python3 -c "from torch_kvq.integrations.trained_cache import converted_folder as c; print(c('/tmp/models/$m.gguf'))" \
     2>&1 | tail -1 | tee -a "$LOG"
 done
 pids=()

@@ -33,7 +33,8 @@ from torch_kvq.attention import (
 )
 from torch_kvq.attention.context import forward_context
 from torch_kvq.attention.kernels import FlashInferKernel, capabilities
-from torch_kvq.spec import FP8_DTYPE, AttentionLayerInfo, KVCacheConfig
+from torch_kvq.spec import AttentionLayerInfo, KVCacheConfig
+from torch_kvq.spec_modes import FP8_DTYPE
 from torch_kvq.spec_resolve import resolve_layer_specs
 
 DOC = Path(__file__).resolve().parents[1] / "docs" / "errors.md"
@@ -349,7 +350,8 @@ def _() -> object:
 
 def direct_spec(**kw) -> object:
     """A ``LayerKVSpec`` built directly (not by ``resolve_layer_specs``)."""
-    from torch_kvq.spec import KVQuantMode, LayerKVSpec
+    from torch_kvq.spec import LayerKVSpec
+    from torch_kvq.spec_modes import KVQuantMode
 
     args = dict(name="x", index=0, mode=KVQuantMode.NONE, storage_dtype=torch.bfloat16)
     args.update(model_dtype=torch.bfloat16, num_heads=4, num_kv_heads=2, head_size=16)

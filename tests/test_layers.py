@@ -18,6 +18,7 @@ LAYERS: dict[str, int] = {
     "torch_kvq.progress": 0,  # stderr progress lines; imports nothing of ours
     "torch_kvq.user_cache": 0,  # where fetched / converted files live; imports nothing of ours
     "torch_kvq.spec": 0,
+    "torch_kvq.spec_modes": 0,  # the KV-cache modes and their kv_cache_dtype strings (torch only)
     "torch_kvq.spec_channels": 0,  # K channel scales as the spec holds them (imports nothing of ours)
     "torch_kvq.spec_resolve": 0,  # KVCacheConfig + layers -> LayerKVSpecs (spec's types)
     "torch_kvq.spec_table": 0,  # the spec table and its notes (spec's LayerKVSpec)

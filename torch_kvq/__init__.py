@@ -19,7 +19,7 @@ _LAZY: dict[str, str] = {  # public name -> the module it comes from
     "AttentionLayerInfo": "torch_kvq.spec",
     "KChannelScale": "torch_kvq.spec_channels",
     "KVCacheConfig": "torch_kvq.spec",
-    "KVQuantMode": "torch_kvq.spec",
+    "KVQuantMode": "torch_kvq.spec_modes",
     "LayerKVSpec": "torch_kvq.spec",
     "format_spec_table": "torch_kvq.spec_table",
     "resolve_layer_specs": "torch_kvq.spec_resolve",
@@ -31,8 +31,9 @@ _LAZY: dict[str, str] = {  # public name -> the module it comes from
 if TYPE_CHECKING:
     from torch_kvq.attention import Attention, BatchMetadata, PageAllocator, forward_context
     from torch_kvq.passes.backend import kvq_backend, make_kvq_backend
-    from torch_kvq.spec import AttentionLayerInfo, KVCacheConfig, KVQuantMode, LayerKVSpec
+    from torch_kvq.spec import AttentionLayerInfo, KVCacheConfig, LayerKVSpec
     from torch_kvq.spec_channels import KChannelScale
+    from torch_kvq.spec_modes import KVQuantMode
     from torch_kvq.spec_resolve import resolve_layer_specs
     from torch_kvq.spec_table import format_spec_table
 

@@ -14,15 +14,13 @@ import torch
 from torch_kvq.spec import (
     MODEL_DTYPES,
     SKIP_RULE_FORMS,
-    TC4_HEAD_MULTIPLE,
     AttentionLayerInfo,
     KVCacheConfig,
-    KVQuantMode,
     LayerKVSpec,
     check_scale,
-    parse_kv_cache_dtype,
 )
 from torch_kvq.spec_channels import KBasis, KChannelScale
+from torch_kvq.spec_modes import TC4_HEAD_MULTIPLE, KVQuantMode, parse_kv_cache_dtype
 
 
 def _rule_matches(rule: int | str, idx: int, info: AttentionLayerInfo, n: int) -> bool:

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from torch_kvq.attention.kernels import capabilities as caps
-from torch_kvq.spec import KVQuantMode
+from torch_kvq.spec_modes import KVQuantMode
 
 FP8, NONE = KVQuantMode.FP8_PER_TENSOR, KVQuantMode.NONE
 

@@ -18,7 +18,8 @@ from tests.support.attention import VIEW_LAYOUTS, as_cache_view, as_view, check_
 from torch_kvq.attention import PageAllocator, ReferenceKernel, forward_context
 from torch_kvq.attention.kernels import FlashInferKernel, KernelUnsupportedError
 from torch_kvq.attention.kernels import capabilities as caps
-from torch_kvq.spec import FP8_DTYPE, AttentionLayerInfo, KVCacheConfig, KVQuantMode, LayerKVSpec
+from torch_kvq.spec import AttentionLayerInfo, KVCacheConfig, LayerKVSpec
+from torch_kvq.spec_modes import FP8_DTYPE, KVQuantMode
 from torch_kvq.spec_resolve import resolve_layer_specs
 
 HAS_CUDA = torch.cuda.is_available()

@@ -18,7 +18,8 @@ from torch_kvq.attention.kernels import FlashInferKernel
 from torch_kvq.attention.kernels import capabilities as caps
 from torch_kvq.attention.kernels.flashinfer import batch_pages_as, check_kv_scale
 from torch_kvq.attention.quant import dequantize_pages_per_token_head
-from torch_kvq.spec import FP8_DTYPE, KVQuantMode, LayerKVSpec
+from torch_kvq.spec import LayerKVSpec
+from torch_kvq.spec_modes import FP8_DTYPE, KVQuantMode
 
 HAS_CUDA = torch.cuda.is_available()
 needs_gpu = pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU (and FlashInfer)")

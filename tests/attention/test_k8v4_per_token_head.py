@@ -30,7 +30,8 @@ from torch_kvq.attention.kernels.kv_write_per_token_head import write_kv_per_tok
 from torch_kvq.attention.memory import page_bytes
 from torch_kvq.models import build_model, generate
 from torch_kvq.passes.stamp import make_stamp
-from torch_kvq.spec import AttentionLayerInfo, KVCacheConfig, KVQuantMode
+from torch_kvq.spec import AttentionLayerInfo, KVCacheConfig
+from torch_kvq.spec_modes import KVQuantMode
 from torch_kvq.spec_resolve import resolve_layer_specs
 
 ops = torch.ops.kvq

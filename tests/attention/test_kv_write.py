@@ -18,7 +18,7 @@ from torch_kvq.attention import ops as _ops  # noqa: F401  (registers torch.ops.
 from torch_kvq.attention.kernels import kv_write
 from torch_kvq.attention.kernels.kv_write import write_kv, write_kv_torch, write_kv_triton
 from torch_kvq.attention.quant import quantize_fp8
-from torch_kvq.spec import FP8_DTYPE
+from torch_kvq.spec_modes import FP8_DTYPE
 
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 # 0.03 and 0.0341: the scales of the GPU failures of issue 12 (1.5 / 0.03 is an FP8 tie that the

@@ -23,7 +23,7 @@ from torch_kvq.attention.kernels.kv_write_per_token_head import (
     write_kv_per_token_head,
     write_kv_per_token_head_torch,
 )
-from torch_kvq.spec import FP8_DTYPE
+from torch_kvq.spec_modes import FP8_DTYPE
 
 HAS_CUDA = torch.cuda.is_available()
 MODES = ("int8", "fp8")

@@ -21,7 +21,7 @@ import torch
 from torch_kvq.attention import quant, quant_tc
 from torch_kvq.attention.kernels import kv_write_tc
 from torch_kvq.attention.kernels.base import KernelUnsupportedError
-from torch_kvq.spec import tc4_aux_width
+from torch_kvq.spec_modes import tc4_aux_width
 
 HAS_CUDA = torch.cuda.is_available()
 

@@ -15,7 +15,8 @@ from torch_kvq.attention import (
     ref_attention,
     registry,
 )
-from torch_kvq.spec import FP8_DTYPE, KVCacheConfig
+from torch_kvq.spec import KVCacheConfig
+from torch_kvq.spec_modes import FP8_DTYPE
 
 
 def sdpa_reference(q, k, v, window=None, soft_cap=None):

@@ -14,7 +14,8 @@ from tests.support.attention import (
     opcheck,
 )
 from torch_kvq.attention import PageAllocator, ReferenceKernel, forward_context
-from torch_kvq.spec import FP8_DTYPE, KVCacheConfig
+from torch_kvq.spec import KVCacheConfig
+from torch_kvq.spec_modes import FP8_DTYPE
 
 ops = torch.ops.kvq
 

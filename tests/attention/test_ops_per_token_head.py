@@ -7,7 +7,7 @@ import torch
 
 from tests.support.attention import opcheck, per_token_head_case
 from torch_kvq.attention.quant import dequantize_per_token_head, quantize_per_token_head
-from torch_kvq.spec import FP8_DTYPE
+from torch_kvq.spec_modes import FP8_DTYPE
 
 ops = torch.ops.kvq
 MODES = ("int8_per_token_head", "fp8_per_token_head")

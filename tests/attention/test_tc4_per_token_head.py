@@ -37,8 +37,9 @@ from torch_kvq.attention.k_basis import (
 )
 from torch_kvq.attention.memory import page_bytes
 from torch_kvq.distributed import shard_specs
-from torch_kvq.spec import AttentionLayerInfo, KVCacheConfig, KVQuantMode, tc4_aux_width
+from torch_kvq.spec import AttentionLayerInfo, KVCacheConfig
 from torch_kvq.spec_channels import KBasis
+from torch_kvq.spec_modes import KVQuantMode, tc4_aux_width
 from torch_kvq.spec_resolve import resolve_layer_specs
 
 MODE = "tc4_per_token_head"

@@ -288,7 +288,7 @@ def test_torch_free_copies_match_the_originals():
     assert cli_args.PAGE_SIZES == tuple(SUPPORTED_PAGE_SIZES)
     assert accuracy_cmd.DEFAULT_THRESHOLD_DB == accuracy.DEFAULT_THRESHOLD_DB
     from torch_kvq.evaluation import sensitivity
-    from torch_kvq.integrations.trained import SHIPPED
+    from torch_kvq.integrations.trained_sources import SHIPPED
 
     assert accuracy_cmd.DEFAULT_THRESHOLD_PCT == sensitivity.DEFAULT_THRESHOLD_PCT
     assert cli_args.SHIPPED_MODELS == tuple(sorted(SHIPPED))

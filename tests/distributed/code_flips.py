@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 
 from torch_kvq.attention.quant import k8v4_k_codes, rotate, split_scale
-from torch_kvq.spec import KVQuantMode
+from torch_kvq.spec_modes import KVQuantMode
 
 E4M3_VALUES = torch.unique(
     torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).float().nan_to_num(0.0)

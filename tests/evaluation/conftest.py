@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from torch_kvq.integrations import trained
+from torch_kvq.integrations import trained, trained_sources
 
 _LOADED: dict[str, tuple[torch.nn.Module, object]] = {}
 
@@ -29,7 +29,7 @@ def _one_thread():
     torch.set_num_threads(threads)
 
 
-@pytest.fixture(scope="session", params=sorted(trained.SHIPPED))
+@pytest.fixture(scope="session", params=sorted(trained_sources.SHIPPED))
 def shipped(request):
     """(name, hf_model, tokenizer) of each shipped model."""
     return (request.param, *load(request.param))

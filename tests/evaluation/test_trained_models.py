@@ -10,7 +10,7 @@ import torch
 
 from torch_kvq.evaluation import corpus
 from torch_kvq.evaluation.eval import teacher_forced_ppl
-from torch_kvq.integrations import trained
+from torch_kvq.integrations import trained, trained_cache, trained_sources
 from torch_kvq.integrations.transformers import KVQCausalLM
 from torch_kvq.spec import KVCacheConfig
 
@@ -62,10 +62,10 @@ def test_shipped_cache_is_found_without_conversion(shipped, monkeypatch):
     """A shipped name's converted folder is found from its pinned sha256: no conversion, and the
     folder's marker lists the files with their sizes."""
     name = shipped[0]
-    monkeypatch.setattr(trained, "_convert", lambda *a: pytest.fail("converted again"))
-    folder = trained.converted_folder(name)
-    marker = json.loads((folder / trained.MARKER).read_text())
-    assert marker["sha256"] == trained.SHIPPED[name].sha256
+    monkeypatch.setattr(trained_cache, "_convert", lambda *a: pytest.fail("converted again"))
+    folder = trained_cache.converted_folder(name)
+    marker = json.loads((folder / trained_cache.MARKER).read_text())
+    assert marker["sha256"] == trained_sources.SHIPPED[name].sha256
     assert "model.safetensors" in marker["files"] and "tokenizer.json" in marker["files"]
     assert (
         trained.model_config(name).num_hidden_layers
@@ -83,12 +83,14 @@ def test_unknown_sources_are_refused(tmp_path):
 
 
 def test_missing_packages_say_what_to_install(monkeypatch):
-    real = trained.importlib.util.find_spec
+    real = trained_sources.importlib.util.find_spec
     monkeypatch.setattr(
-        trained.importlib.util, "find_spec", lambda m, *a: None if m == "gguf" else real(m, *a)
+        trained_sources.importlib.util,
+        "find_spec",
+        lambda m, *a: None if m == "gguf" else real(m, *a),
     )
     with pytest.raises(ImportError, match=r"needs gguf: pip install 'torch-kvq\[models\]'"):
-        trained._need("transformers", "gguf")
+        trained_sources._need("transformers", "gguf")
 
 
 def _tiny_converter(tmp_path, shipped_folder, calls):
@@ -99,7 +101,7 @@ def _tiny_converter(tmp_path, shipped_folder, calls):
         calls.append(final)
         model = tiny_hf_model("llama", torch.float32, 0)
         tok = __import__("transformers").AutoTokenizer.from_pretrained(str(shipped_folder))
-        trained._save(src, model, tok, final)
+        trained_cache._save(src, model, tok, final)
 
     return convert
 
@@ -107,12 +109,12 @@ def _tiny_converter(tmp_path, shipped_folder, calls):
 def test_gguf_cache_is_built_once_and_rebuilt_when_damaged(tmp_path, monkeypatch):
     """A GGUF path converts into a folder keyed by its sha256 and size; the next load reuses it;
     a folder whose files do not match its marker, or that does not load, is rebuilt."""
-    shipped_folder = trained.converted_folder("smollm2-135m")  # for its tokenizer files
+    shipped_folder = trained_cache.converted_folder("smollm2-135m")  # for its tokenizer files
     monkeypatch.setenv("TORCH_KVQ_CACHE", str(tmp_path / "cache"))
     gguf = tmp_path / "tiny.gguf"
     gguf.write_bytes(b"not really a gguf")  # the stand-in converter never reads it
     calls: list = []
-    monkeypatch.setattr(trained, "_convert", _tiny_converter(tmp_path, shipped_folder, calls))
+    monkeypatch.setattr(trained_cache, "_convert", _tiny_converter(tmp_path, shipped_folder, calls))
     model, tok = trained.load_hf(gguf)
     folder = calls[0]
     assert folder.name.startswith("gguf-") and folder.name.endswith(f"-{len(b'not really a gguf')}")
@@ -123,16 +125,16 @@ def test_gguf_cache_is_built_once_and_rebuilt_when_damaged(tmp_path, monkeypatch
     trained.load_hf(gguf)
     assert len(calls) == 2
     (folder / "config.json").write_text("{not json")  # same size class of damage: load fails
-    marker = json.loads((folder / trained.MARKER).read_text())
+    marker = json.loads((folder / trained_cache.MARKER).read_text())
     marker["files"]["config.json"] = (folder / "config.json").stat().st_size
-    (folder / trained.MARKER).write_text(json.dumps(marker))
+    (folder / trained_cache.MARKER).write_text(json.dumps(marker))
     model, _ = trained.load_hf(gguf)
     assert len(calls) == 3 and model.config.num_hidden_layers >= 1
 
 
 def test_config_from_a_gguf_header_alone(tmp_path, monkeypatch):
     """``model_config`` of a GGUF with no converted cache reads only its header."""
-    gguf = trained.shipped_gguf("gemma3-270m")
+    gguf = trained_sources.shipped_gguf("gemma3-270m")
     monkeypatch.setenv("TORCH_KVQ_CACHE", str(tmp_path))  # no converted folder there
     cfg = trained.model_config(gguf)
     assert (cfg.model_type, cfg.num_hidden_layers, cfg.head_dim, cfg.sliding_window) == (
@@ -146,12 +148,12 @@ def test_config_from_a_gguf_header_alone(tmp_path, monkeypatch):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", sorted(trained.SHIPPED))
+@pytest.mark.parametrize("name", sorted(trained_sources.SHIPPED))
 def test_header_config_equals_autoconfig(name):
     """The fast header path gives what transformers' own GGUF config path gives (minutes)."""
     import transformers
 
-    gguf = trained.shipped_gguf(name)
+    gguf = trained_sources.shipped_gguf(name)
     fast = trained._header_config(gguf).to_dict()
     slow = transformers.AutoConfig.from_pretrained(str(gguf.parent), gguf_file=gguf.name).to_dict()
     fast.pop("_name_or_path"), slow.pop("_name_or_path")

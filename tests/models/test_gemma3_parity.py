@@ -27,7 +27,7 @@ from tests.support.hf_parity import (
 from torch_kvq import KVCacheConfig
 from torch_kvq.attention import ref_attention
 from torch_kvq.models import Gemma3Model, build_model, generate, tiny_gemma3_config
-from torch_kvq.spec import KVQuantMode
+from torch_kvq.spec_modes import KVQuantMode
 
 PROMPTS = make_prompts()
 

@@ -23,7 +23,7 @@ from tests.support.hf_parity import (
 )
 from torch_kvq import KVCacheConfig
 from torch_kvq.models import LlamaModel, build_model, generate, tiny_llama_config
-from torch_kvq.spec import KVQuantMode
+from torch_kvq.spec_modes import KVQuantMode
 
 PROMPTS = make_prompts()
 

@@ -9,7 +9,7 @@ from torch._dynamo.utils import counters
 from torch_kvq import KVCacheConfig
 from torch_kvq.attention import ReferenceKernel, registry
 from torch_kvq.models import Gemma3Model, LlamaModel, build_model, generate, tiny_gemma3_config
-from torch_kvq.spec import FP8_DTYPE, KVQuantMode
+from torch_kvq.spec_modes import FP8_DTYPE, KVQuantMode
 
 KV = KVCacheConfig(page_size=4)
 PROMPTS = [[1, 2, 3, 4, 5], [7] * 11, [9, 8]]

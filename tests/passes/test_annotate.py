@@ -20,7 +20,7 @@ from torch_kvq.passes.graph_utils import (
     kvq_nodes,
 )
 from torch_kvq.passes.stamp import get_stamp
-from torch_kvq.spec import KVQuantMode
+from torch_kvq.spec_modes import KVQuantMode
 
 
 def test_every_kvq_node_gets_its_layers_stamp():

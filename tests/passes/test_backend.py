@@ -24,7 +24,8 @@ from torch_kvq.attention import PageAllocator, ReferenceKernel, forward_context,
 from torch_kvq.attention.kernels.capabilities import register_capabilities
 from torch_kvq.passes import last_report
 from torch_kvq.passes.backend import graph_layers
-from torch_kvq.spec import AttentionLayerInfo, KVCacheConfig, KVQuantMode
+from torch_kvq.spec import AttentionLayerInfo, KVCacheConfig
+from torch_kvq.spec_modes import KVQuantMode
 from torch_kvq.spec_resolve import resolve_layer_specs
 
 

@@ -24,7 +24,7 @@ from torch_kvq.passes.graph_utils import (
     op_args,
 )
 from torch_kvq.passes.stamp import get_stamp
-from torch_kvq.spec import KVQuantMode
+from torch_kvq.spec_modes import KVQuantMode
 
 
 def scaled(gm):

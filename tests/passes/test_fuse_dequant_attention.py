@@ -16,7 +16,7 @@ from torch_kvq.passes.graph_utils import (
     op_args,
 )
 from torch_kvq.passes.stamp import get_stamp
-from torch_kvq.spec import FP8_DTYPE, KVQuantMode
+from torch_kvq.spec_modes import FP8_DTYPE, KVQuantMode
 
 PASSES = ["annotate", "fuse_quant_cache_write", "fuse_dequant_attention", "cleanup"]
 

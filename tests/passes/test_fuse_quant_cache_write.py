@@ -19,7 +19,7 @@ from tests.support.passes import (
 from torch_kvq.attention.kernels.capabilities import register_capabilities
 from torch_kvq.passes.graph_utils import CACHE_WRITE, QUANT_CACHE_WRITE, QUANTIZE
 from torch_kvq.passes.stamp import get_stamp
-from torch_kvq.spec import KVQuantMode
+from torch_kvq.spec_modes import KVQuantMode
 
 PASSES = ["annotate", "fuse_quant_cache_write", "cleanup"]
 

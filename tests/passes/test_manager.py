@@ -178,7 +178,15 @@ def test_inductors_fake_tensor_updater_fills_the_new_nodes():
 
 
 @pytest.mark.parametrize(
-    "edited", ["capabilities.py", "report.py", "spec.py", "spec_resolve.py", "spec_table.py"]
+    "edited",
+    [
+        "capabilities.py",
+        "report.py",
+        "spec.py",
+        "spec_modes.py",
+        "spec_resolve.py",
+        "spec_table.py",
+    ],
 )
 def test_cache_key_covers_every_source_the_passes_run(monkeypatch, edited):
     """Editing a helper module (not only a pass's own module or common.py) changes uuid(), so

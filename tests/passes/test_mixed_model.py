@@ -20,7 +20,8 @@ from tests.support.passes import RecordingKernel, no_compile_caches
 from torch_kvq.attention import ReferenceKernel
 from torch_kvq.models import build_model, generate
 from torch_kvq.passes import make_kvq_backend
-from torch_kvq.spec import FP8_DTYPE, KVCacheConfig
+from torch_kvq.spec import KVCacheConfig
+from torch_kvq.spec_modes import FP8_DTYPE
 
 PROMPTS = [[1, 5, 9, 14, 3, 7, 2, 11, 30, 4, 6], [8, 2, 4], [19, 3, 3, 27, 40, 41]]
 NEW_TOKENS = 4

@@ -23,7 +23,8 @@ from tests.support.passes import (
 from torch_kvq.attention import ReferenceKernel
 from torch_kvq.models import build_model, generate
 from torch_kvq.passes import make_kvq_backend
-from torch_kvq.spec import FP8_DTYPE, KVCacheConfig
+from torch_kvq.spec import KVCacheConfig
+from torch_kvq.spec_modes import FP8_DTYPE
 
 PASSES = ("annotate", "fuse_quant_cache_write", "fuse_dequant_attention", "cleanup")
 MODES = ("int8_per_token_head", "fp8_per_token_head")

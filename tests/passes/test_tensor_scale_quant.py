@@ -38,7 +38,7 @@ from torch_kvq.passes.graph_utils import (
     QUANT_CACHE_WRITE_TS,
     op_args,
 )
-from torch_kvq.spec import KVQuantMode
+from torch_kvq.spec_modes import KVQuantMode
 
 TOL = dict(atol=2**-5, rtol=0.15)  # FP8 e4m3 rounding of both sides
 

@@ -6,13 +6,8 @@ import pytest
 import torch
 
 from torch_kvq.attention.memory import max_seqs_for_budget, page_bytes, plan_kv_memory
-from torch_kvq.spec import (
-    FP8_DTYPE,
-    AttentionLayerInfo,
-    KVCacheConfig,
-    KVQuantMode,
-    parse_kv_cache_dtype,
-)
+from torch_kvq.spec import AttentionLayerInfo, KVCacheConfig
+from torch_kvq.spec_modes import FP8_DTYPE, KVQuantMode, parse_kv_cache_dtype
 from torch_kvq.spec_resolve import resolve_layer_specs
 from torch_kvq.spec_table import format_spec_table, skip_rule_notes
 

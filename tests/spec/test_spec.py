@@ -8,14 +8,8 @@ import math
 import pytest
 import torch
 
-from torch_kvq.spec import (
-    FP8_DTYPE,
-    AttentionLayerInfo,
-    KVCacheConfig,
-    KVQuantMode,
-    LayerKVSpec,
-    parse_kv_cache_dtype,
-)
+from torch_kvq.spec import AttentionLayerInfo, KVCacheConfig, LayerKVSpec
+from torch_kvq.spec_modes import FP8_DTYPE, KVQuantMode, parse_kv_cache_dtype
 from torch_kvq.spec_resolve import resolve_layer_specs
 from torch_kvq.spec_table import format_spec_table, scale_notes, skip_rule_notes, spec_table_key
 

@@ -28,7 +28,7 @@ from torch_kvq.attention.quant import (  # noqa: E402
     dequantize_pages_per_token_head,
     quantize_pages_per_token_head,
 )
-from torch_kvq.spec import FP8_DTYPE  # noqa: E402
+from torch_kvq.spec_modes import FP8_DTYPE  # noqa: E402
 
 K_SCALE, V_SCALE = 1 / 16, 1 / 8
 LENS = (1, 15, 16, 17, 1000)

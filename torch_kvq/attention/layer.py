@@ -19,7 +19,8 @@ from torch_kvq.attention import registry
 from torch_kvq.attention.k_basis import basis_operand, inverse_transpose
 from torch_kvq.attention.k_channels import scale_qk
 from torch_kvq.attention.quant import FP8_MAX, quantize_fp8, quantize_per_token_head
-from torch_kvq.spec import LayerKVSpec, check_positive_int, tc4_aux_width
+from torch_kvq.spec import LayerKVSpec, check_positive_int
+from torch_kvq.spec_modes import tc4_aux_width
 
 QuantForm = Literal["op", "torch"]
 

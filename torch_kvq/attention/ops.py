@@ -38,7 +38,8 @@ from torch_kvq.attention import quant
 from torch_kvq.attention.context import get_forward_context
 from torch_kvq.attention.kernels.kv_write import write_kv
 from torch_kvq.attention.metadata import BatchMetadata
-from torch_kvq.spec import FP8_DTYPE, KVQuantMode, LayerKVSpec, check_scale
+from torch_kvq.spec import LayerKVSpec, check_scale
+from torch_kvq.spec_modes import FP8_DTYPE, KVQuantMode
 
 
 def _new_output(like: Tensor, dtype: torch.dtype) -> Tensor:

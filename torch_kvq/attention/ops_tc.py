@@ -33,7 +33,8 @@ from torch_kvq.attention.kernels.basis_qk import apply_basis
 from torch_kvq.attention.kernels.kv_write_tc import put_tc, write_kv_tc
 from torch_kvq.attention.metadata import BatchMetadata
 from torch_kvq.attention.ops import _check, _check_cache, _check_capacity, _check_q, _new_output
-from torch_kvq.spec import LayerKVSpec, tc4_aux_width
+from torch_kvq.spec import LayerKVSpec
+from torch_kvq.spec_modes import tc4_aux_width
 
 SIDES = ("k", "v")
 

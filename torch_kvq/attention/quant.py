@@ -3,7 +3,7 @@
 The ops, the ``Attention`` layer, the kernels and the passes take the math from here, so the
 fused kernels, the unfused eager form and the expression the passes match agree by
 construction. A scale is the dequantization factor (``real ~= stored * scale``); which dtype a
-mode stores is the spec's (``spec.FP8_DTYPE``).
+mode stores is the spec's (``spec_modes.FP8_DTYPE``).
 
 FP8 per tensor (``KVQuantMode.FP8_PER_TENSOR``, e4m3): ``stored = clamp(x.float() / scale,
 -FP8_MAX, FP8_MAX)`` cast to e4m3 (round to nearest even), ``real = stored.float() * scale``, one
@@ -42,7 +42,7 @@ from typing import Literal
 import torch
 
 from torch_kvq.attention.v_layout import v_from_cache, v_to_cache
-from torch_kvq.spec import FP8_DTYPE
+from torch_kvq.spec_modes import FP8_DTYPE
 
 FP8_MAX = 448.0  # largest finite float8_e4m3fn value
 INT8_MAX = 127.0

@@ -39,7 +39,7 @@ import torch
 
 from torch_kvq.attention import quant
 from torch_kvq.attention.v_layout import v_from_cache, v_to_cache
-from torch_kvq.spec import tc4_aux_width
+from torch_kvq.spec_modes import tc4_aux_width
 
 Plan = tuple[tuple[float, int], ...]
 K_PLAN: Plan = ((0.25, 6), (0.25, 4), (0.5, 3))  # (fraction of D, bits) along K's sorted basis

@@ -46,7 +46,8 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {  # name -> (module, the help its add
 PRESET_NAMES: tuple[str, ...] = ("gemma3-tiny", "llama-tiny")
 PAGE_SIZES: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64, 128)
 DEFAULT_PRESET = "gemma3-tiny"
-# A copy of torch_kvq.integrations.trained.SHIPPED's names (tests/cli/test_cli.py checks they match).
+# A copy of torch_kvq.integrations.trained_sources.SHIPPED's names (tests/cli/test_cli.py checks
+# they match).
 SHIPPED_MODELS: tuple[str, ...] = ("gemma3-270m", "smollm2-135m")
 
 

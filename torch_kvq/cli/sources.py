@@ -180,7 +180,7 @@ def trained_tokenizer(source: str) -> Any:
     """The tokenizer of a trained model (from its converted folder: no second conversion)."""
     import transformers
 
-    from torch_kvq.integrations.trained import converted_folder
+    from torch_kvq.integrations.trained_cache import converted_folder
 
     return transformers.AutoTokenizer.from_pretrained(str(converted_folder(source)))
 

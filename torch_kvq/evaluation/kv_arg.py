@@ -152,7 +152,7 @@ def _table_source(key: str, value: str, spec: str) -> Path | str:
 
 def parse_kv(text: str) -> KVArg:
     """Parse ``[NAME=]DTYPE[:OPTION...]`` (module docstring); ValueError naming the bad part."""
-    from torch_kvq.spec import parse_kv_cache_dtype
+    from torch_kvq.spec_modes import parse_kv_cache_dtype
 
     name, eq, spec = text.partition("=")
     if not eq or ":" in name:  # no NAME= (an '=' inside an option belongs to the option)

@@ -26,7 +26,8 @@ import torch
 from torch_kvq.attention.layer import Attention
 from torch_kvq.evaluation.eval import teacher_forced_ppl
 from torch_kvq.progress import Progress
-from torch_kvq.spec import KVCacheConfig, parse_kv_cache_dtype
+from torch_kvq.spec import KVCacheConfig
+from torch_kvq.spec_modes import parse_kv_cache_dtype
 
 DEFAULT_THRESHOLD_PCT = 0.1
 

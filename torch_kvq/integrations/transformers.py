@@ -59,14 +59,9 @@ from torch_kvq.integrations.hf_scales import (
     layer_table,
 )
 from torch_kvq.integrations.hf_tp import shard_hf_model_
-from torch_kvq.spec import (
-    MODEL_DTYPES,
-    AttentionLayerInfo,
-    KVCacheConfig,
-    KVQuantMode,
-    check_positive_int,
-)
+from torch_kvq.spec import MODEL_DTYPES, AttentionLayerInfo, KVCacheConfig, check_positive_int
 from torch_kvq.spec_channels import KBasis, KChannelScale
+from torch_kvq.spec_modes import KVQuantMode
 from torch_kvq.spec_resolve import layer_modes
 
 

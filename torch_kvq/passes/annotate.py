@@ -49,7 +49,7 @@ from torch_kvq.passes.graph_utils import (
 )
 from torch_kvq.passes.quant_match import match_static_fp8_quant
 from torch_kvq.passes.stamp import META_KEY, KVQStamp, get_stamp, short_dtype
-from torch_kvq.spec import FP8_DTYPE
+from torch_kvq.spec_modes import FP8_DTYPE
 
 
 class AnnotatePass(KVQPass):

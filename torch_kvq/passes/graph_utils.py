@@ -15,7 +15,7 @@ from torch import fx
 from torch_kvq.attention import ops as _ops  # noqa: F401  (registers torch.ops.kvq.*)
 from torch_kvq.attention import ops_per_token_head as _ops_pth  # noqa: F401  (likewise)
 from torch_kvq.attention import ops_tc as _ops_tc  # noqa: F401  (likewise)
-from torch_kvq.spec import FP8_DTYPE
+from torch_kvq.spec_modes import FP8_DTYPE
 
 KVQ = torch.ops.kvq
 QUANTIZE = KVQ.quantize_fp8.default

@@ -32,7 +32,7 @@ from torch_kvq.passes.graph_utils import (
     skip_float_casts,
 )
 from torch_kvq.passes.quant_match import clamp_bounds
-from torch_kvq.spec import FP8_DTYPE
+from torch_kvq.spec_modes import FP8_DTYPE
 
 _aten = torch.ops.aten
 _SQUEEZES = (_aten.squeeze.dim, _aten.squeeze.dims, *VIEW_OPS)

@@ -12,7 +12,7 @@ from tests.support.triton_case import HAS_CUDA, INTERPRETING  # sets the interpr
 from torch_kvq.attention import quant, quant_tc
 from torch_kvq.attention.kernels.kv_dequant import dequantize_pages, dequantize_pages_triton
 from torch_kvq.attention.kernels.kv_dequant_tc import dequantize_pages_tc_triton
-from torch_kvq.spec import FP8_DTYPE
+from torch_kvq.spec_modes import FP8_DTYPE
 
 DEVICE = "cuda" if HAS_CUDA else "cpu"
 on_interpreter = pytest.mark.skipif(

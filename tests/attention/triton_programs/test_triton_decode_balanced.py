@@ -24,7 +24,7 @@ from tests.support.triton_case import (
     run_tma,
 )
 from torch_kvq.attention.triton import decode_config as dc
-from torch_kvq.spec import FP8_DTYPE
+from torch_kvq.spec_modes import FP8_DTYPE
 
 LENS = (1, 15, 16, 17, 300, 1000)  # 1 .. 63 pages per pair
 

@@ -21,7 +21,7 @@ from tests.support.triton_case import (
     run_tma,
 )
 from torch_kvq.attention.triton import decode_config as dc
-from torch_kvq.spec import FP8_DTYPE
+from torch_kvq.spec_modes import FP8_DTYPE
 
 
 @pytest.mark.parametrize("qh,kh,d", [(4, 4, 64), (8, 2, 128), (4, 2, 256)])

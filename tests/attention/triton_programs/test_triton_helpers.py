@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from tests.support.triton_case import Case, rel_err, run_tma
-from torch_kvq.spec import FP8_DTYPE
+from torch_kvq.spec_modes import FP8_DTYPE
 
 
 def test_fp8_widening_is_exact(interp) -> None:

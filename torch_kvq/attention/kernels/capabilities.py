@@ -43,7 +43,8 @@ from itertools import product
 
 import torch
 
-from torch_kvq.spec import MODEL_DTYPES, KVQuantMode, LayerKVSpec
+from torch_kvq.spec import MODEL_DTYPES, LayerKVSpec
+from torch_kvq.spec_modes import KVQuantMode
 
 Combo = tuple[KVQuantMode, torch.dtype, bool]  # (quant mode, q dtype, fp8 output)
 

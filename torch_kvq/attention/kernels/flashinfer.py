@@ -98,7 +98,8 @@ from torch_kvq.attention.kernels.flashinfer_plan import (
 from torch_kvq.attention.kernels.kv_dequant import dequantize_pages
 from torch_kvq.attention.kernels.kv_dequant_tc import dequantize_pages_tc
 from torch_kvq.attention.metadata import GraphShape
-from torch_kvq.spec import FP8_DTYPE, LayerKVSpec
+from torch_kvq.spec import LayerKVSpec
+from torch_kvq.spec_modes import FP8_DTYPE
 
 if TYPE_CHECKING:
     from torch_kvq.attention.context import ForwardContext

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from torch_kvq.spec import FP8_DTYPE
+from torch_kvq.spec_modes import FP8_DTYPE
 
 FA3_FP8_SENTINEL = 5e4  # FlashInfer 0.6.18 math::inf, the FP8 mainloop's mask value in code units
 FA3_FP8_MASK_MARGIN = 100.0  # how far below (in real logit units) a masked key must sit

@@ -18,7 +18,8 @@ import torch
 
 from torch_kvq.attention.kernels.flashinfer import FlashInferKernel
 from torch_kvq.attention.kernels.flashinfer_plan import GroupKey, import_flashinfer
-from torch_kvq.spec import FP8_DTYPE, LayerKVSpec
+from torch_kvq.spec import LayerKVSpec
+from torch_kvq.spec_modes import FP8_DTYPE
 
 
 def group_keys(

@@ -14,7 +14,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from torch_kvq.spec import FP8_DTYPE, LayerKVSpec
+from torch_kvq.spec import LayerKVSpec
+from torch_kvq.spec_modes import FP8_DTYPE
 
 if TYPE_CHECKING:
     from torch_kvq.attention.metadata import BatchMetadata, GraphShape

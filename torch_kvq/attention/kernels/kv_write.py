@@ -47,7 +47,7 @@ import torch
 from torch_kvq.attention.kernels.base import KernelUnsupportedError
 from torch_kvq.attention.kernels.launch import f32, next_pow2, triton_program
 from torch_kvq.attention.quant import FP8_MAX, quantize_fp8
-from torch_kvq.spec import FP8_DTYPE
+from torch_kvq.spec_modes import FP8_DTYPE
 
 Scales = tuple[float, float] | tuple[torch.Tensor, torch.Tensor]
 ScaleKind = Literal["float", "tensor", "cpu_tensor"]
