@@ -127,31 +127,35 @@ def _compile(fn, sig: dict, const: dict, align: bool, opts: dict):
 
 def compile_tc4(
     head: int, group: int, stages: int, warps: int, lazy: bool, page: int = 16,
-    max_registers: int | None = None,
+    max_registers: int | None = None, combine_last: bool = False,
 ):  # fmt: skip
     """The compiled ``decode_tc4_tma._decode_tc4_tma`` (tc4's TMA decode; no TUNED entry: the
-    arguments are the config; ``max_registers`` a cap, none by default as in the launcher),
-    split-K, fp16 q, 16-divisible pointers and strides."""
+    arguments are the config; ``max_registers`` a cap, none by default as in the launcher;
+    ``combine_last``: the last split merges, as with ``counters``), split-K (8 splits), fp16 q,
+    16-divisible pointers and strides."""
     import triton
 
     from torch_kvq.attention.quant import hadamard_block
     from torch_kvq.attention.triton import decode_tc4_tma as tc4
+    from torch_kvq.attention.triton import tc4_aux
 
     fn = tc4._decode_tc4_tma
     step = tc4.step_tokens(head, page)  # the boxes' tokens
     sig = {
         "q_ptr": "*fp16", "k_desc": f"tensordesc<i16[{step}, {head // 4}]>",
         "v_desc": f"tensordesc<u8[{step}, {head // 2}]>", "slot_desc": f"tensordesc<fp16[8, {step}]>",
-        "bit_desc": f"tensordesc<u8[{tc4.bit_box_rows(head, step)}, {step}]>", "block_table_ptr": "*i32",
+        "bit_desc": f"tensordesc<u8[{tc4_aux.bit_box_rows(head, step)}, {step}]>", "block_table_ptr": "*i32",
         "seq_lens_ptr": "*i32", "part_o_ptr": "*fp32", "part_lse_ptr": "*fp32", "out_ptr": "*fp16",
-        "rot_ptr": "*fp16", "qk_scale_log2": "fp32", "window": "i32", "stride_qb": "i32",
-        "stride_qh": "i32", "stride_ob": "i32", "stride_oh": "i32", "stride_bt": "i32",
+        "rot_ptr": "*fp16", "counter_ptr": "*i32", "qk_scale_log2": "fp32", "window": "i32",
+        "stride_qb": "i32", "stride_qh": "i32", "stride_ob": "i32", "stride_oh": "i32",
+        "stride_bt": "i32",
     }  # fmt: skip
     const = dict(KH=8, QH=group * 8, G=group, BLOCK_G=max(8, triton.next_power_of_2(group)),
                  D=head, PAGE=page, NUM_SPLITS=8, STAGES=stages, USE_WINDOW=False, DIRECT=False,
                  RSQRT_B=hadamard_block(head // 2) ** -0.5, LAZY=lazy,
                  PV_SCALE=tc4.PV_LAZY if lazy else tc4.PV_EAGER,
-                 BIT_BOX=tc4.bit_box_rows(head, step), STEP=step)  # fmt: skip
+                 BIT_BOX=tc4_aux.bit_box_rows(head, step), STEP=step, COMBINE_LAST=combine_last,
+                 BLOCK_S=8)  # fmt: skip
     opts = dict(num_warps=warps, num_stages=stages)
     if max_registers:
         opts["maxnreg"] = max_registers

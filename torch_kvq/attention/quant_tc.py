@@ -161,7 +161,7 @@ def fifth_bit_positions(d: int) -> torch.Tensor:
     byte + bit. With U = D/16 and c = g U + i (g < 8): where U is a multiple of 4 (D of 64, 128,
     256: every head size the decode takes) bit 4 (g % 2) + i % 4 of byte 4 (i // 4) + g // 2, so
     that one aux row at four consecutive tokens holds the 16 bits of one lane's MMA operand words
-    (``triton/decode_tc4_tma._fifth_words``); else bit g of byte i."""
+    (``triton/tc4_aux.fifth_words``); else bit g of byte i."""
     u = d // 16
     c = torch.arange(d // 2)
     g, i = c // u, c % u

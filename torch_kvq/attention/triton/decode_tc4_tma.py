@@ -18,7 +18,7 @@ the prologue, times ``1024 + 2^s zp``), each group's logits times its token's fp
 bytes in ``int4.v_columns`` order (``int4.v_tile``, the cache's ``v_layout``), unpacked straight
 into the MMA's A operands (``unpack5_minus``: half 1's fifth bit ORed in by the low nibble's own
 ``lop3``, from words of the plane built one shift and one ``lop3`` a register pair,
-``_fifth_words``; the plane in that order: ``quant_tc.fifth_bit_positions``), centred per
+``tc4_aux.fifth_words``; the plane in that order: ``quant_tc.fifth_bit_positions``), centred per
 element with each half's zero point; the weights times each half's scale (times ``PV_SCALE``);
 online softmax in base 2 (``int4.rescale``; lazy by default: the max moves only past 8). Head 256
 takes a page in steps of 16 tokens (``step_tokens``: the boxes hold a step, so a 32-token page's
@@ -44,7 +44,14 @@ from torch_kvq.attention.triton.int4 import (
     v_columns,
     v_tile,
 )
-from torch_kvq.attention.triton.tc4_aux import SLOTS, offset16
+from torch_kvq.attention.triton.split_combine import combine_if_last
+from torch_kvq.attention.triton.tc4_aux import (
+    SLOTS,
+    bit_box_rows,
+    fifth_words,
+    offset16,
+    page_slots,
+)
 
 # the weights times v's scales, times this in fp16 (``int4.int4_pv_shift``'s: 16 eager, 1 lazy)
 PV_EAGER, PV_LAZY = 16.0, 1.0
@@ -131,74 +138,10 @@ def q_groups(q_ptr, b, heads, g_mask, stride_qb, stride_qh, D: tl.constexpr):
     return qa, qb, qce, qco
 
 
-def bit_box_rows(d: int, page: int) -> int:
-    """Rows of the fifth bits' TMA box: their D / 16, or twice that where those would make a box
-    under 128 bytes (head 64, 16-token pages). A copy's shared destination must be 128-byte
-    aligned, and Triton 3.6 packs the pipeliner's buffers of a smaller box back to back (a
-    misaligned-address fault on the GPU; ``tma_kernel_sass``'s ``tma_misaligned``;
-    triton-lang/triton#10474, whose fix leaves such a box unpipelined instead)."""
-    return max(d // 16, 128 // page)
-
-
-@triton.jit
-def _slots(slot_desc, blk, col, PAGE: tl.constexpr, ROWS16: tl.constexpr):
-    """The 8 fp16 slots of one kv head (its aux block ``blk``) of a page's PAGE tokens from
-    ``col``, each [PAGE]."""
-    r = tl.permute(tl.reshape(slot_desc.load([blk * ROWS16, col]), [2, 2, 2, PAGE]), [3, 0, 1, 2])
-    x0, x1 = tl.split(r)  # slot 4a + 2b + c: c
-    x00, x01 = tl.split(x0)  # b
-    x10, x11 = tl.split(x1)
-    s0, s4 = tl.split(x00)  # a
-    s2, s6 = tl.split(x01)
-    s1, s5 = tl.split(x10)
-    s3, s7 = tl.split(x11)
-    return s0, s1, s2, s3, s4, s5, s6, s7
-
-
-@triton.jit
-def _fifth_words(
-    bit_desc, blk, col, ROWS8: tl.constexpr, U: tl.constexpr, PAGE: tl.constexpr,
-    BOX: tl.constexpr,
-):  # fmt: skip
-    """Half 1's fifth bits as ``unpack5_minus``'s words, uint32 [D / 2, PAGE] (the MMA's A
-    operand's shape, ``int4.v_tile``'s labels transposed): the element of column c = 32 h + 8 w +
-    g, token t holds ``b0 << 4 | b1 << 20`` for the two tokens (b0 the even one) of its pair in
-    the operand's register (tokens 16 s + 4 t' + 2 jp, + 1); compiled, one shift and one ``lop3``
-    a pair. The plane (``quant_tc.fifth_bit_positions``): aux row 4 h + g // 2 of token t holds
-    column c's bit at 4 (g % 2) + w, so one row's 4 bytes at tokens 16 s + 4 t' .. + 3 are a
-    lane's 16 bits of a 16-token step. The interpreter, which runs no PTX, gets each element its
-    own half (``b << 4``). The box has ``BOX`` rows (``bit_box_rows``), the first U the bits, and
-    PAGE columns from ``col`` (a step of a page: ``_decode_tc4_tma``'s ``STEP``)."""
-    x = bit_desc.load([blk * ROWS8 + 2 * SLOTS, col])  # [BOX, PAGE]
-    if BOX > U:  # 2 U rows: the next block's first U rows dropped
-        x, _ = tl.split(tl.permute(tl.reshape(x, [2, U, PAGE]), [1, 2, 0]))
-    H: tl.constexpr = U // 4
-    S: tl.constexpr = PAGE // 16
-    x = tl.reshape(x.to(tl.uint32), [H, 4, S, 4, 4])  # h, g // 2, s, t', j
-    j = tl.arange(0, 4)
-    # a register's tokens j to bytes 0, 2, 1, 3: a pair's two bits 16 apart
-    q = tl.sum(x << ((j & 1) * 16 + (j >> 1) * 8)[None, None, None, None, :], axis=4)
-    n = tl.arange(0, 2)  # lane g = 2 g2 + n: its bits w in nibble n, each moved to bit 4 + w
-    q = q[:, :, None, :, :] << (4 - 4 * n)[None, None, :, None, None]  # [H, 4, 2, S, 4]
-    q = tl.permute(tl.reshape(q, [H, 8, S, 4]), [2, 0, 1, 3])  # s, h, g, t'
-    w = tl.arange(0, 4)
-    jp = tl.arange(0, 2)
-    sh = w[:, None] + 8 * jp[None, :]  # [4, 2]
-    f = (q[:, :, :, :, None, None] >> sh[None, None, None, None, :, :]) & 0x00100010
-    if INTERPRET:  # each element its own half
-        e = tl.arange(0, 2)
-        f = (f[:, :, :, :, :, :, None] >> (16 * e)[None, None, None, None, None, None, :]) & 0xFFFF
-    else:  # both elements of a pair the word
-        f = tl.broadcast_to(f[:, :, :, :, :, :, None], [S, H, 8, 4, 4, 2, 2])
-    f = tl.reshape(f, [S, H, 8, 4, 4, 4])  # s, h, g, t', w, j
-    f = tl.permute(f, [1, 4, 2, 0, 3, 5])  # as ``int4.v_tile``
-    return tl.reshape(f, [8 * U, PAGE])
-
-
 @triton.jit
 def unpack5_minus(x, f, z_lo, z_hi):
     """``int4.unpack_minus`` with half 1's fifth bits: V's bytes ``x`` (uint8) and
-    ``_fifth_words`` ``f`` -> (low nibble + 16 fifth bit + 1024 - ``z_lo``, ``16 *`` high nibble +
+    ``tc4_aux.fifth_words`` ``f`` -> (low nibble + 16 fifth bit + 1024 - ``z_lo``, ``16 *`` high nibble +
     1024 - ``z_hi``) fp16 each, exactly; compiled, the fifth bits cost nothing here: the byte
     permutes fill with ``0x64`` (fp16's exponent of 1024), so the low nibbles' ``lop3`` takes
     one mask and ORs ``f`` in."""
@@ -238,7 +181,7 @@ def _step(
     ROWS8: tl.constexpr = 2 * SLOTS + U  # an aux block's rows of PAGE bytes
     ea, eb, ece, eco = unpack_k(k_desc.load([k_row, kh * (D // 4)]))  # [STEP, D / 4] each
     v = v_tile(v_desc.load([v_row, kh * (D // 2)]), STEP, D // 2)
-    sa, sb, sc, s1, s2, z_ab, z_c1, z_2 = _slots(slot_desc, blk, col, STEP, ROWS8 // 2)
+    sa, sb, sc, s1, s2, z_ab, z_c1, z_2 = page_slots(slot_desc, blk, col, STEP, ROWS8 // 2)
     zi = z_ab.to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
     zc1 = z_c1.to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
     z2 = z_2.to(tl.int16, bitcast=True).to(tl.int32) & 0xFF
@@ -262,7 +205,7 @@ def _step(
     l_acc += pr
     z_lo = tl.broadcast_to(offset16(z1, 0)[None, :], [D // 2, STEP])
     z_hi = tl.broadcast_to(offset16(z2, 4)[None, :], [D // 2, STEP])
-    fifth = _fifth_words(bit_desc, blk, col, ROWS8, U, STEP, BIT_BOX)
+    fifth = fifth_words(bit_desc, blk, col, ROWS8, U, STEP, BIT_BOX)
     # half 1's 5 bits - zp1, 16 (half 2 - zp2), [D / 2, STEP]: the MMA's A operands
     v_lo, v_hi = unpack5_minus(tl.trans(v), fifth, z_lo, z_hi)
     w1 = (pr * (s1.to(tl.float32) * PV_SCALE)[:, None]).to(tl.float16)
@@ -275,12 +218,13 @@ def _step(
 @triton.jit
 def _decode_tc4_tma(
     q_ptr, k_desc, v_desc, slot_desc, bit_desc, block_table_ptr, seq_lens_ptr, part_o_ptr,
-    part_lse_ptr, out_ptr, rot_ptr, qk_scale_log2, window,
+    part_lse_ptr, out_ptr, rot_ptr, counter_ptr, qk_scale_log2, window,
     stride_qb, stride_qh, stride_ob, stride_oh, stride_bt,
     KH: tl.constexpr, QH: tl.constexpr, G: tl.constexpr, BLOCK_G: tl.constexpr, D: tl.constexpr,
     PAGE: tl.constexpr, NUM_SPLITS: tl.constexpr, STAGES: tl.constexpr,
     USE_WINDOW: tl.constexpr, DIRECT: tl.constexpr, RSQRT_B: tl.constexpr, LAZY: tl.constexpr,
     PV_SCALE: tl.constexpr, BIT_BOX: tl.constexpr, STEP: tl.constexpr,
+    COMBINE_LAST: tl.constexpr, BLOCK_S: tl.constexpr,
 ):  # fmt: skip
     kh = tl.program_id(0)
     split = tl.program_id(1)
@@ -318,6 +262,11 @@ def _decode_tc4_tma(
         g_mask, out_ptr, part_o_ptr, part_lse_ptr, 1.0 / PV_SCALE, rot_ptr, stride_ob, stride_oh,
         QH, D, NUM_SPLITS, DIRECT, tl.float16, RSQRT_B,
     )  # fmt: skip
+    if COMBINE_LAST:  # the last split of (b, kh) merges them: no combine kernel
+        combine_if_last(
+            counter_ptr, part_o_ptr, part_lse_ptr, out_ptr, 1.0, b, kh, stride_ob, stride_oh, KH,
+            G, QH, D, NUM_SPLITS, BLOCK_S,
+        )  # fmt: skip
 
 
 def default_splits(batch: int, kv_heads: int, max_seq_len: int, page: int, q: torch.Tensor) -> int:
@@ -340,6 +289,7 @@ def paged_decode_tc4_tma(
     lazy_rescale: bool = True,
     max_seq_len: int | None = None,
     max_registers: int = 0,
+    counters: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """One new token per sequence over a tc4 cache: q [B, QH, D] in k's dual basis, ``kv_cache``
     uint8 [P, 2, page, KH, D / 2] and ``kv_scale`` uint8 [P, KH, 16 + D / 16, page], both
@@ -350,8 +300,12 @@ def paged_decode_tc4_tma(
     programs per SM, ``max_seq_len`` a host bound on ``seq_lens``: never read from the device),
     8 without one. ``num_stages``: the pipeliner's, which keeps a page in flight from 6
     (docs/design/int4-branch.md measures 6 and 8). ``max_registers``: Triton's maxnreg (0: its
-    own choice; no cap measured faster since the fifth bits left their MMA). Returns out [B, QH,
-    D] in q's dtype. ValueError on other shapes."""
+    own choice; no cap measured faster since the fifth bits left their MMA). ``counters``: int32
+    zeros, at least B * KH, on q's device (the caller's, kept between calls: each launch leaves
+    them 0): the last split of each (sequence, kv head) merges the splits
+    (``split_combine.combine_if_last``) instead of a combine kernel; an experiment, timed by
+    ``benchmarks/bench_decode_tc4.py --combine-last``. Returns out [B, QH, D] in q's dtype.
+    ValueError on other shapes."""
     bsz, qh, d = q.shape
     pages, two, page, kh, half = kv_cache.shape
     aux = quant_tc.aux_width(d)
@@ -384,16 +338,28 @@ def paged_decode_tc4_tma(
     if num_splits is None:
         num_splits = 8 if max_seq_len is None else default_splits(bsz, kh, max_seq_len, page, q)
     out, part_o, part_lse = split_outputs("paged_decode_tc4_tma", q, None, num_splits, None)
+    combine_last = counters is not None and num_splits > 1
+    if counters is not None and (
+        counters.dtype != torch.int32 or counters.numel() < bsz * kh or counters.device != q.device
+    ):
+        raise ValueError(
+            f"paged_decode_tc4_tma: counters {counters.dtype} [{counters.numel()}] on "
+            f"{counters.device}: need int32 zeros, at least {bsz * kh} (B * KH), on {q.device}"
+        )
     g = qh // kh
     _decode_tc4_tma[(kh, num_splits, bsz)](
         q, k_desc, v_desc, slot_desc, bit_desc, block_table, seq_lens, part_o, part_lse, out,
-        rotation_matrices(d, q.device), sm_scale * 1.4426950408889634, window or 0,
+        rotation_matrices(d, q.device), counters if combine_last else seq_lens,
+        sm_scale * 1.4426950408889634, window or 0,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), block_table.stride(0),
         KH=kh, QH=qh, G=g, BLOCK_G=max(8, triton.next_power_of_2(g)), D=d, PAGE=page,
         NUM_SPLITS=num_splits, STAGES=num_stages, USE_WINDOW=window is not None,
         DIRECT=num_splits == 1, RSQRT_B=hadamard_block(d // 2) ** -0.5, LAZY=lazy_rescale,
         PV_SCALE=PV_LAZY if lazy_rescale else PV_EAGER, BIT_BOX=box, STEP=step,
+        COMBINE_LAST=combine_last, BLOCK_S=triton.next_power_of_2(num_splits),
         num_warps=num_warps,
         **({"maxnreg": max_registers} if max_registers else {}),
     )  # fmt: skip
+    if combine_last:
+        return out
     return combine_splits(part_o, part_lse, out, 1.0, num_splits)

@@ -1,9 +1,11 @@
 """Where a tc4 aux record's bytes sit in a page's aux block (``quant_tc.aux_to_cache``: contiguous
 rows of ``page`` bytes, the 8 fp16 slots as fp16 [8, page], then the fifth bits' rows), for the
 Triton programs that write or read it (the cache write, the decode, the scratch pass): the
-record's offsets as constexprs, a token's byte and slot addresses, and a zero point as the fp16
-offset the exponent trick subtracts. One home for the layout on the device side, as
-``quant_tc.aux_positions`` is on the host's. Imports Triton.
+record's offsets as constexprs, a token's byte and slot addresses, a zero point as the fp16
+offset the exponent trick subtracts, and the decode's reads of a page's block: its slots
+(``page_slots``) and its fifth bits as V's operand words (``fifth_words``, with the TMA box's rows
+``bit_box_rows``). One home for the layout on the device side, as ``quant_tc.aux_positions`` is
+on the host's. Imports Triton.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ import triton
 import triton.language as tl
 
 from torch_kvq.attention import quant_tc
+from torch_kvq.attention.triton.helpers import INTERPRET
 
 KS = tl.constexpr(quant_tc.AUX_K_SCALES)  # k's three fp16 scales (record bytes)
 VS = tl.constexpr(quant_tc.AUX_V_SCALES)  # v's two
@@ -53,3 +56,67 @@ def fifth_bit_at(c, U: tl.constexpr):
     if U % 4 == 0:
         return 4 * (i // 4) + g // 2, 4 * (g % 2) + i % 4
     return i, g
+
+
+def bit_box_rows(d: int, page: int) -> int:
+    """Rows of the fifth bits' TMA box: their D / 16, or twice that where those would make a box
+    under 128 bytes (head 64, 16-token pages). A copy's shared destination must be 128-byte
+    aligned, and Triton 3.6 packs the pipeliner's buffers of a smaller box back to back (a
+    misaligned-address fault on the GPU; ``tma_kernel_sass``'s ``tma_misaligned``;
+    triton-lang/triton#10474, whose fix leaves such a box unpipelined instead)."""
+    return max(d // 16, 128 // page)
+
+
+@triton.jit
+def page_slots(slot_desc, blk, col, PAGE: tl.constexpr, ROWS16: tl.constexpr):
+    """The 8 fp16 slots of one kv head (its aux block ``blk``) of a page's PAGE tokens from
+    ``col``, each [PAGE]."""
+    r = tl.permute(tl.reshape(slot_desc.load([blk * ROWS16, col]), [2, 2, 2, PAGE]), [3, 0, 1, 2])
+    x0, x1 = tl.split(r)  # slot 4a + 2b + c: c
+    x00, x01 = tl.split(x0)  # b
+    x10, x11 = tl.split(x1)
+    s0, s4 = tl.split(x00)  # a
+    s2, s6 = tl.split(x01)
+    s1, s5 = tl.split(x10)
+    s3, s7 = tl.split(x11)
+    return s0, s1, s2, s3, s4, s5, s6, s7
+
+
+@triton.jit
+def fifth_words(
+    bit_desc, blk, col, ROWS8: tl.constexpr, U: tl.constexpr, PAGE: tl.constexpr,
+    BOX: tl.constexpr,
+):  # fmt: skip
+    """Half 1's fifth bits as ``unpack5_minus``'s words, uint32 [D / 2, PAGE] (the MMA's A
+    operand's shape, ``int4.v_tile``'s labels transposed): the element of column c = 32 h + 8 w +
+    g, token t holds ``b0 << 4 | b1 << 20`` for the two tokens (b0 the even one) of its pair in
+    the operand's register (tokens 16 s + 4 t' + 2 jp, + 1); compiled, one shift and one ``lop3``
+    a pair. The plane (``quant_tc.fifth_bit_positions``): aux row 4 h + g // 2 of token t holds
+    column c's bit at 4 (g % 2) + w, so one row's 4 bytes at tokens 16 s + 4 t' .. + 3 are a
+    lane's 16 bits of a 16-token step. The interpreter, which runs no PTX, gets each element its
+    own half (``b << 4``). The box has ``BOX`` rows (``bit_box_rows``), the first U the bits, and
+    PAGE columns from ``col`` (a step of a page: ``decode_tc4_tma``'s ``STEP``)."""
+    x = bit_desc.load([blk * ROWS8 + 2 * SLOTS, col])  # [BOX, PAGE]
+    if BOX > U:  # 2 U rows: the next block's first U rows dropped
+        x, _ = tl.split(tl.permute(tl.reshape(x, [2, U, PAGE]), [1, 2, 0]))
+    H: tl.constexpr = U // 4
+    S: tl.constexpr = PAGE // 16
+    x = tl.reshape(x.to(tl.uint32), [H, 4, S, 4, 4])  # h, g // 2, s, t', j
+    j = tl.arange(0, 4)
+    # a register's tokens j to bytes 0, 2, 1, 3: a pair's two bits 16 apart
+    q = tl.sum(x << ((j & 1) * 16 + (j >> 1) * 8)[None, None, None, None, :], axis=4)
+    n = tl.arange(0, 2)  # lane g = 2 g2 + n: its bits w in nibble n, each moved to bit 4 + w
+    q = q[:, :, None, :, :] << (4 - 4 * n)[None, None, :, None, None]  # [H, 4, 2, S, 4]
+    q = tl.permute(tl.reshape(q, [H, 8, S, 4]), [2, 0, 1, 3])  # s, h, g, t'
+    w = tl.arange(0, 4)
+    jp = tl.arange(0, 2)
+    sh = w[:, None] + 8 * jp[None, :]  # [4, 2]
+    f = (q[:, :, :, :, None, None] >> sh[None, None, None, None, :, :]) & 0x00100010
+    if INTERPRET:  # each element its own half
+        e = tl.arange(0, 2)
+        f = (f[:, :, :, :, :, :, None] >> (16 * e)[None, None, None, None, None, None, :]) & 0xFFFF
+    else:  # both elements of a pair the word
+        f = tl.broadcast_to(f[:, :, :, :, :, :, None], [S, H, 8, 4, 4, 2, 2])
+    f = tl.reshape(f, [S, H, 8, 4, 4, 4])  # s, h, g, t', w, j
+    f = tl.permute(f, [1, 4, 2, 0, 3, 5])  # as ``int4.v_tile``
+    return tl.reshape(f, [8 * U, PAGE])
