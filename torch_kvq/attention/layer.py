@@ -64,8 +64,9 @@ class Attention(nn.Module):
     head)'s group scales, zero points and v's fifth bits). The layer holds its ``spec.k_basis``
     as ``k_basis`` P and ``k_basis_inv_t`` P^-T (``k_basis.basis_operand`` of the model's dtype:
     [KH, D, D] float32, or a 16-bit model's pair [KH, D, 2D]) and starts its flow with
-    ``kvq.basis_qk`` (P k, P^-T q: ``k_basis.basis_qk``'s math, one Triton launch on CUDA); the read gives k in that basis and v in the model's, so
-    attention needs nothing more. ``quant_form="op"`` only.
+    ``kvq.basis_qk`` (P k, P^-T q: ``k_basis.basis_qk``'s math, one Triton launch on CUDA); the
+    read gives k in that basis and v in the model's, so attention needs nothing more.
+    ``quant_form="op"`` only.
     """
 
     def __init__(

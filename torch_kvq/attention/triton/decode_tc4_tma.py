@@ -325,6 +325,13 @@ def paged_decode_tc4_tma(
             f"head size 64 / 128 / 256, pages of 16 / 32 / 64, contiguous uint8 [P, 2, page, KH, "
             f"D / 2] and [P, KH, {aux}, page], QH a multiple of KH"
         )
+    if counters is not None and (
+        counters.dtype != torch.int32 or counters.numel() < bsz * kh or counters.device != q.device
+    ):
+        raise ValueError(
+            f"paged_decode_tc4_tma: counters {counters.dtype} [{counters.numel()}] on "
+            f"{counters.device}: need int32 zeros, at least {bsz * kh} (B * KH), on {q.device}"
+        )
     step = step_tokens(d, page)  # every box holds one step's tokens
     lanes = kv_cache.view(torch.int16).view(pages * 2 * page, kh * d // 4)
     k_desc = TensorDescriptor(lanes, list(lanes.shape), [kh * d // 4, 1], [step, d // 4])
@@ -339,13 +346,6 @@ def paged_decode_tc4_tma(
         num_splits = 8 if max_seq_len is None else default_splits(bsz, kh, max_seq_len, page, q)
     out, part_o, part_lse = split_outputs("paged_decode_tc4_tma", q, None, num_splits, None)
     combine_last = counters is not None and num_splits > 1
-    if counters is not None and (
-        counters.dtype != torch.int32 or counters.numel() < bsz * kh or counters.device != q.device
-    ):
-        raise ValueError(
-            f"paged_decode_tc4_tma: counters {counters.dtype} [{counters.numel()}] on "
-            f"{counters.device}: need int32 zeros, at least {bsz * kh} (B * KH), on {q.device}"
-        )
     g = qh // kh
     _decode_tc4_tma[(kh, num_splits, bsz)](
         q, k_desc, v_desc, slot_desc, bit_desc, block_table, seq_lens, part_o, part_lse, out,
