@@ -65,6 +65,7 @@ def _per_layer(
 # what the passes' decisions and rewrites depend on beyond the passes package itself
 _DEPENDENCIES = (
     "spec.py",
+    "spec_channels.py",
     "spec_modes.py",
     "spec_resolve.py",
     "spec_table.py",
