@@ -2,59 +2,10 @@
 
 Per batch, outside the graph, ``plan`` groups the layers by everything a FlashInfer plan bakes in
 (``flashinfer_plan.GroupKey``) and plans each group once; ``attend`` (inside the ops) only runs.
-Kernels per layer, chosen from the layer's spec (measured speed and error of each:
-docs/design/fp8_prefill.md, docs/design/fp8_decode_paths.md, benchmarks/RESULTS.md):
-
-* prefill / mixed batch: ``BatchPrefillWithPagedKVCacheWrapper``, the ``prefill`` option:
-
-  - ``"fa2"`` (default): bf16 q + bf16 cache, or bf16 q + FP8 cache read in place (``k_scale``
-    folded into sm_scale, ``v_scale`` on the output).
-  - ``"fa3"``: model-dtype layers on the Hopper fa3 kernel (faster than fa2); FP8 layers stay on
-    fa2 (fa3 has no bf16-query / FP8-cache kernel). sm90 only.
-  - ``"fa3_fp8"``: as ``"fa3"``, and FP8 layers on fa3's FP8 kernel with the query quantized per
-    tensor inside ``attend`` (``quantize_query``, one host sync per FP8 layer per prefill):
-    faster still, but both products run in e4m3 (an order of magnitude less accurate than fa2):
-    opt in knowingly, like XQA. The query scale has a floor that keeps keys masked by 0.6.18's
-    finite mask value (its issue #4267) far below the real logits; FP8 layers with a logit
-    soft-cap are refused (that kernel has none).
-* decode-only batch, model-dtype cache: ``BatchDecodeWithPagedKVCacheWrapper(use_tensor_cores)``.
-* decode-only batch, FP8 cache, the ``fp8_decode`` option:
-
-  - ``"tensor_cores"`` (default): the same wrapper, the cache widened in registers. With
-    ``fp8_decode_math="fp16"`` (default) the query is cast to fp16 and both products run in fp16
-    (e4m3 -> fp16 is one conversion per two values on sm90, e4m3 -> bf16 three or four);
-    ``"model"``: bf16 math, slower. A query element beyond fp16's 65504 becomes inf (the output
-    NaN), never silently clipped; use ``"model"`` for such models.
-  - ``"xqa"``: ``trtllm_batch_decode_with_kv_cache(backend="xqa")`` (``flashinfer_xqa``), Hopper
-    FP8-MMA: the fastest, writes FP8 output, but q and the softmax weights are rounded to e4m3
-    (an order of magnitude less accurate; with V of non-zero mean the output shrinks with
-    context). Opt in knowingly.
-  - ``"triton"``: our kernel (``attention/triton/decode_tma.py``: one TMA box per cache page,
-    split-K or the balanced schedule) over XQA's dense block table, widened to fp16 in
-    registers (``"model"``: to the model dtype): near XQA's speed at the tensor-core decode's
-    accuracy. sm90.
-
-* per-(token, head) layers (``int8_per_token_head`` / ``fp8_per_token_head`` /
-  ``int4_per_token_head`` / ``k8v4_per_token_head``: codes in the cache, one fp32 scale per
-  token and kv head in ``kv_scale``), sm90, every configuration:
-
-  - decode-only batch: the Triton kernel above with the scales applied per logit column and per
-    softmax-weight column (``fp8_decode_math`` as for FP8; int8 -> fp16 is exact; int4 codes
-    minus their zero point are exact in fp16, q is rotated once per program and the output
-    un-rotated at its end; k8v4: k as int8, v as int4, q not rotated, the output un-rotated),
-    CUDA graphs included.
-  - prefill / mixed batch: the batch's pages dequantized into a compact model-dtype scratch
-    cache in one Triton pass (``kv_dequant``; int4 un-rotated there; k8v4 in two launches, k
-    and v) (page i of the scratch is
-    the page table's i-th page, so the table becomes 0..n-1),
-    then the model-dtype prefill wrapper of the ``prefill`` option (fa2; fa3 with ``"fa3"`` or
-    ``"fa3_fp8"``). The scratch is rounded to the model dtype once: within the bf16 path's error.
-
-* ``tc4_per_token_head`` layers (codes and side rows; q in k's dual basis), sm90, every
-  configuration, no logit soft-cap: prefill / mixed over the batch's pages dequantized in one
-  Triton pass (``kv_dequant_tc``: k left in its basis, v un-rotated), as above; decode-only
-  batches on our Triton program in the 4-bit decodes' TMA scheme
-  (``attention/triton/decode_tc4_tma.py``), the codes and side rows read in place.
+Which kernel serves which batch and layer (fa2 / fa3 / fa3_fp8 prefill, the tensor-core decode,
+XQA, our Triton decodes, the dequantized scratch for a per-(token, head) or tc4 prefill) is
+chosen from the layer's own spec and the options; the table of it is docs/kernels.md, the
+measurements docs/design/ and docs/performance.md.
 
 The unfused form of a quantized layer hands ``attend`` its batch's pages dequantized to fp32
 (the exact semantics; the rest of that tensor is never written). FlashInfer reads no fp32 cache,
