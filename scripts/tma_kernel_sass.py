@@ -127,12 +127,11 @@ def _compile(fn, sig: dict, const: dict, align: bool, opts: dict):
 
 def compile_tc4(
     head: int, group: int, stages: int, warps: int, lazy: bool, page: int = 16,
-    max_registers: int | None = None, combine_last: bool = False,
+    max_registers: int | None = None,
 ):  # fmt: skip
     """The compiled ``decode_tc4_tma._decode_tc4_tma`` (tc4's TMA decode; no TUNED entry: the
-    arguments are the config; ``max_registers`` a cap, none by default as in the launcher;
-    ``combine_last``: the last split merges, as with ``counters``), split-K (8 splits), fp16 q,
-    16-divisible pointers and strides."""
+    arguments are the config; ``max_registers`` a cap, none by default as in the launcher),
+    split-K (8 splits), fp16 q, 16-divisible pointers and strides."""
     import triton
 
     from torch_kvq.attention.quant import hadamard_block
@@ -146,7 +145,7 @@ def compile_tc4(
         "v_desc": f"tensordesc<u8[{step}, {head // 2}]>", "slot_desc": f"tensordesc<fp16[8, {step}]>",
         "bit_desc": f"tensordesc<u8[{tc4_aux.bit_box_rows(head, step)}, {step}]>", "block_table_ptr": "*i32",
         "seq_lens_ptr": "*i32", "part_o_ptr": "*fp32", "part_lse_ptr": "*fp32", "out_ptr": "*fp16",
-        "rot_ptr": "*fp16", "counter_ptr": "*i32", "qk_scale_log2": "fp32", "window": "i32",
+        "rot_ptr": "*fp16", "qk_scale_log2": "fp32", "window": "i32",
         "stride_qb": "i32", "stride_qh": "i32", "stride_ob": "i32", "stride_oh": "i32",
         "stride_bt": "i32",
     }  # fmt: skip
@@ -154,8 +153,7 @@ def compile_tc4(
                  D=head, PAGE=page, NUM_SPLITS=8, STAGES=stages, USE_WINDOW=False, DIRECT=False,
                  RSQRT_B=hadamard_block(head // 2) ** -0.5, LAZY=lazy,
                  PV_SCALE=tc4.PV_LAZY if lazy else tc4.PV_EAGER,
-                 BIT_BOX=tc4_aux.bit_box_rows(head, step), STEP=step, COMBINE_LAST=combine_last,
-                 BLOCK_S=8)  # fmt: skip
+                 BIT_BOX=tc4_aux.bit_box_rows(head, step), STEP=step)  # fmt: skip
     opts = dict(num_warps=warps, num_stages=stages)
     if max_registers:
         opts["maxnreg"] = max_registers

@@ -167,22 +167,3 @@ def test_default_splits_keep_one_resident_wave() -> None:
     assert m.default_splits(32, 8, 16384, 16, q) == 4
     assert m.default_splits(8, 8, 16384, 32, q) == 8  # capped: a split keeps >= 64 pages
     assert m.default_splits(128, 8, 16384, 32, q) == 1
-
-
-@pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("d,page,splits", [(128, 32, 3), (256, 32, 4), (64, 16, 2)])
-def test_last_split_merges_as_the_combine_kernel(device, d, page, splits) -> None:
-    """With ``counters`` the last split of each (sequence, kv head) merges the splits: the output
-    the combine kernel gives, bit for bit, and the counters back at 0 after each call (twice: a
-    CUDA graph's replays reuse them). A counter tensor too small is refused."""
-    lens = [5 * page + 3, 2 * page, 1]
-    q, cache, aux, table, seq_lens = _case(lens, 2, 4, d, page, seed=d + splits)
-    dev = [x.to(device) for x in (q.half(), cache, aux, table, seq_lens)]
-    want = paged_decode_tc4_tma(*dev, d**-0.5, num_splits=splits)
-    counters = torch.zeros(len(lens) * 2, dtype=torch.int32, device=device)
-    for _ in range(2):
-        got = paged_decode_tc4_tma(*dev, d**-0.5, num_splits=splits, counters=counters)
-        assert torch.equal(got, want)
-        assert not counters.any()
-    with pytest.raises(ValueError, match=r"at least 6 \(B \* KH\)"):
-        paged_decode_tc4_tma(*dev, d**-0.5, num_splits=splits, counters=counters[:5])

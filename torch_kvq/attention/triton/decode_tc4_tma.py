@@ -44,7 +44,6 @@ from torch_kvq.attention.triton.int4 import (
     v_columns,
     v_tile,
 )
-from torch_kvq.attention.triton.split_combine import combine_if_last
 from torch_kvq.attention.triton.tc4_aux import (
     SLOTS,
     bit_box_rows,
@@ -218,13 +217,12 @@ def _step(
 @triton.jit
 def _decode_tc4_tma(
     q_ptr, k_desc, v_desc, slot_desc, bit_desc, block_table_ptr, seq_lens_ptr, part_o_ptr,
-    part_lse_ptr, out_ptr, rot_ptr, counter_ptr, qk_scale_log2, window,
+    part_lse_ptr, out_ptr, rot_ptr, qk_scale_log2, window,
     stride_qb, stride_qh, stride_ob, stride_oh, stride_bt,
     KH: tl.constexpr, QH: tl.constexpr, G: tl.constexpr, BLOCK_G: tl.constexpr, D: tl.constexpr,
     PAGE: tl.constexpr, NUM_SPLITS: tl.constexpr, STAGES: tl.constexpr,
     USE_WINDOW: tl.constexpr, DIRECT: tl.constexpr, RSQRT_B: tl.constexpr, LAZY: tl.constexpr,
     PV_SCALE: tl.constexpr, BIT_BOX: tl.constexpr, STEP: tl.constexpr,
-    COMBINE_LAST: tl.constexpr, BLOCK_S: tl.constexpr,
 ):  # fmt: skip
     kh = tl.program_id(0)
     split = tl.program_id(1)
@@ -262,11 +260,6 @@ def _decode_tc4_tma(
         g_mask, out_ptr, part_o_ptr, part_lse_ptr, 1.0 / PV_SCALE, rot_ptr, stride_ob, stride_oh,
         QH, D, NUM_SPLITS, DIRECT, tl.float16, RSQRT_B,
     )  # fmt: skip
-    if COMBINE_LAST:  # the last split of (b, kh) merges them: no combine kernel
-        combine_if_last(
-            counter_ptr, part_o_ptr, part_lse_ptr, out_ptr, 1.0, b, kh, stride_ob, stride_oh, KH,
-            G, QH, D, NUM_SPLITS, BLOCK_S,
-        )  # fmt: skip
 
 
 def default_splits(batch: int, kv_heads: int, max_seq_len: int, page: int, q: torch.Tensor) -> int:
@@ -289,7 +282,6 @@ def paged_decode_tc4_tma(
     lazy_rescale: bool = True,
     max_seq_len: int | None = None,
     max_registers: int = 0,
-    counters: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """One new token per sequence over a tc4 cache: q [B, QH, D] in k's dual basis, ``kv_cache``
     uint8 [P, 2, page, KH, D / 2] and ``kv_scale`` uint8 [P, KH, 16 + D / 16, page], both
@@ -300,12 +292,8 @@ def paged_decode_tc4_tma(
     programs per SM, ``max_seq_len`` a host bound on ``seq_lens``: never read from the device),
     8 without one. ``num_stages``: the pipeliner's, which keeps a page in flight from 6
     (docs/design/int4-branch.md measures 6 and 8). ``max_registers``: Triton's maxnreg (0: its
-    own choice; no cap measured faster since the fifth bits left their MMA). ``counters``: int32
-    zeros, at least B * KH, on q's device (the caller's, kept between calls: each launch leaves
-    them 0): the last split of each (sequence, kv head) merges the splits
-    (``split_combine.combine_if_last``) instead of a combine kernel; an experiment, timed by
-    ``benchmarks/bench_decode_tc4.py --combine-last``. Returns out [B, QH, D] in q's dtype.
-    ValueError on other shapes."""
+    own choice; no cap measured faster since the fifth bits left their MMA). Returns out [B, QH,
+    D] in q's dtype. ValueError on other shapes."""
     bsz, qh, d = q.shape
     pages, two, page, kh, half = kv_cache.shape
     aux = quant_tc.aux_width(d)
@@ -325,13 +313,6 @@ def paged_decode_tc4_tma(
             f"head size 64 / 128 / 256, pages of 16 / 32 / 64, contiguous uint8 [P, 2, page, KH, "
             f"D / 2] and [P, KH, {aux}, page], QH a multiple of KH"
         )
-    if counters is not None and (
-        counters.dtype != torch.int32 or counters.numel() < bsz * kh or counters.device != q.device
-    ):
-        raise ValueError(
-            f"paged_decode_tc4_tma: counters {counters.dtype} [{counters.numel()}] on "
-            f"{counters.device}: need int32 zeros, at least {bsz * kh} (B * KH), on {q.device}"
-        )
     step = step_tokens(d, page)  # every box holds one step's tokens
     lanes = kv_cache.view(torch.int16).view(pages * 2 * page, kh * d // 4)
     k_desc = TensorDescriptor(lanes, list(lanes.shape), [kh * d // 4, 1], [step, d // 4])
@@ -345,21 +326,16 @@ def paged_decode_tc4_tma(
     if num_splits is None:
         num_splits = 8 if max_seq_len is None else default_splits(bsz, kh, max_seq_len, page, q)
     out, part_o, part_lse = split_outputs("paged_decode_tc4_tma", q, None, num_splits, None)
-    combine_last = counters is not None and num_splits > 1
     g = qh // kh
     _decode_tc4_tma[(kh, num_splits, bsz)](
         q, k_desc, v_desc, slot_desc, bit_desc, block_table, seq_lens, part_o, part_lse, out,
-        rotation_matrices(d, q.device), counters if combine_last else seq_lens,
-        sm_scale * 1.4426950408889634, window or 0,
+        rotation_matrices(d, q.device), sm_scale * 1.4426950408889634, window or 0,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), block_table.stride(0),
         KH=kh, QH=qh, G=g, BLOCK_G=max(8, triton.next_power_of_2(g)), D=d, PAGE=page,
         NUM_SPLITS=num_splits, STAGES=num_stages, USE_WINDOW=window is not None,
         DIRECT=num_splits == 1, RSQRT_B=hadamard_block(d // 2) ** -0.5, LAZY=lazy_rescale,
         PV_SCALE=PV_LAZY if lazy_rescale else PV_EAGER, BIT_BOX=box, STEP=step,
-        COMBINE_LAST=combine_last, BLOCK_S=triton.next_power_of_2(num_splits),
         num_warps=num_warps,
         **({"maxnreg": max_registers} if max_registers else {}),
     )  # fmt: skip
-    if combine_last:
-        return out
     return combine_splits(part_o, part_lse, out, 1.0, num_splits)

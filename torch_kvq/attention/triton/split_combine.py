@@ -1,7 +1,5 @@
 """The split grid's merge of one query head's partial outputs by their log-sum-exp
-(``combine_row``): as a kernel of its own (``helpers.combine_splits``) or, in a decode that takes a
-counter per (sequence, kv head), by the last of its splits to finish (``combine_if_last``), which
-saves that kernel's launch a layer. Imports Triton.
+(``combine_row``), run by the combine kernel (``helpers.combine_splits``). Imports Triton.
 """
 
 from __future__ import annotations
@@ -27,24 +25,3 @@ def combine_row(
     o = tl.load(part_o_ptr + (base + offs_s)[:, None] * D + offs_d[None, :], mask=s_mask[:, None])
     o = tl.sum(o * w[:, None], axis=0) * (out_scale / tl.sum(w, axis=0))
     tl.store(out_ptr + b * stride_ob + h * stride_oh + offs_d, o.to(out_ptr.dtype.element_ty))
-
-
-@triton.jit
-def combine_if_last(
-    counter_ptr, part_o_ptr, part_lse_ptr, out_ptr, out_scale, b, kh, stride_ob, stride_oh,
-    KH: tl.constexpr, G: tl.constexpr, QH: tl.constexpr, D: tl.constexpr,
-    NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr,
-):  # fmt: skip
-    """After a split program of (sequence b, kv head kh) stored its partials: count it in
-    ``counter_ptr[b * KH + kh]`` (int32, 0 before the launch); the last of the NUM_SPLITS merges
-    the group's G query heads and sets the counter back to 0 for the next launch (a CUDA graph's
-    replays included). The count's acquire-release order makes every split's partials visible to
-    the last one."""
-    counter = counter_ptr + b * KH + kh
-    if tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu") == NUM_SPLITS - 1:
-        for g in range(G):
-            combine_row(
-                part_o_ptr, part_lse_ptr, out_ptr, out_scale, b, kh * G + g, stride_ob,
-                stride_oh, QH, D, NUM_SPLITS, BLOCK_S,
-            )  # fmt: skip
-        tl.atomic_xchg(counter, 0, sem="relaxed", scope="gpu")
