@@ -16,7 +16,8 @@
 #                                              # back what they wrote (one .tar.gz per job) in $OUT
 #
 # Jobs write to /tmp/streak/<job>/ (their $OUT) and touch /tmp/streak/<job>.done when finished.
-# Every call prints each job's state and the last lines of its log.
+# Every call prints each job's state and the last lines of its log (STREAK_TAIL_LINES, 4, of the
+# last STREAK_TAIL_BYTES, 600).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 S=/tmp/streak
@@ -42,7 +43,8 @@ report() {
     job=$(basename "$d")
     state=running; [ -f $S/$job.done ] && state=done
     echo "--- $job: $state ($(date -u +%T))"
-    tail -c 600 "$d/nohup.log" 2>/dev/null | tr '\r' '\n' | tail -4
+    tail -c "${STREAK_TAIL_BYTES:-600}" "$d/nohup.log" 2>/dev/null | tr '\r' '\n' \
+      | tail -"${STREAK_TAIL_LINES:-4}"
   done
   ls /tmp/xfer | tr '\n' ' '; echo
 }
