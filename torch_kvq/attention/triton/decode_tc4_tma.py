@@ -170,8 +170,8 @@ def _off(z, SHIFT: tl.constexpr):
 def _step(
     k_desc, v_desc, slot_desc, bit_desc, k_row, v_row, blk, col, tok0, lo, seq_len, kh,
     qa, qb, qce, qco, sum_a, sum_b, sum_ce, sum_co, acc_lo, acc_hi, l_acc, m_i, qk_scale_log2,
-    KH: tl.constexpr, D: tl.constexpr, STEP: tl.constexpr, LAZY: tl.constexpr,
-    PV_SCALE: tl.constexpr, BIT_BOX: tl.constexpr,
+    D: tl.constexpr, STEP: tl.constexpr, LAZY: tl.constexpr, PV_SCALE: tl.constexpr,
+    BIT_BOX: tl.constexpr,
 ):  # fmt: skip
     """STEP tokens of a page from token ``tok0`` (K's rows from ``k_row``, V's from ``v_row``, the
     aux block ``blk``'s columns from ``col``): their logits, the online softmax, ``p @ v``.
@@ -252,8 +252,8 @@ def _decode_tc4_tma(
             acc_lo, acc_hi, l_acc, m_i = _step(
                 k_desc, v_desc, slot_desc, bit_desc, row + h * STEP, row + PAGE + h * STEP, blk,
                 h * STEP, p * PAGE + h * STEP, lo, seq_len, kh, qa, qb, qce, qco, sum_a, sum_b,
-                sum_ce, sum_co, acc_lo, acc_hi, l_acc, m_i, qk_scale_log2, KH, D, STEP, LAZY,
-                PV_SCALE, BIT_BOX,
+                sum_ce, sum_co, acc_lo, acc_hi, l_acc, m_i, qk_scale_log2, D, STEP, LAZY, PV_SCALE,
+                BIT_BOX,
             )  # fmt: skip
     store_split_int4(
         tl.trans(acc_lo), tl.trans(acc_hi) * 0.0625, m_i, tl.sum(l_acc, axis=0), b, split, heads,

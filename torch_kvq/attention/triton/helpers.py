@@ -11,8 +11,7 @@ token and kv head (``kv_scale`` [pages, 2, KH, page]); a token's scale is consta
 reductions, so its k scale multiplies its logit column and its v scale its softmax-weight column
 before ``p @ v`` (the softmax sum takes the unscaled weights): still no per-element
 dequantization. A program's part of a sequence ends either as the output (``store_out``) or as
-a normalised partial output and its log-sum-exp (``store_part``), merged by ``combine_splits``
-(``split_combine.combine_row``). Imports Triton: import only where Triton is installed.
+a normalised partial output and its log-sum-exp (``store_part``), merged by ``combine_splits``. Imports Triton: import only where Triton is installed.
 """
 
 from __future__ import annotations
@@ -22,8 +21,6 @@ import os
 import torch
 import triton
 import triton.language as tl
-
-from torch_kvq.attention.triton.split_combine import combine_row
 
 DOT_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
 CODE_DTYPES = (torch.int8, torch.float8_e4m3fn)  # caches read with per-(token, head) scales
@@ -287,10 +284,18 @@ def _combine(
     part_o_ptr, part_lse_ptr, out_ptr, out_scale, stride_ob, stride_oh,
     QH: tl.constexpr, D: tl.constexpr, NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr,
 ):  # fmt: skip
-    combine_row(
-        part_o_ptr, part_lse_ptr, out_ptr, out_scale, tl.program_id(1), tl.program_id(0),
-        stride_ob, stride_oh, QH, D, NUM_SPLITS, BLOCK_S,
-    )  # fmt: skip
+    h = tl.program_id(0)
+    b = tl.program_id(1)
+    offs_s = tl.arange(0, BLOCK_S)
+    offs_d = tl.arange(0, D)
+    s_mask = offs_s < NUM_SPLITS
+    base = (b.to(tl.int64) * QH + h) * NUM_SPLITS
+    lse = tl.load(part_lse_ptr + base + offs_s, mask=s_mask, other=float("-inf"))
+    m = tl.max(lse, axis=0)
+    w = tl.where(s_mask & (lse > float("-inf")), tl.exp2(lse - m), 0.0)
+    o = tl.load(part_o_ptr + (base + offs_s)[:, None] * D + offs_d[None, :], mask=s_mask[:, None])
+    o = tl.sum(o * w[:, None], axis=0) * (out_scale / tl.sum(w, axis=0))
+    tl.store(out_ptr + b * stride_ob + h * stride_oh + offs_d, o.to(out_ptr.dtype.element_ty))
 
 
 def check_args(
