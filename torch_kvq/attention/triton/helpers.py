@@ -11,7 +11,8 @@ token and kv head (``kv_scale`` [pages, 2, KH, page]); a token's scale is consta
 reductions, so its k scale multiplies its logit column and its v scale its softmax-weight column
 before ``p @ v`` (the softmax sum takes the unscaled weights): still no per-element
 dequantization. A program's part of a sequence ends either as the output (``store_out``) or as
-a normalised partial output and its log-sum-exp (``store_part``), merged by ``combine_splits``. Imports Triton: import only where Triton is installed.
+a normalised partial output and its log-sum-exp (``store_part``), merged by ``combine_splits``.
+Imports Triton: import only where Triton is installed.
 """
 
 from __future__ import annotations
@@ -284,6 +285,8 @@ def _combine(
     part_o_ptr, part_lse_ptr, out_ptr, out_scale, stride_ob, stride_oh,
     QH: tl.constexpr, D: tl.constexpr, NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr,
 ):  # fmt: skip
+    """out[b, h] = the splits' partial outputs [B, QH, S, D] weighted by exp2 of their lse [B, QH,
+    S] (base 2; a split that saw no token, lse -inf, weighs 0), times ``out_scale``."""
     h = tl.program_id(0)
     b = tl.program_id(1)
     offs_s = tl.arange(0, BLOCK_S)
