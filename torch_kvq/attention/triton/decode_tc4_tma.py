@@ -38,10 +38,10 @@ from torch_kvq.attention import quant_tc
 from torch_kvq.attention.quant import _walsh_hadamard, hadamard_block, hadamard_signs
 from torch_kvq.attention.triton.decode_config import default_num_splits, sm_count
 from torch_kvq.attention.triton.helpers import combine_splits, split_outputs, split_range
-from torch_kvq.attention.triton.int4 import rescale, store_split_int4, v_columns
+from torch_kvq.attention.triton.int4 import store_split_int4, v_columns
 from torch_kvq.attention.triton.tc4_aux import bit_box_rows
 from torch_kvq.attention.triton.tc4_pair import PAIR_STEP, attend_pair
-from torch_kvq.attention.triton.tc4_unpack import k_side, offset32, pv, q_groups
+from torch_kvq.attention.triton.tc4_unpack import k_side, offset32, pv, q_groups, softmax_step
 
 # the weights times v's scales, times this in fp16 (``int4.int4_pv_shift``'s: 16 eager, 1 lazy)
 PV_EAGER, PV_LAZY = 16.0, 1.0
@@ -107,16 +107,9 @@ def _step(
     s += s_c * sc.to(tl.float32)[:, None]
     toks = tok0 + tl.arange(0, STEP)
     live = (toks >= lo) & (toks < seq_len)
-    s = tl.where(live[:, None], s * qk_scale_log2, float("-inf"))  # [STEP, BLOCK_G]
-    if LAZY:  # the reference max moves only when a logit passes it by more than 8 (base 2)
-        pr = tl.exp2(s - m_i[None, :])
-        if tl.max(tl.max(s - m_i[None, :], axis=1), axis=0) > 8.0:
-            acc_lo, acc_hi, l_acc, m_i, m_safe = rescale(acc_lo, acc_hi, l_acc, m_i, tl.max(s, 0))
-            pr = tl.exp2(s - m_safe[None, :])
-    else:
-        acc_lo, acc_hi, l_acc, m_i, m_safe = rescale(acc_lo, acc_hi, l_acc, m_i, tl.max(s, 0))
-        pr = tl.exp2(s - m_safe[None, :])
-    l_acc += pr
+    acc_lo, acc_hi, _, _, l_acc, m_i, pr = softmax_step(
+        s, live, m_i, qk_scale_log2, acc_lo, acc_hi, acc_lo, acc_hi, l_acc, LAZY, False
+    )  # fmt: skip
     w1 = (pr * (s1.to(tl.float32) * PV_SCALE)[:, None]).to(tl.float16)
     w2 = (pr * (s2.to(tl.float32) * PV_SCALE)[:, None]).to(tl.float16)
     acc_lo, acc_hi = pv(

@@ -24,8 +24,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from torch_kvq.attention.triton.int4 import rescale
-from torch_kvq.attention.triton.tc4_unpack import k_side, offset32, pv
+from torch_kvq.attention.triton.tc4_unpack import k_side, offset32, pv, softmax_step
 
 # tokens a step of the paired loop takes (``decode_tc4_tma.step_tokens``)
 PAIR_STEP = 16
@@ -36,14 +35,6 @@ def _col(a, b, on_b):
     """Per-token values of head a and head b [STEP] as the logits' [STEP, BLOCK_G] tile: b's in
     the columns ``on_b``, a's elsewhere."""
     return tl.where(on_b[None, :], b[:, None], a[:, None])
-
-
-@triton.jit
-def _times(acc_lo, acc_hi, m_i, m_safe):
-    """Accumulators [D / 2, BLOCK_G] times the online softmax's factor for a max moved from
-    ``m_i`` to ``m_safe``."""
-    alpha = tl.exp2(m_i - m_safe)[None, :]
-    return acc_lo * alpha, acc_hi * alpha
 
 
 @triton.jit
@@ -78,24 +69,9 @@ def step_pair(
     s += s_c * _col(sc, tc, on_b).to(tl.float32)
     toks = tok0 + tl.arange(0, STEP)
     live = (toks >= lo) & (toks < seq_len)
-    s = tl.where(live[:, None], s * qk_scale_log2, float("-inf"))  # [STEP, BLOCK_G]
-    if LAZY:  # the reference max moves only when a logit passes it by more than 8 (base 2)
-        pr = tl.exp2(s - m_i[None, :])
-        if tl.max(tl.max(s - m_i[None, :], axis=1), axis=0) > 8.0:
-            acc_a_lo, acc_a_hi, l_acc, m_new, m_safe = rescale(
-                acc_a_lo, acc_a_hi, l_acc, m_i, tl.max(s, 0)
-            )  # fmt: skip
-            acc_b_lo, acc_b_hi = _times(acc_b_lo, acc_b_hi, m_i, m_safe)
-            m_i = m_new
-            pr = tl.exp2(s - m_safe[None, :])
-    else:
-        acc_a_lo, acc_a_hi, l_acc, m_new, m_safe = rescale(
-            acc_a_lo, acc_a_hi, l_acc, m_i, tl.max(s, 0)
-        )  # fmt: skip
-        acc_b_lo, acc_b_hi = _times(acc_b_lo, acc_b_hi, m_i, m_safe)
-        m_i = m_new
-        pr = tl.exp2(s - m_safe[None, :])
-    l_acc += pr
+    acc_a_lo, acc_a_hi, acc_b_lo, acc_b_hi, l_acc, m_i, pr = softmax_step(
+        s, live, m_i, qk_scale_log2, acc_a_lo, acc_a_hi, acc_b_lo, acc_b_hi, l_acc, LAZY, True
+    )  # fmt: skip
     w1 = (pr * (_col(s1, t1, on_b).to(tl.float32) * PV_SCALE)).to(tl.float16)
     w2 = (pr * (_col(s2, t2, on_b).to(tl.float32) * PV_SCALE)).to(tl.float16)
     acc_a_lo, acc_a_hi = pv(

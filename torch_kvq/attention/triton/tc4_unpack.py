@@ -1,8 +1,9 @@
 """A tc4 page's pieces for one kv head, for the decode's loops (``decode_tc4_tma``: one kv head a
 program; ``tc4_pair``: two): K's lanes and V's bytes to the MMA's fp16 operands by the exponent
 trick (``unpack_k``, ``unpack5_minus``), q's group columns as K's lane operands (``q_groups``),
-and a step's two halves per head: K's operands with the head's slots (``k_side``) and ``p @ v``
-into the head's accumulators (``pv``). The cache's layout and the exponent trick are described in
+a step's two halves per head: K's operands with the head's slots (``k_side``) and ``p @ v``
+into the head's accumulators (``pv``); and the online softmax's step both loops take
+(``softmax_step``). The cache's layout and the exponent trick are described in
 ``decode_tc4_tma``. Imports Triton.
 """
 
@@ -12,7 +13,7 @@ import triton
 import triton.language as tl
 
 from torch_kvq.attention.triton.helpers import INTERPRET
-from torch_kvq.attention.triton.int4 import v_tile
+from torch_kvq.attention.triton.int4 import rescale, v_tile
 from torch_kvq.attention.triton.tc4_aux import SLOTS, fifth_words, offset16, page_slots
 
 
@@ -125,3 +126,38 @@ def pv(
     # half 1's 5 bits - zp1, 16 (half 2 - zp2), [D / 2, STEP]: the MMA's A operands
     v_lo, v_hi = unpack5_minus(tl.trans(v), fifth, z_lo, z_hi)
     return tl.dot(v_lo, w1, acc_lo), tl.dot(v_hi, w2, acc_hi)
+
+
+@triton.jit
+def softmax_step(
+    s, live, m_i, qk_scale_log2, acc_lo, acc_hi, acc2_lo, acc2_hi, l_acc, LAZY: tl.constexpr,
+    TWO: tl.constexpr,
+):  # fmt: skip
+    """The online softmax's step for a step's logits ``s`` [STEP, BLOCK_G] (tokens ``live``):
+    base-2 logits, -inf where not live; the accumulators (and, ``TWO``, the second kv head's
+    acc2) and ``l_acc`` rescaled where the max moves (``LAZY``: only when a logit passes it by
+    more than 8). Returns (acc_lo, acc_hi, acc2_lo, acc2_hi, l_acc + the weights, m_i, the
+    weights [STEP, BLOCK_G])."""
+    s = tl.where(live[:, None], s * qk_scale_log2, float("-inf"))
+    if LAZY:
+        pr = tl.exp2(s - m_i[None, :])
+        if tl.max(tl.max(s - m_i[None, :], axis=1), axis=0) > 8.0:
+            acc_lo, acc_hi, acc2_lo, acc2_hi, l_acc, m_i, pr = _move_max(
+                s, m_i, acc_lo, acc_hi, acc2_lo, acc2_hi, l_acc, TWO
+            )  # fmt: skip
+    else:
+        acc_lo, acc_hi, acc2_lo, acc2_hi, l_acc, m_i, pr = _move_max(
+            s, m_i, acc_lo, acc_hi, acc2_lo, acc2_hi, l_acc, TWO
+        )  # fmt: skip
+    return acc_lo, acc_hi, acc2_lo, acc2_hi, l_acc + pr, m_i, pr
+
+
+@triton.jit
+def _move_max(s, m_i, acc_lo, acc_hi, acc2_lo, acc2_hi, l_acc, TWO: tl.constexpr):
+    """``softmax_step``'s move of the max to the step's: (the accumulators and ``l_acc`` rescaled,
+    the new max, the step's weights against it)."""
+    acc_lo, acc_hi, l_acc, m_new, m_safe = rescale(acc_lo, acc_hi, l_acc, m_i, tl.max(s, 0))
+    if TWO:
+        alpha = tl.exp2(m_i - m_safe)[None, :]
+        acc2_lo, acc2_hi = acc2_lo * alpha, acc2_hi * alpha
+    return acc_lo, acc_hi, acc2_lo, acc2_hi, l_acc, m_new, tl.exp2(s - m_safe[None, :])
