@@ -6,7 +6,6 @@ Answers issue 33's question of what tc4's formats cost a decode (docs/design/int
 
     python benchmarks/bench_decode_tc4.py [llama] [gemma_global] [--page 32] [--splits 4 8]
         [--warps 1 4] [--stages 4 6] [--eager] [--max-registers 0 184] [--ctxs 8192 16384]
-        [--kv-heads 1 2]
 """
 
 from __future__ import annotations
@@ -54,7 +53,6 @@ def time_shape(
     regs: list[int],
     copy: float,
     ctx: int = 16384,
-    kv_heads: tuple[int, ...] = (1,),
 ) -> None:
     """One line per decode of ``shape`` at 32 x ``ctx``: median ms and % of copy (tc4 per splits,
     warps, stages and register cap, 0 none as the launcher's default; lazy rescaling, and eager
@@ -76,15 +74,13 @@ def time_shape(
             c.q, int4_codes, c.table, c.seq_lens, 1.0, 1.0, c.sm_scale, max_seq_len=c.ctx,
             kv_scale=int4_scales)),
     }  # fmt: skip
-    for nh, s, w, st, r in itertools.product(kv_heads, splits, warps, stages, regs):
+    for s, w, st, r in itertools.product(splits, warps, stages, regs):
         for lazy in (True, False) if eager else (True,):
-            name = (f"tc4 kv heads {nh} splits {s} warps {w} stages {st} regs {r}"
-                    f"{'' if lazy else ' eager'}")  # fmt: skip
-            calls[name] = (tc4_bytes, lambda s=s, w=w, st=st, r=r, lazy=lazy, nh=nh:
+            name = f"tc4 splits {s} warps {w} stages {st} regs {r}{'' if lazy else ' eager'}"
+            calls[name] = (tc4_bytes, lambda s=s, w=w, st=st, r=r, lazy=lazy:
                            paged_decode_tc4_tma(q, codes, aux, c.table, c.seq_lens, c.sm_scale,
                                                 num_splits=s, num_warps=w, num_stages=st,
-                                                lazy_rescale=lazy, max_registers=r,
-                                                kv_heads_per_program=nh))  # fmt: skip
+                                                lazy_rescale=lazy, max_registers=r))  # fmt: skip
     times: dict[str, list[float]] = {k: [] for k in calls}
     for _ in range(3):  # interleaved rounds
         for name, (_, fn) in calls.items():
@@ -105,8 +101,6 @@ def main() -> None:
     ap.add_argument("--eager", action="store_true", help="also time eager rescaling")
     ap.add_argument("--ctxs", nargs="+", type=int, default=[16384],
                     help="tokens a sequence (several: the fixed cost is the intercept)")  # fmt: skip
-    ap.add_argument("--kv-heads", nargs="+", type=int, default=[1],
-                    help="kv heads a program (2: the paired loop, head 128)")  # fmt: skip
     ap.add_argument("--max-registers", nargs="+", type=int, default=[0],
                     help="Triton's maxnreg (0: none, the launcher's default)")  # fmt: skip
     args = ap.parse_args()
@@ -125,7 +119,6 @@ def main() -> None:
             args.max_registers,
             copy,
             ctx,
-            tuple(args.kv_heads),
         )
 
 

@@ -127,7 +127,7 @@ def _compile(fn, sig: dict, const: dict, align: bool, opts: dict):
 
 def compile_tc4(
     head: int, group: int, stages: int, warps: int, lazy: bool, page: int = 16,
-    max_registers: int | None = None, kv_heads: int = 1, step: int | None = None,
+    max_registers: int | None = None,
 ):  # fmt: skip
     """The compiled ``decode_tc4_tma._decode_tc4_tma`` (tc4's TMA decode; no TUNED entry: the
     arguments are the config; ``max_registers`` a cap, none by default as in the launcher),
@@ -139,7 +139,7 @@ def compile_tc4(
     from torch_kvq.attention.triton import tc4_aux
 
     fn = tc4._decode_tc4_tma
-    step = step or tc4.step_tokens(head, page, kv_heads)  # the boxes' tokens
+    step = tc4.step_tokens(head, page)  # the boxes' tokens
     sig = {
         "q_ptr": "*fp16", "k_desc": f"tensordesc<i16[{step}, {head // 4}]>",
         "v_desc": f"tensordesc<u8[{step}, {head // 2}]>", "slot_desc": f"tensordesc<fp16[8, {step}]>",
@@ -149,11 +149,11 @@ def compile_tc4(
         "stride_qb": "i32", "stride_qh": "i32", "stride_ob": "i32", "stride_oh": "i32",
         "stride_bt": "i32",
     }  # fmt: skip
-    const = dict(KH=8, QH=group * 8, G=group, BLOCK_G=max(8, triton.next_power_of_2(kv_heads * group)),
+    const = dict(KH=8, QH=group * 8, G=group, BLOCK_G=max(8, triton.next_power_of_2(group)),
                  D=head, PAGE=page, NUM_SPLITS=8, STAGES=stages, USE_WINDOW=False, DIRECT=False,
                  RSQRT_B=hadamard_block(head // 2) ** -0.5, LAZY=lazy,
                  PV_SCALE=tc4.PV_LAZY if lazy else tc4.PV_EAGER,
-                 BIT_BOX=tc4_aux.bit_box_rows(head, step), STEP=step, NH=kv_heads)  # fmt: skip
+                 BIT_BOX=tc4_aux.bit_box_rows(head, step), STEP=step)  # fmt: skip
     opts = dict(num_warps=warps, num_stages=stages)
     if max_registers:
         opts["maxnreg"] = max_registers
@@ -297,7 +297,6 @@ def main() -> None:
     ap.add_argument("--cache", choices=CACHES, default="fp8",
                     help="FP8 per tensor (default), or codes with per-(token, head) scales")  # fmt: skip
     ap.add_argument("--page", type=int, default=16, help="tokens per cache page")
-    ap.add_argument("--step", type=int, help="tc4: tokens a loop step (default: step_tokens')")
     ap.add_argument("--kv-heads", type=int, default=1, help="kv heads per program (int4: 1 or 2)")
     ap.add_argument("--align", action=argparse.BooleanOptionalAction, default=True,
                     help="16-divisible pointers and strides, as a launch specializes them")  # fmt: skip
@@ -309,8 +308,7 @@ def main() -> None:
             cfg = dict(head=head, group=args.group or (2 if head == 256 else 4),
                        stages=args.stages or 6, warps=args.warps or 1,
                        lazy=True if args.lazy is None else args.lazy, page=args.page,
-                       max_registers=args.max_registers, kv_heads=args.kv_heads,
-                       step=args.step)  # fmt: skip
+                       max_registers=args.max_registers)  # fmt: skip
             kernel = compile_tc4(**cfg)
             stats, _, sass = sass_stats(kernel)
             print(json.dumps({**cfg, **stats}) if args.json else f"{cfg} {stats}")

@@ -16,9 +16,8 @@ triton = pytest.importorskip("triton")  # after triton_case, which sets the inte
 tl = triton.language
 from torch_kvq.attention import quant_tc  # noqa: E402
 from torch_kvq.attention.kernels.reference import ref_attention  # noqa: E402
-from torch_kvq.attention.triton.decode_tc4_tma import paged_decode_tc4_tma  # noqa: E402
+from torch_kvq.attention.triton.decode_tc4_tma import paged_decode_tc4_tma, unpack_k  # noqa: E402
 from torch_kvq.attention.triton.int4 import unpack_minus  # noqa: E402
-from torch_kvq.attention.triton.tc4_unpack import unpack_k  # noqa: E402
 
 # each test on both: the interpreter where there is no GPU, the compiled program where there is one
 DEVICES = [
@@ -74,61 +73,15 @@ def test_program_equals_reference(device, lazy, lens, kh, g, d, page, splits, wi
     q, cache, aux, table, seq_lens = _case(lens, kh, g, d, page, seed=sum(lens) + d)
     want = _reference(q, cache, aux, table, seq_lens, d**-0.5, window)
     dev = [x.to(device) for x in (q.half(), cache, aux, table, seq_lens)]
-    got = paged_decode_tc4_tma(
-        *dev, d**-0.5, num_splits=splits, window=window, lazy_rescale=lazy, kv_heads_per_program=1
-    )
+    got = paged_decode_tc4_tma(*dev, d**-0.5, num_splits=splits, window=window, lazy_rescale=lazy)
     err = (got.float().cpu() - want).norm() / want.norm()
     assert err < 4e-3, err
-
-
-@pytest.mark.parametrize(
-    "lens,kh,g,d,page,splits,window",
-    [
-        ([33, 64, 5], 2, 4, 128, 16, 4, None),
-        ([70, 9], 4, 4, 128, 32, 2, 24),  # a 32-token page in two steps of 16
-        ([130, 3], 2, 3, 128, 64, 3, None),  # 2 G = 6 of the MMA's 8 columns
-        ([40, 17], 2, 4, 64, 32, 1, None),
-        ([48], 2, 2, 256, 32, 2, 40),
-    ],
-)
-@pytest.mark.parametrize("lazy", [True, False], ids=["lazy", "eager"])
-@pytest.mark.parametrize("device", DEVICES)
-def test_pair_equals_reference(device, lazy, lens, kh, g, d, page, splits, window) -> None:
-    """Two kv heads a program (``tc4_pair``): each query head gets its own kv head's attention
-    (a mixed-up column, the other head's scales or zero points, or a weight from the other head
-    would be far off), with the one-head program's accuracy."""
-    q, cache, aux, table, seq_lens = _case(lens, kh, g, d, page, seed=sum(lens) + kh)
-    want = _reference(q, cache, aux, table, seq_lens, d**-0.5, window)
-    dev = [x.to(device) for x in (q.half(), cache, aux, table, seq_lens)]
-    got = paged_decode_tc4_tma(
-        *dev, d**-0.5, num_splits=splits, window=window, lazy_rescale=lazy, kv_heads_per_program=2
-    )
-    err = (got.float().cpu() - want).norm(dim=-1) / want.norm(dim=-1)  # per (sequence, head)
-    assert err.max() < 4e-3, err
-
-
-def test_pair_default_and_errors() -> None:
-    """Unasked, the decode pairs kv heads at head 128 with an even kv head count and 2 G <= 8
-    (``pairs_by_default``), else one a program; two asked of an odd kv head count is an error
-    naming it."""
-    from torch_kvq.attention.triton.decode_tc4_tma import pairs_by_default
-
-    assert pairs_by_default(128, 8, 4)  # Llama-3.1-8B
-    assert not pairs_by_default(128, 3, 3)  # SmolLM2: odd KH
-    assert not pairs_by_default(128, 8, 8)  # 2 G = 16: no MMA columns to share
-    assert not pairs_by_default(256, 2, 2)  # head 256: the pair spills
-    q, cache, aux, table, seq_lens = _case([20], 3, 2, 64, 16, seed=1)
-    with pytest.raises(ValueError, match="kv_heads_per_program=2 with 3 kv heads"):
-        paged_decode_tc4_tma(q.half(), cache, aux, table, seq_lens, 0.125, kv_heads_per_program=2)
-    with pytest.raises(ValueError, match="kv_heads_per_program=4"):
-        paged_decode_tc4_tma(q.half(), cache, aux, table, seq_lens, 0.125, kv_heads_per_program=4)
 
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("d,page", [(64, 16), (128, 16), (128, 32), (128, 64), (256, 32)])
 @pytest.mark.parametrize("warps,stages", [(1, 1), (1, 8), (4, 3)])
-@pytest.mark.parametrize("nh", [1, 2])
-def test_program_configs(device, d, page, warps, stages, nh) -> None:
+def test_program_configs(device, d, page, warps, stages) -> None:
     """Every page size at the warps and stages the benchmarks sweep: compiled, the pipeliner
     buffers the four TMA copies by the stage count and the layouts follow the warps (the
     interpreter runs neither; there these cases repeat the pages and heads). Head 64 at 16-token
@@ -138,9 +91,7 @@ def test_program_configs(device, d, page, warps, stages, nh) -> None:
     q, cache, aux, table, seq_lens = _case(lens, 2, 4, d, page, seed=page + d)
     want = _reference(q, cache, aux, table, seq_lens, d**-0.5, None)
     dev = [x.to(device) for x in (q.half(), cache, aux, table, seq_lens)]
-    got = paged_decode_tc4_tma(
-        *dev, d**-0.5, num_splits=2, num_warps=warps, num_stages=stages, kv_heads_per_program=nh
-    )
+    got = paged_decode_tc4_tma(*dev, d**-0.5, num_splits=2, num_warps=warps, num_stages=stages)
     err = (got.float().cpu() - want).norm() / want.norm()
     assert err < 4e-3, err
 

@@ -37,11 +37,20 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 from torch_kvq.attention import quant_tc
 from torch_kvq.attention.quant import _walsh_hadamard, hadamard_block, hadamard_signs
 from torch_kvq.attention.triton.decode_config import default_num_splits, sm_count
-from torch_kvq.attention.triton.helpers import combine_splits, split_outputs, split_range
-from torch_kvq.attention.triton.int4 import store_split_int4, v_columns
-from torch_kvq.attention.triton.tc4_aux import bit_box_rows
-from torch_kvq.attention.triton.tc4_pair import PAIR_STEP, attend_pair
-from torch_kvq.attention.triton.tc4_unpack import k_side, offset32, pv, q_groups, softmax_step
+from torch_kvq.attention.triton.helpers import INTERPRET, combine_splits, split_outputs, split_range
+from torch_kvq.attention.triton.int4 import (
+    rescale,
+    store_split_int4,
+    v_columns,
+    v_tile,
+)
+from torch_kvq.attention.triton.tc4_aux import (
+    SLOTS,
+    bit_box_rows,
+    fifth_words,
+    offset16,
+    page_slots,
+)
 
 # the weights times v's scales, times this in fp16 (``int4.int4_pv_shift``'s: 16 eager, 1 lazy)
 PV_EAGER, PV_LAZY = 16.0, 1.0
@@ -56,19 +65,13 @@ GRID = 4
 # does (docs/design/int4-branch.md)
 STEP_BY_HEAD = {256: 16}
 
-# head sizes whose decode takes two kv heads a program by default (``tc4_pair``): head 256's
-# pair holds more than the registers (a stack), head 64's is not measured
-PAIR_HEADS = (128,)
-
 _ROTATIONS: dict[tuple[int, torch.device], torch.Tensor] = {}
 
 
-def step_tokens(d: int, page: int, kv_heads_per_program: int = 1) -> int:
+def step_tokens(d: int, page: int) -> int:
     """Tokens of a page the decode's loop takes at a time (its TMA boxes' rows): the page, or
-    ``STEP_BY_HEAD``'s (two kv heads a program: ``tc4_pair.PAIR_STEP``) where the page is
-    larger."""
-    most = PAIR_STEP if kv_heads_per_program == 2 else STEP_BY_HEAD.get(d, page)
-    return min(page, most)
+    ``STEP_BY_HEAD``'s where the page is larger."""
+    return min(page, STEP_BY_HEAD.get(d, page))
 
 
 def rotation_matrices(d: int, device: torch.device) -> torch.Tensor:
@@ -88,6 +91,82 @@ def rotation_matrices(d: int, device: torch.device) -> torch.Tensor:
 
 
 @triton.jit
+def unpack_k(lanes):
+    """K's lanes int16 [PAGE, D / 4] -> fp16 (1024 + A, 1024 + 64 B, 1024 + 4 C_even, 1024 + 32
+    C_odd), exactly: compiled, a word of two lanes shifted right by 8 once (C's bits to a lane's
+    low 10) and one ``lop3`` (mask, or ``0x6400``) per two codes; the interpreter, which runs no
+    PTX, takes the same steps lane by lane."""
+    if INTERPRET:
+        u = lanes.to(tl.int32) & 0xFFFF
+        t = u >> 8
+        return (
+            ((u & 0x3F) | 0x6400).to(tl.int16).to(tl.float16, bitcast=True),
+            ((u & 0x3C0) | 0x6400).to(tl.int16).to(tl.float16, bitcast=True),
+            ((t & 0x1C) | 0x6400).to(tl.int16).to(tl.float16, bitcast=True),
+            ((t & 0xE0) | 0x6400).to(tl.int16).to(tl.float16, bitcast=True),
+        )
+    return tl.inline_asm_elementwise(
+        "{ .reg .b32 t; shr.b32 t, $4, 8; "
+        "lop3.b32 $0, $4, 0x003f003f, 0x64006400, 0xea; "
+        "lop3.b32 $1, $4, 0x03c003c0, 0x64006400, 0xea; "
+        "lop3.b32 $2, t, 0x001c001c, 0x64006400, 0xea; "
+        "lop3.b32 $3, t, 0x00e000e0, 0x64006400, 0xea; }",
+        "=r,=r,=r,=r,r", [lanes], dtype=(tl.float16, tl.float16, tl.float16, tl.float16),
+        is_pure=True, pack=2,
+    )  # fmt: skip
+
+
+@triton.jit
+def _q_cols(q_row, cols, g_mask, mult):
+    """q's columns ``cols`` times ``mult`` (a power of two: exact), as fp16 [BLOCK_G, n]."""
+    x = tl.load(q_row + cols[None, :], mask=g_mask[:, None], other=0.0).to(tl.float32) * mult
+    return x.to(tl.float16)
+
+
+@triton.jit
+def q_groups(q_ptr, b, heads, g_mask, stride_qb, stride_qh, D: tl.constexpr):
+    """q's rows of ``heads`` of sequence ``b`` as K's lane operands [BLOCK_G, D / 4] in fp16 (A's
+    columns, B's / 64, C's even / 4 and odd / 32: ``unpack_k``'s 2^s taken out); their sums come
+    in the logits' layout from MMAs with ones (``_decode_tc4_tma``'s prologue)."""
+    q_row = q_ptr + b * stride_qb + heads[:, None] * stride_qh
+    j = tl.arange(0, D // 4)  # lane j: A_j, B_j, C_2j, C_2j+1
+    qa = _q_cols(q_row, j, g_mask, 1.0)
+    qb = _q_cols(q_row, D // 4 + j, g_mask, 1.0 / 64)
+    qce = _q_cols(q_row, D // 2 + 2 * j, g_mask, 1.0 / 4)
+    qco = _q_cols(q_row, D // 2 + 2 * j + 1, g_mask, 1.0 / 32)
+    return qa, qb, qce, qco
+
+
+@triton.jit
+def unpack5_minus(x, f, z_lo, z_hi):
+    """``int4.unpack_minus`` with half 1's fifth bits: V's bytes ``x`` (uint8) and
+    ``tc4_aux.fifth_words`` ``f`` -> (low nibble + 16 fifth bit + 1024 - ``z_lo``, ``16 *`` high nibble +
+    1024 - ``z_hi``) fp16 each, exactly; compiled, the fifth bits cost nothing here: the byte
+    permutes fill with ``0x64`` (fp16's exponent of 1024), so the low nibbles' ``lop3`` takes
+    one mask and ORs ``f`` in."""
+    if INTERPRET:
+        lo = ((x & 0xF).to(tl.uint32) | f | 0x6400).to(tl.uint16).to(tl.float16, bitcast=True)
+        hi = ((x & 0xF0).to(tl.uint16) | 0x6400).to(tl.float16, bitcast=True)
+        return lo - z_lo, hi - z_hi
+    return tl.inline_asm_elementwise(
+        "{ .reg .b32 t0, t1, u; "
+        "prmt.b32 t0, $4, 0x64646464, 0x4140; prmt.b32 t1, $4, 0x64646464, 0x4342; "
+        "lop3.b32 u, t0, 0x640f640f, $5, 0xea; sub.rn.f16x2 $0, u, $9; "
+        "lop3.b32 u, t1, 0x640f640f, $7, 0xea; sub.rn.f16x2 $1, u, $10; "
+        "and.b32 u, t0, 0x64f064f0; sub.rn.f16x2 $2, u, $11; "
+        "and.b32 u, t1, 0x64f064f0; sub.rn.f16x2 $3, u, $12; }",
+        "=r,=r,=r,=r,r,r,r,r,r,r,r,r,r", [x, f, z_lo, z_hi], dtype=(tl.float16, tl.float16),
+        is_pure=True, pack=4,
+    )  # fmt: skip
+
+
+@triton.jit
+def _off(z, SHIFT: tl.constexpr):
+    """``1024 + zp * 2^SHIFT`` (fp32) of zero points z (int32) [PAGE], as a column."""
+    return (1024.0 + z.to(tl.float32) * (1 << SHIFT))[:, None]
+
+
+@triton.jit
 def _step(
     k_desc, v_desc, slot_desc, bit_desc, k_row, v_row, blk, col, tok0, lo, seq_len, kh,
     qa, qb, qce, qco, sum_a, sum_b, sum_ce, sum_co, acc_lo, acc_hi, l_acc, m_i, qk_scale_log2,
@@ -97,24 +176,41 @@ def _step(
     """STEP tokens of a page from token ``tok0`` (K's rows from ``k_row``, V's from ``v_row``, the
     aux block ``blk``'s columns from ``col``): their logits, the online softmax, ``p @ v``.
     Returns the updated (acc_lo, acc_hi, l_acc, m_i)."""
-    ea, eb, ece, eco, sa, sb, sc, s1, s2, za, zb, zc, z1, z2 = k_side(
-        k_desc, slot_desc, k_row, blk, col, kh, D, STEP
-    )  # fmt: skip
-    s = (tl.dot(ea, tl.trans(qa)) - offset32(za, 0)[:, None] * sum_a) * sa.to(tl.float32)[:, None]
-    s += (tl.dot(eb, tl.trans(qb)) - offset32(zb, 6)[:, None] * sum_b) * sb.to(tl.float32)[:, None]
+    U: tl.constexpr = D // 16
+    ROWS8: tl.constexpr = 2 * SLOTS + U  # an aux block's rows of PAGE bytes
+    ea, eb, ece, eco = unpack_k(k_desc.load([k_row, kh * (D // 4)]))  # [STEP, D / 4] each
+    v = v_tile(v_desc.load([v_row, kh * (D // 2)]), STEP, D // 2)
+    sa, sb, sc, s1, s2, z_ab, z_c1, z_2 = page_slots(slot_desc, blk, col, STEP, ROWS8 // 2)
+    zi = z_ab.to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
+    zc1 = z_c1.to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
+    z2 = z_2.to(tl.int16, bitcast=True).to(tl.int32) & 0xFF
+    za, zb, zc, z1 = zi & 0xFF, zi >> 8, zc1 & 0xFF, zc1 >> 8
+    s = (tl.dot(ea, tl.trans(qa)) - _off(za, 0) * sum_a) * sa.to(tl.float32)[:, None]
+    s += (tl.dot(eb, tl.trans(qb)) - _off(zb, 6) * sum_b) * sb.to(tl.float32)[:, None]
     s_c = tl.dot(eco, tl.trans(qco), tl.dot(ece, tl.trans(qce)))
-    s_c -= offset32(zc, 2)[:, None] * sum_ce + offset32(zc, 5)[:, None] * sum_co
+    s_c -= _off(zc, 2) * sum_ce + _off(zc, 5) * sum_co
     s += s_c * sc.to(tl.float32)[:, None]
     toks = tok0 + tl.arange(0, STEP)
     live = (toks >= lo) & (toks < seq_len)
-    acc_lo, acc_hi, _, _, l_acc, m_i, pr = softmax_step(
-        s, live, m_i, qk_scale_log2, acc_lo, acc_hi, acc_lo, acc_hi, l_acc, LAZY, False
-    )  # fmt: skip
+    s = tl.where(live[:, None], s * qk_scale_log2, float("-inf"))  # [STEP, BLOCK_G]
+    if LAZY:  # the reference max moves only when a logit passes it by more than 8 (base 2)
+        pr = tl.exp2(s - m_i[None, :])
+        if tl.max(tl.max(s - m_i[None, :], axis=1), axis=0) > 8.0:
+            acc_lo, acc_hi, l_acc, m_i, m_safe = rescale(acc_lo, acc_hi, l_acc, m_i, tl.max(s, 0))
+            pr = tl.exp2(s - m_safe[None, :])
+    else:
+        acc_lo, acc_hi, l_acc, m_i, m_safe = rescale(acc_lo, acc_hi, l_acc, m_i, tl.max(s, 0))
+        pr = tl.exp2(s - m_safe[None, :])
+    l_acc += pr
+    z_lo = tl.broadcast_to(offset16(z1, 0)[None, :], [D // 2, STEP])
+    z_hi = tl.broadcast_to(offset16(z2, 4)[None, :], [D // 2, STEP])
+    fifth = fifth_words(bit_desc, blk, col, ROWS8, U, STEP, BIT_BOX)
+    # half 1's 5 bits - zp1, 16 (half 2 - zp2), [D / 2, STEP]: the MMA's A operands
+    v_lo, v_hi = unpack5_minus(tl.trans(v), fifth, z_lo, z_hi)
     w1 = (pr * (s1.to(tl.float32) * PV_SCALE)[:, None]).to(tl.float16)
     w2 = (pr * (s2.to(tl.float32) * PV_SCALE)[:, None]).to(tl.float16)
-    acc_lo, acc_hi = pv(
-        v_desc, bit_desc, v_row, blk, col, kh, z1, z2, w1, w2, acc_lo, acc_hi, D, STEP, BIT_BOX
-    )  # fmt: skip
+    acc_lo = tl.dot(v_lo, w1, acc_lo)
+    acc_hi = tl.dot(v_hi, w2, acc_hi)
     return acc_lo, acc_hi, l_acc, m_i
 
 
@@ -126,16 +222,16 @@ def _decode_tc4_tma(
     KH: tl.constexpr, QH: tl.constexpr, G: tl.constexpr, BLOCK_G: tl.constexpr, D: tl.constexpr,
     PAGE: tl.constexpr, NUM_SPLITS: tl.constexpr, STAGES: tl.constexpr,
     USE_WINDOW: tl.constexpr, DIRECT: tl.constexpr, RSQRT_B: tl.constexpr, LAZY: tl.constexpr,
-    PV_SCALE: tl.constexpr, BIT_BOX: tl.constexpr, STEP: tl.constexpr, NH: tl.constexpr,
+    PV_SCALE: tl.constexpr, BIT_BOX: tl.constexpr, STEP: tl.constexpr,
 ):  # fmt: skip
-    kh = tl.program_id(0) * NH  # NH = 2: kv heads kh and kh + 1 (``tc4_pair``)
+    kh = tl.program_id(0)
     split = tl.program_id(1)
     b = tl.program_id(2)
     seq_len = tl.load(seq_lens_ptr + b)
     table = block_table_ptr + b.to(tl.int64) * stride_bt
     lo, p_begin, p_end = split_range(seq_len, window, split, PAGE, NUM_SPLITS, USE_WINDOW)
     offs_g = tl.arange(0, BLOCK_G)
-    g_mask = offs_g < NH * G
+    g_mask = offs_g < G
     heads = kh * G + offs_g
     qa, qb, qce, qco = q_groups(q_ptr, b, heads, g_mask, stride_qb, stride_qh, D)
     # q's group sums in the logits' layout [STEP, BLOCK_G] (products with ones)
@@ -148,35 +244,22 @@ def _decode_tc4_tma(
     l_acc = tl.zeros([STEP, BLOCK_G], tl.float32)
     acc_lo = tl.zeros([D // 2, BLOCK_G], tl.float32)  # half 1, rows in v_columns order
     acc_hi = tl.zeros([D // 2, BLOCK_G], tl.float32)  # half 2 (16 times)
-    if NH == 2:
-        acc_lo, acc_hi, l_acc, m_i = attend_pair(
-            k_desc, v_desc, slot_desc, bit_desc, table, p_begin, p_end, lo, seq_len, kh, qa, qb,
-            qce, qco, sum_a, sum_b, sum_ce, sum_co, acc_lo, acc_hi, l_acc, m_i, qk_scale_log2, G,
-            BLOCK_G, D, PAGE, KH, STAGES, LAZY, PV_SCALE, BIT_BOX, STEP,
-        )  # fmt: skip
-    else:
-        for p in tl.range(p_begin, p_end, num_stages=STAGES):
-            page = tl.load(table + p)
-            row = page * (2 * PAGE)
-            blk = page * KH + kh
-            for h in tl.static_range(PAGE // STEP):  # the page's steps of STEP tokens
-                acc_lo, acc_hi, l_acc, m_i = _step(
-                    k_desc, v_desc, slot_desc, bit_desc, row + h * STEP, row + PAGE + h * STEP,
-                    blk, h * STEP, p * PAGE + h * STEP, lo, seq_len, kh, qa, qb, qce, qco, sum_a,
-                    sum_b, sum_ce, sum_co, acc_lo, acc_hi, l_acc, m_i, qk_scale_log2, D, STEP,
-                    LAZY, PV_SCALE, BIT_BOX,
-                )  # fmt: skip
+    for p in tl.range(p_begin, p_end, num_stages=STAGES):
+        page = tl.load(table + p)
+        row = page * (2 * PAGE)
+        blk = page * KH + kh
+        for h in tl.static_range(PAGE // STEP):  # the page's steps of STEP tokens
+            acc_lo, acc_hi, l_acc, m_i = _step(
+                k_desc, v_desc, slot_desc, bit_desc, row + h * STEP, row + PAGE + h * STEP, blk,
+                h * STEP, p * PAGE + h * STEP, lo, seq_len, kh, qa, qb, qce, qco, sum_a, sum_b,
+                sum_ce, sum_co, acc_lo, acc_hi, l_acc, m_i, qk_scale_log2, D, STEP, LAZY, PV_SCALE,
+                BIT_BOX,
+            )  # fmt: skip
     store_split_int4(
         tl.trans(acc_lo), tl.trans(acc_hi) * 0.0625, m_i, tl.sum(l_acc, axis=0), b, split, heads,
         g_mask, out_ptr, part_o_ptr, part_lse_ptr, 1.0 / PV_SCALE, rot_ptr, stride_ob, stride_oh,
         QH, D, NUM_SPLITS, DIRECT, tl.float16, RSQRT_B,
     )  # fmt: skip
-
-
-def pairs_by_default(d: int, kv_heads: int, group: int) -> bool:
-    """Whether the decode takes two kv heads a program unasked: at ``PAIR_HEADS``' head sizes,
-    an even kv head count and both heads' query heads within the MMA's N of 8."""
-    return d in PAIR_HEADS and kv_heads % 2 == 0 and 2 * group <= 8
 
 
 def default_splits(batch: int, kv_heads: int, max_seq_len: int, page: int, q: torch.Tensor) -> int:
@@ -199,7 +282,6 @@ def paged_decode_tc4_tma(
     lazy_rescale: bool = True,
     max_seq_len: int | None = None,
     max_registers: int = 0,
-    kv_heads_per_program: int | None = None,
 ) -> torch.Tensor:
     """One new token per sequence over a tc4 cache: q [B, QH, D] in k's dual basis, ``kv_cache``
     uint8 [P, 2, page, KH, D / 2] and ``kv_scale`` uint8 [P, KH, 16 + D / 16, page], both
@@ -210,10 +292,8 @@ def paged_decode_tc4_tma(
     programs per SM, ``max_seq_len`` a host bound on ``seq_lens``: never read from the device),
     8 without one. ``num_stages``: the pipeliner's, which keeps a page in flight from 6
     (docs/design/int4-branch.md measures 6 and 8). ``max_registers``: Triton's maxnreg (0: its
-    own choice; no cap measured faster since the fifth bits left their MMA).
-    ``kv_heads_per_program``: 2 runs ``tc4_pair``'s loop, two neighbouring kv heads a program
-    (an even KH); None: 2 where ``pairs_by_default`` says, else 1. Returns out [B, QH, D] in q's
-    dtype. ValueError on other shapes."""
+    own choice; no cap measured faster since the fifth bits left their MMA). Returns out [B, QH,
+    D] in q's dtype. ValueError on other shapes."""
     bsz, qh, d = q.shape
     pages, two, page, kh, half = kv_cache.shape
     aux = quant_tc.aux_width(d)
@@ -233,16 +313,7 @@ def paged_decode_tc4_tma(
             f"head size 64 / 128 / 256, pages of 16 / 32 / 64, contiguous uint8 [P, 2, page, KH, "
             f"D / 2] and [P, KH, {aux}, page], QH a multiple of KH"
         )
-    g = qh // kh
-    nh = kv_heads_per_program
-    if nh is None:
-        nh = 2 if pairs_by_default(d, kh, g) else 1
-    if nh not in (1, 2) or kh % nh:
-        raise ValueError(
-            f"paged_decode_tc4_tma: kv_heads_per_program={kv_heads_per_program!r} with {kh} kv "
-            f"heads: need 1, or 2 for an even kv head count"
-        )
-    step = step_tokens(d, page, nh)  # every box holds one step's tokens
+    step = step_tokens(d, page)  # every box holds one step's tokens
     lanes = kv_cache.view(torch.int16).view(pages * 2 * page, kh * d // 4)
     k_desc = TensorDescriptor(lanes, list(lanes.shape), [kh * d // 4, 1], [step, d // 4])
     rows = kv_cache.view(pages * 2 * page, kh * d // 2)
@@ -253,19 +324,17 @@ def paged_decode_tc4_tma(
     aux16 = kv_scale.view(-1).view(torch.float16).view(pages * kh * aux // 2, page)
     slot_desc = TensorDescriptor(aux16, list(aux16.shape), [page, 1], [quant_tc.AUX_SLOTS, step])
     if num_splits is None:
-        programs = kh // nh  # per sequence and split
-        num_splits = (
-            8 if max_seq_len is None else default_splits(bsz, programs, max_seq_len, page, q)
-        )
+        num_splits = 8 if max_seq_len is None else default_splits(bsz, kh, max_seq_len, page, q)
     out, part_o, part_lse = split_outputs("paged_decode_tc4_tma", q, None, num_splits, None)
-    _decode_tc4_tma[(kh // nh, num_splits, bsz)](
+    g = qh // kh
+    _decode_tc4_tma[(kh, num_splits, bsz)](
         q, k_desc, v_desc, slot_desc, bit_desc, block_table, seq_lens, part_o, part_lse, out,
         rotation_matrices(d, q.device), sm_scale * 1.4426950408889634, window or 0,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), block_table.stride(0),
-        KH=kh, QH=qh, G=g, BLOCK_G=max(8, triton.next_power_of_2(nh * g)), D=d, PAGE=page,
+        KH=kh, QH=qh, G=g, BLOCK_G=max(8, triton.next_power_of_2(g)), D=d, PAGE=page,
         NUM_SPLITS=num_splits, STAGES=num_stages, USE_WINDOW=window is not None,
         DIRECT=num_splits == 1, RSQRT_B=hadamard_block(d // 2) ** -0.5, LAZY=lazy_rescale,
-        PV_SCALE=PV_LAZY if lazy_rescale else PV_EAGER, BIT_BOX=box, STEP=step, NH=nh,
+        PV_SCALE=PV_LAZY if lazy_rescale else PV_EAGER, BIT_BOX=box, STEP=step,
         num_warps=num_warps,
         **({"maxnreg": max_registers} if max_registers else {}),
     )  # fmt: skip

@@ -175,7 +175,7 @@ def unpack_centred(x, zp, DOT: tl.constexpr):
 def unpack_minus(x, z_lo, z_hi):
     """Packed bytes ``x`` -> ``unpack``'s fp16 forms minus ``z_lo`` (low nibbles) and ``z_hi``
     (high), fp16 [x.shape] each (``unpack_centred``'s step, the two nibbles' zero points apart;
-    tc4's form, with its fifth bits: ``tc4_unpack.unpack5_minus``)."""
+    tc4's form, with its fifth bits: ``decode_tc4_tma.unpack5_minus``)."""
     if INTERPRET:
         lo, hi = unpack(x, tl.float16)
         return lo - z_lo, hi - z_hi

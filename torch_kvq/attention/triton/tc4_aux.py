@@ -87,15 +87,15 @@ def fifth_words(
     bit_desc, blk, col, ROWS8: tl.constexpr, U: tl.constexpr, PAGE: tl.constexpr,
     BOX: tl.constexpr,
 ):  # fmt: skip
-    """Half 1's fifth bits as ``tc4_unpack.unpack5_minus``'s words, uint32 [D / 2, PAGE] (the MMA's
-    A operand's shape, ``int4.v_tile``'s labels transposed): the element of column c = 32 h + 8 w +
-    g, token t holds ``b0 << 4 | b1 << 20`` for the two tokens (b0 the even one) of its pair in the
-    operand's register (tokens 16 s + 4 t' + 2 jp, + 1); compiled, one shift and one ``lop3`` a
-    pair. The plane (``quant_tc.fifth_bit_positions``): aux row 4 h + g // 2 of token t holds column
-    c's bit at 4 (g % 2) + w, so one row's 4 bytes at tokens 16 s + 4 t' .. + 3 are a lane's 16 bits
-    of a 16-token step. The interpreter, which runs no PTX, gets each element its own half (``b <<
-    4``). The box has ``BOX`` rows (``bit_box_rows``), the first U the bits, and PAGE columns from
-    ``col`` (a step of a page: ``decode_tc4_tma``'s ``STEP``)."""
+    """Half 1's fifth bits as ``decode_tc4_tma.unpack5_minus``'s words, uint32 [D / 2, PAGE] (the MMA's A
+    operand's shape, ``int4.v_tile``'s labels transposed): the element of column c = 32 h + 8 w +
+    g, token t holds ``b0 << 4 | b1 << 20`` for the two tokens (b0 the even one) of its pair in
+    the operand's register (tokens 16 s + 4 t' + 2 jp, + 1); compiled, one shift and one ``lop3``
+    a pair. The plane (``quant_tc.fifth_bit_positions``): aux row 4 h + g // 2 of token t holds
+    column c's bit at 4 (g % 2) + w, so one row's 4 bytes at tokens 16 s + 4 t' .. + 3 are a
+    lane's 16 bits of a 16-token step. The interpreter, which runs no PTX, gets each element its
+    own half (``b << 4``). The box has ``BOX`` rows (``bit_box_rows``), the first U the bits, and
+    PAGE columns from ``col`` (a step of a page: ``decode_tc4_tma``'s ``STEP``)."""
     x = bit_desc.load([blk * ROWS8 + 2 * SLOTS, col])  # [BOX, PAGE]
     if BOX > U:  # 2 U rows: the next block's first U rows dropped
         x, _ = tl.split(tl.permute(tl.reshape(x, [2, U, PAGE]), [1, 2, 0]))
