@@ -154,6 +154,55 @@ def test_a_map_with_four_bit_layers_through_the_runner():
     assert graphed.attention_layers[2].kv_cache[runner.scratch_page].any()  # padding: scratch
 
 
+def _k_basis(kh: int, d: int, seed: int):
+    """A well-conditioned K basis per kv head (identity plus noise), as a calibration gives."""
+    from torch_kvq.spec_channels import KBasis
+
+    g = torch.Generator().manual_seed(seed)
+    return KBasis.of(torch.eye(d) + torch.randn(kh, d, d, generator=g) / d**0.5)
+
+
+# tc4 (issue 33's transform-coded mode, the recommended map's) on the global layers (2, 5), each
+# with its own K basis, int8 per (token, head) on layer 1, the rest in the model dtype
+TC4_MAP = KVCacheConfig(
+    "auto",
+    layer_modes=(("full_attention", "tc4_per_token_head"), (1, "int8_per_token_head")),
+    k_bases=((2, _k_basis(2, 32, 2)), (5, _k_basis(2, 32, 5))),
+    page_size=4,
+)
+
+
+def test_a_map_with_tc4_layers_through_the_runner():
+    """tc4 layers compiled (the fused write and read) through the fixed-buffer path: the same
+    logits as direct calls, every sequence's tc4 pages those of the direct model within one code
+    step of their coarsest group (a padded GEMM may move k / v by an fp32 bit; measured on torch
+    2.13 CPU: every byte equal), and padding writes codes and side rows only to the scratch
+    page."""
+    from torch_kvq import make_kvq_backend
+    from torch_kvq.attention import quant_tc
+
+    direct, graphed = _twins(TC4_MAP)
+    assert [s.mode.value for s in graphed.kv_specs] == [
+        "none", "int8_per_token_head", "tc4_per_token_head",
+        "none", "none", "tc4_per_token_head",
+    ]  # fmt: skip
+    compiled = torch.compile(graphed, backend=make_kvq_backend(inner="eager"))
+    runner = DecodeGraphRunner(graphed, compiled, batch_sizes=(2, 4), max_context=32, capture=False)
+    errs = _run_schedule(direct, graphed, runner)
+    assert max(errs) < CPU_LOGIT_TOL, errs
+    pages = sorted({p for s in PROMPTS for p in direct.allocator.pages(s)})
+    for i in (2, 5):
+        a, b = direct.attention_layers[i], graphed.attention_layers[i]
+        want, got = (quant_tc.dequantize_pages(x.kv_cache[pages], x.kv_scale[pages])
+                     for x in (a, b))  # fmt: skip
+        records = quant_tc.aux_from_cache(a.kv_scale[pages])  # [pages, page, KH, W]
+        scales = records[..., : 2 * quant_tc.AUX_SLOTS].contiguous().view(torch.float16)
+        step = scales[..., :5].float().amax().item()  # the coarsest group's code step
+        torch.testing.assert_close(got, want, atol=step * 1.001, rtol=0.0)
+    _assert_caches_match(direct, graphed, runner.scratch_page, atol=float("inf"))
+    assert graphed.attention_layers[2].kv_cache[runner.scratch_page].any()  # padding: scratch
+
+
 def test_a_refused_batch_changes_nothing_and_the_next_step_runs():
     """Every refusal is checked before any buffer is touched (the messages: docs/errors.md,
     section CUDA graphs): the caches stay bit-identical and the slot still serves."""
@@ -236,9 +285,10 @@ def test_captured_graphs_match_uncaptured_steps_on_flashinfer(fp8_decode):
 
 
 # per-(token, head) maps on the GPU (sm90, FlashInfer): the global layers in ``mode``, layer 0
-# int8 per (token, head), the other sliding layers bf16. int4 / k8v4: the Triton decode reading
-# the packed codes, prefill on the dequantized scratch.
-GPU_MAP_MODES = ["int4_per_token_head", "k8v4_per_token_head"]
+# int8 per (token, head), the other sliding layers bf16. int4 / k8v4 / tc4: the Triton decode
+# reading the packed codes, prefill on the dequantized scratch (tc4: each global layer with its
+# own K basis).
+GPU_MAP_MODES = ["int4_per_token_head", "k8v4_per_token_head", "tc4_per_token_head"]
 
 
 @pytest.mark.gpu
@@ -258,9 +308,11 @@ def test_captured_graphs_of_a_per_token_head_map_replay_the_uncaptured_steps(
     import torch_kvq
     from torch_kvq.attention.kernels.flashinfer_jit import prebuild
 
+    bases = ((2, _k_basis(2, 128, 2)), (5, _k_basis(2, 128, 5))) if "tc4" in mode else ()
     kv = KVCacheConfig(
         "auto",
         layer_modes=(("full_attention", mode), (0, "int8_per_token_head")),
+        k_bases=bases,
         page_size=16,
     )
     backend = torch_kvq.make_kvq_backend()
