@@ -80,8 +80,8 @@ def test_gemma3_shaped_on_flashinfer_compiled_equals_eager() -> None:
 
 
 # per-(token, head) modes on the global layer (sm90, FlashInfer: the Triton decode reading the
-# packed codes, prefill on the dequantized scratch)
-GPU_MAP_MODES = ["int4_per_token_head", "k8v4_per_token_head"]
+# packed codes, prefill on the dequantized scratch; tc4 with a K basis of its own)
+GPU_MAP_MODES = ["int4_per_token_head", "k8v4_per_token_head", "tc4_per_token_head"]
 
 
 def _differences(want, got, lms) -> list[str]:
@@ -116,7 +116,8 @@ def test_gemma3_shaped_per_token_head_map_replays_in_cuda_graphs(
     mode: str, channels: bool, deterministic_inductor: None
 ) -> None:
     """The Gemma-3-shaped model (head 256, window 1024) with its global layer in ``mode`` (with
-    ``channels``: K channel scales on it, the scaling compiled into the graphs) and
+    ``channels``: K channel scales on it, the scaling compiled into the graphs; tc4 with a K
+    basis of its own) and
     layer 0 (sliding) int8 per (token, head), compiled with the kvq passes (fullgraph, Inductor):
     generated through a capturing ``DecodeGraphRunner`` and through a ``capture=False`` one (the
     same padded batch of 4, buffers, plans and kernels, prefill on the compiled graph), two copies
@@ -136,15 +137,17 @@ def test_gemma3_shaped_per_token_head_map_replays_in_cuda_graphs(
     from torch_kvq.attention.graph_runner import DecodeGraphRunner
     from torch_kvq.attention.kernels import FlashInferKernel
     from torch_kvq.attention.kernels.flashinfer_jit import prebuild
-    from torch_kvq.spec_channels import KChannelScale
+    from torch_kvq.spec_channels import KBasis, KChannelScale
 
     g = torch.Generator().manual_seed(2)
     scale = KChannelScale(
         torch.rand(2, 256, generator=g) * 3 + 0.3, torch.randn(2, 256, generator=g)
     )
+    basis = KBasis.of(torch.eye(256) + torch.randn(2, 256, 256, generator=g) / 16)
     kv = KVCacheConfig(
         "auto", layer_modes=(("full_attention", mode), (0, "int8_per_token_head")), page_size=16,
         k_channel_scales={5: scale} if channels else {},
+        k_bases={5: basis} if "tc4" in mode else {},
     )  # fmt: skip
     hf = gemma3_shaped()
     g = torch.Generator().manual_seed(1)
