@@ -109,6 +109,21 @@ def test_compiled_model_through_the_runner():
     _assert_caches_match(direct, graphed, runner.scratch_page, **CPU_CACHE_TOL)
 
 
+def _map_through_runner(cfg: KVCacheConfig, modes: list[str]):
+    """Twins of ``cfg`` (their layers' modes ``modes``), the graphed one compiled with the passes
+    and run through a fixed-buffer runner, the schedule's logits within ``CPU_LOGIT_TOL`` of the
+    direct one's: (direct, graphed, runner), for the caller to check the caches."""
+    from torch_kvq import make_kvq_backend
+
+    direct, graphed = _twins(cfg)
+    assert [s.mode.value for s in graphed.kv_specs] == modes
+    compiled = torch.compile(graphed, backend=make_kvq_backend(inner="eager"))
+    runner = DecodeGraphRunner(graphed, compiled, batch_sizes=(2, 4), max_context=32, capture=False)
+    errs = _run_schedule(direct, graphed, runner)
+    assert max(errs) < CPU_LOGIT_TOL, errs
+    return direct, graphed, runner
+
+
 # a per-layer map with issue 33's 4-bit modes: int4 (layers 0, 3), int8 per (token, head) (1),
 # k8v4 on the global layers (2, 5), layer 4 in the model dtype
 FOUR_BIT_MAP = KVCacheConfig(
@@ -129,18 +144,12 @@ def test_a_map_with_four_bit_layers_through_the_runner():
     on a rounding boundary then takes the neighbouring code: within one step of its row's scale;
     measured on torch 2.13 CPU: every code equal); padding writes codes and scales only to the
     scratch page (int4's packed codes, k8v4's 3 slots)."""
-    from torch_kvq import make_kvq_backend
     from torch_kvq.attention.quant import dequantize_pages_per_token_head
 
-    direct, graphed = _twins(FOUR_BIT_MAP)
-    assert [s.mode.value for s in graphed.kv_specs] == [
+    direct, graphed, runner = _map_through_runner(FOUR_BIT_MAP, [
         "int4_per_token_head", "int8_per_token_head", "k8v4_per_token_head",
         "int4_per_token_head", "none", "k8v4_per_token_head",
-    ]  # fmt: skip
-    compiled = torch.compile(graphed, backend=make_kvq_backend(inner="eager"))
-    runner = DecodeGraphRunner(graphed, compiled, batch_sizes=(2, 4), max_context=32, capture=False)
-    errs = _run_schedule(direct, graphed, runner)
-    assert max(errs) < CPU_LOGIT_TOL, errs
+    ])  # fmt: skip
     pages = torch.tensor(sorted({p for s in PROMPTS for p in direct.allocator.pages(s)}))
     for a, b in zip(direct.attention_layers, graphed.attention_layers):
         if a.kv_scale is None:
@@ -178,18 +187,12 @@ def test_a_map_with_tc4_layers_through_the_runner():
     step of their coarsest group (a padded GEMM may move k / v by an fp32 bit; measured on torch
     2.13 CPU: every byte equal), and padding writes codes and side rows only to the scratch
     page."""
-    from torch_kvq import make_kvq_backend
     from torch_kvq.attention import quant_tc
 
-    direct, graphed = _twins(TC4_MAP)
-    assert [s.mode.value for s in graphed.kv_specs] == [
+    direct, graphed, runner = _map_through_runner(TC4_MAP, [
         "none", "int8_per_token_head", "tc4_per_token_head",
         "none", "none", "tc4_per_token_head",
-    ]  # fmt: skip
-    compiled = torch.compile(graphed, backend=make_kvq_backend(inner="eager"))
-    runner = DecodeGraphRunner(graphed, compiled, batch_sizes=(2, 4), max_context=32, capture=False)
-    errs = _run_schedule(direct, graphed, runner)
-    assert max(errs) < CPU_LOGIT_TOL, errs
+    ])  # fmt: skip
     pages = sorted({p for s in PROMPTS for p in direct.allocator.pages(s)})
     for i in (2, 5):
         a, b = direct.attention_layers[i], graphed.attention_layers[i]
