@@ -106,6 +106,7 @@ CASES = [
     (3, 3, 128, 32, torch.float16, "transposed"),
     (2, 2, 256, 16, torch.float32, "fused"),
     (7, 1, 128, 1, torch.bfloat16, "transposed"),
+    (9, 2, 128, 64, torch.bfloat16, "fused"),  # 64-token pages (head 128's candidate)
 ]
 
 

@@ -95,7 +95,7 @@ def test_cpu_cache_takes_the_aten_form() -> None:
     assert torch.equal(dequantize_pages(cache, scales, ids, torch.bfloat16), want)
 
 
-TC4_CASES = [(2, 16, 128), (3, 16, 64), (1, 32, 256), (8, 32, 128)]
+TC4_CASES = [(2, 16, 128), (3, 16, 64), (1, 32, 256), (8, 32, 128), (2, 64, 128)]
 
 
 def _check_tc4(kh: int, page: int, d: int, dtype: torch.dtype) -> None:

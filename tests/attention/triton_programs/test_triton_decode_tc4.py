@@ -65,6 +65,7 @@ def _reference(q, cache, aux, table, lens, sm_scale, window):
         ([48], 2, 2, 256, 16, 3, None),
         ([100, 37], 1, 2, 256, 32, 2, 40),  # head 256's pages in steps of 16 tokens
         ([130], 1, 2, 256, 64, 1, None),
+        ([200, 70], 2, 4, 128, 64, 2, 90),  # head 128's 64-token pages in one step
     ],
 )
 @pytest.mark.parametrize("lazy", [True, False], ids=["lazy", "eager"])
