@@ -10,6 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tests.support.attention import k_basis
 from torch_kvq import KVCacheConfig
 from torch_kvq.attention import BatchMetadata
 from torch_kvq.attention.graph_runner import PAD_SEQUENCE, DecodeGraphRunner
@@ -163,20 +164,12 @@ def test_a_map_with_four_bit_layers_through_the_runner():
     assert graphed.attention_layers[2].kv_cache[runner.scratch_page].any()  # padding: scratch
 
 
-def _k_basis(kh: int, d: int, seed: int):
-    """A well-conditioned K basis per kv head (identity plus noise), as a calibration gives."""
-    from torch_kvq.spec_channels import KBasis
-
-    g = torch.Generator().manual_seed(seed)
-    return KBasis.of(torch.eye(d) + torch.randn(kh, d, d, generator=g) / d**0.5)
-
-
 # tc4 (issue 33's transform-coded mode, the recommended map's) on the global layers (2, 5), each
 # with its own K basis, int8 per (token, head) on layer 1, the rest in the model dtype
 TC4_MAP = KVCacheConfig(
     "auto",
     layer_modes=(("full_attention", "tc4_per_token_head"), (1, "int8_per_token_head")),
-    k_bases=((2, _k_basis(2, 32, 2)), (5, _k_basis(2, 32, 5))),
+    k_bases=((2, k_basis(2, 32, 2)), (5, k_basis(2, 32, 5))),
     page_size=4,
 )
 
@@ -311,7 +304,7 @@ def test_captured_graphs_of_a_per_token_head_map_replay_the_uncaptured_steps(
     import torch_kvq
     from torch_kvq.attention.kernels.flashinfer_jit import prebuild
 
-    bases = ((2, _k_basis(2, 128, 2)), (5, _k_basis(2, 128, 5))) if "tc4" in mode else ()
+    bases = ((2, k_basis(2, 128, 2)), (5, k_basis(2, 128, 5))) if "tc4" in mode else ()
     kv = KVCacheConfig(
         "auto",
         layer_modes=(("full_attention", mode), (0, "int8_per_token_head")),

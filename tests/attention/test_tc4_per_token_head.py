@@ -13,7 +13,7 @@ from dataclasses import replace
 import pytest
 import torch
 
-from tests.support.attention import opcheck
+from tests.support.attention import k_basis, opcheck
 from tests.support.passes import (
     AttnQuantModel,
     check_compiled_equals_eager,
@@ -47,15 +47,10 @@ PAGE = 16  # tests.support.passes' PAGE_SIZE
 _ids = itertools.count()  # live layers need distinct names
 
 
-def basis(kh: int = 2, d: int = 32, seed: int = 0) -> KBasis:
-    g = torch.Generator().manual_seed(seed)
-    return KBasis.of(torch.eye(d) + torch.randn(kh, d, d, generator=g) / d**0.5)
-
-
 def specs(dtype: torch.dtype = torch.float32, n: int = 1, d: int = 32, **kw):
     tag = next(_ids)
     infos = [AttentionLayerInfo(f"tc{tag}.l{i}", 8, 2, d) for i in range(n)]
-    cfg = KVCacheConfig(MODE, page_size=PAGE, k_bases=((0, basis(d=d)),), **kw)
+    cfg = KVCacheConfig(MODE, page_size=PAGE, k_bases=((0, k_basis(d=d)),), **kw)
     return resolve_layer_specs(cfg, infos, dtype)
 
 
@@ -65,7 +60,7 @@ def test_mode_spec_and_bytes() -> None:
     assert (mode.cache_slots, mode.codes_per_byte) == (2, 2)
     info = AttentionLayerInfo("x", 8, 2, 128)
     (spec,) = resolve_layer_specs(
-        KVCacheConfig(MODE, page_size=16, k_bases=(("x", basis(d=128)),)), [info]
+        KVCacheConfig(MODE, page_size=16, k_bases=(("x", k_basis(d=128)),)), [info]
     )
     # per kv head: k's 64 code bytes, v's 64, the side record's 24 (scales, zero points, a pad
     # byte, v's 5th bits)
@@ -114,7 +109,7 @@ def test_the_basis_leaves_every_score_unchanged() -> None:
     """(P^-T q) . (P k) = q . k: only the cache sees other values."""
     g = torch.Generator().manual_seed(1)
     q, k = torch.randn(7, 8, 32, generator=g), torch.randn(7, 2, 32, generator=g)
-    p = basis().matrix()
+    p = k_basis().matrix()
     qb, kb = basis_qk(q, k, p, inverse_transpose(p))  # fp32
     rep = lambda x: x.repeat_interleave(4, 1)  # noqa: E731  (query head h reads kv head h // 4)
     before = torch.einsum("thd,uhd->htu", q.double(), rep(k).double())
@@ -251,17 +246,17 @@ def test_tensor_parallel_ranks_hold_their_heads_bases() -> None:
     [
         (KVCacheConfig(MODE), AttentionLayerInfo("x", 8, 2, 32), "needs the layer's calibrated K"),
         (
-            KVCacheConfig(MODE, k_bases=((0, basis(d=40)),)),
+            KVCacheConfig(MODE, k_bases=((0, k_basis(d=40)),)),
             AttentionLayerInfo("x", 8, 2, 40),
             "multiple of 16, got 40",
         ),
         (
-            KVCacheConfig("int4_per_token_head", k_bases=((0, basis()),)),
+            KVCacheConfig("int4_per_token_head", k_bases=((0, k_basis()),)),
             AttentionLayerInfo("x", 8, 2, 32),
             "tc4_per_token_head layers only",
         ),
         (
-            KVCacheConfig(MODE, k_bases=((0, basis(kh=1)),)),
+            KVCacheConfig(MODE, k_bases=((0, k_basis(kh=1)),)),
             AttentionLayerInfo("x", 8, 2, 32),
             r"is \(1, 32, 32\); expected",
         ),
@@ -295,8 +290,8 @@ def test_config_checks_its_entries() -> None:
     with pytest.raises(ValueError, match="must be a KBasis"):
         KVCacheConfig(MODE, k_bases=((0, "basis"),))
     with pytest.raises(ValueError, match="more than once"):
-        KVCacheConfig(MODE, k_bases=((0, basis()), (0, basis())))
-    assert replace(KVCacheConfig(MODE), k_bases={0: basis()}).k_bases == ((0, basis()),)
+        KVCacheConfig(MODE, k_bases=((0, k_basis()), (0, k_basis())))
+    assert replace(KVCacheConfig(MODE), k_bases={0: k_basis()}).k_bases == ((0, k_basis()),)
 
 
 HAS_CUDA = torch.cuda.is_available()
@@ -357,7 +352,7 @@ def test_flashinfer_kernel_matches_the_reference(batch: str) -> None:
     tag = next(_ids)
     infos = [AttentionLayerInfo(f"fi{tag}.g", 8, 2, 128),
              AttentionLayerInfo(f"fi{tag}.s", 8, 2, 128, sliding_window=64)]  # fmt: skip
-    cfg = KVCacheConfig(MODE, page_size=16, k_bases={i: basis(d=128) for i in (0, 1)})
+    cfg = KVCacheConfig(MODE, page_size=16, k_bases={i: k_basis(d=128) for i in (0, 1)})
     layers = resolve_layer_specs(cfg, infos, torch.bfloat16)
     g = torch.Generator(device="cuda").manual_seed(len(batch))
     caches = {s.name: Attention(s, 64, device="cuda") for s in layers}

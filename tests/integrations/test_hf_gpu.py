@@ -18,6 +18,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tests.support.attention import k_basis
 from torch_kvq import KVCacheConfig
 from torch_kvq.integrations.transformers import KVQCausalLM
 from torch_kvq.models import generate, randomize_weights_
@@ -137,17 +138,16 @@ def test_gemma3_shaped_per_token_head_map_replays_in_cuda_graphs(
     from torch_kvq.attention.graph_runner import DecodeGraphRunner
     from torch_kvq.attention.kernels import FlashInferKernel
     from torch_kvq.attention.kernels.flashinfer_jit import prebuild
-    from torch_kvq.spec_channels import KBasis, KChannelScale
+    from torch_kvq.spec_channels import KChannelScale
 
     g = torch.Generator().manual_seed(2)
     scale = KChannelScale(
         torch.rand(2, 256, generator=g) * 3 + 0.3, torch.randn(2, 256, generator=g)
     )
-    basis = KBasis.of(torch.eye(256) + torch.randn(2, 256, 256, generator=g) / 16)
     kv = KVCacheConfig(
         "auto", layer_modes=(("full_attention", mode), (0, "int8_per_token_head")), page_size=16,
         k_channel_scales={5: scale} if channels else {},
-        k_bases={5: basis} if "tc4" in mode else {},
+        k_bases={5: k_basis(2, 256, 5)} if "tc4" in mode else {},
     )  # fmt: skip
     hf = gemma3_shaped()
     g = torch.Generator().manual_seed(1)

@@ -141,3 +141,12 @@ def check_ops_on_views(cases, exact: bool = True) -> None:
         else:  # one e4m3 step is 2**-3 relative
             rtol = 0.13 if got.dtype == torch.float8_e4m3fn else 1e-2
             torch.testing.assert_close(got.float(), want.float(), atol=1e-2, rtol=rtol, msg=str(op))
+
+
+def k_basis(kh: int = 2, d: int = 32, seed: int = 0):
+    """A well-conditioned K basis of a tc4 layer, per kv head (identity plus noise), as a
+    calibration gives."""
+    from torch_kvq.spec_channels import KBasis
+
+    g = torch.Generator().manual_seed(seed)
+    return KBasis.of(torch.eye(d) + torch.randn(kh, d, d, generator=g) / d**0.5)
