@@ -9,7 +9,7 @@ the time for the host to return from a step without waiting for the GPU: when it
 step time, the step is launch-bound. "+ CUDA graphs" variants run each step through
 ``DecodeGraphRunner`` (one graph captured for the batch size, then plan + replay per step).
 With ``--profile-steps`` (default 3) each row also gets its GPU kernel time per step split by
-kind (``kernel_kind``: FP8-KV attention, bf16-KV attention, GEMM, other) and the top 30 kernels;
+kind (``kernel_kind``: FP8-KV attention, bf16-KV attention, GEMM, our cache writes, other) and the top 30 kernels;
 when both "+ CUDA graphs" rows of FP8/XQA and all-bf16 ran, ``kernel_time_bound`` gives their
 kernel-time ratio and the ratio with the GEMMs at copy bandwidth and the other kernels free.
 Each variant runs ``--warmup`` untimed steps first (default 10) and records its 5 slowest steps.
@@ -187,9 +187,10 @@ def spin_gpu(device: str, seconds: float = 1.0) -> None:
 # kernel kinds by name, first match wins; attention splits by the KV dtype in FlashInfer's template
 # names (XQA, "kernel_mha", and our Triton decodes, "_decode_pages" / "_decode_balanced" /
 # "_decode_tc4_tma" / "_combine*", run only on quantized caches here: the key keeps its first
-# name, FP8's)
+# name, FP8's); our Triton cache writes (``kv_write*_kernel``: the quantized layers') apart
 KERNEL_KINDS = (
     ("all_reduce", ("nccl", "AllReduce", "all_reduce")),  # tensor-parallel runs (bench_tp_decode)
+    ("kv_write", ("kv_write",)),
     (
         "attention_fp8_kv",
         (

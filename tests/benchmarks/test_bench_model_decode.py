@@ -17,6 +17,9 @@ NAMES = {
     "_combine_balanced": "attention_fp8_kv",
     "void at::native::index_elementwise_kernel<128, 4, at::native::gpu_index_kernel<a": "other",
     "triton_red_fused_add_mean_mul_pow_rsqrt_0": "other",
+    "kv_write_tc_kernel": "kv_write",  # the quantized layers' cache writes (before: "other")
+    "kv_write_int4_kernel": "kv_write",
+    "basis_qk_kernel": "other",
     "ncclDevKernel_AllReduce_Sum_bf16_RING_LL(ncclDevKernelArgsStorage<4096ul>)": "all_reduce",
 }  # fmt: skip
 
