@@ -25,6 +25,11 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+# opcodes (their first word) that issue to the SM's ALU pipe, 16 lanes a scheduler: half an
+# instruction a cycle (Nsight Compute's ``pipe_alu`` on tc4's decode, docs/design/int4-branch.md,
+# thirty-eighth session); the FMA pipe takes FFMA / FMUL / FADD / IMAD / HADD2 / HMUL2 / HFMA2
+ALU_OPS = frozenset({"LOP3", "PRMT", "SHF", "IADD3", "ISETP", "FSETP", "FMNMX", "IMNMX", "SEL",
+                     "FSEL", "LEA", "PLOP3", "VIADD", "I2FP", "F2FP", "MOV", "P2R", "R2P"})  # fmt: skip
 LOOP_OPS = ("LDS.U8", "LDS.64", "LDS.128", "LDSM.16.M88.4", "LDSM.16.MT88.4", "STS.128",
             "F2FP.F16.E4M3.UNPACK_B", "HMMA.16816.F32", "FMUL", "IMAD.MOV.U32", "UTMALDG.2D",
             "UTMALDG.3D")  # fmt: skip
@@ -242,6 +247,7 @@ def sass_stats(kernel) -> tuple[dict[str, int], list[str], str]:
         "tma_buffers": tma_buffers(kernel),
         "dot_k_short": dot_k_short(kernel),
         "tma_misaligned": tma_misaligned(kernel),
+        "alu_pipe": sum(n for op, n in ops.items() if op.split(".")[0] in ALU_OPS),
     }
     return {**head, **{op: ops[op] for op in LOOP_OPS if ops[op]}}, body, sass
 

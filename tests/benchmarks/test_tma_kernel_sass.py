@@ -157,6 +157,16 @@ def test_tc4_loop_buffers_follow_the_stages() -> None:
         assert stats["tma_buffers"] == buffers, stats
 
 
+def test_tc4_loop_counts_its_alu_pipe_work() -> None:
+    """``alu_pipe``: the loop's instructions that issue to the ALU pipe (``ALU_OPS``: the unpacks'
+    ``LOP3`` / ``PRMT`` / ``SHF``, the max's ``FMNMX``, selects, compares), what bounds tc4's decode
+    on the H200 (docs/design/int4-branch.md, thirty-eighth session): 445 of 938 at head 128 and
+    32-token pages when counted, so between a third and two thirds of the loop."""
+    stats = sass_json("--cache", "tc4_per_token_head", "--head", "128", "--page", "32",
+                      "--stages", "6")  # fmt: skip
+    assert stats["loop_instructions"] / 3 < stats["alu_pipe"] < 2 * stats["loop_instructions"] / 3
+
+
 @pytest.mark.parametrize("head,page", [(64, 16), (128, 16), (128, 32), (128, 64)])
 def test_tc4_mma_operands_and_copies_fit(head: int, page: int) -> None:
     """tc4's TMA decode at 6 stages (two buffers a copy): no MMA operand whose kWidth its K cannot
