@@ -9,9 +9,10 @@ the time for the host to return from a step without waiting for the GPU: when it
 step time, the step is launch-bound. "+ CUDA graphs" variants run each step through
 ``DecodeGraphRunner`` (one graph captured for the batch size, then plan + replay per step).
 With ``--profile-steps`` (default 3) each row also gets its GPU kernel time per step split by
-kind (``kernel_kind``: FP8-KV attention, bf16-KV attention, GEMM, our cache writes, other) and the top 30 kernels;
-when both "+ CUDA graphs" rows of FP8/XQA and all-bf16 ran, ``kernel_time_bound`` gives their
-kernel-time ratio and the ratio with the GEMMs at copy bandwidth and the other kernels free.
+kind (``kernel_kind``: FP8-KV attention, bf16-KV attention, GEMM, our cache writes, other) and
+the top 30 kernels; when both "+ CUDA graphs" rows of FP8/XQA and all-bf16 ran,
+``kernel_time_bound`` gives their kernel-time ratio and the ratio with the GEMMs at copy
+bandwidth and the other kernels free.
 Each variant runs ``--warmup`` untimed steps first (default 10) and records its 5 slowest steps.
 ``--fuse-projections`` runs every variant on ``model.fuse_projections()`` (q/k/v and gate/up as
 one GEMM each).
