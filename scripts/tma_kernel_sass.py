@@ -158,7 +158,8 @@ def compile_tc4(
                  D=head, PAGE=page, NUM_SPLITS=8, STAGES=stages, USE_WINDOW=False, DIRECT=False,
                  RSQRT_B=hadamard_block(head // 2) ** -0.5, LAZY=lazy,
                  PV_SCALE=tc4.PV_LAZY if lazy else tc4.PV_EAGER,
-                 BIT_BOX=tc4_aux.bit_box_rows(head, step), STEP=step)  # fmt: skip
+                 BIT_BOX=tc4_aux.bit_box_rows(head, step), STEP=step,
+                 FOLD=tc4.fold_tokens(group, step))  # fmt: skip
     opts = dict(num_warps=warps, num_stages=stages)
     if max_registers:
         opts["maxnreg"] = max_registers

@@ -74,6 +74,17 @@ def step_tokens(d: int, page: int) -> int:
     return min(page, STEP_BY_HEAD.get(d, page))
 
 
+def fold_tokens(group: int, step: int) -> int:
+    """Tokens a row of the logits' MMA tile takes (``_step``): where a GQA group pads the N of 8
+    (4 heads: 2, 2 heads: 4), the tile's spare columns take the other tokens of the row (their
+    own softmax states, merged at the end), so the per-logit work is on a tile half (a quarter)
+    the size; never fewer than the MMA's 16 rows."""
+    fold = 8 // max(1, triton.next_power_of_2(group)) if group < 8 else 1
+    while fold > 1 and step // fold < 16:
+        fold //= 2
+    return fold
+
+
 def rotation_matrices(d: int, device: torch.device) -> torch.Tensor:
     """[D * D + D] fp16 (cached per (D, device)), ``int4.rotation_matrices``' form for tc4's v:
     U [D, D] +-1, ``(R1^T y1, R2^T y2) * sqrt(b) = u @ U`` for u = (half 1's accumulator, half
@@ -162,8 +173,26 @@ def unpack5_minus(x, f, z_lo, z_hi):
 
 @triton.jit
 def _off(z, SHIFT: tl.constexpr):
-    """``1024 + zp * 2^SHIFT`` (fp32) of zero points z (int32) [PAGE], as a column."""
-    return (1024.0 + z.to(tl.float32) * (1 << SHIFT))[:, None]
+    """``1024 + zp * 2^SHIFT`` (fp32) of zero points z (int32) [PAGE]."""
+    return 1024.0 + z.to(tl.float32) * (1 << SHIFT)
+
+
+@triton.jit
+def _fold(x, M: tl.constexpr, FOLD: tl.constexpr, GB: tl.constexpr):
+    """A per-token [M * FOLD] vector as the folded logits' tile [M, FOLD * GB]: element (r, c)
+    is token ``FOLD * r + c // GB``'s."""
+    x = tl.broadcast_to(tl.reshape(x, [M, FOLD])[:, :, None], [M, FOLD, GB])
+    return tl.reshape(x, [M, FOLD * GB])
+
+
+@triton.jit
+def _unfold_weights(w, M: tl.constexpr, FOLD: tl.constexpr, GB: tl.constexpr):
+    """The folded weights [M, FOLD * GB] as ``p @ v``'s B operand [M * FOLD, FOLD * GB]: row t,
+    column c holds w[t // FOLD, c] where t's fold (t % FOLD) is c's (c // GB), else 0."""
+    c = tl.arange(0, FOLD * GB)[None, :]
+    me, mo = (c < GB).to(w.dtype), (c >= GB).to(w.dtype)
+    x = tl.join(w * me, w * mo)  # [M, BG, 2] (FOLD 2)
+    return tl.reshape(tl.permute(x, [0, 2, 1]), [M * FOLD, FOLD * GB])
 
 
 @triton.jit
@@ -171,28 +200,30 @@ def _step(
     k_desc, v_desc, slot_desc, bit_desc, k_row, v_row, blk, col, tok0, lo, seq_len, kh,
     qa, qb, qce, qco, sum_a, sum_b, sum_ce, sum_co, acc_lo, acc_hi, l_acc, m_i, qk_scale_log2,
     D: tl.constexpr, STEP: tl.constexpr, LAZY: tl.constexpr, PV_SCALE: tl.constexpr,
-    BIT_BOX: tl.constexpr,
+    BIT_BOX: tl.constexpr, FOLD: tl.constexpr, GB: tl.constexpr,
 ):  # fmt: skip
     """STEP tokens of a page from token ``tok0`` (K's rows from ``k_row``, V's from ``v_row``, the
     aux block ``blk``'s columns from ``col``): their logits, the online softmax, ``p @ v``.
     Returns the updated (acc_lo, acc_hi, l_acc, m_i)."""
     U: tl.constexpr = D // 16
     ROWS8: tl.constexpr = 2 * SLOTS + U  # an aux block's rows of PAGE bytes
-    ea, eb, ece, eco = unpack_k(k_desc.load([k_row, kh * (D // 4)]))  # [STEP, D / 4] each
+    M: tl.constexpr = STEP // FOLD  # the folded logits' rows: FOLD tokens a row
+    lanes = tl.reshape(k_desc.load([k_row, kh * (D // 4)]), [M, FOLD * (D // 4)])
+    ea, eb, ece, eco = unpack_k(lanes)  # [M, FOLD * D / 4] each
     v = v_tile(v_desc.load([v_row, kh * (D // 2)]), STEP, D // 2)
     sa, sb, sc, s1, s2, z_ab, z_c1, z_2 = page_slots(slot_desc, blk, col, STEP, ROWS8 // 2)
     zi = z_ab.to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
     zc1 = z_c1.to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
     z2 = z_2.to(tl.int16, bitcast=True).to(tl.int32) & 0xFF
     za, zb, zc, z1 = zi & 0xFF, zi >> 8, zc1 & 0xFF, zc1 >> 8
-    s = (tl.dot(ea, tl.trans(qa)) - _off(za, 0) * sum_a) * sa.to(tl.float32)[:, None]
-    s += (tl.dot(eb, tl.trans(qb)) - _off(zb, 6) * sum_b) * sb.to(tl.float32)[:, None]
-    s_c = tl.dot(eco, tl.trans(qco), tl.dot(ece, tl.trans(qce)))
-    s_c -= _off(zc, 2) * sum_ce + _off(zc, 5) * sum_co
-    s += s_c * sc.to(tl.float32)[:, None]
-    toks = tok0 + tl.arange(0, STEP)
+    s = (tl.dot(ea, qa) - _fold(_off(za, 0), M, FOLD, GB) * sum_a) * _fold(sa.to(tl.float32), M, FOLD, GB)
+    s += (tl.dot(eb, qb) - _fold(_off(zb, 6), M, FOLD, GB) * sum_b) * _fold(sb.to(tl.float32), M, FOLD, GB)
+    s_c = tl.dot(eco, qco, tl.dot(ece, qce))
+    s_c -= _fold(_off(zc, 2), M, FOLD, GB) * sum_ce + _fold(_off(zc, 5), M, FOLD, GB) * sum_co
+    s += s_c * _fold(sc.to(tl.float32), M, FOLD, GB)
+    toks = _fold(tok0 + tl.arange(0, STEP), M, FOLD, GB)
     live = (toks >= lo) & (toks < seq_len)
-    s = tl.where(live[:, None], s * qk_scale_log2, float("-inf"))  # [STEP, BLOCK_G]
+    s = tl.where(live, s * qk_scale_log2, float("-inf"))  # [M, BLOCK_G]
     if LAZY:  # the reference max moves only when a logit passes it by more than 8 (base 2)
         pr = tl.exp2(s - m_i[None, :])
         if tl.max(tl.max(s - m_i[None, :], axis=1), axis=0) > 8.0:
@@ -207,11 +238,45 @@ def _step(
     fifth = fifth_words(bit_desc, blk, col, ROWS8, U, STEP, BIT_BOX)
     # half 1's 5 bits - zp1, 16 (half 2 - zp2), [D / 2, STEP]: the MMA's A operands
     v_lo, v_hi = unpack5_minus(tl.trans(v), fifth, z_lo, z_hi)
-    w1 = (pr * (s1.to(tl.float32) * PV_SCALE)[:, None]).to(tl.float16)
-    w2 = (pr * (s2.to(tl.float32) * PV_SCALE)[:, None]).to(tl.float16)
+    w1 = (pr * _fold(s1.to(tl.float32) * PV_SCALE, M, FOLD, GB)).to(tl.float16)
+    w2 = (pr * _fold(s2.to(tl.float32) * PV_SCALE, M, FOLD, GB)).to(tl.float16)
+    if FOLD > 1:
+        w1 = _unfold_weights(w1, M, FOLD, GB)
+        w2 = _unfold_weights(w2, M, FOLD, GB)
     acc_lo = tl.dot(v_lo, w1, acc_lo)
     acc_hi = tl.dot(v_hi, w2, acc_hi)
     return acc_lo, acc_hi, l_acc, m_i
+
+
+@triton.jit
+def _fold_q(q, N: tl.constexpr, FOLD: tl.constexpr, GB: tl.constexpr):
+    """q's rows [FOLD * GB, N] (row c: head c % GB's) as the folded logits' B operand [FOLD * N,
+    FOLD * GB]: block diagonal, rows f * N .. of column c only where f is c // GB."""
+    qt = tl.trans(q)  # [N, BLOCK_G]
+    if FOLD == 1:
+        return qt
+    f = tl.arange(0, FOLD)[:, None] == (tl.arange(0, FOLD * GB) // GB)[None, :]  # [FOLD, BG]
+    x = tl.where(f[:, None, :], tl.broadcast_to(qt[None, :, :], [FOLD, N, FOLD * GB]), 0.0)
+    return tl.reshape(x, [FOLD * N, FOLD * GB]).to(tl.float16)
+
+
+@triton.jit
+def _merge_folds(acc_lo, acc_hi, l_i, m_i, W: tl.constexpr, FOLD: tl.constexpr, GB: tl.constexpr):
+    """Each head's FOLD softmax states (columns c, c + GB, ...) merged as splits are; every
+    column c then holds head c % GB's."""
+    m3 = tl.reshape(m_i, [FOLD, GB])
+    m_h = tl.max(m3, axis=0)  # [GB]
+    m_safe = tl.where(m_h == float("-inf"), 0.0, m_h)
+    sc = tl.exp2(m3 - m_safe[None, :])  # [FOLD, GB]
+    lo = tl.sum(tl.reshape(acc_lo, [W, FOLD, GB]) * sc[None, :, :], axis=1)  # [W, GB]
+    hi = tl.sum(tl.reshape(acc_hi, [W, FOLD, GB]) * sc[None, :, :], axis=1)
+    l_h = tl.sum(tl.reshape(l_i, [FOLD, GB]) * sc, axis=0)
+    bc: tl.constexpr = FOLD * GB
+    lo = tl.reshape(tl.broadcast_to(lo[:, None, :], [W, FOLD, GB]), [W, bc])
+    hi = tl.reshape(tl.broadcast_to(hi[:, None, :], [W, FOLD, GB]), [W, bc])
+    l_h = tl.reshape(tl.broadcast_to(l_h[None, :], [FOLD, GB]), [bc])
+    m_h = tl.reshape(tl.broadcast_to(m_h[None, :], [FOLD, GB]), [bc])
+    return lo, hi, l_h, m_h
 
 
 @triton.jit
@@ -222,8 +287,10 @@ def _decode_tc4_tma(
     KH: tl.constexpr, QH: tl.constexpr, G: tl.constexpr, BLOCK_G: tl.constexpr, D: tl.constexpr,
     PAGE: tl.constexpr, NUM_SPLITS: tl.constexpr, STAGES: tl.constexpr,
     USE_WINDOW: tl.constexpr, DIRECT: tl.constexpr, RSQRT_B: tl.constexpr, LAZY: tl.constexpr,
-    PV_SCALE: tl.constexpr, BIT_BOX: tl.constexpr, STEP: tl.constexpr,
+    PV_SCALE: tl.constexpr, BIT_BOX: tl.constexpr, STEP: tl.constexpr, FOLD: tl.constexpr,
 ):  # fmt: skip
+    GB: tl.constexpr = BLOCK_G // FOLD  # columns a fold: head c % GB, tokens c // GB mod FOLD
+    M: tl.constexpr = STEP // FOLD
     kh = tl.program_id(0)
     split = tl.program_id(1)
     b = tl.program_id(2)
@@ -233,15 +300,18 @@ def _decode_tc4_tma(
     offs_g = tl.arange(0, BLOCK_G)
     g_mask = offs_g < G
     heads = kh * G + offs_g
-    qa, qb, qce, qco = q_groups(q_ptr, b, heads, g_mask, stride_qb, stride_qh, D)
-    # q's group sums in the logits' layout [STEP, BLOCK_G] (products with ones)
-    ones = tl.full([STEP, D // 4], 1.0, tl.float16)
-    sum_a = tl.dot(ones, tl.trans(qa))
-    sum_b = tl.dot(ones, tl.trans(qb))
-    sum_ce = tl.dot(ones, tl.trans(qce))
-    sum_co = tl.dot(ones, tl.trans(qco))
+    col_g = offs_g % GB  # a column's head (FOLD > 1: GB >= G)
+    qa, qb, qce, qco = q_groups(q_ptr, b, kh * G + col_g, col_g < G, stride_qb, stride_qh, D)
+    qa, qb = _fold_q(qa, D // 4, FOLD, GB), _fold_q(qb, D // 4, FOLD, GB)
+    qce, qco = _fold_q(qce, D // 4, FOLD, GB), _fold_q(qco, D // 4, FOLD, GB)
+    # q's group sums in the logits' layout [M, BLOCK_G] (products with ones)
+    ones = tl.full([M, FOLD * (D // 4)], 1.0, tl.float16)
+    sum_a = tl.dot(ones, qa)
+    sum_b = tl.dot(ones, qb)
+    sum_ce = tl.dot(ones, qce)
+    sum_co = tl.dot(ones, qco)
     m_i = tl.full([BLOCK_G], -1e30 if LAZY else float("-inf"), tl.float32)
-    l_acc = tl.zeros([STEP, BLOCK_G], tl.float32)
+    l_acc = tl.zeros([M, BLOCK_G], tl.float32)
     acc_lo = tl.zeros([D // 2, BLOCK_G], tl.float32)  # half 1, rows in v_columns order
     acc_hi = tl.zeros([D // 2, BLOCK_G], tl.float32)  # half 2 (16 times)
     for p in tl.range(p_begin, p_end, num_stages=STAGES):
@@ -253,10 +323,13 @@ def _decode_tc4_tma(
                 k_desc, v_desc, slot_desc, bit_desc, row + h * STEP, row + PAGE + h * STEP, blk,
                 h * STEP, p * PAGE + h * STEP, lo, seq_len, kh, qa, qb, qce, qco, sum_a, sum_b,
                 sum_ce, sum_co, acc_lo, acc_hi, l_acc, m_i, qk_scale_log2, D, STEP, LAZY, PV_SCALE,
-                BIT_BOX,
+                BIT_BOX, FOLD, GB,
             )  # fmt: skip
+    l_i = tl.sum(l_acc, axis=0)
+    if FOLD > 1:  # each head's FOLD columns (softmax states of their tokens) merged
+        acc_lo, acc_hi, l_i, m_i = _merge_folds(acc_lo, acc_hi, l_i, m_i, D // 2, FOLD, GB)
     store_split_int4(
-        tl.trans(acc_lo), tl.trans(acc_hi) * 0.0625, m_i, tl.sum(l_acc, axis=0), b, split, heads,
+        tl.trans(acc_lo), tl.trans(acc_hi) * 0.0625, m_i, l_i, b, split, heads,
         g_mask, out_ptr, part_o_ptr, part_lse_ptr, 1.0 / PV_SCALE, rot_ptr, stride_ob, stride_oh,
         QH, D, NUM_SPLITS, DIRECT, tl.float16, RSQRT_B,
     )  # fmt: skip
@@ -335,6 +408,7 @@ def paged_decode_tc4_tma(
         NUM_SPLITS=num_splits, STAGES=num_stages, USE_WINDOW=window is not None,
         DIRECT=num_splits == 1, RSQRT_B=hadamard_block(d // 2) ** -0.5, LAZY=lazy_rescale,
         PV_SCALE=PV_LAZY if lazy_rescale else PV_EAGER, BIT_BOX=box, STEP=step,
+        FOLD=fold_tokens(g, step),
         num_warps=num_warps,
         **({"maxnreg": max_registers} if max_registers else {}),
     )  # fmt: skip
