@@ -141,7 +141,7 @@ def compile_tc4(
 
     from torch_kvq.attention.quant import hadamard_block
     from torch_kvq.attention.triton import decode_tc4_tma as tc4
-    from torch_kvq.attention.triton import tc4_aux
+    from torch_kvq.attention.triton import fold_logits, tc4_aux
 
     fn = tc4._decode_tc4_tma
     step = tc4.step_tokens(head, page)  # the boxes' tokens
@@ -159,7 +159,7 @@ def compile_tc4(
                  RSQRT_B=hadamard_block(head // 2) ** -0.5, LAZY=lazy,
                  PV_SCALE=tc4.PV_LAZY if lazy else tc4.PV_EAGER,
                  BIT_BOX=tc4_aux.bit_box_rows(head, step), STEP=step,
-                 FOLD=tc4.fold_tokens(group, step))  # fmt: skip
+                 FOLD=fold_logits.fold_tokens(group, step))  # fmt: skip
     opts = dict(num_warps=warps, num_stages=stages)
     if max_registers:
         opts["maxnreg"] = max_registers

@@ -17,6 +17,7 @@ tl = triton.language
 from torch_kvq.attention import quant_tc  # noqa: E402
 from torch_kvq.attention.kernels.reference import ref_attention  # noqa: E402
 from torch_kvq.attention.triton.decode_tc4_tma import paged_decode_tc4_tma, unpack_k  # noqa: E402
+from torch_kvq.attention.triton.fold_logits import fold_tokens  # noqa: E402
 from torch_kvq.attention.triton.int4 import unpack_minus  # noqa: E402
 
 # each test on both: the interpreter where there is no GPU, the compiled program where there is one
@@ -66,6 +67,11 @@ def _reference(q, cache, aux, table, lens, sm_scale, window):
         ([100, 37], 1, 2, 256, 32, 2, 40),  # head 256's pages in steps of 16 tokens
         ([130], 1, 2, 256, 64, 1, None),
         ([200, 70], 2, 4, 128, 64, 2, 90),  # head 128's 64-token pages in one step
+        # the folded logits (``fold_tokens`` 2: a row's odd token in the spare columns)
+        ([77, 40], 2, 4, 128, 32, 2, 30),
+        ([77, 40], 2, 2, 128, 32, 2, None),
+        ([50], 2, 1, 128, 32, 1, None),  # one split: the program writes the output
+        ([90, 33], 2, 3, 64, 32, 3, None),  # a group of 3: one padded column a fold
     ],
 )
 @pytest.mark.parametrize("lazy", [True, False], ids=["lazy", "eager"])
@@ -154,6 +160,15 @@ def test_unpacks_are_exact(device) -> None:
         1024 + (codes.int() & 0xF) - z_lo[:, None], 1024 + (codes.int() & 0xF0) - z_hi[:, None],
     )).float()  # fmt: skip
     assert torch.equal(out.float().cpu(), want)
+
+
+def test_fold_tokens_where_the_group_pads_the_mma() -> None:
+    """The logits' tile folds a row's second token into the N of 8's spare columns where a
+    group of up to 4 heads leaves them and a 32-token step keeps the MMA's 16 rows: head 64 and
+    128 at 32-token pages (Llama's 4, Gemma's 2, and 1); not a group of 8, not 16-token steps
+    (head 256, 16-token pages), not 64-token ones."""
+    assert [fold_tokens(g, 32) for g in (1, 2, 3, 4, 8, 16)] == [2, 2, 2, 2, 1, 1]
+    assert fold_tokens(4, 16) == fold_tokens(4, 64) == fold_tokens(2, 16) == 1
 
 
 def test_default_splits_keep_one_resident_wave() -> None:

@@ -22,7 +22,12 @@ into the MMA's A operands (``unpack5_minus``: half 1's fifth bit ORed in by the 
 element with each half's zero point; the weights times each half's scale (times ``PV_SCALE``);
 online softmax in base 2 (``int4.rescale``; lazy by default: the max moves only past 8). Head 256
 takes a page in steps of 16 tokens (``step_tokens``: the boxes hold a step, so a 32-token page's
-registers are a 16-token page's, not more than the SM holds). Epilogue:
+registers are a 16-token page's, not more than the SM holds). Where a GQA group of up to 4 heads
+pads the MMA's N of 8 and a step has 32 tokens (``fold_tokens``), the logits' tile is folded:
+row r holds tokens 2r and 2r + 1, the second in the spare columns (K's lanes [32, D / 4] read as
+[16, D / 2], q as a block-diagonal B operand), each column its own softmax state, merged per
+head at the end as splits are; every per-logit step (offsets, scales, mask, max, exp2, the
+weights) then runs on a [16, 8] tile instead of [32, 8]. Epilogue:
 ``int4.unrotate_store`` with the halves' un-rotation as one block-diagonal +-1 matrix
 (``rotation_matrices``). Imports Triton.
 """
@@ -37,6 +42,13 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 from torch_kvq.attention import quant_tc
 from torch_kvq.attention.quant import _walsh_hadamard, hadamard_block, hadamard_signs
 from torch_kvq.attention.triton.decode_config import default_num_splits, sm_count
+from torch_kvq.attention.triton.fold_logits import (
+    fold,
+    fold_q,
+    fold_tokens,
+    merge_folds,
+    unfold_weights,
+)
 from torch_kvq.attention.triton.helpers import INTERPRET, combine_splits, split_outputs, split_range
 from torch_kvq.attention.triton.int4 import (
     rescale,
@@ -72,17 +84,6 @@ def step_tokens(d: int, page: int) -> int:
     """Tokens of a page the decode's loop takes at a time (its TMA boxes' rows): the page, or
     ``STEP_BY_HEAD``'s where the page is larger."""
     return min(page, STEP_BY_HEAD.get(d, page))
-
-
-def fold_tokens(group: int, step: int) -> int:
-    """Tokens a row of the logits' MMA tile takes (``_step``): where a GQA group pads the N of 8
-    (4 heads: 2, 2 heads: 4), the tile's spare columns take the other tokens of the row (their
-    own softmax states, merged at the end), so the per-logit work is on a tile half (a quarter)
-    the size; never fewer than the MMA's 16 rows."""
-    fold = 8 // max(1, triton.next_power_of_2(group)) if group < 8 else 1
-    while fold > 1 and step // fold < 16:
-        fold //= 2
-    return fold
 
 
 def rotation_matrices(d: int, device: torch.device) -> torch.Tensor:
@@ -178,24 +179,6 @@ def _off(z, SHIFT: tl.constexpr):
 
 
 @triton.jit
-def _fold(x, M: tl.constexpr, FOLD: tl.constexpr, GB: tl.constexpr):
-    """A per-token [M * FOLD] vector as the folded logits' tile [M, FOLD * GB]: element (r, c)
-    is token ``FOLD * r + c // GB``'s."""
-    x = tl.broadcast_to(tl.reshape(x, [M, FOLD])[:, :, None], [M, FOLD, GB])
-    return tl.reshape(x, [M, FOLD * GB])
-
-
-@triton.jit
-def _unfold_weights(w, M: tl.constexpr, FOLD: tl.constexpr, GB: tl.constexpr):
-    """The folded weights [M, FOLD * GB] as ``p @ v``'s B operand [M * FOLD, FOLD * GB]: row t,
-    column c holds w[t // FOLD, c] where t's fold (t % FOLD) is c's (c // GB), else 0."""
-    c = tl.arange(0, FOLD * GB)[None, :]
-    me, mo = (c < GB).to(w.dtype), (c >= GB).to(w.dtype)
-    x = tl.join(w * me, w * mo)  # [M, BG, 2] (FOLD 2)
-    return tl.reshape(tl.permute(x, [0, 2, 1]), [M * FOLD, FOLD * GB])
-
-
-@triton.jit
 def _step(
     k_desc, v_desc, slot_desc, bit_desc, k_row, v_row, blk, col, tok0, lo, seq_len, kh,
     qa, qb, qce, qco, sum_a, sum_b, sum_ce, sum_co, acc_lo, acc_hi, l_acc, m_i, qk_scale_log2,
@@ -216,13 +199,14 @@ def _step(
     zc1 = z_c1.to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
     z2 = z_2.to(tl.int16, bitcast=True).to(tl.int32) & 0xFF
     za, zb, zc, z1 = zi & 0xFF, zi >> 8, zc1 & 0xFF, zc1 >> 8
-    s = (tl.dot(ea, qa) - _fold(_off(za, 0), M, FOLD, GB) * sum_a) * _fold(sa.to(tl.float32), M, FOLD, GB)
-    s += (tl.dot(eb, qb) - _fold(_off(zb, 6), M, FOLD, GB) * sum_b) * _fold(sb.to(tl.float32), M, FOLD, GB)
+    # the per-token values in the logits' tile [M, BLOCK_G] (``fold``)
+    s = (tl.dot(ea, qa) - fold(_off(za, 0), M, GB) * sum_a) * fold(sa.to(tl.float32), M, GB)
+    s += (tl.dot(eb, qb) - fold(_off(zb, 6), M, GB) * sum_b) * fold(sb.to(tl.float32), M, GB)
     s_c = tl.dot(eco, qco, tl.dot(ece, qce))
-    s_c -= _fold(_off(zc, 2), M, FOLD, GB) * sum_ce + _fold(_off(zc, 5), M, FOLD, GB) * sum_co
-    s += s_c * _fold(sc.to(tl.float32), M, FOLD, GB)
-    toks = _fold(tok0 + tl.arange(0, STEP), M, FOLD, GB)
-    live = (toks >= lo) & (toks < seq_len)
+    s_c -= fold(_off(zc, 2), M, GB) * sum_ce + fold(_off(zc, 5), M, GB) * sum_co
+    s += s_c * fold(sc.to(tl.float32), M, GB)
+    live = fold(tok0 + tl.arange(0, STEP), M, GB)
+    live = (live >= lo) & (live < seq_len)
     s = tl.where(live, s * qk_scale_log2, float("-inf"))  # [M, BLOCK_G]
     if LAZY:  # the reference max moves only when a logit passes it by more than 8 (base 2)
         pr = tl.exp2(s - m_i[None, :])
@@ -238,45 +222,14 @@ def _step(
     fifth = fifth_words(bit_desc, blk, col, ROWS8, U, STEP, BIT_BOX)
     # half 1's 5 bits - zp1, 16 (half 2 - zp2), [D / 2, STEP]: the MMA's A operands
     v_lo, v_hi = unpack5_minus(tl.trans(v), fifth, z_lo, z_hi)
-    w1 = (pr * _fold(s1.to(tl.float32) * PV_SCALE, M, FOLD, GB)).to(tl.float16)
-    w2 = (pr * _fold(s2.to(tl.float32) * PV_SCALE, M, FOLD, GB)).to(tl.float16)
+    w1 = (pr * fold(s1.to(tl.float32) * PV_SCALE, M, GB)).to(tl.float16)
+    w2 = (pr * fold(s2.to(tl.float32) * PV_SCALE, M, GB)).to(tl.float16)
     if FOLD > 1:
-        w1 = _unfold_weights(w1, M, FOLD, GB)
-        w2 = _unfold_weights(w2, M, FOLD, GB)
+        w1 = unfold_weights(w1, M, GB)
+        w2 = unfold_weights(w2, M, GB)
     acc_lo = tl.dot(v_lo, w1, acc_lo)
     acc_hi = tl.dot(v_hi, w2, acc_hi)
     return acc_lo, acc_hi, l_acc, m_i
-
-
-@triton.jit
-def _fold_q(q, N: tl.constexpr, FOLD: tl.constexpr, GB: tl.constexpr):
-    """q's rows [FOLD * GB, N] (row c: head c % GB's) as the folded logits' B operand [FOLD * N,
-    FOLD * GB]: block diagonal, rows f * N .. of column c only where f is c // GB."""
-    qt = tl.trans(q)  # [N, BLOCK_G]
-    if FOLD == 1:
-        return qt
-    f = tl.arange(0, FOLD)[:, None] == (tl.arange(0, FOLD * GB) // GB)[None, :]  # [FOLD, BG]
-    x = tl.where(f[:, None, :], tl.broadcast_to(qt[None, :, :], [FOLD, N, FOLD * GB]), 0.0)
-    return tl.reshape(x, [FOLD * N, FOLD * GB]).to(tl.float16)
-
-
-@triton.jit
-def _merge_folds(acc_lo, acc_hi, l_i, m_i, W: tl.constexpr, FOLD: tl.constexpr, GB: tl.constexpr):
-    """Each head's FOLD softmax states (columns c, c + GB, ...) merged as splits are; every
-    column c then holds head c % GB's."""
-    m3 = tl.reshape(m_i, [FOLD, GB])
-    m_h = tl.max(m3, axis=0)  # [GB]
-    m_safe = tl.where(m_h == float("-inf"), 0.0, m_h)
-    sc = tl.exp2(m3 - m_safe[None, :])  # [FOLD, GB]
-    lo = tl.sum(tl.reshape(acc_lo, [W, FOLD, GB]) * sc[None, :, :], axis=1)  # [W, GB]
-    hi = tl.sum(tl.reshape(acc_hi, [W, FOLD, GB]) * sc[None, :, :], axis=1)
-    l_h = tl.sum(tl.reshape(l_i, [FOLD, GB]) * sc, axis=0)
-    bc: tl.constexpr = FOLD * GB
-    lo = tl.reshape(tl.broadcast_to(lo[:, None, :], [W, FOLD, GB]), [W, bc])
-    hi = tl.reshape(tl.broadcast_to(hi[:, None, :], [W, FOLD, GB]), [W, bc])
-    l_h = tl.reshape(tl.broadcast_to(l_h[None, :], [FOLD, GB]), [bc])
-    m_h = tl.reshape(tl.broadcast_to(m_h[None, :], [FOLD, GB]), [bc])
-    return lo, hi, l_h, m_h
 
 
 @triton.jit
@@ -302,8 +255,8 @@ def _decode_tc4_tma(
     heads = kh * G + offs_g
     col_g = offs_g % GB  # a column's head (FOLD > 1: GB >= G)
     qa, qb, qce, qco = q_groups(q_ptr, b, kh * G + col_g, col_g < G, stride_qb, stride_qh, D)
-    qa, qb = _fold_q(qa, D // 4, FOLD, GB), _fold_q(qb, D // 4, FOLD, GB)
-    qce, qco = _fold_q(qce, D // 4, FOLD, GB), _fold_q(qco, D // 4, FOLD, GB)
+    qa, qb = fold_q(qa, D // 4, FOLD, GB), fold_q(qb, D // 4, FOLD, GB)
+    qce, qco = fold_q(qce, D // 4, FOLD, GB), fold_q(qco, D // 4, FOLD, GB)
     # q's group sums in the logits' layout [M, BLOCK_G] (products with ones)
     ones = tl.full([M, FOLD * (D // 4)], 1.0, tl.float16)
     sum_a = tl.dot(ones, qa)
@@ -327,7 +280,7 @@ def _decode_tc4_tma(
             )  # fmt: skip
     l_i = tl.sum(l_acc, axis=0)
     if FOLD > 1:  # each head's FOLD columns (softmax states of their tokens) merged
-        acc_lo, acc_hi, l_i, m_i = _merge_folds(acc_lo, acc_hi, l_i, m_i, D // 2, FOLD, GB)
+        acc_lo, acc_hi, l_i, m_i = merge_folds(acc_lo, acc_hi, l_i, m_i, D // 2, FOLD, GB)
     store_split_int4(
         tl.trans(acc_lo), tl.trans(acc_hi) * 0.0625, m_i, l_i, b, split, heads,
         g_mask, out_ptr, part_o_ptr, part_lse_ptr, 1.0 / PV_SCALE, rot_ptr, stride_ob, stride_oh,
