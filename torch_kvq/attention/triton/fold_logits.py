@@ -11,11 +11,11 @@ import triton.language as tl
 
 
 def fold_tokens(group: int, step: int) -> int:
-    """Tokens a row of the logits' MMA tile takes (``decode_tc4_tma._step``): 2 where a GQA group of up to 4
-    heads pads the N of 8 and a step of 32 tokens leaves the MMA its 16 rows (head 64 and 128 at
-    32-token pages): the tile's spare columns take the row's odd token, with softmax states of
-    their own merged at the end, so the work per logit is on a tile half the size; else 1
-    (64-token steps spill; head 256 takes 16-token steps)."""
+    """Tokens a row of the logits' MMA tile takes (``decode_tc4_tma._step``): 2 where a GQA
+    group of up to 4 heads pads the N of 8 and a step of 32 tokens leaves the MMA its 16 rows
+    (head 64 and 128 at 32-token pages): the tile's spare columns take the row's odd token, with
+    softmax states of their own merged at the end, so the work per logit is on a tile half the
+    size; else 1 (64-token steps spill; head 256 takes 16-token steps)."""
     return 2 if group <= 4 and step == 32 else 1
 
 
