@@ -72,6 +72,7 @@ def _reference(q, cache, aux, table, lens, sm_scale, window):
         ([77, 40], 2, 2, 128, 32, 2, None),
         ([50], 2, 1, 128, 32, 1, None),  # one split: the program writes the output
         ([90, 33], 2, 3, 64, 32, 3, None),  # a group of 3: one padded column a fold
+        ([1, 2, 33], 1, 4, 128, 32, 4, 1),  # folds and splits with no live token
     ],
 )
 @pytest.mark.parametrize("lazy", [True, False], ids=["lazy", "eager"])
