@@ -205,8 +205,8 @@ def _step(
     s_c = tl.dot(eco, qco, tl.dot(ece, qce))
     s_c -= fold(_off(zc, 2), M, GB) * sum_ce + fold(_off(zc, 5), M, GB) * sum_co
     s += s_c * fold(sc.to(tl.float32), M, GB)
-    live = fold(tok0 + tl.arange(0, STEP), M, GB)
-    live = (live >= lo) & (live < seq_len)
+    toks = fold(tok0 + tl.arange(0, STEP), M, GB)
+    live = (toks >= lo) & (toks < seq_len)
     s = tl.where(live, s * qk_scale_log2, float("-inf"))  # [M, BLOCK_G]
     if LAZY:  # the reference max moves only when a logit passes it by more than 8 (base 2)
         pr = tl.exp2(s - m_i[None, :])
