@@ -160,8 +160,8 @@ def test_tc4_loop_buffers_follow_the_stages() -> None:
 def test_tc4_loop_counts_its_alu_pipe_work() -> None:
     """``alu_pipe``: the loop's instructions that issue to the ALU pipe (``ALU_OPS``: the unpacks'
     ``LOP3`` / ``PRMT`` / ``SHF``, the max's ``FMNMX``, selects, compares), what bounds tc4's decode
-    on the H200 (docs/design/int4-branch.md, thirty-eighth session): 445 of 938 at head 128 and
-    32-token pages when counted, so between a third and two thirds of the loop."""
+    on the H200 (docs/design/int4-branch.md, thirty-eighth and thirty-ninth sessions, which
+    give the counts): between a third and two thirds of the loop at head 128, 32-token pages."""
     stats = sass_json("--cache", "tc4_per_token_head", "--head", "128", "--page", "32",
                       "--stages", "6")  # fmt: skip
     assert stats["loop_instructions"] / 3 < stats["alu_pipe"] < 2 * stats["loop_instructions"] / 3
