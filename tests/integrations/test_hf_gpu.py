@@ -131,9 +131,10 @@ def test_gemma3_shaped_per_token_head_map_replays_in_cuda_graphs(
     Inductor times each generated reduction's candidate configs at its first call, which on the
     suite's busy GPU can pick another sum order for the second copy. In the GPU suites of
     2026-12-03 and 2026-12-05 (k8v4, before the fixture) the copies' prefill logits differed in
-    the last bits; on 2026-12-06 the tc4 case, with the fixture, parted in the prefill at the
-    same positions in two runs, so not by timing (docs/design/int4-branch.md, thirty-ninth
-    session: open); ``_differences`` says where a failure parts."""
+    the last bits; on 2026-12-06 the tc4 case, with the fixture, parted in the prefill on an
+    H200 at the same positions in two runs, so not by timing, and on an H100 never
+    (docs/design/int4-branch.md, thirty-ninth and fortieth sessions: open); ``_differences``
+    says where a failure parts."""
     import copy
 
     from torch_kvq.attention.graph_runner import DecodeGraphRunner
