@@ -60,8 +60,8 @@ from torch_kvq.attention.triton.tc4_aux import (
     SLOTS,
     bit_box_rows,
     fifth_words,
-    offset16,
     page_slots,
+    v_offsets,
 )
 
 # the weights times v's scales, times this in fp16 (``int4.int4_pv_shift``'s: 16 eager, 1 lazy)
@@ -173,9 +173,23 @@ def unpack5_minus(x, f, z_lo, z_hi):
 
 
 @triton.jit
-def _off(z, SHIFT: tl.constexpr):
-    """``1024 + zp * 2^SHIFT`` (fp32) of zero points z (int32) [PAGE]."""
-    return 1024.0 + z.to(tl.float32) * (1 << SHIFT)
+def past8(d):
+    """Whether any of the logits minus the reference max ``d`` (fp32; -inf where masked) is
+    above 8: as int32 bit patterns, ordered as the floats are where one side is positive, so the
+    max is an integer reduction (one ``redux.sync`` a warp, not a tree of shuffles)."""
+    n: tl.constexpr = d.numel
+    bits = tl.reshape(d.to(tl.int32, bitcast=True), [n], can_reorder=True)
+    return tl.max(bits, axis=0) > 0x41000000  # 8.0
+
+
+@triton.jit
+def _off(word, AT: tl.constexpr, BITS: tl.constexpr, SHIFT: tl.constexpr):
+    """``1024 + zp * 2^SHIFT`` (fp32, exact) of the BITS-bit zero points at bit AT of ``word``
+    (int32) [PAGE]: the bit pattern ``0x44800000 | zp << (13 + SHIFT)`` (fp32's 1024, whose
+    mantissa's last bit is 2^-13), one shift and one ``lop3``, no conversion."""
+    AT2: tl.constexpr = 13 + SHIFT
+    mask: tl.constexpr = ((1 << BITS) - 1) << AT2
+    return (((word << (AT2 - AT)) & mask) | 0x44800000).to(tl.float32, bitcast=True)
 
 
 @triton.jit
@@ -195,30 +209,31 @@ def _step(
     ea, eb, ece, eco = unpack_k(lanes)  # [M, FOLD * D / 4] each
     v = v_tile(v_desc.load([v_row, kh * (D // 2)]), STEP, D // 2)
     sa, sb, sc, s1, s2, z_ab, z_c1, z_2 = page_slots(slot_desc, blk, col, STEP, ROWS8 // 2)
-    zi = z_ab.to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
-    zc1 = z_c1.to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
-    z2 = z_2.to(tl.int16, bitcast=True).to(tl.int32) & 0xFF
-    za, zb, zc, z1 = zi & 0xFF, zi >> 8, zc1 & 0xFF, zc1 >> 8
-    # the per-token values in the logits' tile [M, BLOCK_G] (``fold``)
-    s = (tl.dot(ea, qa) - fold(_off(za, 0), M, GB) * sum_a) * fold(sa.to(tl.float32), M, GB)
-    s += (tl.dot(eb, qb) - fold(_off(zb, 6), M, GB) * sum_b) * fold(sb.to(tl.float32), M, GB)
+    zi = z_ab.to(tl.int16, bitcast=True).to(tl.int32)
+    zc1 = z_c1.to(tl.int16, bitcast=True).to(tl.int32)
+    # the per-token values in the logits' tile [M, BLOCK_G] (``fold``); K's zero points are
+    # 6, 4 and 3 bits (``quant_tc.quantize_group`` clamps them to the codes' range)
+    s = (tl.dot(ea, qa) - fold(_off(zi, 0, 6, 0), M, GB) * sum_a) * fold(sa.to(tl.float32), M, GB)
+    s += (tl.dot(eb, qb) - fold(_off(zi, 8, 4, 6), M, GB) * sum_b) * fold(sb.to(tl.float32), M, GB)
     s_c = tl.dot(eco, qco, tl.dot(ece, qce))
-    s_c -= fold(_off(zc, 2), M, GB) * sum_ce + fold(_off(zc, 5), M, GB) * sum_co
+    s_c -= fold(_off(zc1, 0, 3, 2), M, GB) * sum_ce + fold(_off(zc1, 0, 3, 5), M, GB) * sum_co
     s += s_c * fold(sc.to(tl.float32), M, GB)
     toks = fold(tok0 + tl.arange(0, STEP), M, GB)
     live = (toks >= lo) & (toks < seq_len)
     s = tl.where(live, s * qk_scale_log2, float("-inf"))  # [M, BLOCK_G]
     if LAZY:  # the reference max moves only when a logit passes it by more than 8 (base 2)
-        pr = tl.exp2(s - m_i[None, :])
-        if tl.max(tl.max(s - m_i[None, :], axis=1), axis=0) > 8.0:
+        d = s - m_i[None, :]
+        pr = tl.exp2(d)
+        if past8(d):
             acc_lo, acc_hi, l_acc, m_i, m_safe = rescale(acc_lo, acc_hi, l_acc, m_i, tl.max(s, 0))
             pr = tl.exp2(s - m_safe[None, :])
     else:
         acc_lo, acc_hi, l_acc, m_i, m_safe = rescale(acc_lo, acc_hi, l_acc, m_i, tl.max(s, 0))
         pr = tl.exp2(s - m_safe[None, :])
     l_acc += pr
-    z_lo = tl.broadcast_to(offset16(z1, 0)[None, :], [D // 2, STEP])
-    z_hi = tl.broadcast_to(offset16(z2, 4)[None, :], [D // 2, STEP])
+    z1, z2 = v_offsets(z_c1, z_2)
+    z_lo = tl.broadcast_to(z1[None, :], [D // 2, STEP])
+    z_hi = tl.broadcast_to(z2[None, :], [D // 2, STEP])
     fifth = fifth_words(bit_desc, blk, col, ROWS8, U, STEP, BIT_BOX)
     # half 1's 5 bits - zp1, 16 (half 2 - zp2), [D / 2, STEP]: the MMA's A operands
     v_lo, v_hi = unpack5_minus(tl.trans(v), fifth, z_lo, z_hi)

@@ -1,8 +1,8 @@
 """Where a tc4 aux record's bytes sit in a page's aux block (``quant_tc.aux_to_cache``: contiguous
 rows of ``page`` bytes, the 8 fp16 slots as fp16 [8, page], then the fifth bits' rows), for the
 Triton programs that write or read it (the cache write, the decode, the scratch pass): the
-record's offsets as constexprs, a token's byte and slot addresses, a zero point as the fp16
-offset the exponent trick subtracts, and the decode's reads of a page's block: its slots
+record's offsets as constexprs, a token's byte and slot addresses, V's zero points as the fp16
+offsets the exponent trick subtracts, and the decode's reads of a page's block: its slots
 (``page_slots``) and its fifth bits as V's operand words (``fifth_words``, with the TMA box's rows
 ``bit_box_rows``). One home for the layout on the device side, as ``quant_tc.aux_positions`` is
 on the host's. Imports Triton.
@@ -41,10 +41,22 @@ def aux_slot(block, t, page, SLOT: tl.constexpr):
 
 
 @triton.jit
-def offset16(zp, SHIFT: tl.constexpr):
-    """Zero points ``zp`` (ints below 2^(10 - SHIFT)) as the fp16 ``1024 + zp * 2^SHIFT``: the bit
-    pattern ``0x6400 | zp << SHIFT``, no conversion."""
-    return ((zp << SHIFT) | 0x6400).to(tl.int16).to(tl.float16, bitcast=True)
+def v_offsets(z_c1, z_2):
+    """V's zero points as the fp16 offsets ``unpack5_minus`` subtracts, from their slots (fp16
+    [PAGE] each: ``z_c1`` holds half 1's 5-bit zero point in its high byte, ``z_2`` half 2's
+    4-bit one in its low byte): (``1024 + zp1``, ``1024 + 16 zp2``), the bit patterns ``0x6400 |
+    zp1`` and ``0x6400 | zp2 << 4``; compiled, one shift and one ``lop3`` for two tokens each."""
+    x1 = z_c1.to(tl.int16, bitcast=True)
+    x2 = z_2.to(tl.int16, bitcast=True)
+    if INTERPRET:
+        lo = (((x1.to(tl.int32) >> 8) & 0x1F) | 0x6400).to(tl.int16)
+        hi = (((x2.to(tl.int32) & 0xF) << 4) | 0x6400).to(tl.int16)
+        return lo.to(tl.float16, bitcast=True), hi.to(tl.float16, bitcast=True)
+    return tl.inline_asm_elementwise(
+        "{ .reg .b32 t; shr.b32 t, $2, 8; lop3.b32 $0, t, 0x001f001f, 0x64006400, 0xea; "
+        "shl.b32 t, $3, 4; lop3.b32 $1, t, 0x00f000f0, 0x64006400, 0xea; }",
+        "=r,=r,r,r", [x1, x2], dtype=(tl.float16, tl.float16), is_pure=True, pack=2,
+    )  # fmt: skip
 
 
 @triton.jit
