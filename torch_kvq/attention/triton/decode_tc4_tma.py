@@ -14,13 +14,15 @@ Per page: K's lane words to fp16 operands by the exponent trick (``unpack_k``:
 ``0x6400 | (lane & mask)`` is ``1024 + code * 2^s``; one ``shr`` and four ``lop3`` per eight
 codes), q's group columns divided by those 2^s once per program (``q_groups``), one MMA per group
 (C's two chained), the ``1024`` offsets and zero points taken out per logit (q's group sums, from
-the prologue, times ``1024 + 2^s zp``), each group's logits times its token's fp16 scale; V's
-bytes in ``int4.v_columns`` order (``int4.v_tile``, the cache's ``v_layout``), unpacked straight
-into the MMA's A operands (``unpack5_minus``: half 1's fifth bit ORed in by the low nibble's own
-``lop3``, from words of the plane built one shift and one ``lop3`` a register pair,
-``tc4_aux.fifth_words``; the plane in that order: ``quant_tc.fifth_bit_positions``), centred per
-element with each half's zero point; the weights times each half's scale (times ``PV_SCALE``);
-online softmax in base 2 (``int4.rescale``; lazy by default: the max moves only past 8). Head 256
+the prologue, times ``1024 + 2^s zp``, made as fp32 bit patterns), each group's logits times
+its token's fp16 scale; V's bytes in ``int4.v_columns`` order (``int4.v_tile``, the cache's
+``v_layout``), unpacked straight into the MMA's A operands (``unpack5_minus``: a register's
+four low nibbles and their four fifth bits joined by one ``lop3``, from words of the plane built
+one shift and one ``lop3`` a register, ``tc4_aux.fifth_words``; the plane in that order:
+``quant_tc.fifth_bit_positions``), centred per element with each half's zero point (fp16 bit
+patterns, ``tc4_aux.v_offsets``); the weights times each half's scale (times ``PV_SCALE``);
+online softmax in base 2 (``int4.rescale``; lazy by default: the max moves only past 8, checked
+as one integer reduction, ``past8``). Head 256
 takes a page in steps of 16 tokens (``step_tokens``: the boxes hold a step, so a 32-token page's
 registers are a 16-token page's, not more than the SM holds). Where a GQA group of up to 4 heads
 pads the MMA's N of 8 and a step has 32 tokens (``fold_tokens``), the logits' tile is folded:
@@ -153,20 +155,21 @@ def q_groups(q_ptr, b, heads, g_mask, stride_qb, stride_qh, D: tl.constexpr):
 def unpack5_minus(x, f, z_lo, z_hi):
     """``int4.unpack_minus`` with half 1's fifth bits: V's bytes ``x`` (uint8) and
     ``tc4_aux.fifth_words`` ``f`` -> (low nibble + 16 fifth bit + 1024 - ``z_lo``, ``16 *`` high nibble +
-    1024 - ``z_hi``) fp16 each, exactly; compiled, the fifth bits cost nothing here: the byte
-    permutes fill with ``0x64`` (fp16's exponent of 1024), so the low nibbles' ``lop3`` takes
-    one mask and ORs ``f`` in."""
+    1024 - ``z_hi``) fp16 each, exactly; compiled, a register's four bytes take their four fifth
+    bits in one ``lop3`` (low nibbles, or the word of bits at 4, 12, 20, 28) before the byte
+    permutes fill each with ``0x64`` (fp16's exponent of 1024)."""
     if INTERPRET:
         lo = ((x & 0xF).to(tl.uint32) | f | 0x6400).to(tl.uint16).to(tl.float16, bitcast=True)
         hi = ((x & 0xF0).to(tl.uint16) | 0x6400).to(tl.float16, bitcast=True)
         return lo - z_lo, hi - z_hi
     return tl.inline_asm_elementwise(
-        "{ .reg .b32 t0, t1, u; "
-        "prmt.b32 t0, $4, 0x64646464, 0x4140; prmt.b32 t1, $4, 0x64646464, 0x4342; "
-        "lop3.b32 u, t0, 0x640f640f, $5, 0xea; sub.rn.f16x2 $0, u, $9; "
-        "lop3.b32 u, t1, 0x640f640f, $7, 0xea; sub.rn.f16x2 $1, u, $10; "
-        "and.b32 u, t0, 0x64f064f0; sub.rn.f16x2 $2, u, $11; "
-        "and.b32 u, t1, 0x64f064f0; sub.rn.f16x2 $3, u, $12; }",
+        "{ .reg .b32 t, u; "
+        "lop3.b32 u, $4, 0x0f0f0f0f, $5, 0xea; "
+        "prmt.b32 t, u, 0x64646464, 0x4140; sub.rn.f16x2 $0, t, $9; "
+        "prmt.b32 t, u, 0x64646464, 0x4342; sub.rn.f16x2 $1, t, $10; "
+        "and.b32 u, $4, 0xf0f0f0f0; "
+        "prmt.b32 t, u, 0x64646464, 0x4140; sub.rn.f16x2 $2, t, $11; "
+        "prmt.b32 t, u, 0x64646464, 0x4342; sub.rn.f16x2 $3, t, $12; }",
         "=r,=r,=r,=r,r,r,r,r,r,r,r,r,r", [x, f, z_lo, z_hi], dtype=(tl.float16, tl.float16),
         is_pure=True, pack=4,
     )  # fmt: skip

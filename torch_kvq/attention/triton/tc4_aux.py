@@ -101,13 +101,13 @@ def fifth_words(
 ):  # fmt: skip
     """Half 1's fifth bits as ``decode_tc4_tma.unpack5_minus``'s words, uint32 [D / 2, PAGE] (the MMA's A
     operand's shape, ``int4.v_tile``'s labels transposed): the element of column c = 32 h + 8 w +
-    g, token t holds ``b0 << 4 | b1 << 20`` for the two tokens (b0 the even one) of its pair in
-    the operand's register (tokens 16 s + 4 t' + 2 jp, + 1); compiled, one shift and one ``lop3``
-    a pair. The plane (``quant_tc.fifth_bit_positions``): aux row 4 h + g // 2 of token t holds
-    column c's bit at 4 (g % 2) + w, so one row's 4 bytes at tokens 16 s + 4 t' .. + 3 are a
-    lane's 16 bits of a 16-token step. The interpreter, which runs no PTX, gets each element its
-    own half (``b << 4``). The box has ``BOX`` rows (``bit_box_rows``), the first U the bits, and
-    PAGE columns from ``col`` (a step of a page: ``decode_tc4_tma``'s ``STEP``)."""
+    g, token t holds the word of its register's four tokens (16 s + 4 t' + j, j = 0..3, as V's
+    bytes in it), token j's bit at 4 + 8 j; compiled, one shift and one ``lop3`` a register. The
+    plane (``quant_tc.fifth_bit_positions``): aux row 4 h + g // 2 of token t holds column c's bit
+    at 4 (g % 2) + w, so one row's 4 bytes at tokens 16 s + 4 t' .. + 3 are a word of four tokens
+    for 8 columns. The interpreter, which runs no PTX, gets each element its own bit (``b <<
+    4``). The box has ``BOX`` rows (``bit_box_rows``), the first U the bits, and PAGE columns
+    from ``col`` (a step of a page: ``decode_tc4_tma``'s ``STEP``)."""
     x = bit_desc.load([blk * ROWS8 + 2 * SLOTS, col])  # [BOX, PAGE]
     if BOX > U:  # 2 U rows: the next block's first U rows dropped
         x, _ = tl.split(tl.permute(tl.reshape(x, [2, U, PAGE]), [1, 2, 0]))
@@ -115,20 +115,15 @@ def fifth_words(
     S: tl.constexpr = PAGE // 16
     x = tl.reshape(x.to(tl.uint32), [H, 4, S, 4, 4])  # h, g // 2, s, t', j
     j = tl.arange(0, 4)
-    # a register's tokens j to bytes 0, 2, 1, 3: a pair's two bits 16 apart
-    q = tl.sum(x << ((j & 1) * 16 + (j >> 1) * 8)[None, None, None, None, :], axis=4)
+    q = tl.sum(x << (8 * j)[None, None, None, None, :], axis=4)  # token j in byte j
     n = tl.arange(0, 2)  # lane g = 2 g2 + n: its bits w in nibble n, each moved to bit 4 + w
     q = q[:, :, None, :, :] << (4 - 4 * n)[None, None, :, None, None]  # [H, 4, 2, S, 4]
     q = tl.permute(tl.reshape(q, [H, 8, S, 4]), [2, 0, 1, 3])  # s, h, g, t'
     w = tl.arange(0, 4)
-    jp = tl.arange(0, 2)
-    sh = w[:, None] + 8 * jp[None, :]  # [4, 2]
-    f = (q[:, :, :, :, None, None] >> sh[None, None, None, None, :, :]) & 0x00100010
-    if INTERPRET:  # each element its own half
-        e = tl.arange(0, 2)
-        f = (f[:, :, :, :, :, :, None] >> (16 * e)[None, None, None, None, None, None, :]) & 0xFFFF
-    else:  # both elements of a pair the word
-        f = tl.broadcast_to(f[:, :, :, :, :, :, None], [S, H, 8, 4, 4, 2, 2])
-    f = tl.reshape(f, [S, H, 8, 4, 4, 4])  # s, h, g, t', w, j
+    f = (q[:, :, :, :, None] >> w[None, None, None, None, :]) & 0x10101010  # [S, H, 8, 4, 4]
+    if INTERPRET:  # each element its own bit
+        f = (f[:, :, :, :, :, None] >> (8 * j)[None, None, None, None, None, :]) & 0xFF
+    else:  # the four elements of a register the word
+        f = tl.broadcast_to(f[:, :, :, :, :, None], [S, H, 8, 4, 4, 4])  # s, h, g, t', w, j
     f = tl.permute(f, [1, 4, 2, 0, 3, 5])  # as ``int4.v_tile``
     return tl.reshape(f, [8 * U, PAGE])
