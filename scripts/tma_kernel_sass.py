@@ -148,7 +148,7 @@ def compile_tc4(
     sig = {
         "q_ptr": "*fp16", "k_desc": f"tensordesc<i16[{step}, {head // 4}]>",
         "v_desc": f"tensordesc<u8[{step}, {head // 2}]>", "slot_desc": f"tensordesc<fp16[8, {step}]>",
-        "bit_desc": f"tensordesc<u8[{tc4_aux.bit_box_rows(head, step)}, {step}]>", "block_table_ptr": "*i32",
+        "bit_desc": f"tensordesc<i32[{tc4_aux.bit_box_rows(head, step)}, {step // 4}]>", "block_table_ptr": "*i32",
         "seq_lens_ptr": "*i32", "part_o_ptr": "*fp32", "part_lse_ptr": "*fp32", "out_ptr": "*fp16",
         "rot_ptr": "*fp16", "qk_scale_log2": "fp32", "window": "i32",
         "stride_qb": "i32", "stride_qh": "i32", "stride_ob": "i32", "stride_oh": "i32",

@@ -362,9 +362,9 @@ def paged_decode_tc4_tma(
     k_desc = TensorDescriptor(lanes, list(lanes.shape), [kh * d // 4, 1], [step, d // 4])
     rows = kv_cache.view(pages * 2 * page, kh * d // 2)
     v_desc = TensorDescriptor(rows, list(rows.shape), [kh * d // 2, 1], [step, d // 2])
-    aux8 = kv_scale.view(pages * kh * aux, page)
+    words = kv_scale.view(-1).view(torch.int32).view(pages * kh * aux, page // 4)
     box = bit_box_rows(d, step)
-    bit_desc = TensorDescriptor(aux8, list(aux8.shape), [page, 1], [box, step])
+    bit_desc = TensorDescriptor(words, list(words.shape), [page // 4, 1], [box, step // 4])
     aux16 = kv_scale.view(-1).view(torch.float16).view(pages * kh * aux // 2, page)
     slot_desc = TensorDescriptor(aux16, list(aux16.shape), [page, 1], [quant_tc.AUX_SLOTS, step])
     if num_splits is None:

@@ -106,16 +106,17 @@ def fifth_words(
     plane (``quant_tc.fifth_bit_positions``): aux row 4 h + g // 2 of token t holds column c's bit
     at 4 (g % 2) + w, so one row's 4 bytes at tokens 16 s + 4 t' .. + 3 are a word of four tokens
     for 8 columns. The interpreter, which runs no PTX, gets each element its own bit (``b <<
-    4``). The box has ``BOX`` rows (``bit_box_rows``), the first U the bits, and PAGE columns
-    from ``col`` (a step of a page: ``decode_tc4_tma``'s ``STEP``)."""
-    x = bit_desc.load([blk * ROWS8 + 2 * SLOTS, col])  # [BOX, PAGE]
+    4``). The box (the aux blocks as int32 words of four tokens) has ``BOX`` rows
+    (``bit_box_rows``), the first U the bits, and the words of PAGE tokens from ``col`` (a step of
+    a page: ``decode_tc4_tma``'s ``STEP``)."""
+    x = bit_desc.load([blk * ROWS8 + 2 * SLOTS, col // 4])  # [BOX, PAGE / 4] int32
     if BOX > U:  # 2 U rows: the next block's first U rows dropped
-        x, _ = tl.split(tl.permute(tl.reshape(x, [2, U, PAGE]), [1, 2, 0]))
+        x, _ = tl.split(tl.permute(tl.reshape(x, [2, U, PAGE // 4]), [1, 2, 0]))
     H: tl.constexpr = U // 4
     S: tl.constexpr = PAGE // 16
-    x = tl.reshape(x.to(tl.uint32), [H, 4, S, 4, 4])  # h, g // 2, s, t', j
+    # h, g // 2, s, t': a word's byte j token j
+    q = tl.reshape(x.to(tl.uint32, bitcast=True), [H, 4, S, 4])
     j = tl.arange(0, 4)
-    q = tl.sum(x << (8 * j)[None, None, None, None, :], axis=4)  # token j in byte j
     n = tl.arange(0, 2)  # lane g = 2 g2 + n: its bits w in nibble n, each moved to bit 4 + w
     q = q[:, :, None, :, :] << (4 - 4 * n)[None, None, :, None, None]  # [H, 4, 2, S, 4]
     q = tl.permute(tl.reshape(q, [H, 8, S, 4]), [2, 0, 1, 3])  # s, h, g, t'
