@@ -116,13 +116,13 @@ def fifth_words(
     S: tl.constexpr = PAGE // 16
     # h, g // 2, s, t': a word's byte j token j
     q = tl.reshape(x.to(tl.uint32, bitcast=True), [H, 4, S, 4])
-    j = tl.arange(0, 4)
     n = tl.arange(0, 2)  # lane g = 2 g2 + n: its bits w in nibble n, each moved to bit 4 + w
     q = q[:, :, None, :, :] << (4 - 4 * n)[None, None, :, None, None]  # [H, 4, 2, S, 4]
     q = tl.permute(tl.reshape(q, [H, 8, S, 4]), [2, 0, 1, 3])  # s, h, g, t'
     w = tl.arange(0, 4)
     f = (q[:, :, :, :, None] >> w[None, None, None, None, :]) & 0x10101010  # [S, H, 8, 4, 4]
     if INTERPRET:  # each element its own bit
+        j = tl.arange(0, 4)
         f = (f[:, :, :, :, :, None] >> (8 * j)[None, None, None, None, None, :]) & 0xFF
     else:  # the four elements of a register the word
         f = tl.broadcast_to(f[:, :, :, :, :, None], [S, H, 8, 4, 4, 4])  # s, h, g, t', w, j
