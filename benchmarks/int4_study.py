@@ -7,7 +7,7 @@ phase and greedy prompts, reference kernel, eager, fp32 on CPU).
 Variants (``--variants``), ``[k:|v:]FORMAT[@KEEP]``. FORMAT: ``int8`` (int8 per (token, head), the
 8-bit reference) or ``int4`` (asymmetric with a zero point, ``attention/quant.py``'s
 ``quantize_int4_per_token_head``) with options joined by ``-``: ``sym`` (symmetric), ``rot`` (k and
-v rotated by the Hadamard of ``quant.rotate`` before quantizing, rotated back after: q . k and the
+v rotated by the Hadamard of ``rotation.rotate`` before quantizing, rotated back after: q . k and the
 output are unchanged by the rotation in exact arithmetic, so this equals attention in the rotated
 space), ``mse`` (per-row MSE clipping over ``CLIP_RATIOS``), ``g32`` / ``g64`` (one scale and zero
 point per 32 / 64 channels, ``quantize_int4_grouped``), ``sink`` (a diagnostic: token position 0
@@ -32,7 +32,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from torch_kvq.attention import quant  # noqa: E402
+from torch_kvq.attention import quant, rotation  # noqa: E402
 
 VARIANTS = ("int8", "int4", "int4-rot", "int4-sym", "int4-sym-rot", "int4-rot@ends8",
             "int4-rot@sliding16", "int4-rot@ends8-sliding16")  # fmt: skip
@@ -50,12 +50,12 @@ def fake_quant(x: torch.Tensor, fmt: str, pos: torch.Tensor | None = None) -> to
         y = quant.dequantize_per_token_head(codes, scales).to(x.dtype)
     else:
         rot = "rot" in opts
-        y = quant.rotate(x) if rot else x.float()
+        y = rotation.rotate(x) if rot else x.float()
         clip = CLIP_RATIOS if "mse" in opts else (1.0,)
         group = next((int(o[1:]) for o in opts if o[0] == "g"), x.shape[-1])
         packed, stored = quant.quantize_int4_grouped(y, group, "sym" in opts, clip)
         y = quant.dequantize_int4_grouped(packed, stored)
-        y = (quant.unrotate(y) if rot else y).to(x.dtype)
+        y = (rotation.unrotate(y) if rot else y).to(x.dtype)
     if "sink" in opts:
         y = torch.where((pos == 0)[:, None, None], x, y)
     return y

@@ -4,7 +4,7 @@ them. The formats calibrated per layer ("fmt:layer") read the tables below (``MU
 ``SV``, ``MUV``), which ``kv_format_study.calibrate_k`` fills from the calibration split. A
 study, CPU only.
 
-Formats (all but int8 / none after quant.rotate, then quant.unrotate):
+Formats (all but int8 / none after rotation.rotate, then rotation.unrotate):
   fp8t           : FP8 e4m3 per tensor, scale 1.0 (kvq eval's --kv fp8; not rotated)
   none, int8     : unquantized / int8 per (token, head) (quant.quantize_per_token_head, half away)
   int4           : the mode's exact math (quant.quantize_int4_rotated / dequantize_int4_rotated)
@@ -64,7 +64,7 @@ import re
 import kv_transform_coding as tc
 import torch
 
-from torch_kvq.attention import k_basis, quant
+from torch_kvq.attention import k_basis, quant, rotation
 
 NF_SCALE_GRID = tuple(0.70 + 0.05 * i for i in range(13))  # 0.70 .. 1.30 times the row rms
 
@@ -196,7 +196,7 @@ def fake_quant(x: torch.Tensor, fmt: str) -> torch.Tensor:
         return scaled_int4(x, layer, centre=not m["only"], alpha=alpha, pairs=bool(m["pairs"]))
     if fmt in ("kc16", "kc32", "kc32r"):
         return per_channel(x, 16 if fmt == "kc16" else 32, fmt == "kc32r")
-    y = quant.rotate(x)
+    y = rotation.rotate(x)
     if fmt == "nf4":
         y = nf_fake(y, 16)
     elif fmt == "nf4a":
@@ -213,7 +213,7 @@ def fake_quant(x: torch.Tensor, fmt: str) -> torch.Tensor:
         y = uniform_fake(y, 15)
     else:
         raise ValueError(fmt)
-    return quant.unrotate(y).to(x.dtype)
+    return rotation.unrotate(y).to(x.dtype)
 
 
 MU: dict[int, torch.Tensor] = {}  # int4c's mean k per layer [KH, D], from ``calibrate_k``
@@ -281,7 +281,7 @@ def rotated_round_trip(z: torch.Tensor, levels: int = 15) -> torch.Tensor:
     the int4 mode's exact math, else ``uniform_fake`` (u5s, u5w: 31)."""
     if levels == 15:
         return quant.dequantize_int4_rotated(*quant.quantize_int4_rotated(z))
-    return quant.unrotate(uniform_fake(quant.rotate(z), levels))
+    return rotation.unrotate(uniform_fake(rotation.rotate(z), levels))
 
 
 def k_transform(ck: torch.Tensor, cq: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -332,8 +332,11 @@ def transform_bases(lm, layers, counts) -> None:
         gains["tc"] += [tc.spectrum(r) for r in sig]
         gains["tcv"] += [tc.spectrum(r) for r in sig_v]
     plans = [p for v in tc.WATER.values() for p in v]
-    print(f"tcw: groups per kv head {sum(map(len, plans)) / len(plans):.2f} (mean), up to "
-          f"{max(map(len, plans))}; e.g. layer 0 at 3.75 {tc.WATER[(0, 375)][0]}", flush=True)
+    print(
+        f"tcw: groups per kv head {sum(map(len, plans)) / len(plans):.2f} (mean), up to "
+        f"{max(map(len, plans))}; e.g. layer 0 at 3.75 {tc.WATER[(0, 375)][0]}",
+        flush=True,
+    )
     print(
         "transform coding, high-resolution gain of bits by sigma (mean over layers and kv heads): "
         + ", ".join(f"{k} {sum(v) / len(v):.2f}" for k, v in gains.items()),
@@ -359,7 +362,7 @@ def transformed_k(x: torch.Tensor, layer: int, centre: bool, levels: int) -> tor
 
 def per_channel(x: torch.Tensor, group: int, rot: bool) -> torch.Tensor:
     """kc16 / kc32 / kc32r: x [T, KH, D] per channel over groups of ``group`` consecutive rows."""
-    y = quant.rotate(x) if rot else x.float()
+    y = rotation.rotate(x) if rot else x.float()
     out = torch.empty_like(y)
     for s in range(0, y.shape[0], group):
         c = y[s : s + group]
@@ -367,4 +370,4 @@ def per_channel(x: torch.Tensor, group: int, rot: bool) -> torch.Tensor:
         scale = ((hi - lo) / 15).clamp(min=quant.SCALE_FLOOR)
         zp = quant.round_half_away(-lo / scale).clamp(0, 15)
         out[s : s + group] = (quant.round_half_away(c / scale + zp).clamp(0, 15) - zp) * scale
-    return (quant.unrotate(out) if rot else out).to(x.dtype)
+    return (rotation.unrotate(out) if rot else out).to(x.dtype)

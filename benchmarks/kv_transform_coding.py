@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import torch
 
-from torch_kvq.attention import k_basis, quant
+from torch_kvq.attention import k_basis, rotation
 
 # mean 4 bits a coordinate ("4": one group, the basis alone) unless said
 PLANS: dict[str, tuple[tuple[float, int], ...]] = {
@@ -145,8 +145,8 @@ def alloc_fake(x: torch.Tensor, fmt: str, layer: int, uniform_fake) -> torch.Ten
         for frac, bits in groups:
             n = round(d * frac)
             if bits:
-                g = quant.rotate(y[:, heads, start : start + n])
-                out[:, heads, start : start + n] = quant.unrotate(
+                g = rotation.rotate(y[:, heads, start : start + n])
+                out[:, heads, start : start + n] = rotation.unrotate(
                     uniform_fake(g, 2**bits - 1, half)
                 )
             start += n

@@ -65,7 +65,7 @@ def compile_kernel(
         from torch_kvq.attention.triton import decode_balanced
 
     fn = decode_balanced._decode_balanced if balanced else tma._decode_pages
-    from torch_kvq.attention.quant import hadamard_block
+    from torch_kvq.attention.rotation import hadamard_block
 
     scales, int4, k8v4 = cache != "fp8", cache.startswith("int4"), cache.startswith("k8v4")
     packed = int4 or k8v4  # uint8, D / 2 bytes a head (k8v4: 3 slots)
@@ -139,7 +139,7 @@ def compile_tc4(
     split-K (8 splits), fp16 q, 16-divisible pointers and strides."""
     import triton
 
-    from torch_kvq.attention.quant import hadamard_block
+    from torch_kvq.attention.rotation import hadamard_block
     from torch_kvq.attention.triton import decode_tc4_tma as tc4
     from torch_kvq.attention.triton import fold_logits, tc4_aux
 

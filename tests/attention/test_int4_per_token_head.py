@@ -15,7 +15,7 @@ from tests.support.passes import (
     check_layer0_fuses_and_equals_eager,
     make_specs,
 )
-from torch_kvq.attention import Attention, quant, v_layout
+from torch_kvq.attention import Attention, quant, rotation, v_layout
 from torch_kvq.attention.kernels import FlashInferKernel, KernelUnsupportedError
 from torch_kvq.attention.kernels import capabilities as caps
 from torch_kvq.attention.kernels.kv_write_per_token_head import write_kv_per_token_head
@@ -34,9 +34,9 @@ def fake_quant(x: torch.Tensor) -> torch.Tensor:
     """quant.py's round trip of the chosen format (the study's ``int4-rot-mse``), in fp32:
     rotate, MSE-clipped asymmetric int4, dequantize, un-rotate."""
     packed, stored = quant.quantize_int4_per_token_head(
-        quant.rotate(x), clip_ratios=quant.INT4_CLIP_RATIOS
+        rotation.rotate(x), clip_ratios=quant.INT4_CLIP_RATIOS
     )
-    return quant.unrotate(quant.dequantize_int4_per_token_head(packed, stored))
+    return rotation.unrotate(quant.dequantize_int4_per_token_head(packed, stored))
 
 
 @pytest.fixture
@@ -78,13 +78,15 @@ def test_write_then_read_is_the_fake_quant_round_trip(setup) -> None:
     pages, offs = slots // 4, slots % 4
     assert torch.equal(kv[pages, 0, offs], fake_quant(k))
     assert torch.equal(kv[pages, 1, offs], fake_quant(v))
-    kc, ks = quant.quantize_int4_per_token_head(quant.rotate(k), clip_ratios=quant.INT4_CLIP_RATIOS)
+    kc, ks = quant.quantize_int4_per_token_head(
+        rotation.rotate(k), clip_ratios=quant.INT4_CLIP_RATIOS
+    )
     assert torch.equal(a.kv_cache[pages, 0, offs], kc)
     assert torch.equal(a.kv_scale[pages, 0, :, offs], ks)
     # even channel in the low nibble, zero point in the scale's low bits
     codes = torch.stack((kc & 0xF, kc >> 4), -1).flatten(-2)
     scale, zp = quant.split_scale(ks)
-    want = quant.unrotate((codes.float() - zp.unsqueeze(-1)) * scale.unsqueeze(-1))
+    want = rotation.unrotate((codes.float() - zp.unsqueeze(-1)) * scale.unsqueeze(-1))
     assert torch.equal(kv[pages, 0, offs], want)
     # close to k: the rotated int4 error, far below k's scale
     assert (kv[pages, 0, offs] - k.float()).abs().max() < 0.5 * k.float().abs().max()
@@ -202,7 +204,7 @@ def test_odd_head_size_is_refused() -> None:
         resolve_layer_specs(KVCacheConfig(MODE), [AttentionLayerInfo("x", 4, 2, 15)])
     # a non-power-of-two even head size is served (the rotation works in blocks of 32 at D 96)
     (spec,) = resolve_layer_specs(KVCacheConfig(MODE), [AttentionLayerInfo("y", 4, 2, 96)])
-    assert spec.code_dim == 48 and quant.hadamard_block(96) == 32
+    assert spec.code_dim == 48 and rotation.hadamard_block(96) == 32
 
 
 def test_torch_quant_form_is_refused() -> None:

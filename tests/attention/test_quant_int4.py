@@ -7,36 +7,38 @@ from __future__ import annotations
 import pytest
 import torch
 
-from torch_kvq.attention import quant
+from torch_kvq.attention import quant, rotation
 
 
 @pytest.mark.parametrize("d,block", [(64, 64), (128, 128), (256, 256), (96, 32), (80, 16), (7, 1)])
 def test_rotation_is_orthogonal_blockwise_and_undone(d: int, block: int) -> None:
-    assert quant.hadamard_block(d) == block
+    assert rotation.hadamard_block(d) == block
     x = torch.randn(5, 3, d, generator=torch.Generator().manual_seed(d))
-    y = quant.rotate(x)
-    torch.testing.assert_close(quant.unrotate(y), x, rtol=0, atol=1e-5)
+    y = rotation.rotate(x)
+    torch.testing.assert_close(rotation.unrotate(y), x, rtol=0, atol=1e-5)
     torch.testing.assert_close(y.norm(dim=-1), x.norm(dim=-1), rtol=1e-5, atol=0)
     q = torch.randn(5, 3, d)
-    torch.testing.assert_close((quant.rotate(q) * y).sum(-1), (q * x).sum(-1), rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(
+        (rotation.rotate(q) * y).sum(-1), (q * x).sum(-1), rtol=1e-4, atol=1e-4
+    )
     # blockwise: a vector zero outside one block stays zero outside it
     e = torch.zeros(d)
     e[:block] = torch.randn(block)
-    assert quant.rotate(e)[block:].abs().max() == 0 if d > block else True
+    assert rotation.rotate(e)[block:].abs().max() == 0 if d > block else True
 
 
 def test_rotation_spreads_an_outlier_channel() -> None:
     """The reason for the rotation: one large channel becomes D values of equal magnitude."""
     x = torch.zeros(128)
     x[5] = 64.0
-    y = quant.rotate(x)
+    y = rotation.rotate(x)
     torch.testing.assert_close(y.abs(), torch.full((128,), 64.0 / 128**0.5))
 
 
 def test_signs_are_fixed_per_head_size() -> None:
-    a, b = quant.hadamard_signs(128), quant.hadamard_signs(128)
+    a, b = rotation.hadamard_signs(128), rotation.hadamard_signs(128)
     assert torch.equal(a, b) and set(a.tolist()) == {-1.0, 1.0}
-    assert not torch.equal(quant.hadamard_signs(64), quant.hadamard_signs(128)[:64])
+    assert not torch.equal(rotation.hadamard_signs(64), rotation.hadamard_signs(128)[:64])
 
 
 def test_asymmetric_codes_pack_two_per_byte_with_the_zero_point_in_the_scale() -> None:

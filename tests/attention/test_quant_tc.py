@@ -10,7 +10,7 @@ import kv_transform_coding as tc
 import pytest
 import torch
 
-from torch_kvq.attention import quant
+from torch_kvq.attention import quant, rotation
 from torch_kvq.attention import quant_tc as q
 from torch_kvq.attention.v_layout import v_positions
 
@@ -145,7 +145,9 @@ def test_v_round_trip_is_per_half_rotate_quant_unrotate(d: int) -> None:
     assert codes.shape == (6, 2, d // 2) and aux.shape == (6, 2, 6 + d // 16)
     h = d // 2
     ref = [
-        quant.unrotate(q.dequantize_group(*q.quantize_group(quant.rotate(v[..., s : s + h]), b)))
+        rotation.unrotate(
+            q.dequantize_group(*q.quantize_group(rotation.rotate(v[..., s : s + h]), b))
+        )
         for s, b in ((0, 5), (h, 4))
     ]
     out = q.dequantize_v(codes, aux)
@@ -160,8 +162,8 @@ def test_v_row_and_aux_hold_the_codes_where_the_format_says() -> None:
     codes, aux = q.quantize_v(v)
     for i in range(2):
         for h in range(3):
-            c1, s1, z1 = q.quantize_group(quant.rotate(v[i, h, : d // 2]), 5)
-            c2, s2, z2 = q.quantize_group(quant.rotate(v[i, h, d // 2 :]), 4)
+            c1, s1, z1 = q.quantize_group(rotation.rotate(v[i, h, : d // 2]), 5)
+            c2, s2, z2 = q.quantize_group(rotation.rotate(v[i, h, d // 2 :]), 4)
             row, r = codes[i, h], aux[i, h]
             # byte j: half 1's channel j (low nibble: its low 4 bits) and half 2's (high)
             lo, h2 = _bits(row, 0, d // 2, 4, d)[0::2], _bits(row, 0, d // 2, 4, d)[1::2]

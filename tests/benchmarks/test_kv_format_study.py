@@ -9,7 +9,7 @@ import kv_formats as kf
 import pytest
 import torch
 
-from torch_kvq.attention import quant
+from torch_kvq.attention import rotation
 
 
 @pytest.fixture(autouse=True)
@@ -34,7 +34,7 @@ def test_uniform_four_bits_is_the_modes_math() -> None:
 def test_lloyd_max_rows_take_sixteen_levels_of_one_scale() -> None:
     lv = kf.LEVELS[16]
     assert lv.shape == (16,) and torch.allclose(lv, -lv.flip(0)) and 2.7 < float(lv[-1]) < 2.8
-    y = kf.nf_fake(quant.rotate(_rows()), 16)  # [64, 2, 64] rotated rows through nf4
+    y = kf.nf_fake(rotation.rotate(_rows()), 16)  # [64, 2, 64] rotated rows through nf4
     for row in y.reshape(-1, 64)[:8]:
         assert 2 <= row.unique().numel() <= 16
         scale = row.abs().max() / lv[-1]  # the largest magnitude sits on a level times the scale

@@ -10,7 +10,7 @@ import kv_transform_coding as tc
 import pytest
 import torch
 
-from torch_kvq.attention import quant
+from torch_kvq.attention import rotation
 
 
 @pytest.fixture(autouse=True)
@@ -52,7 +52,7 @@ def test_one_group_in_the_identity_basis_is_the_rotated_uniform_math() -> None:
     eye = torch.eye(64).expand(2, 64, 64).contiguous()
     tc.BASES[("tc", 0)] = (eye, eye)
     got = tc.alloc_fake(k, "tc4", 0, kf.uniform_fake)
-    want = quant.unrotate(kf.uniform_fake(quant.rotate(k), 15))
+    want = rotation.unrotate(kf.uniform_fake(rotation.rotate(k), 15))
     assert torch.equal(got, want)
     assert kf.fake_quant(k, "tc4:0").equal(want)
 
@@ -108,7 +108,7 @@ def test_water_fill_spends_the_mean_and_favours_large_sigma() -> None:
 
 def test_half_scales_are_fp16_values_and_cost_little() -> None:
     _, k = _keys(64)
-    y = quant.rotate(k)
+    y = rotation.rotate(k)
     out = kf.uniform_fake(y, 15, half_scale=True)
     for row in out.reshape(-1, 64)[:8]:
         step = row.unique().diff().min()  # one code step: the row's scale
@@ -129,11 +129,13 @@ def test_v_in_its_own_channel_order_needs_no_calibration() -> None:
     _, v = _keys(64)
     assert tc.split_format("tcvih54") == ("tcvih", "54") and tc.split_format("tcvi4")[0] == "tcvi"
     assert not tc.BASES  # nothing calibrated
-    want = quant.unrotate(kf.uniform_fake(quant.rotate(v), 15))
+    want = rotation.unrotate(kf.uniform_fake(rotation.rotate(v), 15))
     assert torch.equal(tc.alloc_fake(v, "tcvi4", 0, kf.uniform_fake), want)
     # two runs of channels, 5 and 4 bits, each its own Hadamard and scale
     got = tc.alloc_fake(v, "tcvi54", 0, kf.uniform_fake)
     for half, levels in ((slice(0, 32), 31), (slice(32, 64), 15)):
         x = v[..., half]
-        assert torch.equal(got[..., half], quant.unrotate(kf.uniform_fake(quant.rotate(x), levels)))
+        assert torch.equal(
+            got[..., half], rotation.unrotate(kf.uniform_fake(rotation.rotate(x), levels))
+        )
     assert (got - v).square().mean() < (want - v).square().mean()

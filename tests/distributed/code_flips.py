@@ -12,7 +12,8 @@ from __future__ import annotations
 
 import torch
 
-from torch_kvq.attention.quant import k8v4_k_codes, rotate, split_scale
+from torch_kvq.attention.quant import k8v4_k_codes, split_scale
+from torch_kvq.attention.rotation import rotate
 from torch_kvq.spec_modes import KVQuantMode
 
 E4M3_VALUES = torch.unique(

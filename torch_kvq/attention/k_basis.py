@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import torch
 
-from torch_kvq.attention import quant, quant_tc
+from torch_kvq.attention import quant_tc, rotation
 from torch_kvq.spec_channels import KBasis
 
 
@@ -121,13 +121,13 @@ def sorted_basis(m: torch.Tensor, ck: torch.Tensor) -> torch.Tensor:
 
 
 def group_rotation(d: int) -> torch.Tensor:
-    """R [D, D] float64: block-diagonal, ``quant.rotate`` of each of K's groups
+    """R [D, D] float64: block-diagonal, ``rotation.rotate`` of each of K's groups
     (``quant_tc.K_PLAN``) on its own channels."""
     r = torch.zeros(d, d, dtype=torch.float64)
     for start, stop, _ in quant_tc.group_bounds(d, quant_tc.K_PLAN):
         n = stop - start
         # rotate acts on rows: rotate(I)[i] = R e_i, so R = rotate(I)^T
-        r[start:stop, start:stop] = quant.rotate(torch.eye(n)).double().T
+        r[start:stop, start:stop] = rotation.rotate(torch.eye(n)).double().T
     return r
 
 

@@ -42,8 +42,8 @@ class Attention(nn.Module):
 
     ``int4_per_token_head``: ``kv_cache`` is uint8 [pages, 2, page, KH, D / 2] (two codes per
     byte), ``kv_scale`` holds each scale with its zero point in the low mantissa bits. The write
-    rotates k and v (``quant.rotate``) and quantizes them; the read dequantizes and un-rotates
-    (``quant.unrotate``), so attention sees k and v in the model's basis and q is not rotated.
+    rotates k and v (``rotation.rotate``) and quantizes them; the read dequantizes and un-rotates
+    (``rotation.unrotate``), so attention sees k and v in the model's basis and q is not rotated.
     That equals rotating q and k (scores unchanged, the rotation is orthogonal) and un-rotating
     the output (attention is linear in v) in exact arithmetic; the fused kernels will do that
     instead, to skip the per-key un-rotation. Such a layer takes ``quant_form="op"`` only.

@@ -41,6 +41,7 @@ from typing import Literal
 
 import torch
 
+from torch_kvq.attention.rotation import rotate, unrotate
 from torch_kvq.attention.v_layout import v_from_cache, v_to_cache
 from torch_kvq.spec_modes import FP8_DTYPE
 
@@ -163,12 +164,7 @@ def quantize_pages_per_token_head(x: torch.Tensor, fmt: str) -> tuple[torch.Tens
 
 # -- 4-bit per (token, head), with a Hadamard rotation (issue 33: ``INT4_PER_TOKEN_HEAD``) --------
 #
-# Rotation: ``R = H_b diag(signs) / sqrt(b)`` on each block of b channels of a head vector, b the
-# largest power of two dividing D (D itself for 64 / 128 / 256; 32 for 96; an odd D gets b = 1:
-# only the signs), H_b the Walsh-Hadamard matrix, signs a fixed +-1 vector per D (seeded, so a
-# cache written by one process is read by another). R is orthogonal: q . k = (R q) . (R k), and
-# attention over R v gives R (its output), undone by R^T. In fp32: signs, then the butterfly
-# (log2 b stages of a + b, a - b), then times fp32(b ** -0.5). Codes: per head vector,
+# Rotation: ``rotation.rotate`` (the rotation module), before the codes. Codes: per head vector,
 # asymmetric over a range that holds zero (lo = min(min, 0), hi = max(max, 0), as torch.ao's
 # observers; without it a head of equal values would have no range), ``scale = max((hi - lo) *
 # fp32(1 / 15), 1e-6)`` (its 4 low bits then cleared), ``zp = clamp(round(-lo / scale), 0,
@@ -179,48 +175,6 @@ def quantize_pages_per_token_head(x: torch.Tensor, fmt: str) -> tuple[torch.Tens
 # cleared. Two codes per byte: the even channel in the low nibble.
 
 INT4_LEVELS = 15
-HADAMARD_SEED = 20261202
-
-
-def hadamard_block(d: int) -> int:
-    """The block size of the rotation of a head of ``d`` channels: the largest power of two
-    dividing ``d`` (1 for odd ``d``: then the rotation is only the signs)."""
-    if d <= 0:
-        raise ValueError(f"head size must be positive, got {d}")
-    return d & -d
-
-
-def hadamard_signs(d: int, device: torch.device | str = "cpu") -> torch.Tensor:
-    """The fixed +-1 fp32 vector [d] of the rotation of ``d``-channel heads (seeded by ``d``)."""
-    g = torch.Generator().manual_seed(HADAMARD_SEED + d)
-    return (torch.randint(0, 2, (d,), generator=g) * 2 - 1).float().to(device)
-
-
-def _walsh_hadamard(x: torch.Tensor, b: int) -> torch.Tensor:
-    """Unnormalized Walsh-Hadamard transform of each block of ``b`` channels of x [..., D] (fp32)."""
-    shape = x.shape
-    y = x.reshape(-1, shape[-1] // b, b)
-    h = 1
-    while h < b:
-        y = y.view(y.shape[0], y.shape[1], b // (2 * h), 2, h)
-        y = torch.stack((y[..., 0, :] + y[..., 1, :], y[..., 0, :] - y[..., 1, :]), dim=-2)
-        y = y.reshape(y.shape[0], y.shape[1], b)
-        h *= 2
-    return y.reshape(shape)
-
-
-def rotate(x: torch.Tensor) -> torch.Tensor:
-    """``R x`` over the last dim, in fp32 (the module's rotation for ``x.shape[-1]`` channels)."""
-    d = x.shape[-1]
-    b = hadamard_block(d)
-    return _walsh_hadamard(x.float() * hadamard_signs(d, x.device), b) * b**-0.5
-
-
-def unrotate(y: torch.Tensor) -> torch.Tensor:
-    """``R^T y`` over the last dim, in fp32: ``unrotate(rotate(x)) == x`` up to fp32 rounding."""
-    d = y.shape[-1]
-    b = hadamard_block(d)
-    return _walsh_hadamard(y.float(), b) * b**-0.5 * hadamard_signs(d, y.device)
 
 
 def _with_zero_point(scale: torch.Tensor, zp: torch.Tensor) -> torch.Tensor:

@@ -8,7 +8,7 @@ scale and a zero-point byte per group (``quantize_group``):
 - K arrives already in a calibrated basis (its coordinates sorted by weight, the group Hadamards
   folded in; done elsewhere), so here it is just a vector y [..., D]: ``K_PLAN``, y[:D/4] at 6
   bits, y[D/4:D/2] at 4 bits, y[D/2:] at 3 bits. No rotation here.
-- V: ``V_PLAN``, each channel half rotated on its own (``quant.rotate`` over D/2 channels), the
+- V: ``V_PLAN``, each channel half rotated on its own (``rotation.rotate`` over D/2 channels), the
   first at 5 bits, the second at 4; dequantization un-rotates each half.
 
 Bytes per (token, kv head): K D/2 codes + 9 aux (3 fp16 scales, 3 zero points); V D/2 codes +
@@ -37,7 +37,7 @@ from __future__ import annotations
 
 import torch
 
-from torch_kvq.attention import quant
+from torch_kvq.attention import quant, rotation
 from torch_kvq.attention.v_layout import v_from_cache, v_to_cache
 from torch_kvq.spec_modes import tc4_aux_width
 
@@ -261,7 +261,7 @@ def quantize_v(v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     d = v.shape[-1]
     check_head_size(d)
     (c1, s1, z1), (c2, s2, z2) = (
-        quantize_group(quant.rotate(v[..., s:e]), bits) for s, e, bits in group_bounds(d, V_PLAN)
+        quantize_group(rotation.rotate(v[..., s:e]), bits) for s, e, bits in group_bounds(d, V_PLAN)
     )
     row = (c1 & 15) | (c2 << 4)
     aux = (_scales_bytes([s1, s2]), torch.stack((z1, z2), -1), pack_fifth_bits(c1 >> 4))
@@ -277,7 +277,7 @@ def dequantize_v(codes: torch.Tensor, aux_v: torch.Tensor) -> torch.Tensor:
     c2 = codes >> 4
     scales, zps = _bytes_scales(aux_v[..., :4]), aux_v[..., 4:6]
     halves = [
-        quant.unrotate(dequantize_group(c, scales[..., i], zps[..., i]))
+        rotation.unrotate(dequantize_group(c, scales[..., i], zps[..., i]))
         for i, c in enumerate((c1, c2))
     ]
     return torch.cat(halves, -1)

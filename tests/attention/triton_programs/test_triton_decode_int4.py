@@ -20,7 +20,7 @@ from tests.support.triton_case import HAS_CUDA, LENS, ScaledCase, dense_table, r
 triton = pytest.importorskip("triton")  # after triton_case, which sets the interpreter first
 tl = triton.language
 
-from torch_kvq.attention import quant  # noqa: E402
+from torch_kvq.attention import rotation  # noqa: E402
 from torch_kvq.attention.triton import decode_config  # noqa: E402
 from torch_kvq.attention.triton.int4 import (  # noqa: E402
     rotation_matrices,
@@ -78,17 +78,17 @@ def _case(lens, qh, kh, d, page=16, device="cpu", seed=0, **gain) -> ScaledCase:
 
 def test_rotation_matrices_rotate_and_unrotate() -> None:
     """Host operands: the last D values are the rotation's signs (``rotate_q``'s butterfly), and U
-    (rows in V's column order, even then odd) applied to ``quant.rotate(q)``'s even and odd
+    (rows in V's column order, even then odd) applied to ``rotation.rotate(q)``'s even and odd
     channels gives q back."""
     from torch_kvq.attention.triton.int4 import v_columns
 
     for d in (32, 64, 128, 256):
         ops = rotation_matrices(d, torch.device("cpu")).float()
         u, signs = ops[: d * d].view(d, d), ops[d * d :]
-        assert torch.equal(signs, quant.hadamard_signs(d).float())
+        assert torch.equal(signs, rotation.hadamard_signs(d).float())
         assert set(u.unique().tolist()) == {-1.0, 1.0}
         q = torch.randn(5, d, dtype=torch.float64)
-        rq = quant.rotate(q.float()).double()
+        rq = rotation.rotate(q.float()).double()
         perm = v_columns(d)
         halves = torch.cat((rq[:, 0::2][:, perm], rq[:, 1::2][:, perm]), 1)
         assert torch.allclose(halves @ u.double() * d**-0.5, q, atol=1e-5)

@@ -14,11 +14,8 @@ import functools
 import torch
 
 from torch_kvq.attention.kernels.launch import next_pow2, triton_program
-from torch_kvq.attention.quant import (
-    dequantize_pages_per_token_head,
-    hadamard_block,
-    hadamard_signs,
-)
+from torch_kvq.attention.quant import dequantize_pages_per_token_head
+from torch_kvq.attention.rotation import hadamard_block, hadamard_signs
 
 ROW_ELEMENTS = 4096  # values of one program (rows of a page's k or v times the head size)
 

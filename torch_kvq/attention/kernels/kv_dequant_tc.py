@@ -11,7 +11,7 @@ import torch
 
 from torch_kvq.attention import quant_tc
 from torch_kvq.attention.kernels.launch import next_pow2, triton_program
-from torch_kvq.attention.quant import hadamard_block, hadamard_signs
+from torch_kvq.attention.rotation import hadamard_block, hadamard_signs
 
 ROW_ELEMENTS = 4096  # values of one program (rows of a page's k or v times the head size)
 HEAD_SIZES = (64, 128, 256)  # the pass's tiles are powers of two

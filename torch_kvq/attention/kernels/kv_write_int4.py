@@ -24,13 +24,8 @@ import torch
 
 from torch_kvq.attention.kernels.base import KernelUnsupportedError
 from torch_kvq.attention.kernels.launch import f32, next_pow2
-from torch_kvq.attention.quant import (
-    INT4_CLIP_RATIOS,
-    INT4_LEVELS,
-    SCALE_FLOOR,
-    hadamard_block,
-    hadamard_signs,
-)
+from torch_kvq.attention.quant import INT4_CLIP_RATIOS, INT4_LEVELS, SCALE_FLOOR
+from torch_kvq.attention.rotation import hadamard_block, hadamard_signs
 from torch_kvq.attention.triton.decode_config import sm_count
 
 # (token, kv head) rows of k (and of v) per program: one a thread (the program holds its rows
@@ -52,7 +47,7 @@ def rows_first_warps(block_d: int) -> int:
 
 @functools.cache
 def rotation_signs(d: int, device: torch.device) -> torch.Tensor:
-    """``quant.hadamard_signs(d)`` on ``device``, made once per (d, device)."""
+    """``rotation.hadamard_signs(d)`` on ``device``, made once per (d, device)."""
     return hadamard_signs(d, device)
 
 

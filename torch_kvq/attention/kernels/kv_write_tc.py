@@ -23,7 +23,8 @@ from torch_kvq.attention.kernels.kv_write_int4 import (
     rotation_signs,
 )
 from torch_kvq.attention.kernels.launch import f32, next_pow2, triton_program
-from torch_kvq.attention.quant import INT4_CLIP_RATIOS, SCALE_FLOOR, hadamard_block
+from torch_kvq.attention.quant import INT4_CLIP_RATIOS, SCALE_FLOOR
+from torch_kvq.attention.rotation import hadamard_block
 from torch_kvq.attention.v_layout import v_positions
 
 TRITON_HEAD_SIZES = (64, 128, 256)  # the program's groups are tl.arange tiles: powers of two

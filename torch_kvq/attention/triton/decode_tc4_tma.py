@@ -42,7 +42,7 @@ import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from torch_kvq.attention import quant_tc
-from torch_kvq.attention.quant import _walsh_hadamard, hadamard_block, hadamard_signs
+from torch_kvq.attention.rotation import hadamard_block, hadamard_signs, walsh_hadamard
 from torch_kvq.attention.triton.decode_config import default_num_splits, sm_count
 from torch_kvq.attention.triton.fold_logits import (
     fold,
@@ -91,12 +91,12 @@ def step_tokens(d: int, page: int) -> int:
 def rotation_matrices(d: int, device: torch.device) -> torch.Tensor:
     """[D * D + D] fp16 (cached per (D, device)), ``int4.rotation_matrices``' form for tc4's v:
     U [D, D] +-1, ``(R1^T y1, R2^T y2) * sqrt(b) = u @ U`` for u = (half 1's accumulator, half
-    2's), each in ``v_columns`` order (R: ``quant.rotate`` over D / 2 channels, b its block);
+    2's), each in ``v_columns`` order (R: ``rotation.rotate`` over D / 2 channels, b its block);
     then D zeros (no q rotation)."""
     key = (d, torch.device(device))
     if key not in _ROTATIONS:
         n = d // 2
-        a = _walsh_hadamard(torch.eye(n), hadamard_block(n)) * hadamard_signs(n)
+        a = walsh_hadamard(torch.eye(n), hadamard_block(n)) * hadamard_signs(n)
         a = a[v_columns(d)]
         u = torch.zeros(d, d)
         u[:n, :n], u[n:, n:] = a, a

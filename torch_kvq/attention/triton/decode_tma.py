@@ -39,7 +39,7 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from torch_kvq.attention.quant import hadamard_block
+from torch_kvq.attention.rotation import hadamard_block
 from torch_kvq.attention.triton.decode_config import (
     balanced_registers,
     cache_kind,

@@ -1,5 +1,5 @@
 """The Walsh-Hadamard butterfly in registers, shared by the int4 cache write (``kv_write``) and the
-scratch dequantization (``kv_dequant``): ``quant._walsh_hadamard``'s fp32 additions in its order,
+scratch dequantization (``kv_dequant``): ``rotation.walsh_hadamard``'s fp32 additions in its order,
 so a Triton program's rotation equals the aten one bit for bit. Imports Triton."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import triton.language as tl
 def hadamard_stage(x, N: tl.constexpr, R: tl.constexpr, H: tl.constexpr):
     """One Walsh-Hadamard stage on x [N, R] (channels first, one row a column): in each group of
     2H channels, with a the first H and c the second, (a, c) -> (a + c, a - c)
-    (``quant._walsh_hadamard``'s order and operations)."""
+    (``rotation.walsh_hadamard``'s order and operations)."""
     y = tl.permute(tl.reshape(x, [N // (2 * H), 2, H, R]), [0, 2, 3, 1])
     a, c = tl.split(y)  # [N / 2H, H, R] each
     y = tl.permute(tl.join(a + c, a - c), [0, 3, 1, 2])

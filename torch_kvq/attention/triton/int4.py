@@ -49,7 +49,7 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from torch_kvq.attention.quant import _walsh_hadamard, hadamard_block, hadamard_signs
+from torch_kvq.attention.rotation import hadamard_block, hadamard_signs, walsh_hadamard
 from torch_kvq.attention.triton.hadamard import hadamard_stage
 from torch_kvq.attention.triton.helpers import _LOG2E, INTERPRET
 
@@ -78,7 +78,7 @@ def rotation_matrices(d: int, device: torch.device) -> torch.Tensor:
     if key not in _OPERANDS:
         b = hadamard_block(d)
         signs = hadamard_signs(d)
-        a = _walsh_hadamard(torch.eye(d), b) * signs  # row j: s * H e_j, the coefficients of y_j
+        a = walsh_hadamard(torch.eye(d), b) * signs  # row j: s * H e_j, the coefficients of y_j
         perm = v_columns(d)
         u = torch.cat((a[2 * perm], a[2 * perm + 1]), 0)
         _OPERANDS[key] = torch.cat((u.flatten(), signs)).to(torch.float16).to(device).contiguous()

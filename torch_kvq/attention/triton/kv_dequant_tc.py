@@ -45,7 +45,7 @@ def _zp(block, t, ok, PAGE: tl.constexpr, BYTE: tl.constexpr):
 @triton.jit
 def _half(c, zp, scale, signs_ptr, inv_sqrt_b, C: tl.constexpr, ROWS: tl.constexpr,
           LOG2C: tl.constexpr):  # fmt: skip
-    """A v half's codes [C, ROWS] (channels first) -> ``quant.unrotate((c - zp) * scale)``."""
+    """A v half's codes [C, ROWS] (channels first) -> ``rotation.unrotate((c - zp) * scale)``."""
     y = (c.to(tl.float32) - zp[None, :]) * scale[None, :]
     y = walsh_hadamard(y, C, ROWS, LOG2C) * inv_sqrt_b
     return y * tl.load(signs_ptr + tl.arange(0, C))[:, None]

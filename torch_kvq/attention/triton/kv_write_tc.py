@@ -80,7 +80,7 @@ def _store_scale(block, offset, page_size, s, z, SCALE: tl.constexpr, ZP: tl.con
 
 @triton.jit
 def _rotated(src, sd, sign_ptr, H: tl.constexpr, LOG2B: tl.constexpr, RSQRT_B: tl.constexpr):
-    """A half of v (H channels at ``src``, stride ``sd``) rotated as ``quant.rotate`` does over H
+    """A half of v (H channels at ``src``, stride ``sd``) rotated as ``rotation.rotate`` does over H
     channels: the signs, the butterfly, times fp32 b^-1/2."""
     c = tl.arange(0, H)
     x = tl.load(src + c * sd).to(tl.float32) * tl.load(sign_ptr + c)
