@@ -16,7 +16,8 @@ import torch
 from torch_kvq.attention import PageAllocator, ReferenceKernel, forward_context
 from torch_kvq.attention.kernels import FlashInferKernel
 from torch_kvq.attention.kernels import capabilities as caps
-from torch_kvq.attention.kernels.flashinfer import batch_pages_as, check_kv_scale
+from torch_kvq.attention.kernels.flashinfer_support import check_kv_scale
+from torch_kvq.attention.kernels.kv_dequant import batch_pages_as
 from torch_kvq.attention.quant import dequantize_pages_per_token_head
 from torch_kvq.spec import LayerKVSpec
 from torch_kvq.spec_modes import FP8_DTYPE, KVQuantMode

@@ -15,7 +15,8 @@ the fp32 semantics are the reference kernel's.
 
 What a configuration serves (archs, q dtypes, head sizes, XQA's page sizes and soft-cap) is the
 capability table's row for its ``name`` on the GPU's arch (kernels/capabilities.py): the
-``check_supported`` here and the fusion passes read that one table.
+``check_supported`` here and the fusion passes read that one table (``flashinfer_support`` adds
+the limits of the kernels behind a row).
 
 Shapes: q [T, QH, D] in the layer's model dtype; cache [pages, 2, page_size, KH, D] (NHD);
 output [T, QH, D] in the model dtype, or float8_e4m3fn (``out / output_scale``) on XQA decode.
@@ -30,13 +31,13 @@ that shape (``DecodeGraphRunner``).
 
 from __future__ import annotations
 
-import importlib.util
 import itertools
 from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 
 from torch_kvq.attention.kernels import capabilities as caps
+from torch_kvq.attention.kernels import flashinfer_support as support
 from torch_kvq.attention.kernels import flashinfer_xqa as xqa
 from torch_kvq.attention.kernels.base import KernelUnsupportedError
 from torch_kvq.attention.kernels.flashinfer_fa3_fp8 import quantize_query
@@ -46,7 +47,7 @@ from torch_kvq.attention.kernels.flashinfer_plan import (
     HostIndptrs,
     plan_wrapper,
 )
-from torch_kvq.attention.kernels.kv_dequant import dequantize_pages
+from torch_kvq.attention.kernels.kv_dequant import batch_pages_as, dequantize_pages
 from torch_kvq.attention.kernels.kv_dequant_tc import dequantize_pages_tc
 from torch_kvq.attention.metadata import GraphShape
 from torch_kvq.spec import LayerKVSpec
@@ -177,54 +178,12 @@ class FlashInferKernel:
         return caps.device_arch(self._device or torch.device("cuda"))
 
     def _find_unsupported_reason(self, spec: LayerKVSpec) -> str | None:
-        """The capability table's answer (kernels/capabilities.py) for this configuration's name
-        on this GPU's arch; an arch without a row is refused, naming the archs that have one."""
+        """The capability table's answer, and this configuration's own limits (flashinfer_support)."""
         if not torch.cuda.is_available():
             return "FlashInfer needs a CUDA GPU and torch.cuda.is_available() is False"
-        arch = self.arch()
-        try:
-            why = caps.unsupported_reason(self.name, arch, spec)
-        except ValueError as e:  # no row for this arch
-            return str(e)
-        if (
-            why is None
-            and self.prefill == "fa3_fp8"
-            and spec.is_quantized
-            and spec.logits_soft_cap
-            and self.phases == "any"
-        ):
-            return (
-                "a logit soft-cap is not supported by fa3's FP8 prefill kernel (prefill='fa3_fp8'); "
-                "FlashInferKernel(prefill='fa3') serves it (FP8 layers on fa2)"
-            )
-        if why is None and spec.mode.transform_coded and spec.logits_soft_cap:
-            return (
-                "a logit soft-cap is not supported by the tc4 decode program (triton/decode_tc4_tma.py); "
-                "the reference kernel serves such a layer"
-            )
-        if why is None and spec.mode.transform_coded and spec.page_size not in (16, 32, 64):
-            return (
-                f"pages of {spec.page_size} tokens are not supported by the tc4 decode program "
-                "(triton/decode_tc4_tma.py: 16, 32 or 64); the reference kernel serves such a layer"
-            )
-        triton = self.fp8_decode == "triton" and spec.is_quantized
-        codes = spec.mode.per_token_head or spec.mode.transform_coded
-        if why is None and (triton or codes):
-            if importlib.util.find_spec("triton") is None:
-                what = f"a {spec.mode.value} layer" if codes else "fp8_decode='triton'"
-                return f"{what} needs Triton (pip install triton), which is not installed"
-        if why is None and self.prefill != "fa2" and arch != "sm90":
-            return (
-                f"prefill={self.prefill!r} runs FlashInfer's fa3 kernels, which are built for sm90 "
-                f"only, and this GPU is {arch}; FlashInferKernel(prefill='fa2') serves it"
-            )
-        if why is None:
-            return None
-        if self.fp8_decode != "tensor_cores" and spec.is_quantized:
-            plain = self.name.replace(f"-{self.fp8_decode}", "")
-            if caps.unsupported_reason(plain, arch, spec) is None:
-                why += f"; FlashInferKernel(fp8_decode='tensor_cores', phases={self.phases!r}) serves it"
-        return f"{why} (capability row {self.name!r} on {arch})"
+        return support.unsupported_reason(
+            self.name, self.arch(), spec, self.prefill, self.phases, self.fp8_decode
+        )
 
     def fp8_output_supported(self, spec: LayerKVSpec) -> bool:
         """True if the capability table says this kernel configuration writes FP8 output for
@@ -368,7 +327,7 @@ class FlashInferKernel:
         (``k_scale`` / ``v_scale`` then 1.0); None for every other cache. A float32 cache of a
         quantized layer (the unfused form's dequantized pages) is cast to the model dtype on the
         batch's pages first: FlashInfer reads no fp32 cache."""
-        check_kv_scale(spec, kv_cache, kv_scale, k_scale, v_scale)
+        support.check_kv_scale(spec, kv_cache, kv_scale, k_scale, v_scale)
         if spec.is_quantized and kv_cache.dtype == torch.float32 != spec.model_dtype:
             kv_cache = batch_pages_as(kv_cache, ctx.metadata_for(spec).kv_indices, spec.model_dtype)
         plan = ctx.plans.get((id(self), spec.name, kv_cache.dtype))
@@ -450,41 +409,3 @@ class FlashInferKernel:
             )
         q = q.to(key.q_dtype)  # fp16 math (fp8_decode_math), else a no-op
         return plan.wrapper.run(q, kv_cache, k_scale=k_scale, v_scale=v_scale, out=out)
-
-
-def check_kv_scale(
-    spec: LayerKVSpec,
-    kv_cache: torch.Tensor,
-    kv_scale: torch.Tensor | None,
-    k_scale: float,
-    v_scale: float,
-) -> None:
-    """A per-(token, head) layer's codes come with their ``kv_scale`` and per-tensor scales of
-    1.0; every other cache without one (ValueError naming the layer)."""
-    coded = spec.mode.per_token_head or spec.mode.transform_coded
-    codes = coded and kv_cache.dtype == spec.storage_dtype
-    if codes and kv_scale is None:
-        raise ValueError(
-            f"layer {spec.name!r} ({spec.mode.value}): its {kv_cache.dtype} codes need their "
-            "per-(token, head) scales, but kv_scale is None"
-        )
-    if codes and (k_scale != 1.0 or v_scale != 1.0):
-        raise ValueError(
-            f"layer {spec.name!r} ({spec.mode.value}): k_scale={k_scale!r}, v_scale={v_scale!r}; "
-            "its scales are per (token, head) (kv_scale), so the per-tensor ones must be 1.0"
-        )
-    if not codes and kv_scale is not None:
-        raise ValueError(
-            f"layer {spec.name!r} ({spec.mode.value}): kv_scale given with a {kv_cache.dtype} "
-            f"cache; only a per-(token, head) layer's codes ({spec.storage_dtype}) have one"
-        )
-
-
-def batch_pages_as(
-    kv_cache: torch.Tensor, page_ids: torch.Tensor, dtype: torch.dtype
-) -> torch.Tensor:
-    """A cache of ``dtype`` whose pages ``page_ids`` are ``kv_cache``'s cast to it; the others are
-    left unset (the batch never reads them), so the cost follows the batch, not the pool."""
-    out = torch.empty(kv_cache.shape, dtype=dtype, device=kv_cache.device)
-    ids = page_ids.long()
-    return out.index_copy_(0, ids, kv_cache.index_select(0, ids).to(dtype))

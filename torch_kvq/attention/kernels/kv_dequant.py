@@ -5,6 +5,9 @@ dtype, the cache FlashInfer's prefill reads for such a layer (``kernels/flashinf
 and scales in, model-dtype rows out, int4 un-rotated on the way; a ``k8v4_per_token_head``
 cache, 3 slots, in two launches: k's int8 codes, v's int4 ones); elsewhere the aten form,
 ``quant.dequantize_pages_per_token_head``, which the Triton pass equals bit for bit.
+
+``batch_pages_as``: a batch's pages of a cache cast to another dtype (the unfused form's fp32
+pages to the model dtype FlashInfer reads), the others left unset.
 """
 
 from __future__ import annotations
@@ -74,6 +77,16 @@ def dequantize_pages_triton(
             SLOTS=slots, KV0=kv0, SPLIT_K=k8v4 and not is_int4, num_warps=4,
         )  # fmt: skip
     return out
+
+
+def batch_pages_as(
+    kv_cache: torch.Tensor, page_ids: torch.Tensor, dtype: torch.dtype
+) -> torch.Tensor:
+    """A cache of ``dtype`` whose pages ``page_ids`` are ``kv_cache``'s cast to it; the others are
+    left unset (the batch never reads them), so the cost follows the batch, not the pool."""
+    out = torch.empty(kv_cache.shape, dtype=dtype, device=kv_cache.device)
+    ids = page_ids.long()
+    return out.index_copy_(0, ids, kv_cache.index_select(0, ids).to(dtype))
 
 
 @functools.cache
