@@ -55,6 +55,11 @@ class KVQuantMode(enum.Enum):
         return self is KVQuantMode.TC4_PER_TOKEN_HEAD
 
     @property
+    def has_kv_scale(self) -> bool:
+        """Codes that come with a ``kv_scale`` buffer: ``per_token_head`` or ``transform_coded``."""
+        return self.per_token_head or self.transform_coded
+
+    @property
     def codes_per_byte(self) -> int:
         """2 for the modes with 4-bit codes (``INT4_PER_TOKEN_HEAD``; ``K8V4_PER_TOKEN_HEAD``'s v;
         ``TC4_PER_TOKEN_HEAD``, D / 2 bytes a row for k and for v), 1 for every other mode; a

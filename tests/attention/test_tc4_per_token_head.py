@@ -58,6 +58,8 @@ def test_mode_spec_and_bytes() -> None:
     mode = KVQuantMode(MODE)
     assert mode.transform_coded and not mode.per_token_head and mode.code_dtype == torch.uint8
     assert (mode.cache_slots, mode.codes_per_byte) == (2, 2)
+    has_scale = [m.value for m in KVQuantMode if m.has_kv_scale]
+    assert has_scale == [m.value for m in KVQuantMode if m.per_token_head] + [MODE]
     info = AttentionLayerInfo("x", 8, 2, 128)
     (spec,) = resolve_layer_specs(
         KVCacheConfig(MODE, page_size=16, k_bases=(("x", k_basis(d=128)),)), [info]

@@ -64,7 +64,7 @@ class FuseDequantAttentionPass(KVQPass):
             args = op_args(node)
             deq = args["kv_cache"]
             mode = stamp.spec.mode
-            pth = mode.per_token_head or mode.transform_coded  # codes with a kv_scale buffer
+            pth = mode.has_kv_scale
             want = DEQUANTIZE_TC if mode.transform_coded else DEQUANTIZE_PTH if pth else DEQUANTIZE
             if not is_call(deq, want):
                 found = op_label(deq) if isinstance(deq, fx.Node) else repr(deq)

@@ -69,7 +69,7 @@ _TABLE: dict[str, dict[str, ArchRow]] = {
             frozenset(
                 (mode, q, fp8_out)
                 for mode, q, fp8_out in product(KVQuantMode, MODEL_DTYPES, (False, True))
-                if not (fp8_out and (mode.per_token_head or mode.transform_coded))
+                if not (fp8_out and mode.has_kv_scale)
             ),
             tensor_output_scale=True,
         )

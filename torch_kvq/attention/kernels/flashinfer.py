@@ -196,7 +196,7 @@ class FlashInferKernel:
         """Which FlashInfer kernel serves ``spec`` in ``phase`` ("prefill" | "decode") for a cache
         of ``kv_dtype`` (default: the layer's storage; the model dtype: the unfused form)."""
         kv_dtype = spec.storage_dtype if kv_dtype is None else kv_dtype
-        codes = spec.mode.per_token_head or spec.mode.transform_coded
+        codes = spec.mode.has_kv_scale
         if codes and kv_dtype == spec.storage_dtype:  # codes + kv_scale (tc4: its side rows)
             if phase == "decode":
                 return "triton-decode"

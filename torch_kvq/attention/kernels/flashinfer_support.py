@@ -56,7 +56,7 @@ def _kernel_limit(
             "(triton/decode_tc4_tma.py: 16, 32 or 64); the reference kernel serves such a layer"
         )
     triton = fp8_decode == "triton" and spec.is_quantized
-    codes = spec.mode.per_token_head or spec.mode.transform_coded
+    codes = spec.mode.has_kv_scale
     if (triton or codes) and importlib.util.find_spec("triton") is None:
         what = f"a {spec.mode.value} layer" if codes else "fp8_decode='triton'"
         return f"{what} needs Triton (pip install triton), which is not installed"
@@ -77,8 +77,7 @@ def check_kv_scale(
 ) -> None:
     """A per-(token, head) layer's codes come with their ``kv_scale`` and per-tensor scales of
     1.0; every other cache without one (ValueError naming the layer)."""
-    coded = spec.mode.per_token_head or spec.mode.transform_coded
-    codes = coded and kv_cache.dtype == spec.storage_dtype
+    codes = spec.mode.has_kv_scale and kv_cache.dtype == spec.storage_dtype
     if codes and kv_scale is None:
         raise ValueError(
             f"layer {spec.name!r} ({spec.mode.value}): its {kv_cache.dtype} codes need their "
