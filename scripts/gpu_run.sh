@@ -27,6 +27,10 @@
 #   KVQ_SCALE_ARGS="--models llama-3.1-8b" bash scripts/gpu_run.sh scale   # decode at real scale
 #   KVQ_TTFT_ARGS="--models llama-3.1-8b" bash scripts/gpu_run.sh ttft   # TTFT 8 x 16k per prefill option
 #   bash scripts/gpu_run.sh hostprof         # cProfile of a CUDA-graph decode step (not in the default)
+#   bash scripts/gpu_run.sh tc4              # tc4's decode per layer vs copy bandwidth: Llama head 128 at
+#                                            # 16k and 32k, Gemma-3's head 256 (KVQ_TC4_ARGS: both shapes' flags)
+#   bash scripts/gpu_run.sh copies           # the HF map test's model copies, every prefill attend compared
+#                                            # (scripts/hf_copies_diff.py; KVQ_COPIES_ARGS)
 #   bash scripts/gpu_run.sh cpusuite         # the CPU suite (README command) on this image's torch, GPU hidden
 #   KVQ_EVAL_ARGS="--model /tmp/models/gemma3.gguf --kernel flashinfer" bash scripts/gpu_run.sh eval
 #       # kvq eval on the GPU (docs/accuracy.md). The trained models' GGUFs are larger than one
@@ -137,6 +141,11 @@ for step in ${*:-tests attn xqa model}; do
     scale) python3 benchmarks/bench_decode_at_scale.py ${KVQ_SCALE_ARGS:-} 2>&1 | tee -a "$LOG" ;;
     ttft) python3 benchmarks/bench_prefill_at_scale.py ${KVQ_TTFT_ARGS:-} 2>&1 | tee -a "$LOG" ;;
     hostprof) python3 benchmarks/profile_graph_step.py ${KVQ_HOSTPROF_ARGS:-} 2>&1 | tee -a "$LOG" ;;
+    tc4) for shape in "llama --ctxs 16384 32768" gemma_global; do
+           python3 benchmarks/bench_decode_tc4.py $shape ${KVQ_TC4_ARGS:---page 32 --splits 4}
+         done 2>&1 | tee -a "$LOG" "$OUT/tc4_per_layer.txt" ;;
+    copies) python3 scripts/hf_copies_diff.py ${KVQ_COPIES_ARGS:-tc4_per_token_head --copies FTFZ --attend} \
+              2>&1 | grep -v -i warn | tee -a "$LOG" "$OUT/hf_copies.txt" ;;
     jitpack) jit=$(python3 -c "import flashinfer.jit.env as e; print(e.FLASHINFER_JIT_DIR)")
              rm -rf /tmp/jitpack && mkdir -p /tmp/jitpack/aot && stamp > /tmp/jitpack/STAMP
              for so in "$jit"/*/*.so /tmp/site/flashinfer/data/aot/*/*.so; do
@@ -155,7 +164,7 @@ for step in ${*:-tests attn xqa model}; do
     cmd) bash -c "$KVQ_CMD" 2>&1 | tee -a "$LOG" ;;  # any command after the set-up
     cpusuite) CUDA_VISIBLE_DEVICES= python3 -m pytest -q -m "not gpu and not slow" -p no:cacheprovider \
                 -n "${KVQ_CPU_WORKERS:-14}" -rfEs tests/ 2>&1 | tail -40 | tee "$OUT/cpu_suite_log.txt" ;;
-    *) echo "unknown step $step (expected tests, rest, attn, xqa, model, paths, writes, scale, ttft, hostprof, eval, cpusuite, cmd, jitpack)" | tee -a "$LOG"; status=2; continue ;;
+    *) echo "unknown step $step (expected tests, rest, attn, xqa, model, paths, writes, scale, ttft, hostprof, tc4, copies, eval, cpusuite, cmd, jitpack)" | tee -a "$LOG"; status=2; continue ;;
   esac
   rc=${PIPESTATUS[0]}
   echo "=== $step exit $rc $(date -u +%T)" | tee -a "$LOG"
