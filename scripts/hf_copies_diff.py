@@ -155,8 +155,8 @@ class AttendRecorder:
             "zero_ws_equal": zero_equal,
             "tables": [t.clone() for t in (md.qo_indptr, md.kv_indptr, md.kv_indices,
                                            md.kv_last_page_len)],
-            "pages": kv_cache[ids].view(torch.uint8).clone(),
-            "scales": None if kv_scale is None else kv_scale[ids].clone(),
+            "pages": kv_cache[ids].view(torch.uint8),  # indexing by a tensor copies already
+            "scales": None if kv_scale is None else kv_scale[ids],
         })  # fmt: skip
 
 
