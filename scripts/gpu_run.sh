@@ -31,6 +31,8 @@
 #                                            # 16k and 32k, Gemma-3's head 256 (KVQ_TC4_ARGS: both shapes' flags)
 #   bash scripts/gpu_run.sh copies           # the HF map test's model copies, every prefill attend compared
 #                                            # (scripts/hf_copies_diff.py; KVQ_COPIES_ARGS)
+#   bash scripts/gpu_run.sh runcopies        # the graph runner's map test's copies, per step and page
+#                                            # (scripts/runner_copies_diff.py; KVQ_RUNCOPIES_ARGS)
 #   bash scripts/gpu_run.sh cpusuite         # the CPU suite (README command) on this image's torch, GPU hidden
 #   KVQ_EVAL_ARGS="--model /tmp/models/gemma3.gguf --kernel flashinfer" bash scripts/gpu_run.sh eval
 #       # kvq eval on the GPU (docs/accuracy.md). The trained models' GGUFs are larger than one
@@ -146,6 +148,8 @@ for step in ${*:-tests attn xqa model}; do
          done 2>&1 | tee -a "$LOG" "$OUT/tc4_per_layer.txt" ;;
     copies) python3 scripts/hf_copies_diff.py ${KVQ_COPIES_ARGS:-tc4_per_token_head --copies FTFZ --attend} \
               2>&1 | grep -v -i warn | tee -a "$LOG" "$OUT/hf_copies.txt" ;;
+    runcopies) python3 scripts/runner_copies_diff.py ${KVQ_RUNCOPIES_ARGS:---attend} \
+                 2>&1 | grep -v -i warn | tee -a "$LOG" "$OUT/runner_copies.txt" ;;
     jitpack) jit=$(python3 -c "import flashinfer.jit.env as e; print(e.FLASHINFER_JIT_DIR)")
              rm -rf /tmp/jitpack && mkdir -p /tmp/jitpack/aot && stamp > /tmp/jitpack/STAMP
              for so in "$jit"/*/*.so /tmp/site/flashinfer/data/aot/*/*.so; do
@@ -164,7 +168,7 @@ for step in ${*:-tests attn xqa model}; do
     cmd) bash -c "$KVQ_CMD" 2>&1 | tee -a "$LOG" ;;  # any command after the set-up
     cpusuite) CUDA_VISIBLE_DEVICES= python3 -m pytest -q -m "not gpu and not slow" -p no:cacheprovider \
                 -n "${KVQ_CPU_WORKERS:-14}" -rfEs tests/ 2>&1 | tail -40 | tee "$OUT/cpu_suite_log.txt" ;;
-    *) echo "unknown step $step (expected tests, rest, attn, xqa, model, paths, writes, scale, ttft, hostprof, tc4, copies, eval, cpusuite, cmd, jitpack)" | tee -a "$LOG"; status=2; continue ;;
+    *) echo "unknown step $step (expected tests, rest, attn, xqa, model, paths, writes, scale, ttft, hostprof, tc4, copies, runcopies, eval, cpusuite, cmd, jitpack)" | tee -a "$LOG"; status=2; continue ;;
   esac
   rc=${PIPESTATUS[0]}
   echo "=== $step exit $rc $(date -u +%T)" | tee -a "$LOG"
