@@ -11,7 +11,9 @@ other in one process as pytest runs them, and prints, one JSON line per copy aft
 and on which pages (with the sequence that owns each), and per step which logits rows differ.
 
 ``--copies`` spells the copies: ``F`` an uncapturing runner, ``T`` a capturing one (the test is
-``FT``; ``FF`` tells whether capture matters at all). ``--reset`` resets Dynamo before each mode
+``FT``; ``FF`` tells whether capture matters at all), ``W`` as ``F`` but running a step twice
+more before it the first time its padded size comes, as ``T``'s two warm-ups do (is a step
+idempotent? Runs on the CPU too). ``--reset`` resets Dynamo before each mode
 (does the process's compile history matter? The first mode compiles its prefill for static
 shapes, the later ones for dynamic ones), ``--static`` compiles with ``dynamic=False``,
 ``--eager`` skips torch.compile, ``--attend`` adds ``hf_copies_diff.py``'s record of every
@@ -121,10 +123,18 @@ def run_copies(modes: list[str], device: str, letters: str, reset: bool = False,
                 res["calls"] = compare_calls(recorder.copies[0], recorder.copies[j])
             yield res
         gen = torch.Generator().manual_seed(1)
+        seen: dict[Any, set[int]] = {m: set() for m in models}
         for step, seqs in enumerate(SCHEDULE):
             ids = torch.randint(0, models[0].config.vocab_size, (len(seqs),), generator=gen)
-            outs = [r(ids.to(device), m.allocator.build_batch([(s, 1) for s in seqs], device="cpu"))
-                    for r, m in zip(runners, models)]  # fmt: skip
+            outs = []
+            for letter, r, m in zip(letters, runners, models):
+                md = m.allocator.build_batch([(s, 1) for s in seqs], device="cpu")
+                size = min(b for b in r.batch_sizes if b >= len(seqs))
+                if letter == "W" and size not in seen[m]:  # the warm-ups of a capture
+                    for _ in range(2):
+                        r(ids.to(device), md)
+                seen[m].add(size)
+                outs.append(r(ids.to(device), md))
             for j in range(1, len(models)):
                 rows = (outs[j] != outs[0]).any(-1).nonzero().flatten().tolist()
                 yield {
@@ -141,14 +151,14 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("modes", nargs="*", help=f"of {', '.join(MODES)} (default: all, in order)")
     ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
-    ap.add_argument("--copies", default="FT", help="letters F, T: see the docstring")
+    ap.add_argument("--copies", default="FT", help="letters F, T, W: see the docstring")
     ap.add_argument("--reset", action="store_true", help="torch._dynamo.reset() before each mode")
     ap.add_argument("--static", action="store_true", help="torch.compile(dynamic=False)")
     ap.add_argument("--eager", action="store_true", help="no torch.compile")
     ap.add_argument("--attend", action="store_true", help="record every prefill attention call")
     args = ap.parse_args()
-    if len(args.copies) < 2 or set(args.copies) - set("FT"):
-        ap.error(f"--copies {args.copies!r}: expected two or more of the letters F, T")
+    if len(args.copies) < 2 or set(args.copies) - set("FTW"):
+        ap.error(f"--copies {args.copies!r}: expected two or more of the letters F, T, W")
     if set(args.modes) - set(MODES):
         ap.error(f"modes {args.modes}: expected some of {', '.join(MODES)}")
     for res in run_copies(args.modes or list(MODES), args.device, args.copies, args.reset,
