@@ -10,7 +10,8 @@ attention layer's cache is equal bit for bit, the prefill logits and the tokens.
 ``--copies`` spells the copies, one letter each: ``P`` prefill only (one new token, no runner),
 ``F`` six tokens through an uncapturing ``DecodeGraphRunner`` (batch 4), ``T`` through a
 capturing one (the test is ``FT``), ``Z`` as ``F`` with every recorded call also re-run on a
-zeroed FlashInfer workspace (does the kernel read workspace bytes it did not write?).
+zeroed FlashInfer workspace (does the kernel read workspace bytes it did not write? needs
+``--attend``).
 ``--attend`` records every prefill attention call (the kernel's ``attend``): its q, output,
 batch tables (qo / kv indptr, page ids, last page lengths), the pages and scales it reads, its
 plan key, and a re-run on the spot; each call is compared with copy 0's, so the first layer whose
@@ -287,6 +288,8 @@ def main() -> None:
     args = ap.parse_args()
     if len(args.copies) < 2 or set(args.copies) - set("PFTZ"):
         ap.error(f"--copies {args.copies!r}: expected two or more of the letters P, F, T, Z")
+    if "Z" in args.copies and not args.attend:
+        ap.error(f"--copies {args.copies!r}: Z re-runs the recorded calls, so it needs --attend")
     if args.nan_empty:
         torch.use_deterministic_algorithms(True, warn_only=True)
         torch.utils.deterministic.fill_uninitialized_memory = True  # type: ignore[attr-defined]

@@ -39,8 +39,6 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-MODES = ("int4_per_token_head", "k8v4_per_token_head", "tc4_per_token_head")
-
 
 def _owners(model: Any, pages: list[int]) -> list[list[object]]:
     """[page, owning sequence (the runner's pad sequence included) or None] per page id."""
@@ -66,12 +64,12 @@ def cache_diff(first: Any, other: Any) -> dict[str, object]:
 
 def _build(mode: str, device: str, letter: str, backend: Any, eager: bool, static: bool):
     """One copy as the test builds it: model, compiled forward, runner (scratch page first)."""
+    from tests.attention.test_graph_runner import HEAD
     from tests.support.attention import k_basis
     from torch_kvq import KVCacheConfig
     from torch_kvq.attention.graph_runner import DecodeGraphRunner
     from torch_kvq.models import build_model
 
-    head = {"head_dim": 128, "query_pre_attn_scalar": 128}  # the test's HEAD
     bases = ((2, k_basis(2, 128, 2)), (5, k_basis(2, 128, 5))) if mode.startswith("tc4") else ()
     kv = KVCacheConfig("auto", layer_modes=(("full_attention", mode), (0, "int8_per_token_head")),
                        k_bases=bases, page_size=16)  # fmt: skip
@@ -81,7 +79,7 @@ def _build(mode: str, device: str, letter: str, backend: Any, eager: bool, stati
         from torch_kvq.attention.kernels.flashinfer_jit import prebuild
 
         kernel = FlashInferKernel()
-    m = build_model("gemma3-tiny", kv, num_pages=64, device=device, kernel=kernel, **head)
+    m = build_model("gemma3-tiny", kv, num_pages=64, device=device, kernel=kernel, **HEAD)
     if kernel is not None:
         prebuild(kernel, m.kv_specs)
     fn = m if eager else torch.compile(m, backend=backend, **({"dynamic": False} if static else {}))
@@ -123,17 +121,17 @@ def run_copies(modes: list[str], device: str, letters: str, reset: bool = False,
                 res["calls"] = compare_calls(recorder.copies[0], recorder.copies[j])
             yield res
         gen = torch.Generator().manual_seed(1)
-        seen: dict[Any, set[int]] = {m: set() for m in models}
+        seen: list[set[int]] = [set() for _ in models]  # padded sizes each copy has run
         for step, seqs in enumerate(SCHEDULE):
             ids = torch.randint(0, models[0].config.vocab_size, (len(seqs),), generator=gen)
             outs = []
-            for letter, r, m in zip(letters, runners, models):
+            for letter, r, m, sizes in zip(letters, runners, models, seen):
                 md = m.allocator.build_batch([(s, 1) for s in seqs], device="cpu")
                 size = min(b for b in r.batch_sizes if b >= len(seqs))
-                if letter == "W" and size not in seen[m]:  # the warm-ups of a capture
+                if letter == "W" and size not in sizes:  # the warm-ups of a capture
                     for _ in range(2):
                         r(ids.to(device), md)
-                seen[m].add(size)
+                sizes.add(size)
                 outs.append(r(ids.to(device), md))
             for j in range(1, len(models)):
                 rows = (outs[j] != outs[0]).any(-1).nonzero().flatten().tolist()
@@ -148,6 +146,8 @@ def run_copies(modes: list[str], device: str, letters: str, reset: bool = False,
 
 
 def main() -> None:
+    from tests.attention.test_graph_runner import GPU_MAP_MODES as MODES
+
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("modes", nargs="*", help=f"of {', '.join(MODES)} (default: all, in order)")
     ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
