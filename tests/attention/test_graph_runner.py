@@ -287,21 +287,16 @@ def test_captured_graphs_match_uncaptured_steps_on_flashinfer(fp8_decode):
 GPU_MAP_MODES = ["int4_per_token_head", "k8v4_per_token_head", "tc4_per_token_head"]
 
 
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-@pytest.mark.parametrize("mode", GPU_MAP_MODES)
-def test_captured_graphs_of_a_per_token_head_map_replay_the_uncaptured_steps(
-    mode, deterministic_inductor
-):
-    """Two identical models, compiled with kvq_backend on ``FlashInferKernel()``, prefilled through
-    the compiled graph (the fused write; prefill on the scratch), then the same decode schedule
-    through a capturing runner and through a ``capture=False`` one: the same padded batches,
-    buffers, plans and kernels, so the captured replays must give the uncaptured steps' logits
-    and caches bit for bit (every code and scale, the scratch page's included). The compiled
-    graphs fuse exactly the quantized layers (the Triton decode reads the cache in place), and
-    padding writes only the scratch page. Both compile in Inductor's deterministic mode (the
-    fixture), so they generate the same reduction orders on a busy GPU."""
-    import torch_kvq
+def _map_copies_replay(mode: str, compile_with=None) -> tuple[list, list]:
+    """Two identical gemma3-tiny copies of the per-(token, head) map (layer 0 int8 per (token,
+    head), the global layers 2 and 5 in ``mode``, the other sliding layers bf16) on
+    ``FlashInferKernel()`` (Triton decode reading the codes, prefill on the dequantized scratch),
+    run as ``torch.compile(m, backend=compile_with)`` or eager (None). Both prefill the same
+    prompts; then the same decode schedule runs through a ``capture=False`` runner and a
+    capturing one: the same padded batches, buffers, plans and kernels, so the captured replays
+    must give the uncaptured steps' logits and caches bit for bit (every code and scale, the
+    scratch page's included), and padding writes only the scratch page. Returns (models,
+    runners), the uncapturing copy first."""
     from torch_kvq.attention.kernels.flashinfer_jit import prebuild
 
     bases = ((2, k_basis(2, 128, 2)), (5, k_basis(2, 128, 5))) if "tc4" in mode else ()
@@ -311,13 +306,12 @@ def test_captured_graphs_of_a_per_token_head_map_replay_the_uncaptured_steps(
         k_bases=bases,
         page_size=16,
     )
-    backend = torch_kvq.make_kvq_backend()
     models, runners = [], []
     for capture in (False, True):
-        kernel = FlashInferKernel()  # per-(token, head) layers: Triton decode, scratch prefill
+        kernel = FlashInferKernel()
         m = build_model("gemma3-tiny", kv, num_pages=64, device="cuda", kernel=kernel, **HEAD)
         prebuild(kernel, m.kv_specs)
-        fn = torch.compile(m, backend=backend)
+        fn = m if compile_with is None else torch.compile(m, backend=compile_with)
         runners.append(DecodeGraphRunner(m, fn, batch_sizes=(2, 4), max_context=64,
                                          capture=capture))  # fmt: skip
         _prefill(m, PROMPTS, torch.Generator().manual_seed(0), fn)
@@ -337,6 +331,23 @@ def test_captured_graphs_of_a_per_token_head_map_replay_the_uncaptured_steps(
         assert torch.equal(b.kv_cache.view(torch.uint8), a.kv_cache.view(torch.uint8)), b.spec.name
         assert a.kv_scale is None or torch.equal(b.kv_scale, a.kv_scale), b.spec.name
     _assert_caches_match(uncaptured, graphed, runners[1].scratch_page, atol=0.0)
+    return models, runners
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("mode", GPU_MAP_MODES)
+def test_captured_graphs_of_a_per_token_head_map_replay_the_uncaptured_steps(
+    mode, deterministic_inductor
+):
+    """``_map_copies_replay`` compiled with kvq_backend: the compiled graphs fuse exactly the
+    quantized layers (the fused write; the Triton decode reads the cache in place). Both copies
+    compile in Inductor's deterministic mode (the fixture), so they generate the same reduction
+    orders on a busy GPU."""
+    import torch_kvq
+
+    backend = torch_kvq.make_kvq_backend()
+    models, _ = _map_copies_replay(mode, backend)
     quantized = {s.name for m in models for s in m.kv_specs if s.is_quantized}
     # every quantized layer of both models went through the passes (how many graphs that takes
     # depends on what this process compiled before: once an earlier compile of this forward has
@@ -348,3 +359,13 @@ def test_captured_graphs_of_a_per_token_head_map_replay_the_uncaptured_steps(
         assert len(want) == 3, (rep.summary(), want)
         assert set(rep.layers_fused("quant+write")) == want, rep.summary()
         assert set(rep.layers_fused("dequant+attn")) == want, rep.summary()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("mode", GPU_MAP_MODES)
+def test_captured_graphs_of_an_eager_per_token_head_map_replay_the_uncaptured_steps(mode):
+    """``_map_copies_replay`` without torch.compile (the runner's default ``fn``): the readable
+    eager ops (rotate, then quantize; the scratch prefill) run under capture, which needs every
+    constant they read (the rotation's signs) on the device before the capture begins."""
+    _map_copies_replay(mode)

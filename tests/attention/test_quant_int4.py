@@ -41,6 +41,19 @@ def test_signs_are_fixed_per_head_size() -> None:
     assert not torch.equal(rotation.hadamard_signs(64), rotation.hadamard_signs(128)[:64])
 
 
+def test_the_rotation_reads_its_signs_made_once_per_head_size_and_device() -> None:
+    """``rotate`` / ``unrotate`` run inside CUDA-graph captures (eager 4-bit writes), where a
+    host-to-device copy per call would raise: they read ``signs_on``'s one tensor per (d,
+    device), equal to ``hadamard_signs``."""
+    rotation.signs_on.cache_clear()
+    x = torch.randn(3, 2, 128)
+    for _ in range(3):
+        rotation.unrotate(rotation.rotate(x))
+    assert rotation.signs_on.cache_info().misses == 1
+    assert rotation.signs_on(128, x.device) is rotation.signs_on(128, torch.device("cpu"))
+    assert torch.equal(rotation.signs_on(128, x.device), rotation.hadamard_signs(128))
+
+
 def test_asymmetric_codes_pack_two_per_byte_with_the_zero_point_in_the_scale() -> None:
     x = torch.tensor([[-1.0, 0.0, 1.0, 2.0, 3.0, 4.0, 5.0, 14.0]])  # lo -1, hi 14: scale 1, zp 1
     packed, stored = quant.quantize_int4_per_token_head(x)

@@ -12,6 +12,8 @@ rotate before they quantize; the kernels reproduce these operations in this orde
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 HADAMARD_SEED = 20261202
@@ -31,6 +33,14 @@ def hadamard_signs(d: int, device: torch.device | str = "cpu") -> torch.Tensor:
     return (torch.randint(0, 2, (d,), generator=g) * 2 - 1).float().to(device)
 
 
+@functools.cache
+def signs_on(d: int, device: torch.device) -> torch.Tensor:
+    """``hadamard_signs(d, device)``, made once per (d, device) and shared (read-only): the eager
+    rotation and the kernels read it on every call, and a host-to-device copy per call cannot run
+    while a CUDA graph is being captured."""
+    return hadamard_signs(d, device)
+
+
 def walsh_hadamard(x: torch.Tensor, b: int) -> torch.Tensor:
     """Unnormalized Walsh-Hadamard transform of each block of ``b`` channels of x [..., D] (fp32)."""
     shape = x.shape
@@ -48,11 +58,11 @@ def rotate(x: torch.Tensor) -> torch.Tensor:
     """``R x`` over the last dim, in fp32 (the module's rotation for ``x.shape[-1]`` channels)."""
     d = x.shape[-1]
     b = hadamard_block(d)
-    return walsh_hadamard(x.float() * hadamard_signs(d, x.device), b) * b**-0.5
+    return walsh_hadamard(x.float() * signs_on(d, x.device), b) * b**-0.5
 
 
 def unrotate(y: torch.Tensor) -> torch.Tensor:
     """``R^T y`` over the last dim, in fp32: ``unrotate(rotate(x)) == x`` up to fp32 rounding."""
     d = y.shape[-1]
     b = hadamard_block(d)
-    return walsh_hadamard(y.float(), b) * b**-0.5 * hadamard_signs(d, y.device)
+    return walsh_hadamard(y.float(), b) * b**-0.5 * signs_on(d, y.device)

@@ -12,13 +12,11 @@ pages to the model dtype FlashInfer reads), the others left unset.
 
 from __future__ import annotations
 
-import functools
-
 import torch
 
 from torch_kvq.attention.kernels.launch import next_pow2, triton_program
 from torch_kvq.attention.quant import dequantize_pages_per_token_head
-from torch_kvq.attention.rotation import hadamard_block, hadamard_signs
+from torch_kvq.attention.rotation import hadamard_block, signs_on
 
 ROW_ELEMENTS = 4096  # values of one program (rows of a page's k or v times the head size)
 
@@ -64,7 +62,7 @@ def dequantize_pages_triton(
     if ids.numel() == 0:
         return out
     rows = max(1, min(next_pow2(page * kh), ROW_ELEMENTS // d))
-    signs = _signs(d, kv_cache.device) if int4 else kv_scale  # unused unless int4
+    signs = signs_on(d, kv_cache.device) if int4 else kv_scale  # unused unless int4
     kernel = triton_program(
         "kv_dequant", "kv_dequant_pages_kernel", "the CUDA scratch dequantization"
     )
@@ -87,8 +85,3 @@ def batch_pages_as(
     out = torch.empty(kv_cache.shape, dtype=dtype, device=kv_cache.device)
     ids = page_ids.long()
     return out.index_copy_(0, ids, kv_cache.index_select(0, ids).to(dtype))
-
-
-@functools.cache
-def _signs(d: int, device: torch.device) -> torch.Tensor:
-    return hadamard_signs(d, device)

@@ -5,13 +5,11 @@ on a CUDA cache one Triton pass (``attention/triton/kv_dequant_tc.py``), elsewhe
 
 from __future__ import annotations
 
-import functools
-
 import torch
 
 from torch_kvq.attention import quant_tc
 from torch_kvq.attention.kernels.launch import next_pow2, triton_program
-from torch_kvq.attention.rotation import hadamard_block, hadamard_signs
+from torch_kvq.attention.rotation import hadamard_block, signs_on
 
 ROW_ELEMENTS = 4096  # values of one program (rows of a page's k or v times the head size)
 HEAD_SIZES = (64, 128, 256)  # the pass's tiles are powers of two
@@ -59,13 +57,8 @@ def dequantize_pages_tc_triton(
         "kv_dequant_tc", "kv_dequant_tc_kernel", "the tc4 scratch dequantization"
     )
     kernel[(ids.numel(), 2, -(-(page * kh) // rows))](
-        kv_cache, kv_aux, ids, out, _signs(d // 2, kv_cache.device),
+        kv_cache, kv_aux, ids, out, signs_on(d // 2, kv_cache.device),
         float(hadamard_block(d // 2) ** -0.5), PAGE=page, KH=kh, D=d, ROWS=rows, AUX=aux,
         LOG2C=(d // 2).bit_length() - 1, num_warps=4,
     )  # fmt: skip
     return out
-
-
-@functools.cache
-def _signs(n: int, device: torch.device) -> torch.Tensor:
-    return hadamard_signs(n, device)

@@ -25,7 +25,7 @@ import torch
 from torch_kvq.attention.kernels.base import KernelUnsupportedError
 from torch_kvq.attention.kernels.launch import f32, next_pow2
 from torch_kvq.attention.quant import INT4_CLIP_RATIOS, INT4_LEVELS, SCALE_FLOOR
-from torch_kvq.attention.rotation import hadamard_block, hadamard_signs
+from torch_kvq.attention.rotation import hadamard_block, signs_on
 from torch_kvq.attention.triton.decode_config import sm_count
 
 # (token, kv head) rows of k (and of v) per program: one a thread (the program holds its rows
@@ -43,12 +43,6 @@ def rows_first_warps(block_d: int) -> int:
     one for rows of up to 128 channels, two above, as timed fastest on an H200
     (``benchmarks/sweep_kv_write_launch.py --int4``; numbers in docs/performance.md)."""
     return 1 if block_d <= 128 else 2
-
-
-@functools.cache
-def rotation_signs(d: int, device: torch.device) -> torch.Tensor:
-    """``rotation.hadamard_signs(d)`` on ``device``, made once per (d, device)."""
-    return hadamard_signs(d, device)
 
 
 @functools.cache
@@ -111,7 +105,7 @@ def launch_int4_write(
     rows_first = n_rows < INT4_ROWS_FIRST_BELOW * sms
     block_r = 1 if rows_first else INT4_ROWS  # a power of two
     return program[(-(-n_rows // block_r), sides)](
-        k, v, kv_cache, kv_scale, slot_mapping, rotation_signs(d, kv_cache.device),
+        k, v, kv_cache, kv_scale, slot_mapping, signs_on(d, kv_cache.device),
         clip_ratios(kv_cache.device), n_rows,
         *k.stride(), *v.stride(), *kv_cache.stride(), *kv_scale.stride(), kv_cache.shape[2],
         KH=kh, D=d, BLOCK_R=block_r, BLOCK_D=block_d, LOG2B=b.bit_length() - 1,

@@ -20,11 +20,10 @@ from torch_kvq.attention.kernels.kv_write import pages_and_offsets
 from torch_kvq.attention.kernels.kv_write_int4 import (
     clip_ratios,
     require_correct_reciprocal,
-    rotation_signs,
 )
 from torch_kvq.attention.kernels.launch import f32, next_pow2, triton_program
 from torch_kvq.attention.quant import INT4_CLIP_RATIOS, SCALE_FLOOR
-from torch_kvq.attention.rotation import hadamard_block
+from torch_kvq.attention.rotation import hadamard_block, signs_on
 from torch_kvq.attention.v_layout import v_positions
 
 TRITON_HEAD_SIZES = (64, 128, 256)  # the program's groups are tl.arange tiles: powers of two
@@ -109,7 +108,7 @@ def write_kv_tc_triton(
     program = triton_program("kv_write_tc", "kv_write_tc_kernel", "the tc4 cache write")
     b = hadamard_block(d // 2)
     program[(t * kh, 2)](
-        k, v, kv_cache, kv_scale, slot_mapping, rotation_signs(d // 2, kv_cache.device),
+        k, v, kv_cache, kv_scale, slot_mapping, signs_on(d // 2, kv_cache.device),
         clip_ratios(kv_cache.device), *k.stride(), *v.stride(), *kv_cache.stride(),
         kv_scale.stride(0), kv_scale.stride(1), page,
         KH=kh, D=d, LOG2B=b.bit_length() - 1, RSQRT_B=f32(b**-0.5), FLOOR=f32(SCALE_FLOOR),
