@@ -33,6 +33,11 @@
 #                                            # (scripts/hf_copies_diff.py; KVQ_COPIES_ARGS)
 #   bash scripts/gpu_run.sh runcopies        # the graph runner's map test's copies, per step and page
 #                                            # (scripts/runner_copies_diff.py; KVQ_RUNCOPIES_ARGS)
+#   bash scripts/gpu_run.sh diag             # in parallel, each to $OUT/diag_<name>.txt, within
+#                                            # KVQ_DIAG_TIMEOUT s (default 420): runner_copies_diff.py
+#                                            # (--attend; k8v4 FF; int4 k8v4 --reset / --static / FW),
+#                                            # capture_gemm_probe.py, the eager map capture tests
+#                                            # (and with KVQ_DIAG_HF=1 hf_copies_diff.py's tc4 FTFZ)
 #   bash scripts/gpu_run.sh cpusuite         # the CPU suite (README command) on this image's torch, GPU hidden
 #   KVQ_EVAL_ARGS="--model /tmp/models/gemma3.gguf --kernel flashinfer" bash scripts/gpu_run.sh eval
 #       # kvq eval on the GPU (docs/accuracy.md). The trained models' GGUFs are larger than one
@@ -150,6 +155,17 @@ for step in ${*:-tests attn xqa model}; do
               2>&1 | grep -v -i warn | tee -a "$LOG" "$OUT/hf_copies.txt" ;;
     runcopies) python3 scripts/runner_copies_diff.py ${KVQ_RUNCOPIES_ARGS:---attend} \
                  2>&1 | grep -v -i warn | tee -a "$LOG" "$OUT/runner_copies.txt" ;;
+    diag) diag() { local name=$1; shift
+                   timeout -s INT "${KVQ_DIAG_TIMEOUT:-420}" python3 "$@" 2>&1 | grep -v -i warn > "$OUT/diag_$name.txt"
+                   echo "rc ${PIPESTATUS[0]} $(date -u +%T)" >> "$OUT/diag_$name.txt"; }
+          m2="int4_per_token_head k8v4_per_token_head"
+          diag ft scripts/runner_copies_diff.py --attend & diag k8v4_ff scripts/runner_copies_diff.py k8v4_per_token_head --copies FF &
+          diag reset scripts/runner_copies_diff.py $m2 --reset & diag static scripts/runner_copies_diff.py $m2 --static &
+          diag fw scripts/runner_copies_diff.py $m2 --copies FW & diag gemm scripts/capture_gemm_probe.py &
+          diag eager -m pytest -m gpu -q -rfE -p no:cacheprovider tests/attention/test_graph_runner.py -k eager &
+          [ -n "${KVQ_DIAG_HF:-}" ] && diag hf scripts/hf_copies_diff.py tc4_per_token_head --copies FTFZ --attend &
+          wait
+          for f in "$OUT"/diag_*.txt; do echo "##### $f"; tail -c 1200 "$f"; done | tee -a "$LOG" ;;
     jitpack) jit=$(python3 -c "import flashinfer.jit.env as e; print(e.FLASHINFER_JIT_DIR)")
              rm -rf /tmp/jitpack && mkdir -p /tmp/jitpack/aot && stamp > /tmp/jitpack/STAMP
              for so in "$jit"/*/*.so /tmp/site/flashinfer/data/aot/*/*.so; do
@@ -168,7 +184,7 @@ for step in ${*:-tests attn xqa model}; do
     cmd) bash -c "$KVQ_CMD" 2>&1 | tee -a "$LOG" ;;  # any command after the set-up
     cpusuite) CUDA_VISIBLE_DEVICES= python3 -m pytest -q -m "not gpu and not slow" -p no:cacheprovider \
                 -n "${KVQ_CPU_WORKERS:-14}" -rfEs tests/ 2>&1 | tail -40 | tee "$OUT/cpu_suite_log.txt" ;;
-    *) echo "unknown step $step (expected tests, rest, attn, xqa, model, paths, writes, scale, ttft, hostprof, tc4, copies, runcopies, eval, cpusuite, cmd, jitpack)" | tee -a "$LOG"; status=2; continue ;;
+    *) echo "unknown step $step (expected tests, rest, attn, xqa, model, paths, writes, scale, ttft, hostprof, tc4, copies, runcopies, diag, eval, cpusuite, cmd, jitpack)" | tee -a "$LOG"; status=2; continue ;;
   esac
   rc=${PIPESTATUS[0]}
   echo "=== $step exit $rc $(date -u +%T)" | tee -a "$LOG"
