@@ -35,6 +35,8 @@ the fifth-bit bytes as rows [D/16, page] (``aux_to_cache``; a token's bytes: ``a
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from torch_kvq.attention import quant, rotation
@@ -156,14 +158,20 @@ def unpack_plane(packed: torch.Tensor, bits: int) -> torch.Tensor:
     return torch.stack(parts, -1).flatten(-2)
 
 
-def fifth_bit_positions(d: int) -> torch.Tensor:
+_CPU = torch.device("cpu")
+
+
+@functools.cache
+def fifth_bit_positions(d: int, device: torch.device = _CPU) -> torch.Tensor:
     """[D/2] int64: where V half 1's channel c has its fifth bit among a token's D/16 bytes, as 8 *
     byte + bit. With U = D/16 and c = g U + i (g < 8): where U is a multiple of 4 (D of 64, 128,
     256: every head size the decode takes) bit 4 (g % 2) + i % 4 of byte 4 (i // 4) + g // 2, so
     that one aux row at four consecutive tokens holds the 16 bits of one lane's MMA operand words
-    (``triton/tc4_aux.fifth_words``); else bit g of byte i."""
+    (``triton/tc4_aux.fifth_words``); else bit g of byte i. Made once per (d, ``device``) and
+    shared (read-only): the eager write runs inside CUDA-graph captures, where a host copy per call
+    cannot."""
     u = d // 16
-    c = torch.arange(d // 2)
+    c = torch.arange(d // 2, device=device)
     g, i = c // u, c % u
     if u % 4 == 0:
         return 8 * (4 * (i // 4) + g // 2) + 4 * (g % 2) + i % 4
@@ -173,13 +181,13 @@ def fifth_bit_positions(d: int) -> torch.Tensor:
 def pack_fifth_bits(bits: torch.Tensor) -> torch.Tensor:
     """V half 1's fifth bits [..., D/2] (0 / 1) -> D/16 bytes at ``fifth_bit_positions``."""
     placed = torch.empty_like(bits)
-    placed[..., fifth_bit_positions(2 * bits.shape[-1]).to(bits.device)] = bits
+    placed[..., fifth_bit_positions(2 * bits.shape[-1], bits.device)] = bits
     return pack_plane(placed, 1)
 
 
 def unpack_fifth_bits(packed: torch.Tensor) -> torch.Tensor:
     """``pack_fifth_bits``' inverse: D/16 bytes -> [..., D/2] bits (uint8)."""
-    pos = fifth_bit_positions(16 * packed.shape[-1]).to(packed.device)
+    pos = fifth_bit_positions(16 * packed.shape[-1], packed.device)
     return unpack_plane(packed, 1)[..., pos]
 
 

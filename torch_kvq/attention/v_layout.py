@@ -26,10 +26,12 @@ def v_layout_applies(w: int, page: int) -> bool:
 
 
 @functools.cache
-def _group_positions(w: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(row, column) [16, w] int64 within a 16-token group of the byte of token t, column c."""
-    t = torch.arange(V_GROUP)[:, None]
-    c = torch.arange(w)[None, :]
+def _group_positions(w: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(row, column) [16, w] int64 within a 16-token group of the byte of token t, column c; made
+    once per (w, ``device``): the eager writes run inside CUDA-graph captures, where a host copy
+    per call cannot."""
+    t = torch.arange(V_GROUP, device=device)[:, None]
+    c = torch.arange(w, device=device)[None, :]
     g, i = c // (w // 8), c % (w // 8)
     f = (i // 4) * 512 + g * 64 + (t // 4) * 16 + (i % 4) * 4 + t % 4
     return f // w, f % w
@@ -41,17 +43,18 @@ def v_positions(offsets: torch.Tensor, w: int, page: int) -> tuple[torch.Tensor,
     if not v_layout_applies(w, page):
         cols = torch.arange(w, device=offsets.device).expand(offsets.shape[0], w)
         return offsets[:, None].expand(-1, w), cols
-    rows, cols = (x.to(offsets.device) for x in _group_positions(w))
+    rows, cols = _group_positions(w, offsets.device)
     j = offsets % V_GROUP
     return (offsets - j)[:, None] + rows[j], cols[j]
 
 
 @functools.cache
-def _flat_index(page: int, w: int) -> torch.Tensor | None:
-    """Position (row * w + column) in a page's [page, w] bytes of each token-order byte, flat."""
+def _flat_index(page: int, w: int, device: torch.device) -> torch.Tensor | None:
+    """Position (row * w + column) in a page's [page, w] bytes of each token-order byte, flat, on
+    ``device`` (made once per key, as ``_group_positions``)."""
     if not v_layout_applies(w, page):
         return None
-    rows, cols = v_positions(torch.arange(page), w, page)
+    rows, cols = v_positions(torch.arange(page, device=device), w, page)
     return (rows * w + cols).flatten()
 
 
@@ -59,20 +62,20 @@ def v_to_cache(v: torch.Tensor) -> torch.Tensor:
     """4-bit v codes of whole pages [..., page, KH, W] a token a row -> as a cache holds them
     (``v_from_cache``'s inverse)."""
     *_, page, _, w = v.shape
-    idx = _flat_index(page, w)
+    idx = _flat_index(page, w, v.device)
     if idx is None:
         return v
     src = v.transpose(-3, -2).flatten(-2)  # [..., KH, page * W]
     out = torch.empty_like(src)
-    out[..., idx.to(v.device)] = src
+    out[..., idx] = src
     return out.unflatten(-1, (page, w)).transpose(-3, -2)
 
 
 def v_from_cache(stored: torch.Tensor) -> torch.Tensor:
     """A page's 4-bit v codes as a cache holds them [..., page, KH, W] -> a token a row."""
     *_, page, _, w = stored.shape
-    idx = _flat_index(page, w)
+    idx = _flat_index(page, w, stored.device)
     if idx is None:
         return stored
     src = stored.transpose(-3, -2).flatten(-2)
-    return src[..., idx.to(stored.device)].unflatten(-1, (page, w)).transpose(-3, -2)
+    return src[..., idx].unflatten(-1, (page, w)).transpose(-3, -2)
