@@ -169,13 +169,13 @@ def fifth_bit_positions(d: int, device: torch.device = _CPU) -> torch.Tensor:
     that one aux row at four consecutive tokens holds the 16 bits of one lane's MMA operand words
     (``triton/tc4_aux.fifth_words``); else bit g of byte i. Made once per (d, ``device``) and
     shared (read-only): the eager write runs inside CUDA-graph captures, where a host copy per call
-    cannot."""
+    cannot (built on the host and copied once, as ``v_layout``'s positions)."""
     u = d // 16
-    c = torch.arange(d // 2, device=device)
+    c = torch.arange(d // 2)
     g, i = c // u, c % u
     if u % 4 == 0:
-        return 8 * (4 * (i // 4) + g // 2) + 4 * (g % 2) + i % 4
-    return 8 * i + g
+        return (8 * (4 * (i // 4) + g // 2) + 4 * (g % 2) + i % 4).to(device)
+    return (8 * i + g).to(device)
 
 
 def pack_fifth_bits(bits: torch.Tensor) -> torch.Tensor:

@@ -29,12 +29,13 @@ def v_layout_applies(w: int, page: int) -> bool:
 def _group_positions(w: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     """(row, column) [16, w] int64 within a 16-token group of the byte of token t, column c; made
     once per (w, ``device``): the eager writes run inside CUDA-graph captures, where a host copy
-    per call cannot."""
-    t = torch.arange(V_GROUP, device=device)[:, None]
-    c = torch.arange(w, device=device)[None, :]
+    per call cannot. Built on the host and copied once, so a first call inside a capture raises
+    rather than caching a tensor the capture has not filled."""
+    t = torch.arange(V_GROUP)[:, None]
+    c = torch.arange(w)[None, :]
     g, i = c // (w // 8), c % (w // 8)
     f = (i // 4) * 512 + g * 64 + (t // 4) * 16 + (i % 4) * 4 + t % 4
-    return f // w, f % w
+    return (f // w).to(device), (f % w).to(device)
 
 
 def v_positions(offsets: torch.Tensor, w: int, page: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -54,8 +55,8 @@ def _flat_index(page: int, w: int, device: torch.device) -> torch.Tensor | None:
     ``device`` (made once per key, as ``_group_positions``)."""
     if not v_layout_applies(w, page):
         return None
-    rows, cols = v_positions(torch.arange(page, device=device), w, page)
-    return (rows * w + cols).flatten()
+    rows, cols = v_positions(torch.arange(page), w, page)
+    return (rows * w + cols).flatten().to(device)
 
 
 def v_to_cache(v: torch.Tensor) -> torch.Tensor:
