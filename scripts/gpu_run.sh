@@ -34,10 +34,10 @@
 #   bash scripts/gpu_run.sh runcopies        # the graph runner's map test's copies, per step and page
 #                                            # (scripts/runner_copies_diff.py; KVQ_RUNCOPIES_ARGS)
 #   bash scripts/gpu_run.sh diag             # in parallel, each to $OUT/diag_<name>.txt, within
-#                                            # KVQ_DIAG_TIMEOUT s (default 420): runner_copies_diff.py
-#                                            # (--attend; k8v4 FF; int4 k8v4 --reset / --static / FW),
-#                                            # capture_gemm_probe.py, the eager map capture tests
-#                                            # (and with KVQ_DIAG_HF=1 hf_copies_diff.py's tc4 FTFZ)
+#                                            # KVQ_DIAG_TIMEOUT s (default 420): the eager map capture
+#                                            # tests; runner_copies_diff.py FF --trace: int4 eager and
+#                                            # compiled, each also --poison; tc4 compiled (and with
+#                                            # KVQ_DIAG_HF=1 hf_copies_diff.py's tc4 FTFZ)
 #   bash scripts/gpu_run.sh cpusuite         # the CPU suite (README command) on this image's torch, GPU hidden
 #   KVQ_EVAL_ARGS="--model /tmp/models/gemma3.gguf --kernel flashinfer" bash scripts/gpu_run.sh eval
 #       # kvq eval on the GPU (docs/accuracy.md). The trained models' GGUFs are larger than one
@@ -158,10 +158,10 @@ for step in ${*:-tests attn xqa model}; do
     diag) diag() { local name=$1; shift
                    timeout -s INT "${KVQ_DIAG_TIMEOUT:-420}" python3 "$@" 2>&1 | grep -v -i warn > "$OUT/diag_$name.txt"
                    echo "rc ${PIPESTATUS[0]} $(date -u +%T)" >> "$OUT/diag_$name.txt"; }
-          m2="int4_per_token_head k8v4_per_token_head"
-          diag ft scripts/runner_copies_diff.py --attend & diag k8v4_ff scripts/runner_copies_diff.py k8v4_per_token_head --copies FF &
-          diag reset scripts/runner_copies_diff.py $m2 --reset & diag static scripts/runner_copies_diff.py $m2 --static &
-          diag fw scripts/runner_copies_diff.py $m2 --copies FW & diag gemm scripts/capture_gemm_probe.py &
+          rcd="scripts/runner_copies_diff.py --copies FF --trace"
+          diag int4_eager $rcd int4_per_token_head --eager & diag int4_eager_poison $rcd int4_per_token_head --eager --poison &
+          diag int4 $rcd int4_per_token_head & diag int4_poison $rcd int4_per_token_head --poison &
+          diag tc4 $rcd tc4_per_token_head &
           diag eager -m pytest -m gpu -q -rfE -p no:cacheprovider tests/attention/test_graph_runner.py -k eager &
           [ -n "${KVQ_DIAG_HF:-}" ] && diag hf scripts/hf_copies_diff.py tc4_per_token_head --copies FTFZ --attend &
           wait

@@ -17,11 +17,16 @@ idempotent? Runs on the CPU too). ``--reset`` resets Dynamo before each mode
 (does the process's compile history matter? The first mode compiles its prefill for static
 shapes, the later ones for dynamic ones), ``--static`` compiles with ``dynamic=False``,
 ``--eager`` skips torch.compile, ``--attend`` adds ``hf_copies_diff.py``'s record of every
-prefill attention call (q, output, tables, pages read) compared per call.
+prefill attention call (q, output, tables, pages read) compared per call. ``--trace`` keeps every
+submodule's prefill output (forward hooks; under torch.compile Dynamo traces them into the graph)
+and prints the first that differ from copy 0's, with their rows. ``--poison`` fills the CUDA
+caching allocator's free blocks with 0xFF bytes (NaN in every float dtype) before each copy is
+built: a kernel that reads memory it never wrote then gives NaN (or differs between copies).
 
     python3 scripts/runner_copies_diff.py                    # the GPU test's three modes, FT
     python3 scripts/runner_copies_diff.py k8v4_per_token_head --reset --copies FF
     python3 scripts/runner_copies_diff.py int4_per_token_head --device cpu --copies FF --eager
+    python3 scripts/runner_copies_diff.py int4_per_token_head --copies FF --eager --trace --poison
 """
 
 from __future__ import annotations
@@ -62,6 +67,62 @@ def cache_diff(first: Any, other: Any) -> dict[str, object]:
     return out
 
 
+class Tracer:
+    """Forward hooks on every submodule of each copy: (module name, output clone) per call while
+    ``on``, one list per copy."""
+
+    def __init__(self) -> None:
+        self.copies: list[list[tuple[str, torch.Tensor]]] = []
+        self.on = False
+
+    def hook(self, model: torch.nn.Module) -> None:
+        self.copies.append([])
+        calls = self.copies[-1]
+        for name, mod in model.named_modules():
+            if name:
+                mod.register_forward_hook(self._keep(name, calls))
+
+    def _keep(self, name: str, calls: list[tuple[str, torch.Tensor]]) -> Any:
+        def keep(mod: Any, args: Any, out: Any) -> None:
+            x = out[0] if isinstance(out, tuple) else out
+            if self.on and isinstance(x, torch.Tensor):
+                calls.append((name, x.detach().clone()))
+
+        return keep
+
+    def first_differences(self, j: int, limit: int = 8) -> list[dict[str, object]]:
+        """Copy ``j``'s first ``limit`` outputs that differ from copy 0's (bits, NaN counted)."""
+        rows: list[dict[str, object]] = []
+        for (name, x), (_, y) in zip(self.copies[0], self.copies[j]):
+            same = x.shape == y.shape and torch.equal(_bits(x), _bits(y))
+            if same or len(rows) >= limit:
+                continue
+            row: dict[str, object] = {"module": name, "shape": list(y.shape),
+                                      "nan": [int(x.isnan().sum()), int(y.isnan().sum())]}  # fmt: skip
+            if x.shape == y.shape and x.dim() > 0:
+                d = (x != y).flatten(1).any(-1) if x.dim() > 1 else x != y
+                row["rows"] = d.nonzero().flatten()[:12].tolist()
+                row["max_abs"] = float((x.float() - y.float()).abs().nan_to_num(-1).max())
+            rows.append(row)
+        if len(self.copies[0]) != len(self.copies[j]):
+            rows.append({"calls": [len(self.copies[0]), len(self.copies[j])]})
+        return rows
+
+
+def _bits(x: torch.Tensor) -> torch.Tensor:
+    return x.contiguous().view(-1).view(torch.uint8)
+
+
+def poison(device: str) -> None:
+    """Fill the caching allocator's free blocks (small and large pools) with 0xFF bytes."""
+    if device != "cuda":
+        return
+    held = [torch.full((n,), 255, dtype=torch.uint8, device=device)
+            for n, k in ((1 << 18, 400), (8 << 20, 24), (64 << 20, 4)) for _ in range(k)]  # fmt: skip
+    torch.cuda.synchronize()
+    del held
+
+
 def _build(mode: str, device: str, letter: str, backend: Any, eager: bool, static: bool):
     """One copy as the test builds it: model, compiled forward, runner (scratch page first)."""
     from tests.attention.test_graph_runner import HEAD
@@ -89,7 +150,7 @@ def _build(mode: str, device: str, letter: str, backend: Any, eager: bool, stati
 
 def run_copies(modes: list[str], device: str, letters: str, reset: bool = False,
                static: bool = False, eager: bool = False, attend: bool = False,
-               ) -> Iterator[dict[str, object]]:  # fmt: skip
+               trace: bool = False, poisoned: bool = False) -> Iterator[dict[str, object]]:  # fmt: skip
     """Per mode, the copies ``letters`` spells, built and prefilled one after the other, then the
     test's schedule: one result per (point, copy after the first), each against copy 0."""
     from hf_copies_diff import AttendRecorder, compare_calls
@@ -100,6 +161,7 @@ def run_copies(modes: list[str], device: str, letters: str, reset: bool = False,
     if "T" in letters and device != "cuda":
         raise ValueError(f"copies {letters!r}: T (a capturing runner) needs --device cuda")
     recorder = AttendRecorder()
+    tracer = Tracer()
     for mode in modes:
         if reset:
             torch._dynamo.reset()
@@ -108,10 +170,17 @@ def run_copies(modes: list[str], device: str, letters: str, reset: bool = False,
         patched = recorder.patched() if attend else contextlib.nullcontext()
         with torch._inductor.config.patch(deterministic=True), patched:
             recorder.copies.clear()
+            tracer.copies.clear()
             for letter in letters:
                 recorder.copies.append([])
+                if poisoned:
+                    poison(device)
                 m, fn, runner = _build(mode, device, letter, backend, eager, static)
+                if trace:
+                    tracer.hook(m)
+                tracer.on = trace
                 _prefill(m, PROMPTS, torch.Generator().manual_seed(0), fn)
+                tracer.on = False
                 models.append(m)
                 runners.append(runner)
         for j in range(1, len(models)):
@@ -119,6 +188,9 @@ def run_copies(modes: list[str], device: str, letters: str, reset: bool = False,
                                       "point": "prefill", "caches": cache_diff(models[0], models[j])}  # fmt: skip
             if attend:
                 res["calls"] = compare_calls(recorder.copies[0], recorder.copies[j])
+            if trace:
+                res["trace"] = tracer.first_differences(j)
+                res["traced"] = [len(tracer.copies[0]), len(tracer.copies[j])]
             yield res
         gen = torch.Generator().manual_seed(1)
         seen: list[set[int]] = [set() for _ in models]  # padded sizes each copy has run
@@ -156,13 +228,15 @@ def main() -> None:
     ap.add_argument("--static", action="store_true", help="torch.compile(dynamic=False)")
     ap.add_argument("--eager", action="store_true", help="no torch.compile")
     ap.add_argument("--attend", action="store_true", help="record every prefill attention call")
+    ap.add_argument("--trace", action="store_true", help="every submodule's prefill output")
+    ap.add_argument("--poison", action="store_true", help="0xFF the allocator's free blocks first")
     args = ap.parse_args()
     if len(args.copies) < 2 or set(args.copies) - set("FTW"):
         ap.error(f"--copies {args.copies!r}: expected two or more of the letters F, T, W")
     if set(args.modes) - set(MODES):
         ap.error(f"modes {args.modes}: expected some of {', '.join(MODES)}")
     for res in run_copies(args.modes or list(MODES), args.device, args.copies, args.reset,
-                          args.static, args.eager, args.attend):  # fmt: skip
+                          args.static, args.eager, args.attend, args.trace, args.poison):  # fmt: skip
         print(json.dumps(res))
         sys.stdout.flush()
 
