@@ -208,6 +208,7 @@ def run_copies(mode: str, device: str, letters: str, eager: bool = False, dirty:
     """The copies ``letters`` spells, one after the other as the test builds them; one result
     per copy after the first, each against copy 0."""
     from tests.support.attention import k_basis
+    from tests.support.passes import DETERMINISTIC
     from torch_kvq import KVCacheConfig
     from torch_kvq.attention.graph_runner import DecodeGraphRunner
     from torch_kvq.integrations.transformers import KVQCausalLM
@@ -223,11 +224,11 @@ def run_copies(mode: str, device: str, letters: str, eager: bool = False, dirty:
     hf = gemma3_shaped(device)
     g = torch.Generator().manual_seed(1)
     prompts = [torch.randint(3, 512, (n,), generator=g).tolist() for n in PROMPT_LENS]
-    backend = make_kvq_backend()
+    backend = make_kvq_backend(config_patches=DETERMINISTIC)
     recorder = AttendRecorder()
     lms, runs = [], []
     torch._dynamo.reset()
-    with torch._inductor.config.patch(deterministic=True), recorder.patched():
+    with recorder.patched():
         for i, letter in enumerate(letters):
             if dirty:
                 _dirty()

@@ -22,6 +22,10 @@ submodule's prefill output (forward hooks; under torch.compile Dynamo traces the
 and prints the first that differ from copy 0's, with their rows. ``--poison`` fills the CUDA
 caching allocator's free blocks with 0xFF bytes (NaN in every float dtype) before each copy is
 built: a kernel that reads memory it never wrote then gives NaN (or differs between copies).
+Every compile is in Inductor's deterministic mode, given to the backend (``DETERMINISTIC``, as
+the test does); ``--global-patch`` sets it process-wide instead, as the test did before the
+fiftieth session: it then holds for the first compile only (Dynamo resets it after its first
+trace), and the copies part.
 
     python3 scripts/runner_copies_diff.py                    # the GPU test's three modes, FT
     python3 scripts/runner_copies_diff.py k8v4_per_token_head --reset --copies FF
@@ -150,12 +154,14 @@ def _build(mode: str, device: str, letter: str, backend: Any, eager: bool, stati
 
 def run_copies(modes: list[str], device: str, letters: str, reset: bool = False,
                static: bool = False, eager: bool = False, attend: bool = False,
-               trace: bool = False, poisoned: bool = False) -> Iterator[dict[str, object]]:  # fmt: skip
+               trace: bool = False, poisoned: bool = False, global_patch: bool = False,
+               ) -> Iterator[dict[str, object]]:  # fmt: skip
     """Per mode, the copies ``letters`` spells, built and prefilled one after the other, then the
     test's schedule: one result per (point, copy after the first), each against copy 0."""
     from hf_copies_diff import AttendRecorder, compare_calls
 
     from tests.attention.test_graph_runner import PROMPTS, SCHEDULE, _prefill
+    from tests.support.passes import DETERMINISTIC
     from torch_kvq.passes import make_kvq_backend
 
     if "T" in letters and device != "cuda":
@@ -165,10 +171,13 @@ def run_copies(modes: list[str], device: str, letters: str, reset: bool = False,
     for mode in modes:
         if reset:
             torch._dynamo.reset()
-        backend = make_kvq_backend()
+        backend = make_kvq_backend(config_patches={} if global_patch else DETERMINISTIC)
         models, runners = [], []
         patched = recorder.patched() if attend else contextlib.nullcontext()
-        with torch._inductor.config.patch(deterministic=True), patched:
+        glob = contextlib.nullcontext()
+        if global_patch:
+            glob = torch._inductor.config.patch(deterministic=True)  # type: ignore[assignment]
+        with glob, patched:
             recorder.copies.clear()
             tracer.copies.clear()
             for letter in letters:
@@ -230,13 +239,16 @@ def main() -> None:
     ap.add_argument("--attend", action="store_true", help="record every prefill attention call")
     ap.add_argument("--trace", action="store_true", help="every submodule's prefill output")
     ap.add_argument("--poison", action="store_true", help="0xFF the allocator's free blocks first")
+    ap.add_argument("--global-patch", action="store_true",
+                    help="Inductor's deterministic mode as a process-wide patch, not the backend's")  # fmt: skip
     args = ap.parse_args()
     if len(args.copies) < 2 or set(args.copies) - set("FTW"):
         ap.error(f"--copies {args.copies!r}: expected two or more of the letters F, T, W")
     if set(args.modes) - set(MODES):
         ap.error(f"modes {args.modes}: expected some of {', '.join(MODES)}")
     for res in run_copies(args.modes or list(MODES), args.device, args.copies, args.reset,
-                          args.static, args.eager, args.attend, args.trace, args.poison):  # fmt: skip
+                          args.static, args.eager, args.attend, args.trace, args.poison,
+                          args.global_patch):  # fmt: skip
         print(json.dumps(res))
         sys.stdout.flush()
 

@@ -19,6 +19,7 @@ import pytest
 import torch
 
 from tests.support.attention import k_basis
+from tests.support.passes import DETERMINISTIC
 from torch_kvq import KVCacheConfig
 from torch_kvq.integrations.transformers import KVQCausalLM
 from torch_kvq.models import generate, randomize_weights_
@@ -113,9 +114,7 @@ def _differences(want, got, lms) -> list[str]:
 @pytest.mark.parametrize(
     "mode, channels", [(m, False) for m in GPU_MAP_MODES] + [("int4_per_token_head", True)]
 )
-def test_gemma3_shaped_per_token_head_map_replays_in_cuda_graphs(
-    mode: str, channels: bool, deterministic_inductor: None
-) -> None:
+def test_gemma3_shaped_per_token_head_map_replays_in_cuda_graphs(mode: str, channels: bool) -> None:
     """The Gemma-3-shaped model (head 256, window 1024) with its global layer in ``mode`` (with
     ``channels``: K channel scales on it, the scaling compiled into the graphs; tc4 with a K
     basis of its own) and
@@ -126,15 +125,15 @@ def test_gemma3_shaped_per_token_head_map_replays_in_cuda_graphs(
     exactly the quantized layers. Both copies compile from the same Dynamo state (reset first,
     static shapes): otherwise the first copy's prefill compiles for static shapes and the
     second's, after the first's decode marked the batch dims dynamic, for dynamic ones (other
-    generated code; what the process compiled before changes it again). And both compile in
-    Inductor's ``deterministic`` mode (the ``deterministic_inductor`` fixture), since by default
-    Inductor times each generated reduction's candidate configs at its first call, which on the
-    suite's busy GPU can pick another sum order for the second copy. In the GPU suites of
-    2026-12-03 and 2026-12-05 (k8v4, before the fixture) the copies' prefill logits differed in
-    the last bits; on 2026-12-06 the tc4 case, with the fixture, parted in the prefill on an
-    H200 at the same positions in two runs, so not by timing, and on an H100 never
-    (docs/design/int4-branch.md, thirty-ninth and fortieth sessions: open); ``_differences``
-    says where a failure parts."""
+    generated code; what the process compiled before changes it again). And every compile of
+    both is in Inductor's ``deterministic`` mode (``DETERMINISTIC``, given to the backend), since
+    by default Inductor times each generated reduction's candidate configs at its first call,
+    which on the suite's busy GPU can pick another sum order for the second copy. A process-wide
+    patch of that mode (this test's fixture until the fiftieth session) held for the first
+    compile only: Dynamo resets the flag after its first trace, so the second copy compiled
+    with timed choices, and its prefill parted from the first's in the last bits (k8v4 on
+    2026-12-03 and 2026-12-05, tc4 on an H200 on 2026-12-06; docs/design/int4-branch.md);
+    ``_differences`` says where a failure parts."""
     import copy
 
     from torch_kvq.attention.graph_runner import DecodeGraphRunner
@@ -154,7 +153,7 @@ def test_gemma3_shaped_per_token_head_map_replays_in_cuda_graphs(
     hf = gemma3_shaped()
     g = torch.Generator().manual_seed(1)
     prompts = [torch.randint(3, 512, (n,), generator=g).tolist() for n in PROMPT_LENS]
-    backend = make_kvq_backend()
+    backend = make_kvq_backend(config_patches=DETERMINISTIC)
     runs, lms = [], []
     torch._dynamo.reset()
     for capture in (False, True):

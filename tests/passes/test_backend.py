@@ -22,7 +22,7 @@ from tests.support.passes import (
 from torch_kvq import kvq_backend, make_kvq_backend
 from torch_kvq.attention import PageAllocator, ReferenceKernel, forward_context, registry
 from torch_kvq.attention.kernels.capabilities import register_capabilities
-from torch_kvq.passes import last_report
+from torch_kvq.passes import DEFAULT_PASSES, KVQPass, last_report
 from torch_kvq.passes.backend import graph_layers
 from torch_kvq.spec import AttentionLayerInfo, KVCacheConfig
 from torch_kvq.spec_modes import KVQuantMode
@@ -106,6 +106,40 @@ def test_kvq_backend_inductor_prefill_then_decode():
                 assert rep.layers_fused("output quant") == (specs[0].name, specs[2].name)
     for c, e in zip(caches(model), eager_caches):
         assert torch.equal(c.view(torch.uint8), e.view(torch.uint8))
+
+
+class _SeesDeterministic(KVQPass):
+    """Records Inductor's ``deterministic`` flag each time a compile runs the passes."""
+
+    name = "sees_deterministic"
+
+    def __init__(self) -> None:
+        self.seen: list[bool] = []
+
+    def __call__(self, graph, ctx) -> int:
+        self.seen.append(bool(torch._inductor.config.deterministic))
+        return 0
+
+    def uuid(self) -> str:
+        return self.name
+
+
+def test_config_patches_hold_in_every_compile_of_the_backend():
+    """``config_patches`` apply inside every compile the backend makes: two models compiled one
+    after the other (the second a recompile of the same forward) both see Inductor's
+    ``deterministic`` mode. A process-wide ``torch._inductor.config.patch`` does not hold that
+    long (Dynamo restores ``torch.use_deterministic_algorithms`` after each trace, which also
+    sets that flag: docs/contributing.md, Determinism)."""
+    spy = _SeesDeterministic()
+    backend = make_kvq_backend(
+        passes=[*DEFAULT_PASSES, spy], config_patches={"deterministic": True}
+    )
+    with no_compile_caches(), torch.no_grad():
+        for _ in range(2):
+            model, md, inputs = small_case("op")
+            with forward_context(md, model.specs, ReferenceKernel()):
+                torch.compile(model, backend=backend)(*inputs)
+    assert spy.seen == [True, True]
 
 
 def test_unknown_layer_fails_the_compile():

@@ -18,6 +18,12 @@ from torch_kvq.spec import AttentionLayerInfo, KVCacheConfig, LayerKVSpec
 from torch_kvq.spec_resolve import resolve_layer_specs
 
 PAGE_SIZE = 16
+# Inductor's deterministic mode (no timed choice among a reduction's candidate configs, which on
+# a busy GPU can give two compiles of one model different sum orders), for a test that compares
+# two compiled copies bit for bit: ``make_kvq_backend(config_patches=DETERMINISTIC)``, so that it
+# holds inside each of the backend's compiles. A process-wide ``torch._inductor.config.patch``
+# does not: Dynamo resets the flag after its first trace (docs/contributing.md, Determinism).
+DETERMINISTIC = {"deterministic": True}
 OUT_SCALE = 0.01  # static scale of the o_proj input quant; attention outputs are O(1)
 _ids = itertools.count()
 
