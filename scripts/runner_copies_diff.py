@@ -98,8 +98,9 @@ class Tracer:
         """Copy ``j``'s first ``limit`` outputs that differ from copy 0's (bits, NaN counted)."""
         rows: list[dict[str, object]] = []
         for (name, x), (_, y) in zip(self.copies[0], self.copies[j]):
-            same = x.shape == y.shape and torch.equal(_bits(x), _bits(y))
-            if same or len(rows) >= limit:
+            if len(rows) >= limit:
+                break
+            if x.shape == y.shape and torch.equal(_bits(x), _bits(y)):
                 continue
             row: dict[str, object] = {"module": name, "shape": list(y.shape),
                                       "nan": [int(x.isnan().sum()), int(y.isnan().sum())]}  # fmt: skip
@@ -174,9 +175,8 @@ def run_copies(modes: list[str], device: str, letters: str, reset: bool = False,
         backend = make_kvq_backend(config_patches={} if global_patch else DETERMINISTIC)
         models, runners = [], []
         patched = recorder.patched() if attend else contextlib.nullcontext()
-        glob = contextlib.nullcontext()
-        if global_patch:
-            glob = torch._inductor.config.patch(deterministic=True)  # type: ignore[assignment]
+        glob = (torch._inductor.config.patch(deterministic=True) if global_patch
+                else contextlib.nullcontext())  # fmt: skip
         with glob, patched:
             recorder.copies.clear()
             tracer.copies.clear()

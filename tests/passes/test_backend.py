@@ -10,6 +10,7 @@ import torch
 from torch._dynamo.utils import counters
 
 from tests.support.passes import (
+    DETERMINISTIC,
     AttnQuantModel,
     caches,
     fill_caches,
@@ -131,9 +132,7 @@ def test_config_patches_hold_in_every_compile_of_the_backend():
     long (Dynamo restores ``torch.use_deterministic_algorithms`` after each trace, which also
     sets that flag: docs/contributing.md, Determinism)."""
     spy = _SeesDeterministic()
-    backend = make_kvq_backend(
-        passes=[*DEFAULT_PASSES, spy], config_patches={"deterministic": True}
-    )
+    backend = make_kvq_backend(passes=[*DEFAULT_PASSES, spy], config_patches=DETERMINISTIC)
     with no_compile_caches(), torch.no_grad():
         for _ in range(2):
             model, md, inputs = small_case("op")
