@@ -41,26 +41,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-PROMPT_LENS = (1100, 300, 40)  # the test's: they cross the 1024-token window
 MODES = ("int4_per_token_head", "k8v4_per_token_head", "tc4_per_token_head")
-
-
-def gemma3_shaped(device: str) -> torch.nn.Module:
-    """The test's model (tests/integrations/test_hf_gpu.py), on ``device``."""
-    import transformers
-
-    from torch_kvq.models import randomize_weights_
-
-    cfg = transformers.Gemma3TextConfig(
-        vocab_size=512, hidden_size=256, intermediate_size=512, num_hidden_layers=6,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=256, query_pre_attn_scalar=256,
-        sliding_window=1024, layer_types=["sliding_attention"] * 5 + ["full_attention"],
-        max_position_embeddings=4096, pad_token_id=0, bos_token_id=1, eos_token_id=2,
-    )  # fmt: skip
-    cfg._attn_implementation = "eager"
-    model = transformers.Gemma3ForCausalLM(cfg).to(device=device, dtype=torch.bfloat16).eval()
-    randomize_weights_(model, 0, norm_offset=True)
-    return model
 
 
 def _load(stop: mp.Event) -> None:  # type: ignore[valid-type]
@@ -85,6 +66,7 @@ def _dirty() -> None:
 def history(device: str) -> None:
     """What test_hf_gpu.py's first test compiles before the failing one (an FP8 map on the
     same model class, generated eager then compiled) in the same process."""
+    from tests.support.hf_families import gemma3_prompts, gemma3_shaped
     from torch_kvq import KVCacheConfig
     from torch_kvq.integrations.transformers import KVQCausalLM
     from torch_kvq.models import generate
@@ -97,8 +79,7 @@ def history(device: str) -> None:
         kw["kernel"] = FlashInferKernel()
     kv = KVCacheConfig("fp8", skip_layers=("sliding_window",), page_size=16)
     lm = KVQCausalLM.from_hf(gemma3_shaped(device), kv, num_pages=160, **kw)
-    g = torch.Generator().manual_seed(1)
-    prompts = [torch.randint(3, 512, (n,), generator=g).tolist() for n in PROMPT_LENS]
+    prompts = gemma3_prompts()
     eager = generate(lm, prompts, 6)
     compiled = torch.compile(lm, backend=make_kvq_backend(), fullgraph=True)
     generate(lm, prompts, 6, compiled, force_tokens=eager.tokens)
@@ -208,6 +189,7 @@ def run_copies(mode: str, device: str, letters: str, eager: bool = False, dirty:
     """The copies ``letters`` spells, one after the other as the test builds them; one result
     per copy after the first, each against copy 0."""
     from tests.support.attention import k_basis
+    from tests.support.hf_families import gemma3_prompts, gemma3_shaped
     from tests.support.passes import DETERMINISTIC
     from torch_kvq import KVCacheConfig
     from torch_kvq.attention.graph_runner import DecodeGraphRunner
@@ -222,8 +204,7 @@ def run_copies(mode: str, device: str, letters: str, eager: bool = False, dirty:
         k_bases={5: k_basis(2, 256, 5)} if mode.startswith("tc4") else {},
     )  # fmt: skip
     hf = gemma3_shaped(device)
-    g = torch.Generator().manual_seed(1)
-    prompts = [torch.randint(3, 512, (n,), generator=g).tolist() for n in PROMPT_LENS]
+    prompts = gemma3_prompts()
     backend = make_kvq_backend(config_patches=DETERMINISTIC)
     recorder = AttendRecorder()
     lms, runs = [], []

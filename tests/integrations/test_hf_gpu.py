@@ -19,33 +19,17 @@ import pytest
 import torch
 
 from tests.support.attention import k_basis
+from tests.support.hf_families import GEMMA3_WINDOW, gemma3_prompts, gemma3_shaped
 from tests.support.passes import DETERMINISTIC
 from torch_kvq import KVCacheConfig
 from torch_kvq.integrations.transformers import KVQCausalLM
-from torch_kvq.models import generate, randomize_weights_
+from torch_kvq.models import generate
 from torch_kvq.passes import make_kvq_backend
 
 pytestmark = [
     pytest.mark.gpu,
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU and FlashInfer"),
 ]
-WINDOW = 1024
-PROMPT_LENS = (1100, 300, 40)
-
-
-def gemma3_shaped() -> torch.nn.Module:
-    import transformers
-
-    cfg = transformers.Gemma3TextConfig(
-        vocab_size=512, hidden_size=256, intermediate_size=512, num_hidden_layers=6,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=256, query_pre_attn_scalar=256,
-        sliding_window=WINDOW, layer_types=["sliding_attention"] * 5 + ["full_attention"],
-        max_position_embeddings=4096, pad_token_id=0, bos_token_id=1, eos_token_id=2,
-    )  # fmt: skip
-    cfg._attn_implementation = "eager"
-    model = transformers.Gemma3ForCausalLM(cfg).to(device="cuda", dtype=torch.bfloat16).eval()
-    randomize_weights_(model, 0, norm_offset=True)
-    return model
 
 
 def test_gemma3_shaped_on_flashinfer_compiled_equals_eager() -> None:
@@ -57,11 +41,10 @@ def test_gemma3_shaped_on_flashinfer_compiled_equals_eager() -> None:
     lm = KVQCausalLM.from_hf(gemma3_shaped(), kv, num_pages=160, kernel=kernel)
     specs = {s.name: s for s in lm.kv_specs}
     assert [s.is_quantized for s in specs.values()] == [False] * 5 + [True]
-    assert {s.sliding_window for s in specs.values()} == {WINDOW, None}
+    assert {s.sliding_window for s in specs.values()} == {GEMMA3_WINDOW, None}
     assert {s.head_size for s in specs.values()} == {256}
     prebuild(kernel, lm.kv_specs)
-    g = torch.Generator().manual_seed(1)
-    prompts = [torch.randint(3, 512, (n,), generator=g).tolist() for n in PROMPT_LENS]
+    prompts = gemma3_prompts()
     eager = generate(lm, prompts, 6)
     backend = make_kvq_backend(kernel=kernel)
     compiled = torch.compile(lm, backend=backend, fullgraph=True)
@@ -151,8 +134,7 @@ def test_gemma3_shaped_per_token_head_map_replays_in_cuda_graphs(mode: str, chan
         k_bases={5: k_basis(2, 256, 5)} if "tc4" in mode else {},
     )  # fmt: skip
     hf = gemma3_shaped()
-    g = torch.Generator().manual_seed(1)
-    prompts = [torch.randint(3, 512, (n,), generator=g).tolist() for n in PROMPT_LENS]
+    prompts = gemma3_prompts()
     backend = make_kvq_backend(config_patches=DETERMINISTIC)
     runs, lms = [], []
     torch._dynamo.reset()

@@ -1,5 +1,6 @@
 """Shared pieces of the HF integration tests: the tiny families (``torch_kvq.integrations.hf_tiny``),
-prompts, HF's reference logits. Not a test module (no ``test_`` prefix)."""
+prompts, HF's reference logits, and the GPU tests' Gemma-3-shaped model (also built by
+``scripts/hf_copies_diff.py``). Not a test module (no ``test_`` prefix)."""
 
 from __future__ import annotations
 
@@ -49,3 +50,35 @@ def release() -> None:
     """Drop dead models (their layer names become free again) and Dynamo's compiled frames."""
     torch._dynamo.reset()
     gc.collect()
+
+
+GEMMA3_WINDOW = 1024
+GEMMA3_PROMPT_LENS = (1100, 300, 40)  # they cross the window
+GEMMA3_VOCAB = 512
+
+
+def gemma3_shaped(device: str = "cuda") -> nn.Module:
+    """A Gemma-3-shaped HF model (head 256, 5 sliding layers : 1 global, window
+    ``GEMMA3_WINDOW``), random weights (seed 0), bf16 on ``device``."""
+    import transformers
+
+    from torch_kvq.models import randomize_weights_
+
+    cfg = transformers.Gemma3TextConfig(
+        vocab_size=GEMMA3_VOCAB, hidden_size=256, intermediate_size=512, num_hidden_layers=6,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=256, query_pre_attn_scalar=256,
+        sliding_window=GEMMA3_WINDOW, layer_types=["sliding_attention"] * 5 + ["full_attention"],
+        max_position_embeddings=4096, pad_token_id=0, bos_token_id=1, eos_token_id=2,
+    )  # fmt: skip
+    cfg._attn_implementation = "eager"
+    model = transformers.Gemma3ForCausalLM(cfg).to(device=device, dtype=torch.bfloat16).eval()
+    randomize_weights_(model, 0, norm_offset=True)
+    return model
+
+
+def gemma3_prompts() -> list[list[int]]:
+    """The Gemma-3-shaped model's prompts (``GEMMA3_PROMPT_LENS`` tokens, seed 1)."""
+    gen = torch.Generator().manual_seed(1)
+    return [
+        torch.randint(3, GEMMA3_VOCAB, (n,), generator=gen).tolist() for n in GEMMA3_PROMPT_LENS
+    ]
