@@ -30,9 +30,9 @@ def twins(
     return model, copy.deepcopy(model)
 
 
-def make_prompts(lens: tuple[int, ...] = PROMPT_LENS) -> list[list[int]]:
+def make_prompts(lens: tuple[int, ...] = PROMPT_LENS, vocab: int = VOCAB) -> list[list[int]]:
     gen = torch.Generator().manual_seed(1)
-    return [torch.randint(3, VOCAB, (n,), generator=gen).tolist() for n in lens]
+    return [torch.randint(3, vocab, (n,), generator=gen).tolist() for n in lens]
 
 
 @torch.no_grad()
@@ -58,27 +58,16 @@ GEMMA3_VOCAB = 512
 
 
 def gemma3_shaped(device: str = "cuda") -> nn.Module:
-    """A Gemma-3-shaped HF model (head 256, 5 sliding layers : 1 global, window
+    """The tiny Gemma-3 family at real shapes (head 256, 5 sliding layers : 1 global, window
     ``GEMMA3_WINDOW``), random weights (seed 0), bf16 on ``device``."""
-    import transformers
-
-    from torch_kvq.models import randomize_weights_
-
-    cfg = transformers.Gemma3TextConfig(
-        vocab_size=GEMMA3_VOCAB, hidden_size=256, intermediate_size=512, num_hidden_layers=6,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=256, query_pre_attn_scalar=256,
+    return hf_model(
+        "gemma3", torch.bfloat16, vocab_size=GEMMA3_VOCAB, hidden_size=256,
+        intermediate_size=512, num_hidden_layers=6, head_dim=256, query_pre_attn_scalar=256,
         sliding_window=GEMMA3_WINDOW, layer_types=["sliding_attention"] * 5 + ["full_attention"],
-        max_position_embeddings=4096, pad_token_id=0, bos_token_id=1, eos_token_id=2,
-    )  # fmt: skip
-    cfg._attn_implementation = "eager"
-    model = transformers.Gemma3ForCausalLM(cfg).to(device=device, dtype=torch.bfloat16).eval()
-    randomize_weights_(model, 0, norm_offset=True)
-    return model
+        max_position_embeddings=4096, tie_word_embeddings=True,
+    ).to(device)  # fmt: skip
 
 
 def gemma3_prompts() -> list[list[int]]:
-    """The Gemma-3-shaped model's prompts (``GEMMA3_PROMPT_LENS`` tokens, seed 1)."""
-    gen = torch.Generator().manual_seed(1)
-    return [
-        torch.randint(3, GEMMA3_VOCAB, (n,), generator=gen).tolist() for n in GEMMA3_PROMPT_LENS
-    ]
+    """The Gemma-3-shaped model's prompts (``GEMMA3_PROMPT_LENS`` tokens)."""
+    return make_prompts(GEMMA3_PROMPT_LENS, GEMMA3_VOCAB)
