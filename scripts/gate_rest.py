@@ -5,13 +5,15 @@ A ``tests`` step that must JIT-build FlashInfer's modules does not fit one 600 s
 log does not report, and this script gives both halves:
 
     python3 scripts/gate_rest.py missing out/gpu_test_log.txt [more logs]   # test ids, one a line
-    python3 scripts/gate_rest.py merge out/gpu_suite.txt out/gpu_test_log_rest.txt "<command>"
+    python3 scripts/gate_rest.py merge out/gpu_suite.txt out/gpu_test_log_rest.txt "<command>" \
+        [out/tests_not_reached.txt]
 
 ``missing`` collects ``pytest -m gpu tests/`` (``--collect-only``, here: no GPU needed) and prints
 the ids no log reports with an outcome (the ``-v`` lines ``tests/...::name PASSED``, with or
 without xdist's ``[gw0] [ 5%]`` prefix). ``merge`` prints the first part's record (``gpu_run.sh``'s
 ``gpu_suite.txt``) with its result as ``part 1``, the second log's closing line as ``part 2`` and a
-``result`` line that sums both.
+``result`` line that sums both; given the second part's list of ids, the ``result`` line also
+counts those its log does not report (an interrupted second part is not a whole gate).
 """
 
 from __future__ import annotations
@@ -61,8 +63,9 @@ def counts(line: str) -> Counter:
     return got
 
 
-def merge(record: str, rest_log: str, command: str) -> str:
-    """The first part's record with ``part 1`` / ``part 2`` lines and a summed ``result``."""
+def merge(record: str, rest_log: str, command: str, wanted: str = "") -> str:
+    """The first part's record with ``part 1`` / ``part 2`` lines and a summed ``result``;
+    ``wanted``: the second part's test ids, one a line (those the log misses are counted)."""
     lines = record.rstrip("\n").splitlines()
     first = next((line for line in lines if line.startswith("result ")), None)
     if first is None:
@@ -72,7 +75,9 @@ def merge(record: str, rest_log: str, command: str) -> str:
     order = ("passed", "skipped", "failed", "errors", "xfailed", "xpassed")
     summed = ", ".join(f"{total[k]} {k}" for k in order if total[k] or k in ("passed", "failed"))
     out = [("part 1 " + line.removeprefix("result ")) if line is first else line for line in lines]
-    out += [f"command {command}", f"part 2 {second}", f"result {summed} (parts 1 and 2)"]
+    missed = {t for t in wanted.split() if "::" in t} - reported(rest_log)
+    note = f"; {len(missed)} GPU tests not reached" if missed else ""
+    out += [f"command {command}", f"part 2 {second}", f"result {summed} (parts 1 and 2{note})"]
     return "\n".join(out) + "\n"
 
 
@@ -84,9 +89,9 @@ def main(argv: list[str]) -> int:
         root = Path(__file__).resolve().parent.parent
         print("\n".join(t for t in collect_gpu_tests(root) if t not in seen))
         return 0
-    if len(argv) == 4 and argv[0] == "merge":
-        record, rest = (Path(p).read_text(errors="replace") for p in argv[1:3])
-        sys.stdout.write(merge(record, rest, argv[3]))
+    if len(argv) in (4, 5) and argv[0] == "merge":
+        record, rest, *wanted = (Path(p).read_text(errors="replace") for p in argv[1:3] + argv[4:])
+        sys.stdout.write(merge(record, rest, argv[3], *wanted))
         return 0
     print("\n\n".join(__doc__.split("\n\n")[1:3]), file=sys.stderr)
     return 2

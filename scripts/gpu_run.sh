@@ -9,7 +9,7 @@
 #   KVQ_PYTEST_WORKERS=4 ...   # pytest-xdist workers: FlashInfer's JIT builds then overlap; without
 #                              # a full .jit/ the serial suite does not fit one 600 s call (run 31
 #                              # of 2026-12-01: 385 of 394 in 600 s)
-#   KVQ_TESTS_TIMEOUT=420 ...  # interrupt the tests then, so that later steps (jitpack) still run
+#   KVQ_TESTS_TIMEOUT=420 ...  # interrupt the tests (and rest) then, so later steps (jitpack) still run
 #   bash scripts/gpu_run.sh tests rest     # ... and run the GPU tests the interrupted step did not
 #                              # reach (in a later call: carry its gpu_test_log.txt and gpu_suite.txt
 #                              # in and set KVQ_REST_LOG / KVQ_REST_RECORD); gpu_suite.txt then
@@ -122,7 +122,8 @@ for step in ${*:-tests attn xqa model}; do
            (exit $rc) ;;
     rest) # the GPU tests an interrupted ``tests`` step did not reach: its log is $KVQ_REST_LOG and
           # its record $KVQ_REST_RECORD (default: this call's; from an earlier call, carry them in);
-          # writes gpu_test_log_rest.txt and gpu_suite.txt for both parts (scripts/gate_rest.py)
+          # writes gpu_test_log_rest.txt and gpu_suite.txt for both parts (scripts/gate_rest.py);
+          # KVQ_TESTS_TIMEOUT interrupts it as it does ``tests`` (the record then counts what it missed)
           prev_log=${KVQ_REST_LOG:-$OUT/gpu_test_log.txt}; prev_rec=${KVQ_REST_RECORD:-$OUT/gpu_suite.txt}
           python3 scripts/gate_rest.py missing "$prev_log" > "$OUT/tests_not_reached.txt"
           workers=${KVQ_PYTEST_WORKERS:+-n $KVQ_PYTEST_WORKERS}
@@ -131,12 +132,13 @@ for step in ${*:-tests attn xqa model}; do
           else
             echo "rest: $(grep -c '::' "$OUT/tests_not_reached.txt") GPU tests not reached" | tee -a "$LOG"
             cp "$prev_rec" "$OUT/gpu_suite_part1.txt"
+            ${KVQ_TESTS_TIMEOUT:+timeout -s INT -k 20 $KVQ_TESTS_TIMEOUT} \
             python3 -m pytest -m gpu -v -rfEs --durations=20 -p no:cacheprovider $workers \
               $(grep "::" "$OUT/tests_not_reached.txt") 2>&1 | tee "$OUT/gpu_test_log_rest.txt"
             rc=${PIPESTATUS[0]}
             python3 scripts/gate_rest.py merge "$OUT/gpu_suite_part1.txt" "$OUT/gpu_test_log_rest.txt" \
               "python3 -m pytest -m gpu $workers <the $(grep -c '::' "$OUT/tests_not_reached.txt") tests of tests_not_reached.txt>" \
-              > "$OUT/gpu_suite.txt"
+              "$OUT/tests_not_reached.txt" > "$OUT/gpu_suite.txt"
             cat "$OUT/gpu_suite.txt" | tee -a "$LOG"
             (exit $rc)
           fi ;;

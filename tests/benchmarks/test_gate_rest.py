@@ -50,6 +50,24 @@ def test_merge_sums_the_two_parts() -> None:
         merge(RECORD, "KeyboardInterrupt\n", "x")
 
 
+def test_merge_counts_what_an_interrupted_second_part_missed() -> None:
+    """The fifty-second session's second part was stopped at 67%: its record must not read as a
+    whole gate."""
+    rest = (
+        "[gw0] [ 50%] PASSED tests/a/test_x.py::test_one[1] \n"
+        "[gw1] [ 60%] FAILED tests/a/test_x.py::test_two \n"
+        "!!!!!!!!!!!!!!!!!!!! KeyboardInterrupt !!!!!!!!!!!!!!!!!!!!\n"
+        "========= 1 passed, 1 failed in 400.00s (0:06:40) =========\n"
+    )
+    wanted = "tests/a/test_x.py::test_one[1]\ntests/a/test_x.py::test_two\ntests/b/test_y.py::test_three\n"
+    got = merge(RECORD, rest, "x", wanted).splitlines()
+    assert (
+        got[-1] == "result 354 passed, 1 skipped, 1 failed (parts 1 and 2; 1 GPU tests not reached)"
+    )
+    whole = merge(RECORD, rest, "x", "\n".join(wanted.split()[:2])).splitlines()
+    assert whole[-1] == "result 354 passed, 1 skipped, 1 failed (parts 1 and 2)"
+
+
 def test_missing_lists_what_run_65_did_not_reach() -> None:
     """The real log of run 65 against this tree's GPU tests: the 54 that run 66 then ran (and any
     GPU test added since), none that the log reports."""
