@@ -46,6 +46,7 @@
 #       # `mkdir -p /tmp/xfer && cp -r .xfer/. /tmp/xfer/`; this step joins each GGUF into
 #       # /tmp/models, checks the sums and runs kvq eval (corpus: $TORCH_KVQ_CORPUS=/tmp/xfer/corpus)
 #   bash scripts/gpu_run.sh tests jitpack    # ... then pack the FlashInfer modules built here
+#   bash scripts/gpu_run.sh cachesize        # the Triton and Inductor caches' sizes (whole; cubin + json as xz)
 #   KVQ_CMD="python3 scripts/hf_copies_diff.py int4_per_token_head" bash scripts/gpu_run.sh cmd
 #       # any command after the set-up (FlashInfer installed, .jit restored, PYTHONPATH set)
 #
@@ -179,6 +180,16 @@ for step in ${*:-tests attn xqa model}; do
              tar -C /tmp/jitpack -cf - STAMP aot | xz -T0 -6 \
                | split -b 15M -d -a 1 - "$OUT/flashinfer_jit.tar.xz.part-"
              ls -la "$OUT"/flashinfer_jit.tar.xz.part-* | tee -a "$LOG" ;;
+    cachesize) # what carrying the compile caches would cost (a gate's compiles dominate its time):
+               # Triton's (our kernels) and Inductor's (its graphs and kernels), whole, and their
+               # kernels' binaries and metadata only (cubin, json) as xz
+               for d in "${TRITON_CACHE_DIR:-$HOME/.triton/cache}" \
+                        "$(python3 -c 'from torch._inductor.runtime.cache_dir_utils import cache_dir; print(cache_dir())')"; do
+                 [ -d "$d" ] || { echo "$d: no such folder"; continue; }
+                 bins=$(cd "$d" && find . -type f \( -name '*.cubin' -o -name '*.json' \) -print0 \
+                          | tar --null -T - -cf - | xz -T0 -6 | wc -c)
+                 echo "$d: $(du -sh "$d" | cut -f1), $(find "$d" -type f | wc -l) files, cubin+json as xz $bins bytes"
+               done 2>&1 | tee -a "$LOG" ;;
     eval) . scripts/join_models.sh && join_models "$LOG" || { status=1; continue; }
           TORCH_KVQ_CORPUS=${TORCH_KVQ_CORPUS:-/tmp/xfer/corpus} TORCH_KVQ_CACHE=/tmp/kvqcache TORCH_KVQ_PROGRESS=1 \
             python3 -m torch_kvq.cli eval ${KVQ_EVAL_ARGS:-} --json "$OUT/eval_gpu.json" \
@@ -186,7 +197,7 @@ for step in ${*:-tests attn xqa model}; do
     cmd) bash -c "$KVQ_CMD" 2>&1 | tee -a "$LOG" ;;  # any command after the set-up
     cpusuite) CUDA_VISIBLE_DEVICES= python3 -m pytest -q -m "not gpu and not slow" -p no:cacheprovider \
                 -n "${KVQ_CPU_WORKERS:-14}" -rfEs tests/ 2>&1 | tail -40 | tee "$OUT/cpu_suite_log.txt" ;;
-    *) echo "unknown step $step (expected tests, rest, attn, xqa, model, paths, writes, scale, ttft, hostprof, tc4, copies, runcopies, diag, eval, cpusuite, cmd, jitpack)" | tee -a "$LOG"; status=2; continue ;;
+    *) echo "unknown step $step (expected tests, rest, attn, xqa, model, paths, writes, scale, ttft, hostprof, tc4, copies, runcopies, diag, cachesize, eval, cpusuite, cmd, jitpack)" | tee -a "$LOG"; status=2; continue ;;
   esac
   rc=${PIPESTATUS[0]}
   echo "=== $step exit $rc $(date -u +%T)" | tee -a "$LOG"

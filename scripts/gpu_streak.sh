@@ -4,7 +4,7 @@
 # Each call must follow the last within the machine's 30 s idle window, or all of this is lost.
 #
 #   bash scripts/gpu_streak.sh gate COMMIT     # call 1 (carry .whl, .xfer): the GPU gate
-#                                              # (gpu_run.sh tests jitpack) from a copy of the tree
+#                                              # (gpu_run.sh tests jitpack cachesize) from a copy of the tree
 #   bash scripts/gpu_streak.sh part            # calls 2..N (carry .xfer or .x2, .x3...): stash
 #                                              # the carried parts
 #   bash scripts/gpu_streak.sh evalrows        # kvq eval rows (gpu_eval_rows.sh) in the background
@@ -52,7 +52,7 @@ report() {
 case ${1:-} in
   gate)
     rm -rf /tmp/gate && copy_tree
-    launch gate /tmp/gate "KVQ_COMMIT=$2 KVQ_PYTEST_WORKERS=${KVQ_PYTEST_WORKERS:-4} bash scripts/gpu_run.sh tests jitpack" ;;
+    launch gate /tmp/gate "KVQ_COMMIT=$2 KVQ_PYTEST_WORKERS=${KVQ_PYTEST_WORKERS:-4} bash scripts/gpu_run.sh tests jitpack cachesize" ;;
   part) ;;
   job)
     [ -d /tmp/gate/torch_kvq ] || copy_tree
