@@ -186,11 +186,10 @@ for step in ${*:-tests attn xqa model}; do
                for d in "${TRITON_CACHE_DIR:-$HOME/.triton/cache}" \
                         "$(python3 -c 'from torch._inductor.runtime.cache_dir_utils import cache_dir; print(cache_dir())')"; do
                  [ -d "$d" ] || { echo "$d: no such folder"; continue; }
-                 got=$(cd "$d" && find . -type f \( -name '*.cubin' -o -name '*.json' \) -print0 \
-                   | tar --null -T - -cf - | timeout 60 xz -T0 -6 | wc -c; echo "${PIPESTATUS[2]}")
-                 bins=$(head -1 <<< "$got")
-                 [ "$(tail -1 <<< "$got")" = 124 ] && bins="$bins+ (xz stopped at 60 s)"
-                 echo "$d: $(du -sh "$d" | cut -f1), $(find "$d" -type f | wc -l) files, cubin+json as xz $bins bytes"
+                 (cd "$d" && find . -type f \( -name '*.cubin' -o -name '*.json' \) -print0 \
+                   | tar --null -T - -cf -) | timeout 60 xz -T0 -6 > /tmp/cachesize.xz
+                 [ $? = 124 ] && stopped="+ (xz stopped at 60 s)" || stopped=""
+                 echo "$d: $(du -sh "$d" | cut -f1), $(find "$d" -type f | wc -l) files, cubin+json as xz $(stat -c %s /tmp/cachesize.xz)$stopped bytes"
                done 2>&1 | tee -a "$LOG" ;;
     eval) . scripts/join_models.sh && join_models "$LOG" || { status=1; continue; }
           TORCH_KVQ_CORPUS=${TORCH_KVQ_CORPUS:-/tmp/xfer/corpus} TORCH_KVQ_CACHE=/tmp/kvqcache TORCH_KVQ_PROGRESS=1 \
