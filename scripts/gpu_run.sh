@@ -180,7 +180,7 @@ for step in ${*:-tests attn xqa model}; do
              tar -C /tmp/jitpack -cf - STAMP aot | xz -T0 -6 \
                | split -b 15M -d -a 1 - "$OUT/flashinfer_jit.tar.xz.part-"
              ls -la "$OUT"/flashinfer_jit.tar.xz.part-* | tee -a "$LOG" ;;
-    cachesize) # what carrying the compile caches would cost (a gate's compiles dominate its time):
+    cachesize) # what carrying the compile caches would cost (a gate's time is likely mostly compiles):
                # Triton's (our kernels) and Inductor's (its graphs and kernels), whole, and their
                # kernels' binaries and metadata only (cubin, json) as xz
                for d in "${TRITON_CACHE_DIR:-$HOME/.triton/cache}" \
