@@ -46,7 +46,7 @@
 #       # `mkdir -p /tmp/xfer && cp -r .xfer/. /tmp/xfer/`; this step joins each GGUF into
 #       # /tmp/models, checks the sums and runs kvq eval (corpus: $TORCH_KVQ_CORPUS=/tmp/xfer/corpus)
 #   bash scripts/gpu_run.sh tests jitpack    # ... then pack the FlashInfer modules built here
-#   bash scripts/gpu_run.sh cachesize        # the Triton and Inductor caches' sizes (whole; cubin + json as xz)
+#   bash scripts/gpu_run.sh cachesize        # the Triton and Inductor caches' sizes (whole; a hit's files as xz)
 #   KVQ_CMD="python3 scripts/hf_copies_diff.py int4_per_token_head" bash scripts/gpu_run.sh cmd
 #       # any command after the set-up (FlashInfer installed, .jit restored, PYTHONPATH set)
 #
@@ -180,16 +180,18 @@ for step in ${*:-tests attn xqa model}; do
              tar -C /tmp/jitpack -cf - STAMP aot | xz -T0 -6 \
                | split -b 15M -d -a 1 - "$OUT/flashinfer_jit.tar.xz.part-"
              ls -la "$OUT"/flashinfer_jit.tar.xz.part-* | tee -a "$LOG" ;;
-    cachesize) # what carrying the compile caches would cost (a gate's time is likely mostly compiles):
-               # Triton's (our kernels) and Inductor's (its graphs and kernels), whole, and their
-               # kernels' binaries and metadata only (cubin, json) as xz
+    cachesize) # what carrying the compile caches would cost (warm caches ran the HF map replay tests
+               # 2.5x faster and the Triton program tests no faster: docs/contributing.md):
+               # Triton's (our kernels) and Inductor's (its graphs and kernels), whole, and what a
+               # cache hit reads (cubin, json, best_config, fxgraph/, aotautograd/) as xz
                for d in "${TRITON_CACHE_DIR:-$HOME/.triton/cache}" \
                         "$(python3 -c 'from torch._inductor.runtime.cache_dir_utils import cache_dir; print(cache_dir())')"; do
                  [ -d "$d" ] || { echo "$d: no such folder"; continue; }
-                 (cd "$d" && find . -type f \( -name '*.cubin' -o -name '*.json' \) -print0 \
+                 (cd "$d" && find . -type f \( -name '*.cubin' -o -name '*.json' -o -name '*.best_config' \
+                   -o -path './fxgraph/*' -o -path './aotautograd/*' \) -print0 \
                    | tar --null -T - -cf -) | timeout 60 xz -T0 -6 > /tmp/cachesize.xz
                  [ $? = 124 ] && stopped="+ (xz stopped at 60 s)" || stopped=""
-                 echo "$d: $(du -sh "$d" | cut -f1), $(find "$d" -type f | wc -l) files, cubin+json as xz $(stat -c %s /tmp/cachesize.xz)$stopped bytes"
+                 echo "$d: $(du -sh "$d" | cut -f1), $(find "$d" -type f | wc -l) files, a hit's files as xz $(stat -c %s /tmp/cachesize.xz)$stopped bytes"
                done 2>&1 | tee -a "$LOG" ;;
     eval) . scripts/join_models.sh && join_models "$LOG" || { status=1; continue; }
           TORCH_KVQ_CORPUS=${TORCH_KVQ_CORPUS:-/tmp/xfer/corpus} TORCH_KVQ_CACHE=/tmp/kvqcache TORCH_KVQ_PROGRESS=1 \
