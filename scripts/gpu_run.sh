@@ -131,14 +131,15 @@ for step in ${*:-tests attn xqa model}; do
           if ! grep -q "::" "$OUT/tests_not_reached.txt"; then
             echo "rest: $prev_log reports every GPU test" | tee -a "$LOG"; (exit 0)
           else
-            echo "rest: $(grep -c '::' "$OUT/tests_not_reached.txt") GPU tests not reached" | tee -a "$LOG"
+            n_rest=$(grep -c '::' "$OUT/tests_not_reached.txt")
+            echo "rest: $n_rest GPU tests not reached" | tee -a "$LOG"
             cp "$prev_rec" "$OUT/gpu_suite_part1.txt"
             ${KVQ_TESTS_TIMEOUT:+timeout -s INT -k 20 $KVQ_TESTS_TIMEOUT} \
             python3 -m pytest -m gpu -v -rfEs --durations=20 -p no:cacheprovider $workers \
               $(grep "::" "$OUT/tests_not_reached.txt") 2>&1 | tee "$OUT/gpu_test_log_rest.txt"
             rc=${PIPESTATUS[0]}
             python3 scripts/gate_rest.py merge "$OUT/gpu_suite_part1.txt" "$OUT/gpu_test_log_rest.txt" \
-              "python3 -m pytest -m gpu $workers <the $(grep -c '::' "$OUT/tests_not_reached.txt") tests of tests_not_reached.txt>" \
+              "python3 -m pytest -m gpu $workers <the $n_rest tests of tests_not_reached.txt>" \
               "$OUT/tests_not_reached.txt" > "$OUT/gpu_suite.txt"
             cat "$OUT/gpu_suite.txt" | tee -a "$LOG"
             (exit $rc)
@@ -180,8 +181,7 @@ for step in ${*:-tests attn xqa model}; do
              tar -C /tmp/jitpack -cf - STAMP aot | xz -T0 -6 \
                | split -b 15M -d -a 1 - "$OUT/flashinfer_jit.tar.xz.part-"
              ls -la "$OUT"/flashinfer_jit.tar.xz.part-* | tee -a "$LOG" ;;
-    cachesize) # what carrying the compile caches would cost (warm caches ran the HF map replay tests in
-               # 41 s against 79 s, the Triton program tests 51 s against 53: docs/contributing.md):
+    cachesize) # what carrying the compile caches would cost (what they buy: docs/contributing.md):
                # Triton's (our kernels) and Inductor's (its graphs and kernels), whole, and what a
                # cache hit reads (cubin, json, best_config, fxgraph/, aotautograd/) as xz
                for d in "${TRITON_CACHE_DIR:-$HOME/.triton/cache}" \
