@@ -13,7 +13,9 @@ the ids no log reports with an outcome (the ``-v`` lines ``tests/...::name PASSE
 without xdist's ``[gw0] [ 5%]`` prefix). ``merge`` prints the first part's record (``gpu_run.sh``'s
 ``gpu_suite.txt``) with its result as ``part 1``, the second log's closing line as ``part 2`` and a
 ``result`` line that sums both; given the second part's list of ids, the ``result`` line also
-counts those its log does not report (an interrupted second part is not a whole gate).
+counts those its log does not report (an interrupted second part is not a whole gate). A record
+that is already a merge gains ``part 3`` (and so on), so a gate in three calls sums into one
+record; a log killed before pytest's closing line is counted from its ``-v`` lines, and says so.
 """
 
 from __future__ import annotations
@@ -63,21 +65,50 @@ def counts(line: str) -> Counter:
     return got
 
 
+def outcome_line(log: str) -> str:
+    """The log's closing line, else (pytest killed before it) its ``-v`` outcomes counted."""
+    try:
+        return closing_line(log)
+    except ValueError:
+        seen = {m.group(2): m.group(1) for m in OUTCOME.finditer(log)}  # one outcome a test
+        seen |= {
+            m.group(1): m.group(2) for ln in log.splitlines() if (m := OUTCOME_AFTER.match(ln))
+        }
+        if not seen:
+            raise
+        got = Counter(seen.values())
+        words = {"ERROR": "errors", "XFAIL": "xfailed", "XPASS": "xpassed"}
+        text = ", ".join(f"{n} {words.get(k, k.lower())}" for k, n in sorted(got.items()))
+        return f"{text} (no pytest closing line: counted from the log's -v lines)"
+
+
 def merge(record: str, rest_log: str, command: str, wanted: str = "") -> str:
-    """The first part's record with ``part 1`` / ``part 2`` lines and a summed ``result``;
-    ``wanted``: the second part's test ids, one a line (those the log misses are counted)."""
+    """The earlier record with one more ``part N`` line and a summed ``result``; ``wanted``: this
+    part's test ids, one a line (those the log misses are counted)."""
     lines = record.rstrip("\n").splitlines()
     first = next((line for line in lines if line.startswith("result ")), None)
     if first is None:
         raise ValueError("the record has no 'result' line (is it gpu_run.sh's gpu_suite.txt?)")
-    second = closing_line(rest_log)
-    total = counts(first) + counts(second)
+    parts = sum(line.startswith("part ") for line in lines)
+    second = outcome_line(rest_log)
+    total = counts(first.split(" (parts ")[0]) + counts(second)
     order = ("passed", "skipped", "failed", "errors", "xfailed", "xpassed")
     summed = ", ".join(f"{total[k]} {k}" for k in order if total[k] or k in ("passed", "failed"))
-    out = [("part 1 " + line.removeprefix("result ")) if line is first else line for line in lines]
+    if parts:  # a merged record: its parts stay, its result is replaced
+        out = [line for line in lines if line is not first]
+    else:
+        out = [
+            ("part 1 " + line.removeprefix("result ")) if line is first else line for line in lines
+        ]
+        parts = 1
     missed = {t for t in wanted.split() if "::" in t} - reported(rest_log)
     note = f"; {len(missed)} GPU tests not reached" if missed else ""
-    out += [f"command {command}", f"part 2 {second}", f"result {summed} (parts 1 and 2{note})"]
+    which = "1 and 2" if parts == 1 else f"1 to {parts + 1}"
+    out += [
+        f"command {command}",
+        f"part {parts + 1} {second}",
+        f"result {summed} (parts {which}{note})",
+    ]
     return "\n".join(out) + "\n"
 
 

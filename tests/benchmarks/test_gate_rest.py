@@ -85,3 +85,44 @@ def test_missing_lists_what_run_65_did_not_reach() -> None:
     want = set(text.split())
     assert len(want) == 54 and want <= set(got.split())
     assert not set(got.split()) & reported(log.read_text())
+
+
+def test_merge_adds_a_third_part_and_counts_a_killed_log() -> None:
+    """A gate in three calls sums into one record; a part killed before pytest's closing line
+    (the fifty-second session's second call) is counted from its ``-v`` lines."""
+    rest = "log...\n========= 49 passed, 1 failed, 42 warnings in 129.50s (0:02:09) =========\n"
+    two = merge(RECORD, rest, "second", "")
+    killed = (
+        "[gw0] [ 50%] PASSED tests/a/test_x.py::test_one[1] \n"
+        "[gw1] [ 60%] FAILED tests/a/test_x.py::test_two \n"
+        "tests/b/test_y.py::test_three SKIPPED (needs 2 GPUs)\n"
+        "FAILED tests/a/test_x.py::test_two - AssertionError\n"
+    )
+    wanted = (
+        "tests/a/test_x.py::test_one[1]\ntests/a/test_x.py::test_two\ntests/c/test_z.py::test_four"
+    )
+    got = merge(two, killed, "third", wanted).splitlines()
+    assert [line.split(" ===")[0] for line in got if line.startswith("part ")] == [
+        "part 1", "part 2", "part 3 1 failed, 1 passed, 1 skipped (no pytest closing line: "
+        "counted from the log's -v lines)",
+    ]  # fmt: skip
+    assert sum(line.startswith("result ") for line in got) == 1
+    assert (
+        got[-1] == "result 403 passed, 2 skipped, 2 failed (parts 1 to 3; 1 GPU tests not reached)"
+    )
+    with pytest.raises(ValueError, match="no pytest closing line"):
+        merge(two, "Killed\n", "x")
+
+
+def test_merge_sums_the_real_three_part_h100_run() -> None:
+    """Sessions 52-53's three H100 calls (the second killed at 67%) into one record: its file in
+    results/ is this merge."""
+    part = lambda name: (RESULTS / name).read_text()  # noqa: E731
+    two = merge(part("h100_2026-12-07_190fd4e_session52_gpu_suite_part1.txt"),
+                part("h100_2026-12-07_190fd4e_session52_gpu_tests_rest_log.txt"), "2")  # fmt: skip
+    got = merge(two, part("h100_2026-12-08_9ef9aff_session53_gpu_tests_rest_log.txt"), "3")
+    assert got.splitlines()[-1] == "result 922 passed, 2 skipped, 0 failed (parts 1 to 3)"
+    kept = part("h100_2026-12-08_190fd4e_sessions52-53_gpu_suite_3parts.txt").splitlines()
+    assert [ln for ln in kept if not ln.startswith("command ")] == [
+        ln for ln in got.splitlines() if not ln.startswith("command ")
+    ]
