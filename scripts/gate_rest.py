@@ -32,11 +32,17 @@ COUNTS = re.compile(r"(\d+) (passed|failed|skipped|errors?|xfailed|xpassed)")
 CLOSING = re.compile(r"^=+ .*\b(passed|failed|errors?|skipped)\b.* =+$")
 
 
+def outcomes(log: str) -> dict[str, str]:
+    """Test id -> outcome (``PASSED``...) for each test a pytest ``-v`` log reports (a test the
+    ``-rfE`` summary names again counts once)."""
+    got = {m.group(2): m.group(1) for m in OUTCOME.finditer(log)}
+    got |= {m.group(1): m.group(2) for line in log.splitlines() if (m := OUTCOME_AFTER.match(line))}
+    return got
+
+
 def reported(log: str) -> set[str]:
     """Test ids that a pytest ``-v`` log reports with an outcome."""
-    ids = {m.group(2) for m in OUTCOME.finditer(log)}
-    ids |= {m.group(1) for line in log.splitlines() if (m := OUTCOME_AFTER.match(line))}
-    return ids
+    return set(outcomes(log))
 
 
 def collect_gpu_tests(root: Path) -> list[str]:
@@ -70,13 +76,9 @@ def outcome_line(log: str) -> str:
     try:
         return closing_line(log)
     except ValueError:
-        seen = {m.group(2): m.group(1) for m in OUTCOME.finditer(log)}  # one outcome a test
-        seen |= {
-            m.group(1): m.group(2) for ln in log.splitlines() if (m := OUTCOME_AFTER.match(ln))
-        }
-        if not seen:
+        got = Counter(outcomes(log).values())
+        if not got:
             raise
-        got = Counter(seen.values())
         words = {"ERROR": "errors", "XFAIL": "xfailed", "XPASS": "xpassed"}
         text = ", ".join(f"{n} {words.get(k, k.lower())}" for k, n in sorted(got.items()))
         return f"{text} (no pytest closing line: counted from the log's -v lines)"
